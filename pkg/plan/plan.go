@@ -1,0 +1,215 @@
+// Package plan defines the mount descriptor: the one value type the plugin
+// and the mounter share. A plan is an ordered list of descriptors; the plugin
+// builds and validates it, the mounter checks it again and performs it.
+//
+// Paths in Source and in options resolve in the plugin's (host) mount
+// namespace. Target is relative to the consumer's mount point.
+package plan
+
+import (
+	"fmt"
+	"path"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// TypeBind attaches an existing host path (a directory, a FUSE daemon's
+// mount, or a device node for raw block access) instead of a new filesystem.
+const TypeBind = "bind"
+
+// Mount is one descriptor: a mount of Type from Source at Target with Options.
+// It has no behaviour beyond validation: producers emit it, the mounter
+// performs it.
+type Mount struct {
+	Type    string
+	Source  string
+	Target  string
+	Options []string
+}
+
+func (m Mount) String() string {
+	return fmt.Sprintf("%s %s on %q (%s)", m.Type, m.Source, m.Target, strings.Join(m.Options, ","))
+}
+
+// HasOption reports whether opt (a flag such as "ro") is among m's options.
+func (m Mount) HasOption(opt string) bool { return slices.Contains(m.Options, opt) }
+
+// DefaultTypes are the mount types a plan may use unless the admin narrows them.
+var DefaultTypes = []string{"ext4", "xfs", "btrfs", "erofs", "squashfs", "overlay", "tmpfs", TypeBind}
+
+// Policy is what a plan may ask for. The plugin applies it when it builds a
+// plan and the mounter checks it again before it performs one, so a mounter
+// never trusts a plan more than its own configuration allows.
+type Policy struct {
+	// Types allowed; empty means DefaultTypes.
+	Types []string
+	// Roots under which every host path of a plan (bind sources, path-valued
+	// options such as overlay's lowerdir) must lie. Device sources must lie
+	// under /dev. Empty means no host path is allowed.
+	Roots []string
+	// AllowSuidDev lets plans omit nosuid and nodev.
+	AllowSuidDev bool
+}
+
+// pathOptions are the option keys whose values are host paths
+// (colon-separated for lowerdir).
+var pathOptions = map[string]bool{"lowerdir": true, "upperdir": true, "workdir": true, "datadir": true, "lowerdir+": true}
+
+// flagOptions are the generic mount flags; anything else is handed to the
+// filesystem as a data option.
+var flagOptions = map[string]bool{
+	"ro": true, "rw": true, "nosuid": true, "suid": true, "nodev": true, "dev": true,
+	"noexec": true, "exec": true, "noatime": true, "atime": true, "relatime": true,
+	"strictatime": true, "nodiratime": true, "diratime": true, "sync": true, "async": true,
+	"dirsync": true, "lazytime": true, "nosymfollow": true, "rec": true,
+}
+
+// IsFlag reports whether opt is a generic mount flag rather than a
+// filesystem data option.
+func IsFlag(opt string) bool { return flagOptions[opt] }
+
+// Validate checks a whole plan against p. Errors wrap errdefs.ErrInvalidArgument.
+func (p Policy) Validate(mounts []Mount) error {
+	if len(mounts) == 0 {
+		return fmt.Errorf("plan has no mounts: %w", errdefs.ErrInvalidArgument)
+	}
+	seen := map[string]bool{}
+	for i, m := range mounts {
+		if err := p.validateMount(m); err != nil {
+			return fmt.Errorf("mount %d: %w", i, err)
+		}
+		t := path.Clean("/" + m.Target)
+		if seen[t] {
+			return fmt.Errorf("mount %d: duplicate target %q: %w", i, m.Target, errdefs.ErrInvalidArgument)
+		}
+		seen[t] = true
+	}
+	return nil
+}
+
+func (p Policy) validateMount(m Mount) error {
+	types := p.Types
+	if len(types) == 0 {
+		types = DefaultTypes
+	}
+	if !slices.Contains(types, m.Type) {
+		return fmt.Errorf("type %q is not allowed (allowed: %s): %w", m.Type, strings.Join(types, ", "), errdefs.ErrInvalidArgument)
+	}
+	if err := ValidateTarget(m.Target); err != nil {
+		return err
+	}
+	if err := p.validateSource(m); err != nil {
+		return err
+	}
+	for _, o := range m.Options {
+		if err := p.validateOption(o); err != nil {
+			return err
+		}
+	}
+	if !p.AllowSuidDev && (!m.HasOption("nosuid") || !m.HasOption("nodev")) {
+		return fmt.Errorf("%s mount of %s lacks nosuid,nodev, which policy requires: %w", m.Type, m.Source, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (p Policy) validateSource(m Mount) error {
+	switch {
+	case m.Type == TypeBind:
+		return p.checkHostPath("bind source", m.Source)
+	case m.Type == "overlay" || m.Type == "tmpfs":
+		// Their source is a free-form label, but it must not look like a path.
+		if strings.ContainsAny(m.Source, "/,") {
+			return fmt.Errorf("%s source %q must be a plain label: %w", m.Type, m.Source, errdefs.ErrInvalidArgument)
+		}
+		return nil
+	default:
+		if !isClean(m.Source) || !strings.HasPrefix(m.Source, "/dev/") {
+			return fmt.Errorf("%s source %q must be a device under /dev: %w", m.Type, m.Source, errdefs.ErrInvalidArgument)
+		}
+		return nil
+	}
+}
+
+func (p Policy) validateOption(o string) error {
+	if o == "" || strings.ContainsAny(o, ",\x00\n") {
+		return fmt.Errorf("option %q is empty or holds a separator: %w", o, errdefs.ErrInvalidArgument)
+	}
+	key, val, hasVal := strings.Cut(o, "=")
+	if key == "source" {
+		return fmt.Errorf("option %q may not set the source: %w", o, errdefs.ErrInvalidArgument)
+	}
+	if !p.AllowSuidDev && (key == "suid" || key == "dev") {
+		return fmt.Errorf("option %q is not allowed by policy: %w", o, errdefs.ErrInvalidArgument)
+	}
+	if pathOptions[key] {
+		if !hasVal {
+			return fmt.Errorf("option %q needs a path: %w", o, errdefs.ErrInvalidArgument)
+		}
+		for _, pth := range strings.Split(val, ":") {
+			if err := p.checkHostPath("option "+key, pth); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	// Any other value that names a path is a way around the roots.
+	if hasVal && strings.Contains(val, "/") {
+		return fmt.Errorf("option %q holds a path, which only %s may: %w", o, strings.Join(sortedKeys(pathOptions), ", "), errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (p Policy) checkHostPath(what, pth string) error {
+	if !isClean(pth) {
+		return fmt.Errorf("%s %q must be a clean absolute path: %w", what, pth, errdefs.ErrInvalidArgument)
+	}
+	if strings.HasPrefix(pth, "/dev/") {
+		return nil
+	}
+	for _, r := range p.Roots {
+		if Within(r, pth) {
+			return nil
+		}
+	}
+	return fmt.Errorf("%s %q is outside the allowed roots: %w", what, pth, errdefs.ErrInvalidArgument)
+}
+
+// ValidateTarget accepts "" or a clean relative path without "..".
+func ValidateTarget(t string) error {
+	if t == "" {
+		return nil
+	}
+	if strings.HasPrefix(t, "/") || strings.ContainsRune(t, 0) || path.Clean(t) != t || t == "." ||
+		slices.Contains(strings.Split(t, "/"), "..") {
+		return fmt.Errorf("target %q must be a clean relative path without '..': %w", t, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// Within reports whether p is root or lies below it (both clean and absolute).
+func Within(root, p string) bool {
+	root = filepath.Clean(root)
+	if p == root {
+		return true
+	}
+	if root == "/" {
+		return strings.HasPrefix(p, "/")
+	}
+	return strings.HasPrefix(p, root+"/")
+}
+
+func isClean(p string) bool {
+	return strings.HasPrefix(p, "/") && filepath.Clean(p) == p && !strings.ContainsRune(p, 0)
+}
+
+func sortedKeys(m map[string]bool) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
