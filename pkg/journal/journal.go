@@ -1,0 +1,242 @@
+// Package journal keeps one crash-safe record per volume under the state dir.
+//
+// The driver writes a record's intent before each side effect (a phase such
+// as "staging") and its completion after it, so that after a crash the
+// reconciler knows what may be half done and how to undo it. Every write is
+// atomic: a temp file in the same directory, fsync, rename, fsync of the
+// directory. The layout explains itself: volumes/<id>.json, readable with cat.
+package journal
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Kind says where a volume came from, which decides who owns its image.
+type Kind string
+
+const (
+	KindProvisioned Kind = "provisioned" // CreateVolume made its image: DeleteVolume removes it
+	KindStatic      Kind = "static"      // an admin's image under an allowed root: never removed
+	KindEphemeral   Kind = "ephemeral"   // inline volume: image made at publish, removed at unpublish
+)
+
+// Phase is where a volume's stage stands. An intent phase found at start-up
+// means the plugin died in the middle of that step.
+type Phase string
+
+const (
+	PhaseStaging   Phase = "staging"
+	PhaseStaged    Phase = "staged"
+	PhaseUnstaging Phase = "unstaging"
+)
+
+// Volume is the record of one volume.
+type Volume struct {
+	ID            string            `json:"id"`
+	Name          string            `json:"name,omitempty"`
+	Kind          Kind              `json:"kind"`
+	Type          string            `json:"type"`
+	Image         string            `json:"image,omitempty"`
+	CapacityBytes int64             `json:"capacityBytes,omitempty"`
+	FsType        string            `json:"fsType,omitempty"`
+	Parameters    map[string]string `json:"parameters,omitempty"`
+	// Creating is set before CreateVolume makes the image and cleared after.
+	Creating bool `json:"creating,omitempty"`
+	// Format tracks mkfs: Pending before it runs, Done after. A pending
+	// format found later was interrupted and is redone from scratch, so an
+	// image is never left with a half-written filesystem that never mounts.
+	Format    *Format    `json:"format,omitempty"`
+	Stage     *Stage     `json:"stage,omitempty"`
+	Publishes []Publish  `json:"publishes,omitempty"`
+	Consumers []Consumer `json:"consumers,omitempty"`
+}
+
+// Format records the filesystem made on a volume.
+type Format struct {
+	FsType string `json:"fsType"`
+	Done   bool   `json:"done"`
+}
+
+// Stage records an activated volume.
+type Stage struct {
+	Phase       Phase  `json:"phase"`
+	StagingPath string `json:"stagingPath"`
+	Block       bool   `json:"block,omitempty"`
+	ReadOnly    bool   `json:"readOnly,omitempty"`
+	// Source is the state of the volume's source kind (loop device identity,
+	// chain mounts, ...), opaque to the journal.
+	Source json.RawMessage `json:"source,omitempty"`
+}
+
+// Publish records a kubelet publish at a target path in the host namespace.
+type Publish struct {
+	TargetPath string       `json:"targetPath"`
+	ReadOnly   bool         `json:"readOnly,omitempty"`
+	Mounts     []plan.Mount `json:"mounts"`
+}
+
+// Consumer records a prepared plan and the namespace that received it.
+type Consumer struct {
+	PID        int          `json:"pid"`
+	NSInode    uint64       `json:"nsInode"`
+	MountPoint string       `json:"mountPoint"`
+	Mounts     []plan.Mount `json:"mounts"`
+}
+
+// Staged reports whether the volume's stage completed.
+func (v *Volume) Staged() bool { return v.Stage != nil && v.Stage.Phase == PhaseStaged }
+
+// Store reads and writes records in a directory.
+type Store struct {
+	dir string
+}
+
+// Open prepares dir/volumes and returns a store over it.
+func Open(stateDir string) (*Store, error) {
+	dir := filepath.Join(stateDir, "volumes")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("journal: %w", err)
+	}
+	return &Store{dir: dir}, nil
+}
+
+// ValidID accepts IDs that are safe as a file name: 1 to 128 characters of
+// [A-Za-z0-9._-], not starting with a dot.
+func ValidID(id string) error {
+	if id == "" || len(id) > 128 || strings.HasPrefix(id, ".") ||
+		strings.IndexFunc(id, func(r rune) bool {
+			return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-')
+		}) >= 0 {
+		return fmt.Errorf("volume id %q must be 1-128 characters of [A-Za-z0-9._-] not starting with '.': %w", id, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (s *Store) path(id string) string { return filepath.Join(s.dir, id+".json") }
+
+// Get returns the record of id, or an error wrapping errdefs.ErrNotFound.
+func (s *Store) Get(id string) (*Volume, error) {
+	if err := ValidID(id); err != nil {
+		return nil, err
+	}
+	b, err := os.ReadFile(s.path(id))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("journal: %w", err)
+	}
+	v := &Volume{}
+	if err := json.Unmarshal(b, v); err != nil {
+		return nil, fmt.Errorf("journal: record %s is corrupt: %w", id, err)
+	}
+	return v, nil
+}
+
+// Put writes v atomically: after a crash the file holds either the old or
+// the new record, never a mix.
+func (s *Store) Put(v *Volume) error {
+	if err := ValidID(v.ID); err != nil {
+		return err
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	return WriteFileAtomic(s.path(v.ID), b, 0o600)
+}
+
+// Delete removes the record of id; a missing record is not an error.
+func (s *Store) Delete(id string) error {
+	if err := ValidID(id); err != nil {
+		return err
+	}
+	if err := os.Remove(s.path(id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("journal: %w", err)
+	}
+	return syncDir(s.dir)
+}
+
+// List returns every record, sorted by ID. Corrupt records are returned in
+// the error, not silently skipped.
+func (s *Store) List() ([]*Volume, error) {
+	entries, err := os.ReadDir(s.dir)
+	if err != nil {
+		return nil, fmt.Errorf("journal: %w", err)
+	}
+	var out []*Volume
+	var errs []error
+	for _, e := range entries {
+		id, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || e.IsDir() || ValidID(id) != nil {
+			continue
+		}
+		v, err := s.Get(id)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		out = append(out, v)
+	}
+	slices.SortFunc(out, func(a, b *Volume) int { return strings.Compare(a.ID, b.ID) })
+	return out, errors.Join(errs...)
+}
+
+// CheckWritable proves the journal can still be written (for Probe).
+func (s *Store) CheckWritable() error {
+	return WriteFileAtomic(filepath.Join(s.dir, ".probe"), []byte("ok\n"), 0o600)
+}
+
+// WriteFileAtomic writes data to path through a synced temp file and a
+// rename, then syncs the directory so the rename itself survives a crash.
+func WriteFileAtomic(path string, data []byte, perm fs.FileMode) (err error) {
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			_ = f.Close()
+			_ = os.Remove(f.Name())
+		}
+	}()
+	if err = f.Chmod(perm); err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	if _, err = f.Write(data); err != nil {
+		return fmt.Errorf("journal: write %s: %w", f.Name(), err)
+	}
+	if err = f.Sync(); err != nil {
+		return fmt.Errorf("journal: fsync %s: %w", f.Name(), err)
+	}
+	if err = f.Close(); err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	if err = os.Rename(f.Name(), path); err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	return syncDir(dir)
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("journal: fsync %s: %w", dir, err)
+	}
+	return nil
+}

@@ -1,0 +1,113 @@
+package journal
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+func TestPutGetDeleteRoundTrip(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := &Volume{ID: "pvc-1", Kind: KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
+		Stage: &Stage{Phase: PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)},
+		Consumers: []Consumer{{PID: 42, NSInode: 7, MountPoint: "/data",
+			Mounts: []plan.Mount{{Type: "ext4", Source: "/dev/loop1", Options: []string{"nosuid", "nodev"}}}}}}
+	if err := s.Put(v); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Get("pvc-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Staged() || got.Consumers[0].NSInode != 7 || string(got.Stage.Source) != `{"device":"/dev/loop1"}` ||
+		got.Consumers[0].Mounts[0].Options[1] != "nodev" {
+		t.Fatalf("round trip lost data: %+v", got)
+	}
+	list, err := s.List()
+	if err != nil || len(list) != 1 {
+		t.Fatalf("List = %v, %v", list, err)
+	}
+	if err := s.Delete("pvc-1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Delete("pvc-1"); err != nil {
+		t.Fatalf("second delete: %v", err)
+	}
+	if _, err := s.Get("pvc-1"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("Get after delete: %v, want ErrNotFound", err)
+	}
+}
+
+func TestValidIDRejectsPathsAndOddCharacters(t *testing.T) {
+	for _, id := range []string{"", "../x", "a/b", ".hidden", "x\x00", "a b", string(make([]byte, 129))} {
+		if err := ValidID(id); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("ValidID(%q) = %v, want ErrInvalidArgument", id, err)
+		}
+	}
+	for _, id := range []string{"pvc-0b1c", "csi-abc.def_1", "A"} {
+		if err := ValidID(id); err != nil {
+			t.Errorf("ValidID(%q) = %v", id, err)
+		}
+	}
+}
+
+func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Put(&Volume{ID: "v", Kind: KindStatic}); err != nil {
+		t.Fatal(err)
+	}
+	// A directory where the temp file would go makes the next write fail
+	// after the old record exists: the old record must survive intact.
+	if err := os.Chmod(s.dir, 0o500); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.Chmod(s.dir, 0o700) })
+	if os.Geteuid() != 0 { // root ignores directory permissions
+		if err := s.Put(&Volume{ID: "v", Kind: KindProvisioned}); err == nil {
+			t.Fatal("write into a read-only dir succeeded")
+		}
+		got, err := s.Get("v")
+		if err != nil || got.Kind != KindStatic {
+			t.Fatalf("old record damaged: %+v %v", got, err)
+		}
+	}
+	_ = os.Chmod(s.dir, 0o700)
+	entries, _ := os.ReadDir(filepath.Join(dir, "volumes"))
+	for _, e := range entries {
+		if e.Name() != "v.json" {
+			t.Errorf("stray file %s left in the journal dir", e.Name())
+		}
+	}
+}
+
+func TestListReportsCorruptRecords(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Put(&Volume{ID: "good", Kind: KindStatic}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(s.dir, "bad.json"), []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	list, err := s.List()
+	if err == nil {
+		t.Fatal("a corrupt record went unreported")
+	}
+	if len(list) != 1 || list[0].ID != "good" {
+		t.Fatalf("good record lost: %+v", list)
+	}
+}
