@@ -240,3 +240,4 @@ func syncDir(dir string) error {
 	}
 	return nil
 }
+

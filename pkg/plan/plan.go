@@ -109,10 +109,26 @@ func (p Policy) validateMount(m Mount) error {
 			return err
 		}
 	}
-	if !p.AllowSuidDev && (!m.HasOption("nosuid") || !m.HasOption("nodev")) {
+	if p.AllowSuidDev {
+		return nil
+	}
+	if m.IsDeviceBind() {
+		// A device node bound with nodev could not be opened: raw block
+		// access needs the node usable, so only nosuid is required.
+		if !m.HasOption("nosuid") {
+			return fmt.Errorf("bind of device %s lacks nosuid, which policy requires: %w", m.Source, errdefs.ErrInvalidArgument)
+		}
+		return nil
+	}
+	if !m.HasOption("nosuid") || !m.HasOption("nodev") {
 		return fmt.Errorf("%s mount of %s lacks nosuid,nodev, which policy requires: %w", m.Type, m.Source, errdefs.ErrInvalidArgument)
 	}
 	return nil
+}
+
+// IsDeviceBind reports whether m binds a device node (raw block access).
+func (m Mount) IsDeviceBind() bool {
+	return m.Type == TypeBind && strings.HasPrefix(m.Source, "/dev/")
 }
 
 func (p Policy) validateSource(m Mount) error {

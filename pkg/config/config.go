@@ -1,0 +1,59 @@
+// Package config reads the admin's policy file (--config): everything that
+// could touch an arbitrary host path or run a command is decided here, by
+// the cluster admin, never by a PV or pod author.
+package config
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// Config is the plugin's admin policy.
+type Config struct {
+	// ImageRoots are the directories under which static loop volumes may
+	// name their image (volume_context image=...). Empty: no static images.
+	ImageRoots []string `json:"imageRoots,omitempty"`
+	// MountPolicy narrows what plans may do.
+	MountPolicy MountPolicy `json:"mountPolicy,omitempty"`
+	// DefaultFsType is used when neither the request nor the StorageClass
+	// names one. ext4 when empty.
+	DefaultFsType string `json:"defaultFsType,omitempty"`
+}
+
+// MountPolicy is the admin's part of plan.Policy.
+type MountPolicy struct {
+	// AllowSuidDev lets plans omit nosuid,nodev. Off by default: a volume's
+	// contents are not trusted with setuid binaries or device nodes.
+	AllowSuidDev bool `json:"allowSuidDev,omitempty"`
+	// Types, when set, narrows the mount types a plan may use.
+	Types []string `json:"types,omitempty"`
+}
+
+// Load reads path; an empty path gives the defaults. Unknown fields are an
+// error so that a typo does not silently weaken the policy.
+func Load(path string) (*Config, error) {
+	c := &Config{}
+	if path != "" {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("config: %w", err)
+		}
+		if err := yaml.UnmarshalStrict(b, c); err != nil {
+			return nil, fmt.Errorf("config %s: %w", path, err)
+		}
+	}
+	if c.DefaultFsType == "" {
+		c.DefaultFsType = "ext4"
+	}
+	for i, r := range c.ImageRoots {
+		if !filepath.IsAbs(r) || filepath.Clean(r) != r || r == "/" {
+			return nil, fmt.Errorf("config: imageRoots[%d] %q must be a clean absolute path other than /: %w", i, r, errdefs.ErrInvalidArgument)
+		}
+	}
+	return c, nil
+}

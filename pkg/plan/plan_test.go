@@ -1,0 +1,99 @@
+package plan
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+func TestPolicyValidate(t *testing.T) {
+	p := Policy{Roots: []string{"/var/lib/mountplan"}}
+	safe := []string{"nosuid", "nodev"}
+	tests := []struct {
+		name   string
+		mounts []Mount
+		ok     bool
+	}{
+		{"ext4 device", []Mount{{Type: "ext4", Source: "/dev/loop3", Options: safe}}, true},
+		{"ext4 with data option", []Mount{{Type: "ext4", Source: "/dev/loop3", Options: []string{"nosuid", "nodev", "ro", "discard"}}}, true},
+		{"overlay under root", []Mount{{Type: "overlay", Source: "overlay", Options: []string{"nosuid", "nodev",
+			"lowerdir=/var/lib/mountplan/l1:/var/lib/mountplan/l2", "upperdir=/var/lib/mountplan/u", "workdir=/var/lib/mountplan/w"}}}, true},
+		{"device bind without nodev", []Mount{{Type: TypeBind, Source: "/dev/loop3", Options: []string{"nosuid"}}}, true},
+		{"bind under root", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan/fuse/v1", Options: safe}}, true},
+		{"two targets", []Mount{{Type: "tmpfs", Source: "tmpfs", Options: safe}, {Type: "tmpfs", Source: "tmpfs", Target: "sub/dir", Options: safe}}, true},
+
+		{"empty plan", nil, false},
+		{"unknown type", []Mount{{Type: "nfs", Source: "/dev/x", Options: safe}}, false},
+		{"missing nodev", []Mount{{Type: "ext4", Source: "/dev/loop3", Options: []string{"nosuid"}}}, false},
+		{"device bind without nosuid", []Mount{{Type: TypeBind, Source: "/dev/loop3"}}, false},
+		{"suid option", []Mount{{Type: "ext4", Source: "/dev/loop3", Options: []string{"nosuid", "nodev", "suid"}}}, false},
+		{"fs source outside /dev", []Mount{{Type: "ext4", Source: "/etc/passwd", Options: safe}}, false},
+		{"fs source with dotdot", []Mount{{Type: "ext4", Source: "/dev/../etc/x", Options: safe}}, false},
+		{"bind outside roots", []Mount{{Type: TypeBind, Source: "/etc", Options: safe}}, false},
+		{"bind sibling prefix", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan-evil", Options: safe}}, false},
+		{"lowerdir outside roots", []Mount{{Type: "overlay", Source: "overlay", Options: []string{"nosuid", "nodev", "lowerdir=/var/lib/mountplan/l:/etc"}}}, false},
+		{"path in other option", []Mount{{Type: "ext4", Source: "/dev/loop3", Options: []string{"nosuid", "nodev", "journal_path=/etc/x"}}}, false},
+		{"comma smuggling", []Mount{{Type: "ext4", Source: "/dev/loop3", Options: []string{"nosuid,nodev"}}}, false},
+		{"source option", []Mount{{Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev", "source=x"}}}, false},
+		{"absolute target", []Mount{{Type: "tmpfs", Source: "tmpfs", Target: "/etc", Options: safe}}, false},
+		{"dotdot target", []Mount{{Type: "tmpfs", Source: "tmpfs", Target: "a/../../etc", Options: safe}}, false},
+		{"unclean target", []Mount{{Type: "tmpfs", Source: "tmpfs", Target: "a//b", Options: safe}}, false},
+		{"duplicate targets", []Mount{{Type: "tmpfs", Source: "tmpfs", Options: safe}, {Type: "tmpfs", Source: "tmpfs", Options: safe}}, false},
+		{"overlay source is a path", []Mount{{Type: "overlay", Source: "/x", Options: safe}}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := p.Validate(tt.mounts)
+			if tt.ok && err != nil {
+				t.Fatalf("Validate: %v", err)
+			}
+			if !tt.ok && !errors.Is(err, errdefs.ErrInvalidArgument) {
+				t.Fatalf("Validate = %v, want ErrInvalidArgument", err)
+			}
+		})
+	}
+}
+
+func TestPolicyNarrowsTypesAndAllowsSuid(t *testing.T) {
+	p := Policy{Types: []string{"ext4"}, AllowSuidDev: true}
+	if err := p.Validate([]Mount{{Type: "ext4", Source: "/dev/loop0"}}); err != nil {
+		t.Fatalf("suid/dev allowed by policy, got %v", err)
+	}
+	if err := p.Validate([]Mount{{Type: "xfs", Source: "/dev/loop0"}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("xfs outside narrowed types: %v", err)
+	}
+}
+
+func TestProtoRoundTrip(t *testing.T) {
+	in := []Mount{{Type: "ext4", Source: "/dev/loop1", Target: "a", Options: []string{"nosuid", "nodev"}}, {Type: TypeBind, Source: "/dev/loop2", Options: []string{"nosuid"}}}
+	out := FromProto(ToProto(in))
+	if len(out) != 2 || out[0].Target != "a" || out[1].Options[0] != "nosuid" || out[0].Options[1] != "nodev" {
+		t.Fatalf("round trip: %+v", out)
+	}
+	pm := ToProto(in)
+	pm[0].Options[0] = "changed"
+	if in[0].Options[0] != "nosuid" {
+		t.Fatal("ToProto shares option slices with its input")
+	}
+}
+
+func FuzzValidateTarget(f *testing.F) {
+	for _, s := range []string{"", "a", "a/b", "../x", "/abs", "a/./b"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if ValidateTarget(s) != nil {
+			return
+		}
+		// Anything accepted must stay under the mount point once joined.
+		if s != "" && !Within("/mnt/point", "/mnt/point/"+s) {
+			t.Fatalf("accepted target %q escapes", s)
+		}
+		for _, part := range []string{"..", "/"} {
+			if len(s) >= 2 && s[:2] == part {
+				t.Fatalf("accepted %q", s)
+			}
+		}
+	})
+}
