@@ -1,0 +1,177 @@
+package mountns
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// Namespace is an open handle on a mount namespace. Holding it keeps the
+// namespace alive, so a PID that exits or is reused after OpenPID cannot
+// redirect the mounts elsewhere.
+type Namespace struct {
+	ns    *os.File // /proc/PID/ns/mnt
+	proc  *os.File // the caller's /proc, still reachable after setns
+	inode uint64
+	self  bool // the caller's own namespace: Do needs no setns
+}
+
+// Self opens the caller's own mount namespace.
+func Self() (*Namespace, error) { return open("thread-self", 0) }
+
+// OpenPID opens the mount namespace of process pid (as the caller's /proc
+// sees it). It fails with errdefs.ErrNotFound when the process does not
+// exist and with errdefs.ErrFailedPrecondition when wantInode is non-zero
+// and the process lives in another namespace (a reused PID).
+func OpenPID(pid int, wantInode uint64) (*Namespace, error) {
+	if pid <= 0 {
+		return nil, fmt.Errorf("pid %d: %w", pid, errdefs.ErrInvalidArgument)
+	}
+	return open(strconv.Itoa(pid), wantInode)
+}
+
+func open(pid string, wantInode uint64) (_ *Namespace, err error) {
+	n := &Namespace{}
+	defer func() {
+		if err != nil {
+			n.Close()
+		}
+	}()
+	if n.ns, err = openFile("/proc/"+pid+"/ns/mnt", unix.O_RDONLY); err != nil {
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) {
+			return nil, fmt.Errorf("mount namespace of pid %s: %w", pid, errdefs.ErrNotFound)
+		}
+		return nil, fmt.Errorf("mount namespace of pid %s: %w", pid, err)
+	}
+	if n.inode, err = inodeOf(n.ns); err != nil {
+		return nil, err
+	}
+	if wantInode != 0 && n.inode != wantInode {
+		return nil, fmt.Errorf("pid %s is in mount namespace %d, not %d (the process was replaced): %w",
+			pid, n.inode, wantInode, errdefs.ErrFailedPrecondition)
+	}
+	var own unix.Stat_t
+	// thread-self, not self: /proc/self names the main thread, and only
+	// the calling thread is sure to be in the process's own namespace.
+	if err := unix.Stat("/proc/thread-self/ns/mnt", &own); err != nil {
+		return nil, &os.PathError{Op: "stat", Path: "/proc/thread-self/ns/mnt", Err: err}
+	}
+	n.self = own.Ino == n.inode
+	if n.proc, err = openFile("/proc", unix.O_PATH|unix.O_DIRECTORY); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+func openFile(path string, flags int) (*os.File, error) {
+	fd, err := unix.Open(path, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+func inodeOf(f *os.File) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
+	}
+	return st.Ino, nil
+}
+
+// Inode identifies the namespace (the inode of /proc/PID/ns/mnt).
+func (n *Namespace) Inode() uint64 { return n.inode }
+
+// IsSelf reports whether this is the caller's own mount namespace.
+func (n *Namespace) IsSelf() bool { return n.self }
+
+// Close releases the handle; the namespace lives on while processes use it.
+func (n *Namespace) Close() error {
+	return errors.Join(closeFile(n.ns), closeFile(n.proc))
+}
+
+func closeFile(f *os.File) error {
+	if f == nil {
+		return nil
+	}
+	return f.Close()
+}
+
+// Do runs fn with the calling thread inside the namespace: paths fn uses
+// resolve as the namespace's processes see them, from its root. fn runs on
+// a goroutine of its own, locked to an OS thread that is never unlocked, so
+// the Go runtime ends that thread with the goroutine instead of handing a
+// thread in a foreign namespace to other goroutines. Fds opened before Do
+// stay usable inside it.
+func (n *Namespace) Do(fn func() error) error {
+	if n.self {
+		return fn()
+	}
+	errc := make(chan error, 1)
+	go n.enterAndRun(fn, errc)
+	return <-errc
+}
+
+func (n *Namespace) enterAndRun(fn func() error, errc chan<- error) {
+	runtime.LockOSThread()
+	if unix.Gettid() == unix.Getpid() {
+		// This is the process's main thread, which the runtime never ends:
+		// left in another namespace it would stay there and change what
+		// /proc/self shows for the whole process. While this goroutine
+		// holds it, no other goroutine can run on it, so start over on a
+		// new one and give the untouched thread back.
+		defer runtime.UnlockOSThread()
+		inner := make(chan error, 1)
+		go n.enterAndRun(fn, inner)
+		errc <- <-inner
+		return
+	}
+	// setns(CLONE_NEWNS) refuses a thread that shares its filesystem
+	// information (root, cwd) with the other threads of the process.
+	if err := unix.Unshare(unix.CLONE_FS); err != nil {
+		errc <- fmt.Errorf("unshare(CLONE_FS): %w", err)
+		return
+	}
+	if err := unix.Setns(int(n.ns.Fd()), unix.CLONE_NEWNS); err != nil {
+		errc <- fmt.Errorf("setns into mount namespace %d: %w", n.inode, err)
+		return
+	}
+	errc <- fn()
+}
+
+// MountInfo returns the mount table of the calling thread's namespace, which
+// inside Do is this namespace's, with paths as seen from its root. It reads
+// the caller's /proc through a handle opened before entering, because the
+// namespace's own /proc (if any) belongs to another PID namespace where this
+// thread does not exist.
+func (n *Namespace) MountInfo(filter mountinfo.FilterFunc) ([]*mountinfo.Info, error) {
+	fd, err := unix.Openat(int(n.proc.Fd()), "thread-self/mountinfo", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: "/proc/thread-self/mountinfo", Err: err}
+	}
+	f := os.NewFile(uintptr(fd), "/proc/thread-self/mountinfo")
+	defer f.Close()
+	return mountinfo.GetMountsFromReader(f, filter)
+}
+
+// Attach attaches the detached mount fd (from Build) at target in the
+// calling thread's namespace: call it inside Do. A final symlink in target
+// is not followed. fd may be closed afterwards.
+func Attach(fd *os.File, target string) error {
+	err := unix.MoveMount(int(fd.Fd()), "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH)
+	runtime.KeepAlive(fd)
+	if errors.Is(err, unix.ENOSYS) {
+		return errNoNewAPI("move_mount")
+	}
+	if err != nil {
+		return &OpError{Op: "move_mount", Path: target, Err: err}
+	}
+	return nil
+}

@@ -1,0 +1,97 @@
+package mountns
+
+import (
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// options is a descriptor's option list sorted into what each syscall takes.
+type options struct {
+	attr      uint64   // MOUNT_ATTR_* for fsmount or mount_setattr
+	atimeSet  bool     // an atime mode was chosen (it must be cleared first)
+	sbFlags   []string // superblock flags for fsconfig (ro, sync, dirsync, lazytime)
+	data      []string // filesystem data options, "key" or "key=value"
+	recursive bool     // bind: the whole subtree ("rec")
+}
+
+func parseOptions(m plan.Mount) (options, error) {
+	var o options
+	bind := m.Type == plan.TypeBind
+	for _, opt := range m.Options {
+		if !plan.IsFlag(opt) {
+			if bind {
+				return o, errOption(m, opt, "is a filesystem option, which a bind cannot take")
+			}
+			o.data = append(o.data, opt)
+			continue
+		}
+		if err := o.addFlag(m, opt, bind); err != nil {
+			return o, err
+		}
+	}
+	return o, nil
+}
+
+func (o *options) addFlag(m plan.Mount, opt string, bind bool) error {
+	if attr, ok := mountAttr(opt); ok {
+		o.attr |= attr
+		return nil
+	}
+	if mode, ok := atimeMode(opt); ok {
+		o.attr = o.attr&^unix.MOUNT_ATTR__ATIME | mode
+		o.atimeSet = true
+		return nil
+	}
+	switch opt {
+	case "ro":
+		o.attr |= unix.MOUNT_ATTR_RDONLY
+		// A block filesystem is also opened read-only, so a read-only
+		// device (an erofs image, a write-protected disk) can be mounted.
+		if strings.HasPrefix(m.Source, "/dev/") && !bind {
+			o.sbFlags = append(o.sbFlags, "ro")
+		}
+	case "sync", "dirsync", "lazytime":
+		if bind {
+			return errOption(m, opt, "is a superblock flag, which a bind cannot change")
+		}
+		o.sbFlags = append(o.sbFlags, opt)
+	case "rec":
+		o.recursive = bind
+	}
+	// rw, suid, dev, exec, atime, diratime, async: the defaults of a new mount.
+	return nil
+}
+
+// mountAttr maps the per-mount flags to MOUNT_ATTR_* bits.
+func mountAttr(opt string) (uint64, bool) {
+	switch opt {
+	case "nosuid":
+		return unix.MOUNT_ATTR_NOSUID, true
+	case "nodev":
+		return unix.MOUNT_ATTR_NODEV, true
+	case "noexec":
+		return unix.MOUNT_ATTR_NOEXEC, true
+	case "nodiratime":
+		return unix.MOUNT_ATTR_NODIRATIME, true
+	case "nosymfollow":
+		return unix.MOUNT_ATTR_NOSYMFOLLOW, true
+	}
+	return 0, false
+}
+
+// atimeMode maps the atime flags, which are one field of three values
+// rather than independent bits.
+func atimeMode(opt string) (uint64, bool) {
+	switch opt {
+	case "relatime":
+		return unix.MOUNT_ATTR_RELATIME, true
+	case "noatime":
+		return unix.MOUNT_ATTR_NOATIME, true
+	case "strictatime":
+		return unix.MOUNT_ATTR_STRICTATIME, true
+	}
+	return 0, false
+}
