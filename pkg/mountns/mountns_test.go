@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -233,11 +234,19 @@ func TestDoLeavesMainThreadAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ns.Close()
-	for range 200 {
-		if err := ns.Do(func() error { return nil }); err != nil {
-			t.Fatal(err)
-		}
+	// Many at once, so that the scheduler has every chance to pick the
+	// main thread for one of them.
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			for range 10 {
+				if err := ns.Do(func() error { return nil }); err != nil {
+					t.Error(err)
+				}
+			}
+		})
 	}
+	wg.Wait()
 	var self, main unix.Stat_t
 	if err := unix.Stat("/proc/thread-self/ns/mnt", &self); err != nil {
 		t.Fatal(err)
