@@ -1,0 +1,83 @@
+// Package fsutil detects, creates, grows and measures filesystems on block
+// devices and image files with the util-linux, e2fsprogs and xfsprogs tools.
+//
+// Every function works on an image file as well as on a device node, so the
+// plugin can format an image before it attaches it. Tool output goes into
+// errors (bounded); arguments do not, since extra arguments come from
+// configuration and are not this package's to reveal.
+package fsutil
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// Filesystem types Format can create.
+const (
+	Ext4 = "ext4"
+	XFS  = "xfs"
+)
+
+// Usage is what NodeGetVolumeStats reports for a mounted filesystem.
+type Usage struct {
+	TotalBytes, AvailableBytes, UsedBytes int64
+	TotalInodes, FreeInodes, UsedInodes   int64
+}
+
+// SupportedFsTypes lists the types Format can create.
+func SupportedFsTypes() []string { return []string{Ext4, XFS} }
+
+// tools runs the helper binaries. The package functions use host; tests
+// give their own a FakeExec to script exit codes the real tools rarely show.
+type tools struct {
+	exec utilexec.Interface
+}
+
+var host = tools{exec: utilexec.New()}
+
+// Detect returns the filesystem type on device, or "" when it holds no
+// filesystem or other signature. See tools.detect for what "nothing" means
+// after an interrupted format.
+func Detect(ctx context.Context, device string) (fsType string, err error) {
+	return host.detect(ctx, device)
+}
+
+// Format creates an fsType filesystem on device, overwriting whatever is
+// there (-F / -f): the caller decides, with Detect and its journal, that
+// formatting is wanted. extraArgs go before the device; an ext4 "-E" among
+// them replaces the lazy-init defaults (mke2fs keeps the last -E).
+func Format(ctx context.Context, device, fsType string, extraArgs ...string) error {
+	return host.format(ctx, device, fsType, extraArgs)
+}
+
+// Resize grows the filesystem to the size of its device. ext4 is grown
+// with resize2fs on the device (online when mounted); xfs only grows while
+// mounted, through xfs_growfs on mountPath.
+func Resize(ctx context.Context, device, fsType, mountPath string) error {
+	return host.resize(ctx, device, fsType, mountPath)
+}
+
+// checkPath turns a missing or unusable device path into the right
+// sentinel before a tool sees it: blkid, for one, exits 2 ("nothing
+// found") for a path that does not exist.
+func checkPath(op, path string) error {
+	if path == "" {
+		return fmt.Errorf("fsutil: %s: empty path: %w", op, errdefs.ErrInvalidArgument)
+	}
+	fi, err := os.Stat(path)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return fmt.Errorf("fsutil: %s %s: %w: %w", op, path, errdefs.ErrNotFound, err)
+	case err != nil:
+		return fmt.Errorf("fsutil: %s %s: %w", op, path, err)
+	case fi.IsDir():
+		return fmt.Errorf("fsutil: %s %s: is a directory: %w", op, path, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
