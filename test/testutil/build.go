@@ -73,12 +73,22 @@ func build(pkg, out string) (string, error) {
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		return "", err
 	}
-	cmd := exec.Command(gobin, "build", "-o", out, pkg)
-	cmd.Dir = root
-	var output bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &output, &output
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("go build %s: %w\n%s", pkg, err, strings.TrimSpace(output.String()))
+	goBuild := func(flags ...string) (string, error) {
+		cmd := exec.Command(gobin, append(append([]string{"build"}, flags...), "-o", out, pkg)...)
+		cmd.Dir = root
+		var output bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &output, &output
+		err := cmd.Run()
+		return output.String(), err
+	}
+	output, err := goBuild()
+	if err != nil && strings.Contains(output, "-buildvcs=false") {
+		// git cannot tell the revision (not installed, or the checkout
+		// belongs to another user): build without it.
+		output, err = goBuild("-buildvcs=false")
+	}
+	if err != nil {
+		return "", fmt.Errorf("go build %s: %w\n%s", pkg, err, strings.TrimSpace(output))
 	}
 	return out, nil
 }

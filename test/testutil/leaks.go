@@ -451,10 +451,12 @@ func lockRootTests(t testing.TB) (unlock func()) {
 		rootLock.cond.Wait()
 	}
 	if rootLock.holder == "" {
-		f, err := os.OpenFile(RootTestLockPath, os.O_RDWR|os.O_CREATE, 0o666)
+		// Read-only is enough for flock, and lets any user share the file.
+		f, err := os.OpenFile(RootTestLockPath, os.O_RDONLY|os.O_CREATE, 0o666)
 		if err != nil {
 			t.Fatalf("leak check: %v", err)
 		}
+		_ = f.Chmod(0o666) // despite the umask, when the file is ours
 		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 			t.Logf("leak check: waiting for another test process holding %s", RootTestLockPath)
 			if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
