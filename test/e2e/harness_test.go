@@ -277,6 +277,7 @@ func TestHarnessContainerd(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "containerd", "ctr", "runc", "busybox")
 	testutil.NoLeaks(t)
+	before := testutil.TakeSnapshot()
 
 	start := time.Now()
 	ctrd := testutil.StartContainerd(t)
@@ -288,6 +289,21 @@ func TestHarnessContainerd(t *testing.T) {
 	t.Logf("containerd up in %v; busybox rootfs built in %v; container running in %v; total %v",
 		started.Sub(start).Round(time.Millisecond), built.Sub(started).Round(time.Millisecond),
 		ran.Sub(built).Round(time.Millisecond), ran.Sub(start).Round(time.Millisecond))
+
+	// The leak checker tracks the shim (reparented away from the test, but
+	// its command line names containerd's directory) and the container's
+	// processes under it.
+	var running []string
+	for _, l := range testutil.FindLeaks(before, testutil.TakeSnapshot()) {
+		if l.Kind == "process" {
+			running = append(running, l.What)
+		}
+	}
+	for _, want := range []string{"containerd --config", "containerd-shim-runc-v2 -namespace " + ctrd.Namespace, fmt.Sprintf("pid %d ", c.PID())} {
+		if !strings.Contains(strings.Join(running, "\n"), want) {
+			t.Errorf("FindLeaks does not see %q among the new processes:\n%s", want, strings.Join(running, "\n"))
+		}
+	}
 
 	host, err := testutil.MountNamespaceOf(os.Getpid())
 	if err != nil {
@@ -333,7 +349,9 @@ func TestHarnessContainerd(t *testing.T) {
 
 	// Kill removes the task, the container and its processes.
 	pid := c.PID()
+	killStart := time.Now()
 	c.Kill(t)
+	t.Logf("Kill (SIGKILL, wait, delete task and container) took %v", time.Since(killStart).Round(time.Millisecond))
 	if _, err := testutil.MountNamespaceOf(pid); err == nil {
 		t.Errorf("container process %d still exists after Kill", pid)
 	}
@@ -350,9 +368,11 @@ func TestHarnessContainerd(t *testing.T) {
 	// Stop also takes down a container left running.
 	c2 := ctrd.Run(t, "c2", rootfs, "sleep", "3600")
 	pid2 := c2.PID()
+	stopStart := time.Now()
 	if err := ctrd.Stop(); err != nil {
 		t.Fatalf("Stop: %v", err)
 	}
+	t.Logf("Stop with one container running took %v", time.Since(stopStart).Round(time.Millisecond))
 	if _, err := testutil.MountNamespaceOf(pid2); err == nil {
 		t.Errorf("container c2 (pid %d) survived Stop", pid2)
 	}

@@ -30,6 +30,7 @@ type Proc struct {
 // end of the test if the test has not killed it.
 func StartUnshare(t testing.TB) *Proc {
 	t.Helper()
+	RequireRoot(t)
 	RequireCommands(t, "unshare")
 	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "sleep", "infinity")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
