@@ -408,7 +408,13 @@ func CheckNoLeaks(t testing.TB, before Snapshot, markers ...string) {
 // it, across test binaries too (go test runs packages in parallel), through
 // a lock file in os.TempDir(): their snapshots are of the whole machine. A
 // subtest of a test holding the lock may call NoLeaks too; parallel tests
-// that both call it run one after the other.
+// that both call it run one after the other. A parallel test must call
+// t.Parallel before NoLeaks: paused while holding the lock, it would
+// deadlock with the serial tests waiting for it.
+//
+// What the check finds is then cleaned up where it is provably the test's
+// own (processes it tracks, mounts and loop devices under a path marker),
+// so that one leaking test does not fail the next ones too.
 func NoLeaks(t testing.TB, markers ...string) {
 	t.Helper()
 	unlock := lockRootTests(t)
