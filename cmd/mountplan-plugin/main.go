@@ -1,0 +1,116 @@
+// Command mountplan-plugin serves the CSI Identity, Controller and Node
+// services and the NodePrepare extension on one unix socket.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime/debug"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/driver"
+	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/pkg/mounter"
+)
+
+type flags struct {
+	endpoint, nodeID, stateDir, driverName, configPath, mounterEndpoint string
+	reconcileInterval                                                   time.Duration
+}
+
+func main() {
+	var f flags
+	flag.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///abs/path.sock)")
+	flag.StringVar(&f.nodeID, "node-id", "", "name of this node (required)")
+	flag.StringVar(&f.stateDir, "state-dir", "/var/lib/mountplan", "directory for the journal, images and private mounts")
+	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
+	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
+	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket; empty: perform plans in process")
+	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
+	klog.InitFlags(nil)
+	flag.Parse()
+	if err := run(f); err != nil {
+		klog.ErrorS(err, "mountplan-plugin failed")
+		klog.Flush()
+		os.Exit(1)
+	}
+}
+
+func run(f flags) error {
+	if f.nodeID == "" {
+		return fmt.Errorf("--node-id is required")
+	}
+	cfg, err := config.Load(f.configPath)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	ctx = klog.NewContext(ctx, klog.Background())
+
+	m, closeMounter, err := newMounter(f, cfg)
+	if err != nil {
+		return err
+	}
+	defer closeMounter()
+	d, err := driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
+		StateDir: f.stateDir, Config: cfg, Mounter: m})
+	if err != nil {
+		return err
+	}
+	lis, err := endpoint.Listen(f.endpoint)
+	if err != nil {
+		return err
+	}
+	srv := grpc.NewServer(grpc.UnaryInterceptor(driver.Interceptor))
+	d.Register(srv)
+	go func() {
+		// Serve at once so Probe can answer "not ready" while this runs.
+		if err := d.Reconcile(ctx); err != nil {
+			klog.ErrorS(err, "Startup reconcile left errors")
+		}
+		klog.InfoS("Startup reconcile finished")
+		d.RunReconciler(ctx, f.reconcileInterval)
+	}()
+	go func() {
+		<-ctx.Done()
+		klog.InfoS("Stopping")
+		srv.GracefulStop()
+	}()
+	klog.InfoS("Serving", "endpoint", f.endpoint, "driver", f.driverName, "node", f.nodeID, "version", version())
+	return srv.Serve(lis)
+}
+
+// newMounter returns the sidecar's Mounter service when configured, else an
+// in-process executor with the same policy.
+func newMounter(f flags, cfg *config.Config) (mounter.Interface, func(), error) {
+	stateDir, err := filepath.Abs(f.stateDir)
+	if err != nil {
+		return nil, nil, err
+	}
+	policy := driver.PolicyFor(cfg, stateDir)
+	if f.mounterEndpoint == "" {
+		return mounter.NewExecutor(policy), func() {}, nil
+	}
+	conn, err := endpoint.Dial(f.mounterEndpoint)
+	if err != nil {
+		return nil, nil, err
+	}
+	return mounter.NewClient(conn), func() { _ = conn.Close() }, nil
+}
+
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "devel"
+}

@@ -1,0 +1,301 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source/loop"
+)
+
+// Capacity is provisioned in whole MiB; a request of 0 gets DefaultCapacity.
+const (
+	CapacityUnit    int64 = 1 << 20
+	DefaultCapacity int64 = 1 << 30
+)
+
+// minCapacity is the smallest image each filesystem can be made on.
+var minCapacity = map[string]int64{"ext4": 16 << 20, "xfs": 300 << 20}
+
+// Parameter keys of a StorageClass.
+const (
+	paramType       = "type"
+	paramFsType     = "fsType"
+	paramCSIFsType  = "csi.storage.k8s.io/fstype"
+	reservedPrefix  = "csi.storage.k8s.io/" // metadata added by external-provisioner
+	formattableHint = "ext4, xfs"
+)
+
+func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, t := range []csi.ControllerServiceCapability_RPC_Type{
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
+		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+	} {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
+			Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// createParams are the validated parameters of a CreateVolume.
+type createParams struct {
+	fsType string
+	size   int64
+}
+
+func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error) {
+	if err := requireField("name", req.GetName()); err != nil {
+		return createParams{}, err
+	}
+	if err := journal.ValidID(req.GetName()); err != nil {
+		return createParams{}, invalid("name %q cannot name a node-local volume (1-128 of [A-Za-z0-9._-])", req.GetName())
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return createParams{}, err
+	}
+	if req.GetVolumeContentSource() != nil {
+		return createParams{}, invalid("volume content sources (snapshots, clones) are not supported")
+	}
+	var p createParams
+	for k, v := range req.GetParameters() {
+		switch {
+		case k == paramType:
+			if v != loop.Type {
+				return p, invalid("parameter type=%q: only %q can be provisioned", v, loop.Type)
+			}
+		case k == paramFsType || k == paramCSIFsType:
+			p.fsType = v
+		case strings.HasPrefix(k, reservedPrefix):
+		default:
+			return p, invalid("unknown parameter %q (known: %s, %s, %s)", k, paramType, paramFsType, paramCSIFsType)
+		}
+	}
+	if p.fsType == "" {
+		for _, c := range req.GetVolumeCapabilities() {
+			if fs := c.GetMount().GetFsType(); fs != "" {
+				p.fsType = fs
+			}
+		}
+	}
+	if p.fsType == "" {
+		p.fsType = d.opts.Config.DefaultFsType
+	}
+	if _, ok := minCapacity[p.fsType]; !ok {
+		return p, invalid("fsType %q cannot be provisioned (supported: %s)", p.fsType, formattableHint)
+	}
+	var err error
+	p.size, err = capacityFor(req.GetCapacityRange(), p.fsType)
+	return p, err
+}
+
+// capacityFor rounds the requested size up to whole MiB and to the
+// filesystem's minimum, within the limit.
+func capacityFor(r *csi.CapacityRange, fsType string) (int64, error) {
+	required, limit := r.GetRequiredBytes(), r.GetLimitBytes()
+	if required < 0 || limit < 0 {
+		return 0, fmt.Errorf("capacity range must not be negative: %w", errdefs.ErrOutOfRange)
+	}
+	if limit > 0 && required > limit {
+		return 0, fmt.Errorf("required_bytes %d exceeds limit_bytes %d: %w", required, limit, errdefs.ErrOutOfRange)
+	}
+	size := required
+	if size == 0 {
+		size = DefaultCapacity
+		if limit > 0 && limit < size {
+			size = limit
+		}
+	}
+	size = max(size, minCapacity[fsType])
+	size = (size + CapacityUnit - 1) / CapacityUnit * CapacityUnit
+	if limit > 0 && size > limit {
+		return 0, fmt.Errorf("the smallest %s volume in whole MiB (%d bytes) exceeds limit_bytes %d: %w", fsType, size, limit, errdefs.ErrOutOfRange)
+	}
+	return size, nil
+}
+
+func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	p, err := d.parseCreate(req)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.checkTopology(req.GetAccessibilityRequirements()); err != nil {
+		return nil, err
+	}
+	id := req.GetName()
+	unlock, err := d.lock(id, "CreateVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	v, err := d.store.Get(id)
+	switch {
+	case err == nil && !v.Creating:
+		if err := compatible(v, req.GetCapacityRange(), p); err != nil {
+			return nil, err
+		}
+		return d.createResponse(v), nil
+	case err == nil: // a create interrupted after its intent: finish it
+	case errors.Is(err, errdefs.ErrNotFound):
+		v = &journal.Volume{ID: id, Name: req.GetName(), Kind: journal.KindProvisioned, Type: loop.Type,
+			Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
+			FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
+		if err := d.store.Put(v); err != nil {
+			return nil, err
+		}
+	default:
+		return nil, err
+	}
+	if err := loop.CreateImage(v.Image, v.CapacityBytes); err != nil {
+		return nil, fmt.Errorf("create image for %s: %w", id, err)
+	}
+	v.Creating = false
+	if err := d.store.Put(v); err != nil {
+		return nil, err
+	}
+	return d.createResponse(v), nil
+}
+
+// compatible decides whether a repeated CreateVolume names the same volume.
+func compatible(v *journal.Volume, r *csi.CapacityRange, p createParams) error {
+	if r.GetRequiredBytes() > v.CapacityBytes || (r.GetLimitBytes() > 0 && r.GetLimitBytes() < v.CapacityBytes) {
+		return fmt.Errorf("volume %s exists with %d bytes, outside the requested range: %w", v.ID, v.CapacityBytes, errdefs.ErrAlreadyExists)
+	}
+	if v.FsType != p.fsType {
+		return fmt.Errorf("volume %s exists with fsType %s, not %s: %w", v.ID, v.FsType, p.fsType, errdefs.ErrAlreadyExists)
+	}
+	return nil
+}
+
+func (d *Driver) createResponse(v *journal.Volume) *csi.CreateVolumeResponse {
+	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
+		VolumeId:           v.ID,
+		CapacityBytes:      v.CapacityBytes,
+		VolumeContext:      map[string]string{paramType: v.Type, paramFsType: v.FsType},
+		AccessibleTopology: []*csi.Topology{d.topology()},
+	}}
+}
+
+func (d *Driver) topology() *csi.Topology {
+	return &csi.Topology{Segments: map[string]string{TopologyKey: d.opts.NodeID}}
+}
+
+// checkTopology refuses a request that may not land on this node.
+func (d *Driver) checkTopology(req *csi.TopologyRequirement) error {
+	requisite := req.GetRequisite()
+	if len(requisite) == 0 {
+		return nil
+	}
+	if slices.ContainsFunc(requisite, func(t *csi.Topology) bool {
+		n, ok := t.GetSegments()[TopologyKey]
+		return !ok || n == d.opts.NodeID
+	}) {
+		return nil
+	}
+	return fmt.Errorf("requisite topology excludes node %s: %w", d.opts.NodeID, errdefs.ErrResourceExhausted)
+}
+
+func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireField("volume_id", id); err != nil {
+		return nil, err
+	}
+	if journal.ValidID(id) != nil {
+		return &csi.DeleteVolumeResponse{}, nil // such a volume cannot exist here
+	}
+	unlock, err := d.lock(id, "DeleteVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := d.store.Get(id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return &csi.DeleteVolumeResponse{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if v.Stage != nil {
+		return nil, fmt.Errorf("volume %s is staged at %s: %w", id, v.Stage.StagingPath, errdefs.ErrFailedPrecondition)
+	}
+	if v.Kind != journal.KindProvisioned {
+		return nil, fmt.Errorf("volume %s is %s, not provisioned: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
+	}
+	if err := loop.RemoveImage(v.Image); err != nil {
+		return nil, err
+	}
+	return &csi.DeleteVolumeResponse{}, d.store.Delete(id)
+}
+
+func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	if err := requireVolumeID(req.GetVolumeId()); err != nil {
+		return nil, err
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, invalid("volume_capabilities are required")
+	}
+	if _, err := d.store.Get(req.GetVolumeId()); err != nil {
+		return nil, err
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext:      req.GetVolumeContext(),
+		VolumeCapabilities: req.GetVolumeCapabilities(),
+		Parameters:         req.GetParameters(),
+	}}, nil
+}
+
+// GetCapacity reports the free bytes of the state dir's filesystem. Images
+// are sparse, so this is what new volumes can still be written into.
+func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(d.opts.StateDir, &st); err != nil {
+		return nil, fmt.Errorf("statfs %s: %w", d.opts.StateDir, err)
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: int64(st.Bavail) * st.Bsize}, nil
+}
+
+func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	if req.GetCapacityRange() == nil {
+		return nil, invalid("capacity_range is required")
+	}
+	unlock, err := d.lock(id, "ControllerExpandVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := d.store.Get(id)
+	if err != nil {
+		return nil, err
+	}
+	size, err := capacityFor(req.GetCapacityRange(), v.FsType)
+	if err != nil {
+		return nil, err
+	}
+	if size > v.CapacityBytes {
+		if err := loop.GrowImage(v.Image, size); err != nil {
+			return nil, fmt.Errorf("grow image of %s: %w", id, err)
+		}
+		v.CapacityBytes = size
+		if err := d.store.Put(v); err != nil {
+			return nil, err
+		}
+	}
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: true}, nil
+}

@@ -1,0 +1,114 @@
+// Package driver serves the CSI Identity, Controller and Node services and
+// mountplan's NodePrepare extension on one gRPC server. It validates
+// requests, takes per-volume locks, keeps the journal, and delegates device
+// work to the volume sources and mount work to a mounter. Errors are mapped
+// to gRPC codes in one place: the unary interceptor (see server.go).
+package driver
+
+import (
+	"fmt"
+	"path/filepath"
+	"sync/atomic"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/keylock"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/loop"
+)
+
+// TopologyKey is the segment that pins a volume to the node that made it.
+const TopologyKey = "topology.mountplan.csi.io/node"
+
+// Options configure a Driver.
+type Options struct {
+	DriverName string
+	NodeID     string
+	Version    string
+	StateDir   string
+	Config     *config.Config
+	// Mounter performs plans for kubelet's publishes: the sidecar's Mounter
+	// service, or an in-process executor.
+	Mounter mounter.Interface
+}
+
+// Driver implements the services. Create it with New.
+type Driver struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	csi.UnimplementedNodeServer
+	api.UnimplementedNodePrepareServer
+
+	opts    Options
+	store   *journal.Store
+	locks   keylock.Locks
+	loop    *loop.Source
+	sources map[string]source.Source
+	policy  plan.Policy
+	ready   atomic.Bool
+}
+
+// New builds a driver over the state dir. It touches no device: Reconcile
+// does that, and Probe says not-ready until it has.
+func New(opts Options) (*Driver, error) {
+	if opts.DriverName == "" || opts.NodeID == "" || opts.StateDir == "" || opts.Mounter == nil {
+		return nil, fmt.Errorf("driver: name, node id, state dir and mounter are required: %w", errdefs.ErrInvalidArgument)
+	}
+	if opts.Config == nil {
+		opts.Config = &config.Config{DefaultFsType: "ext4"}
+	}
+	stateDir, err := filepath.Abs(opts.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	opts.StateDir = stateDir
+	store, err := journal.Open(stateDir)
+	if err != nil {
+		return nil, err
+	}
+	ls := loop.New()
+	return &Driver{
+		opts:    opts,
+		store:   store,
+		loop:    ls,
+		sources: map[string]source.Source{loop.Type: ls},
+		policy:  PolicyFor(opts.Config, stateDir),
+	}, nil
+}
+
+// PolicyFor is the plan policy of a plugin with this config and state dir;
+// the sidecar is started with the same roots so it checks the same rules.
+func PolicyFor(c *config.Config, stateDir string) plan.Policy {
+	return plan.Policy{Types: c.MountPolicy.Types, Roots: []string{stateDir}, AllowSuidDev: c.MountPolicy.AllowSuidDev}
+}
+
+// Register adds every service to s.
+func (d *Driver) Register(s *grpc.Server) {
+	csi.RegisterIdentityServer(s, d)
+	csi.RegisterControllerServer(s, d)
+	csi.RegisterNodeServer(s, d)
+	api.RegisterNodePrepareServer(s, d)
+}
+
+// lock takes the volume's lock for op; a busy volume gives Aborted.
+func (d *Driver) lock(id, op string) (func(), error) {
+	return d.locks.TryLock(id, op)
+}
+
+func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
+	s, ok := d.sources[v.Type]
+	if !ok {
+		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)
+	}
+	return s, nil
+}
+
+// Ready reports whether the startup reconcile has finished.
+func (d *Driver) Ready() bool { return d.ready.Load() }

@@ -1,0 +1,265 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/loop"
+)
+
+// Volume context keys.
+const (
+	ctxType      = "type"
+	ctxImage     = "image"
+	ctxFsType    = "fsType"
+	ctxEphemeral = "csi.storage.k8s.io/ephemeral"
+	ctxSize      = "size"
+)
+
+func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	return &csi.NodeGetInfoResponse{NodeId: d.opts.NodeID, AccessibleTopology: d.topology()}, nil
+}
+
+func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	var caps []*csi.NodeServiceCapability
+	for _, t := range []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+	} {
+		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
+			Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
+	}
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
+		return nil, err
+	}
+	c, err := checkCapability(req.GetVolumeCapability())
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := d.lock(id, "NodeStageVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := d.volumeForStage(id, req.GetVolumeContext())
+	if err != nil {
+		return nil, err
+	}
+	return &csi.NodeStageVolumeResponse{}, d.stage(ctx, v, req.GetStagingTargetPath(), c, req.GetVolumeContext())
+}
+
+// volumeForStage finds the record of a provisioned volume, or makes one for
+// a static volume described by its context.
+func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Volume, error) {
+	v, err := d.store.Get(id)
+	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
+		return v, err
+	}
+	if vctx[ctxImage] == "" {
+		return nil, fmt.Errorf("volume %s does not exist and its context names no image: %w", id, errdefs.ErrNotFound)
+	}
+	if err := checkStaticContext(vctx); err != nil {
+		return nil, err
+	}
+	image, err := loop.ResolveStaticImage(vctx[ctxImage], d.opts.Config.ImageRoots)
+	if err != nil {
+		return nil, err
+	}
+	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: loop.Type, Image: image, FsType: vctx[ctxFsType]}, nil
+}
+
+func checkStaticContext(vctx map[string]string) error {
+	for k, val := range vctx {
+		switch {
+		case k == ctxType:
+			if val != loop.Type {
+				return invalid("volume type %q is not supported (supported: %s)", val, loop.Type)
+			}
+		case k == ctxImage || k == ctxFsType || strings.HasPrefix(k, reservedPrefix):
+		default:
+			return invalid("unknown volume attribute %q", k)
+		}
+	}
+	return nil
+}
+
+// stage activates v, journaling the intent first. Repeating a completed
+// stage with the same capability is a no-op.
+func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath string, c capability, vctx map[string]string) error {
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return err
+	}
+	if v.Stage != nil {
+		if v.Staged() {
+			if v.Stage.Block != c.block || v.Stage.ReadOnly != c.readOnly {
+				return fmt.Errorf("volume %s is already staged with another access type or mode: %w", v.ID, errdefs.ErrAlreadyExists)
+			}
+			return d.adopt(ctx, v, src)
+		}
+		// An intent left by a crash: undo what may be half done, then stage anew.
+		if err := src.Unstage(ctx, v); err != nil {
+			return err
+		}
+	}
+	v.Stage = &journal.Stage{Phase: journal.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
+	if err := d.store.Put(v); err != nil {
+		return err
+	}
+	fsType := firstNonEmpty(c.fsType, v.FsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
+	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Save: d.store.Put})
+	if err != nil {
+		v.Stage = nil
+		return errors.Join(err, d.saveOrForget(v))
+	}
+	v.Stage.Source, v.Stage.Phase = state, journal.PhaseStaged
+	return d.store.Put(v)
+}
+
+// adopt makes sure a staged volume's handles are live in this process.
+func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source) error {
+	state, err := src.Adopt(ctx, v)
+	if err != nil {
+		return err
+	}
+	if string(state) != string(v.Stage.Source) {
+		v.Stage.Source = state
+		return d.store.Put(v)
+	}
+	return nil
+}
+
+// saveOrForget keeps the record of a volume that outlives its stage and
+// drops the record of a static one, which exists only while staged.
+func (d *Driver) saveOrForget(v *journal.Volume) error {
+	if v.Kind == journal.KindStatic && v.Stage == nil {
+		return d.store.Delete(v.ID)
+	}
+	return d.store.Put(v)
+}
+
+func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
+		return nil, err
+	}
+	unlock, err := d.lock(id, "NodeUnstageVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := d.store.Get(id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return &csi.NodeUnstageVolumeResponse{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &csi.NodeUnstageVolumeResponse{}, d.unstage(ctx, v)
+}
+
+// unstage refuses while anyone still uses the volume, then deactivates it.
+func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
+	if v.Stage == nil {
+		return nil
+	}
+	d.dropDeadConsumers(ctx, v)
+	if len(v.Consumers) > 0 {
+		return fmt.Errorf("volume %s is still prepared for %s: %w", v.ID, describeConsumers(v.Consumers), errdefs.ErrFailedPrecondition)
+	}
+	if len(v.Publishes) > 0 {
+		targets := make([]string, 0, len(v.Publishes))
+		for _, p := range v.Publishes {
+			targets = append(targets, p.TargetPath)
+		}
+		return fmt.Errorf("volume %s is still published at %s: %w", v.ID, strings.Join(targets, ", "), errdefs.ErrFailedPrecondition)
+	}
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return err
+	}
+	v.Stage.Phase = journal.PhaseUnstaging
+	if err := d.store.Put(v); err != nil {
+		return err
+	}
+	if err := src.Unstage(ctx, v); err != nil {
+		return err
+	}
+	v.Stage = nil
+	klog.FromContext(ctx).V(2).Info("Unstaged")
+	return d.saveOrForget(v)
+}
+
+func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	if err := requireVolumeID(req.GetVolumeId()); err != nil {
+		return nil, err
+	}
+	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
+		return nil, err
+	}
+	v, err := d.store.Get(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	pub := findPublish(v, req.GetVolumePath())
+	if pub == nil || !d.isMountPoint(pub.TargetPath) {
+		return nil, fmt.Errorf("volume %s is not published at %s: %w", v.ID, req.GetVolumePath(), errdefs.ErrNotFound)
+	}
+	return d.statsOf(v, pub.TargetPath)
+}
+
+func findPublish(v *journal.Volume, target string) *journal.Publish {
+	i := slices.IndexFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
+	if i < 0 {
+		return nil
+	}
+	return &v.Publishes[i]
+}
+
+func describeConsumers(cs []journal.Consumer) string {
+	parts := make([]string, 0, len(cs))
+	for _, c := range cs {
+		parts = append(parts, fmt.Sprintf("pid %d (mnt ns %d) at %s", c.PID, c.NSInode, c.MountPoint))
+	}
+	return strings.Join(parts, ", ")
+}
+
+func firstNonEmpty(vals ...string) string {
+	for _, v := range vals {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+// removeMountPoint deletes a target path the plugin created, never
+// recursively: kubelet owns what lies around it.
+func removeMountPoint(p string) error {
+	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", p, err)
+	}
+	return nil
+}

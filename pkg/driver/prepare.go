@@ -1,0 +1,204 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// NodePrepareVolume answers with the plan of a staged volume and records
+// who will perform it. Nothing is mounted here: the caller mounts inside
+// the consumer's namespace.
+func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolumeRequest) (*api.NodePrepareVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
+		return nil, err
+	}
+	c, err := checkCapability(req.GetVolumeCapability())
+	if err != nil {
+		return nil, err
+	}
+	cons, err := checkConsumer(req.GetConsumer(), true)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := d.lock(id, "NodePrepareVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := d.store.Get(id)
+	if err != nil {
+		return nil, err
+	}
+	mounts, err := d.prepare(ctx, v, &cons, c, req.GetReadonly())
+	if err != nil {
+		return nil, err
+	}
+	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(mounts), Consumer: &api.Consumer{
+		Pid: int64(cons.PID), MountPoint: cons.MountPoint, MntNsInode: cons.NSInode}}, nil
+}
+
+func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.Consumer, c capability, readOnly bool) ([]plan.Mount, error) {
+	if !v.Staged() {
+		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
+	}
+	if v.Stage.Block != c.block {
+		return nil, invalid("volume %s is staged for %s access", v.ID, accessName(v.Stage.Block))
+	}
+	inode, err := namespaceOf(cons.PID)
+	if err != nil {
+		return nil, err
+	}
+	if cons.NSInode != 0 && cons.NSInode != inode {
+		return nil, fmt.Errorf("process %d is no longer in mount namespace %d: %w", cons.PID, cons.NSInode, errdefs.ErrFailedPrecondition)
+	}
+	cons.NSInode = inode
+	if i := slices.IndexFunc(v.Consumers, sameConsumer(*cons)); i >= 0 {
+		return v.Consumers[i].Mounts, nil // a repeated prepare: same answer
+	}
+	mounts, err := d.planFor(v, source.PlanRequest{Block: c.block, ReadOnly: readOnly || c.readOnly, MountFlags: c.mountFlags})
+	if err != nil {
+		return nil, err
+	}
+	cons.Mounts = mounts
+	v.Consumers = append(v.Consumers, *cons)
+	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", inode, "mountPoint", cons.MountPoint)
+	return mounts, d.store.Put(v)
+}
+
+// NodeUnprepareVolume releases a consumer's claim. Idempotent: an unknown
+// volume or consumer is already released.
+func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepareVolumeRequest) (*api.NodeUnprepareVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	cons, err := checkConsumer(req.GetConsumer(), false)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := d.lock(id, "NodeUnprepareVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := d.store.Get(id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return &api.NodeUnprepareVolumeResponse{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if cons.NSInode == 0 {
+		// The caller did not keep the namespace identity: the PID still
+		// names it if the process lives.
+		cons.NSInode, _ = namespaceOf(cons.PID)
+	}
+	n := len(v.Consumers)
+	v.Consumers = slices.DeleteFunc(v.Consumers, releasedBy(cons))
+	if len(v.Consumers) == n {
+		return &api.NodeUnprepareVolumeResponse{}, nil
+	}
+	return &api.NodeUnprepareVolumeResponse{}, d.store.Put(v)
+}
+
+func checkConsumer(c *api.Consumer, needPID bool) (journal.Consumer, error) {
+	if c == nil {
+		return journal.Consumer{}, invalid("consumer is required")
+	}
+	if needPID && c.GetPid() <= 0 {
+		return journal.Consumer{}, invalid("consumer.pid must be a positive process id")
+	}
+	if err := requirePath("consumer.mount_point", c.GetMountPoint()); err != nil {
+		return journal.Consumer{}, err
+	}
+	return journal.Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode()}, nil
+}
+
+// namespaceOf returns the inode of pid's mount namespace: the identity the
+// journal keeps, since a PID alone is reused.
+func namespaceOf(pid int) (uint64, error) {
+	var st unix.Stat_t
+	p := filepath.Join("/proc", strconv.Itoa(pid), "ns", "mnt")
+	if err := unix.Stat(p, &st); err != nil {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ESRCH) {
+			return 0, fmt.Errorf("process %d does not exist: %w", pid, errdefs.ErrNotFound)
+		}
+		return 0, fmt.Errorf("stat %s: %w", p, err)
+	}
+	return st.Ino, nil
+}
+
+// namespaceAlive reports whether any process is still in the mount
+// namespace with inode ino. The recorded PID is checked first; only when it
+// has gone are other processes searched, since a container's namespace
+// outlives any one of its processes.
+func namespaceAlive(pid int, ino uint64) bool {
+	if got, err := namespaceOf(pid); err == nil && got == ino {
+		return true
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return true // cannot tell: keep the consumer
+	}
+	for _, e := range entries {
+		other, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if got, err := namespaceOf(other); err == nil && got == ino {
+			return true
+		}
+	}
+	return false
+}
+
+// dropDeadConsumers forgets consumers whose namespace is gone: the kernel
+// dropped their mounts with it. The caller persists v.
+func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
+	n := len(v.Consumers)
+	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Consumer) bool {
+		dead := !namespaceAlive(c.PID, c.NSInode)
+		if dead {
+			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.NSInode)
+		}
+		return dead
+	})
+	return len(v.Consumers) != n
+}
+
+// sameConsumer matches the record of the same namespace and mount point.
+func sameConsumer(a journal.Consumer) func(journal.Consumer) bool {
+	return func(b journal.Consumer) bool { return a.NSInode == b.NSInode && a.MountPoint == b.MountPoint }
+}
+
+// releasedBy matches the records an unprepare request names: by namespace
+// identity when the caller knows it, else by PID.
+func releasedBy(req journal.Consumer) func(journal.Consumer) bool {
+	return func(c journal.Consumer) bool {
+		if c.MountPoint != req.MountPoint {
+			return false
+		}
+		if req.NSInode != 0 {
+			return c.NSInode == req.NSInode
+		}
+		return c.PID == req.PID
+	}
+}

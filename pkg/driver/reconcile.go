@@ -1,0 +1,94 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/journal"
+)
+
+// Reconcile compares every record with the kernel: it adopts staged devices
+// (or re-attaches them when the kernel cleared them), undoes steps a crash
+// interrupted, forgets publishes and consumers that are gone, and finishes
+// or removes half-made inline volumes. The first call makes Probe ready.
+func (d *Driver) Reconcile(ctx context.Context) error {
+	logger := klog.FromContext(ctx)
+	vols, listErr := d.store.List()
+	if listErr != nil {
+		logger.Error(listErr, "Some journal records could not be read; they are left as they are")
+	}
+	var errs []error
+	for _, v := range vols {
+		unlock, err := d.lock(v.ID, "reconcile")
+		if err != nil {
+			continue // busy with a request: that request settles it
+		}
+		err = d.reconcileVolume(klog.NewContext(ctx, logger.WithValues("volume", v.ID)), v)
+		unlock()
+		if err != nil {
+			logger.Error(err, "Reconcile failed", "volume", v.ID)
+			errs = append(errs, err)
+		}
+	}
+	d.ready.Store(true)
+	return errors.Join(errs...)
+}
+
+func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
+	// Re-read under the lock: a request may have changed it since List.
+	v, err := d.store.Get(v.ID)
+	if err != nil {
+		return err
+	}
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return err
+	}
+	if v.Kind == journal.KindEphemeral && (v.Creating || !v.Staged()) {
+		return d.destroyEphemeral(ctx, v)
+	}
+	if v.Stage == nil {
+		return nil
+	}
+	if !v.Staged() {
+		klog.FromContext(ctx).Info("Undoing a stage step a crash interrupted", "phase", v.Stage.Phase)
+		if err := src.Unstage(ctx, v); err != nil {
+			return err
+		}
+		v.Stage = nil
+		return d.saveOrForget(v)
+	}
+	changed := d.dropDeadConsumers(ctx, v)
+	n := len(v.Publishes)
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return !d.isMountPoint(p.TargetPath) })
+	changed = changed || len(v.Publishes) != n
+	if v.Kind == journal.KindEphemeral && len(v.Publishes) == 0 {
+		return d.destroyEphemeral(ctx, v)
+	}
+	if err := d.adopt(ctx, v, src); err != nil {
+		return err
+	}
+	if changed {
+		return d.store.Put(v)
+	}
+	return nil
+}
+
+// RunReconciler reconciles every interval until ctx ends, so consumers
+// whose containers died are released without anyone calling Unprepare.
+func (d *Driver) RunReconciler(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			_ = d.Reconcile(ctx)
+		}
+	}
+}

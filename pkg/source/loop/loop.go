@@ -1,0 +1,292 @@
+// Package loop is the loop-device volume source: an image file (made by
+// CreateVolume under the state dir, an admin's image under an allowed root,
+// or an inline ephemeral volume's) attached with LOOP_CONFIGURE.
+//
+// The device is attached with autoclear and its fd is held open by the
+// plugin while the volume is staged. The kernel then detaches it by itself
+// when the plugin dies and no mount uses it, so a crash never leaks a loop
+// device; Adopt re-attaches after a restart.
+package loop
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// Type is the volume_context type of this source.
+const Type = "loop"
+
+// State is what the journal keeps of a staged loop volume.
+type State struct {
+	Device   string           `json:"device"`
+	Identity loopdev.Identity `json:"identity"`
+	DirectIO bool             `json:"directIO,omitempty"`
+	ReadOnly bool             `json:"readOnly,omitempty"`
+	// FsType is the filesystem found or made on the device ("" for block).
+	FsType string `json:"fsType,omitempty"`
+}
+
+// Source attaches images to loop devices.
+type Source struct {
+	// MountableTypes are the filesystems a plan may mount; a device holding
+	// anything else is refused rather than reformatted.
+	MountableTypes []string
+
+	mu      sync.Mutex // guards devices only; volume operations are serialised by the driver's per-volume locks
+	devices map[string]*loopdev.Device
+}
+
+var _ source.Source = (*Source)(nil)
+
+// New returns a loop source.
+func New() *Source {
+	return &Source{
+		MountableTypes: []string{"ext4", "xfs", "btrfs", "erofs", "squashfs"},
+		devices:        map[string]*loopdev.Device{},
+	}
+}
+
+func (s *Source) hold(id string, d *loopdev.Device) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if old := s.devices[id]; old != nil && old != d {
+		_ = old.Close()
+	}
+	s.devices[id] = d
+}
+
+func (s *Source) take(id string) *loopdev.Device {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := s.devices[id]
+	delete(s.devices, id)
+	return d
+}
+
+func (s *Source) held(id string) *loopdev.Device {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.devices[id]
+}
+
+// Stage attaches v.Image and, for mount access, makes sure it holds a
+// filesystem. The device is not mounted anywhere: the plan mounts it.
+func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
+	dev, err := loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: req.ReadOnly, DirectIO: true, Autoclear: true})
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", v.Image, err)
+	}
+	defer func() {
+		if err != nil {
+			if derr := dev.Detach(); derr != nil {
+				klog.FromContext(ctx).Error(derr, "Rollback: detach failed", "device", dev.Path)
+			}
+		}
+	}()
+	st := State{Device: dev.Path, Identity: dev.Identity, DirectIO: dev.DirectIO, ReadOnly: dev.ReadOnly}
+	if !req.Block {
+		if st.FsType, err = s.ensureFilesystem(ctx, v, dev.Path, req); err != nil {
+			return nil, err
+		}
+	}
+	raw, err := json.Marshal(st)
+	if err != nil {
+		return nil, err
+	}
+	s.hold(v.ID, dev)
+	return raw, nil
+}
+
+// ensureFilesystem returns the filesystem on device, making one only when
+// the device is blank or when a format of ours was interrupted.
+func (s *Source) ensureFilesystem(ctx context.Context, v *journal.Volume, device string, req source.StageRequest) (string, error) {
+	if v.Format != nil && v.Format.Done {
+		return v.Format.FsType, nil
+	}
+	interrupted := v.Format != nil && !v.Format.Done
+	if !interrupted {
+		found, err := fsutil.Detect(ctx, device)
+		if err != nil {
+			return "", err
+		}
+		if found != "" {
+			if !slices.Contains(s.MountableTypes, found) {
+				return "", fmt.Errorf("image %s holds %q, which is not a mountable filesystem; it is left untouched: %w", v.Image, found, errdefs.ErrFailedPrecondition)
+			}
+			v.Format = &journal.Format{FsType: found, Done: true}
+			return found, req.Save(v)
+		}
+	}
+	if req.ReadOnly {
+		return "", fmt.Errorf("image %s holds no filesystem and the volume is read-only: %w", v.Image, errdefs.ErrFailedPrecondition)
+	}
+	fsType := req.FsType
+	if interrupted {
+		fsType = v.Format.FsType
+	}
+	// Intent first: if mkfs is interrupted, the next stage sees a pending
+	// format and redoes it instead of trusting a half-written superblock.
+	v.Format = &journal.Format{FsType: fsType}
+	if err := req.Save(v); err != nil {
+		return "", err
+	}
+	if err := fsutil.Format(ctx, device, fsType); err != nil {
+		return "", err
+	}
+	v.Format.Done = true
+	return fsType, req.Save(v)
+}
+
+// Plan mounts the device (mount access) or binds its node (block access).
+func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+	st, err := decode(v)
+	if err != nil {
+		return nil, err
+	}
+	ro := req.ReadOnly || st.ReadOnly
+	if req.Block {
+		opts := []string{"nosuid"}
+		if ro {
+			opts = append(opts, "ro")
+		}
+		return []plan.Mount{{Type: plan.TypeBind, Source: st.Device, Options: opts}}, nil
+	}
+	if st.FsType == "" {
+		return nil, fmt.Errorf("volume %s was staged for block access: %w", v.ID, errdefs.ErrInvalidArgument)
+	}
+	opts := []string{"nosuid", "nodev"}
+	if ro {
+		opts = append(opts, "ro")
+	}
+	for _, f := range req.MountFlags {
+		if !slices.Contains(opts, f) {
+			opts = append(opts, f)
+		}
+	}
+	return []plan.Mount{{Type: st.FsType, Source: st.Device, Options: opts}}, nil
+}
+
+// Unstage detaches the device if it is still backed by v's image.
+func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
+	st, err := decode(v)
+	if err != nil {
+		return err
+	}
+	dev := s.take(v.ID)
+	if dev == nil {
+		dev, err = loopdev.Adopt(st.Device, st.Identity)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			klog.FromContext(ctx).V(2).Info("Loop device already gone", "device", st.Device)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return dev.Detach()
+}
+
+// Adopt reopens the device of a staged volume, or attaches the image again
+// when the kernel cleared it after the plugin died (autoclear).
+func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
+	st, err := decode(v)
+	if err != nil {
+		return nil, err
+	}
+	if s.held(v.ID) != nil {
+		return v.Stage.Source, nil
+	}
+	dev, err := loopdev.Adopt(st.Device, st.Identity)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		klog.FromContext(ctx).Info("Loop device gone; attaching the image again", "volume", v.ID, "image", v.Image)
+		dev, err = loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: st.ReadOnly, DirectIO: true, Autoclear: true})
+	}
+	if err != nil {
+		return nil, err
+	}
+	st.Device, st.Identity, st.DirectIO = dev.Path, dev.Identity, dev.DirectIO
+	raw, err := json.Marshal(st)
+	if err != nil {
+		_ = dev.Close()
+		return nil, err
+	}
+	s.hold(v.ID, dev)
+	return raw, nil
+}
+
+// Device returns the held device of a staged volume (for expansion).
+func (s *Source) Device(v *journal.Volume) (*loopdev.Device, error) {
+	if d := s.held(v.ID); d != nil {
+		return d, nil
+	}
+	return nil, fmt.Errorf("volume %s has no attached loop device: %w", v.ID, errdefs.ErrFailedPrecondition)
+}
+
+func decode(v *journal.Volume) (State, error) {
+	var st State
+	if v.Stage == nil || len(v.Stage.Source) == 0 {
+		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
+		return st, fmt.Errorf("volume %s: corrupt loop state: %w", v.ID, err)
+	}
+	return st, nil
+}
+
+// Expand makes the loop device see its grown image and grows the
+// filesystem. Filesystems are grown online: at mountPath when the volume is
+// mounted there, else through a private mount at scratch, because an
+// offline resize2fs would need a full fsck first and xfs can only grow
+// mounted.
+func (s *Source) Expand(ctx context.Context, v *journal.Volume, mountPath, scratch string) (int64, error) {
+	dev, err := s.Device(v)
+	if err != nil {
+		return 0, err
+	}
+	if err := dev.SetCapacity(); err != nil {
+		return 0, err
+	}
+	st, err := decode(v)
+	if err != nil {
+		return 0, err
+	}
+	if st.FsType != "" {
+		if st.ReadOnly {
+			return 0, fmt.Errorf("volume %s is read-only and cannot grow its filesystem: %w", v.ID, errdefs.ErrFailedPrecondition)
+		}
+		if err := growMounted(ctx, dev.Path, st.FsType, mountPath, scratch); err != nil {
+			return 0, err
+		}
+	}
+	return dev.Size()
+}
+
+func growMounted(ctx context.Context, device, fsType, mountPath, scratch string) error {
+	if mountPath != "" {
+		return fsutil.Resize(ctx, device, fsType, mountPath)
+	}
+	if err := os.MkdirAll(scratch, 0o700); err != nil {
+		return err
+	}
+	defer os.Remove(scratch)
+	if err := unix.Mount(device, scratch, fsType, unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount %s at %s for resize: %w", device, scratch, err)
+	}
+	defer func() { _ = unix.Unmount(scratch, 0) }()
+	return fsutil.Resize(ctx, device, fsType, scratch)
+}
