@@ -1,0 +1,47 @@
+# mountplan build and test entry points. Root is needed for `test` (real
+# loop devices, mounts, namespaces and containers); `make ci` is what
+# .ci/run calls after installing packages.
+GO        ?= go
+BIN       := bin
+PKGS      := ./...
+# Root tests share the kernel's loop devices and mount table: run test
+# packages one at a time so their leak checks see only their own work.
+TESTFLAGS ?= -p 1 -count=1 -timeout 80m
+
+.PHONY: all build test test-unit test-sanity verify bench demo clean codegen deploy
+
+all: build
+
+build:
+	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar
+
+test: build
+	$(GO) test $(TESTFLAGS) $(PKGS)
+
+test-unit:
+	$(GO) test -count=1 -short $(PKGS)
+
+test-sanity: build
+	$(GO) test -count=1 -v ./test/sanity/...
+
+verify:
+	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }
+	$(GO) vet $(PKGS)
+	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 $(PKGS)
+	hack/verify-codegen.sh
+	@if [ -x hack/verify-deploy.sh ]; then hack/verify-deploy.sh; fi
+
+codegen:
+	hack/update-codegen.sh
+
+deploy:
+	hack/update-deploy.sh
+
+bench: build
+	hack/bench.sh
+
+demo: build
+	hack/demo.sh
+
+clean:
+	rm -rf $(BIN)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs, from Debian's packages, every tool mountplan's tests and demo
+# use. Idempotent; needs root.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+pkgs=(
+  e2fsprogs xfsprogs util-linux mount   # mkfs, resize, blkid, losetup
+  squashfs-tools erofs-utils            # read-only images for chains
+  containerd runc busybox-static        # real containers in end-to-end tests
+  protobuf-compiler                     # make verify regenerates the protos
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

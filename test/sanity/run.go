@@ -1,0 +1,127 @@
+// Package sanity runs csi-sanity (github.com/kubernetes-csi/csi-test/v5)
+// against the real mountplan-plugin binary on a unix socket. Ginkgo allows
+// one suite per process, so the mount and block runs are two packages
+// (./mount and ./block) that call Run.
+package sanity
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
+
+	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/test/testutil"
+)
+
+// Run builds the plugin, starts it and runs every csi-sanity test with the
+// given access type ("mount" or "block"), then proves nothing leaked.
+func Run(t *testing.T, accessType string) {
+	testutil.RequireRoot(t)
+	tmp, err := os.MkdirTemp("", "mp-sanity-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(tmp) })
+	testutil.NoLeaks(t, tmp)
+
+	bin := filepath.Join(tmp, "mountplan-plugin")
+	build := exec.Command("go", "build", "-o", bin, "github.com/mountplan/mountplan/cmd/mountplan-plugin")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build plugin: %v\n%s", err, out)
+	}
+	ep := "unix://" + filepath.Join(tmp, "csi.sock")
+	stop := startPlugin(t, bin, ep, filepath.Join(tmp, "state"), filepath.Join(tmp, "plugin.log"))
+	t.Cleanup(stop)
+
+	cfg := sanity.NewTestConfig()
+	cfg.Address = ep
+	cfg.TargetPath = filepath.Join(tmp, "target")
+	cfg.StagingPath = filepath.Join(tmp, "staging")
+	cfg.IdempotentCount = 10
+	cfg.TestVolumeParameters = map[string]string{"type": "loop"}
+	cfg.TestVolumeAccessType = accessType
+	cfg.TestVolumeSize = 64 << 20
+	cfg.TestVolumeExpandSize = 128 << 20
+	sanity.Test(t, cfg)
+}
+
+// startPlugin runs the plugin and waits until Probe says ready. The
+// returned func stops it with SIGTERM and fails the test if it does not
+// exit cleanly.
+func startPlugin(t *testing.T, bin, ep, stateDir, logPath string) func() {
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "--endpoint", ep, "--node-id", "sanity-node", "--state-dir", stateDir, "--v=4", "--logtostderr")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	stop := func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("plugin exited with %v", err)
+			}
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			t.Errorf("plugin ignored SIGTERM")
+		}
+		_ = logf.Close()
+		if t.Failed() {
+			if b, err := os.ReadFile(logPath); err == nil {
+				t.Logf("plugin log (tail):\n%s", tail(b, 8000))
+			}
+		}
+	}
+	if err := waitReady(ep, done); err != nil {
+		stop()
+		t.Fatalf("plugin did not become ready: %v", err)
+	}
+	return stop
+}
+
+func waitReady(ep string, exited <-chan error) error {
+	conn, err := endpoint.Dial(ep)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ids := csi.NewIdentityClient(conn)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		resp, err := ids.Probe(ctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil && resp.GetReady().GetValue() {
+			return nil
+		}
+		select {
+		case err := <-exited:
+			return err
+		default:
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func tail(b []byte, n int) []byte {
+	if len(b) > n {
+		return b[len(b)-n:]
+	}
+	return b
+}
