@@ -99,7 +99,7 @@ func newMounter(f flags, cfg *config.Config) (mounter.Interface, func(), error) 
 	}
 	policy := driver.PolicyFor(cfg, stateDir)
 	if f.mounterEndpoint == "" {
-		return mounter.NewExecutor(policy), func() {}, nil
+		return &mounter.Executor{Policy: policy}, func() {}, nil
 	}
 	conn, err := endpoint.Dial(f.mounterEndpoint)
 	if err != nil {

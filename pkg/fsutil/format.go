@@ -3,6 +3,7 @@ package fsutil
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
@@ -37,6 +38,12 @@ func (t tools) resize(ctx context.Context, device, fsType, mountPath string) err
 			return err
 		}
 		_, err := t.run(ctx, device, "resize2fs", device)
+		if err != nil && strings.Contains(err.Error(), "Permission denied to resize") {
+			// The kernel's online resize ioctl wants CAP_SYS_RESOURCE;
+			// say so instead of passing on resize2fs's riddle.
+			return fmt.Errorf("fsutil: online resize of ext4 on %s needs CAP_SYS_RESOURCE, which this process lacks: %w",
+				device, errdefs.ErrFailedPrecondition)
+		}
 		return err
 	case XFS:
 		if mountPath == "" {

@@ -7,4 +7,4 @@ import (
 )
 
 // TestSanityBlock runs csi-sanity with the block access type.
-func TestSanityBlock(t *testing.T) { sanity.Run(t, "block") }
+func TestSanityBlock(t *testing.T) { sanity.Run(t, "block", "") }

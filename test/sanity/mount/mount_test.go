@@ -6,5 +6,5 @@ import (
 	"github.com/mountplan/mountplan/test/sanity"
 )
 
-// TestSanityMount runs csi-sanity with the mount access type.
-func TestSanityMount(t *testing.T) { sanity.Run(t, "mount") }
+// TestSanityMountExt4 runs csi-sanity with the mount access type on ext4.
+func TestSanityMountExt4(t *testing.T) { sanity.Run(t, "mount", "ext4") }
