@@ -44,15 +44,31 @@ func (e *OpError) Error() string {
 // Unwrap gives both the errno and the errdefs sentinel it maps to, so callers
 // can test either with errors.Is.
 func (e *OpError) Unwrap() []error {
-	if s := Sentinel(e.Err); s != nil {
+	if s := sentinel(e.Err); s != nil {
 		return []error{e.Err, s}
 	}
 	return []error{e.Err}
 }
 
-// Sentinel maps an errno from a mount syscall to the errdefs sentinel that
+// Classify returns err so that errors.Is also finds the errdefs sentinel its
+// errno maps to (ENOENT: NotFound, EINVAL: InvalidArgument, EBUSY, EPERM,
+// EROFS: FailedPrecondition, ENOSPC: ResourceExhausted). The message stays.
+func Classify(err error) error {
+	s := sentinel(err)
+	if s == nil || errors.Is(err, s) {
+		return err
+	}
+	return &classified{err: err, sentinel: s}
+}
+
+type classified struct{ err, sentinel error }
+
+func (e *classified) Error() string   { return e.err.Error() }
+func (e *classified) Unwrap() []error { return []error{e.err, e.sentinel} }
+
+// sentinel maps an errno from a mount syscall to the errdefs sentinel that
 // describes it to a CSI caller, or nil when none fits (Internal).
-func Sentinel(err error) error {
+func sentinel(err error) error {
 	var errno unix.Errno
 	if !errors.As(err, &errno) {
 		return nil

@@ -163,7 +163,8 @@ func (n *Namespace) MountInfo(filter mountinfo.FilterFunc) ([]*mountinfo.Info, e
 
 // Attach attaches the detached mount fd (from Build) at target in the
 // calling thread's namespace: call it inside Do. A final symlink in target
-// is not followed. fd may be closed afterwards.
+// is not followed. Close fd soon afterwards: it is an open file on the
+// mount's root and keeps the mount busy.
 func Attach(fd *os.File, target string) error {
 	err := unix.MoveMount(int(fd.Fd()), "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH)
 	runtime.KeepAlive(fd)

@@ -4,6 +4,7 @@ package mountns
 
 import (
 	"errors"
+	"os"
 	"slices"
 	"testing"
 
@@ -59,5 +60,16 @@ func TestSecretsMaskedInKernelMessages(t *testing.T) {
 	got := secretsOf(m)
 	if !slices.Equal(got, []string{"hunter22"}) {
 		t.Fatalf("secretsOf = %v, want [hunter22]", got)
+	}
+}
+
+func TestClassify(t *testing.T) {
+	err := Classify(&os.PathError{Op: "mkdir", Path: "/x", Err: unix.EROFS})
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !errors.Is(err, unix.EROFS) || err.Error() != "mkdir /x: read-only file system" {
+		t.Fatalf("Classify = %v", err)
+	}
+	plain := errors.New("boom")
+	if Classify(plain) != plain {
+		t.Fatal("an error without errno must pass unchanged")
 	}
 }

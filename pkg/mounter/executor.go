@@ -1,0 +1,148 @@
+package mounter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path"
+	"path/filepath"
+	"strings"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Executor performs plans in process. It keeps no state between calls: what
+// is mounted is read from the kernel every time, so calls are idempotent and
+// a restarted mounter picks up where the last one stopped.
+type Executor struct {
+	// Policy is checked again before every Mount, whatever the plugin
+	// already checked: the mounter trusts a plan no more than its own
+	// configuration allows. Its zero value allows no host path.
+	Policy plan.Policy
+	// RemoveMountPoint makes Unmount and UnmountAll remove the mount point
+	// once nothing is mounted on it, with a plain rmdir or unlink, never
+	// recursively. CSI requires it of NodeUnpublishVolume for kubelet's
+	// target_path; a container's own directory should be left alone.
+	RemoveMountPoint bool
+	// AllowPropagation lets Mount attach in a consumer's namespace under a
+	// shared mount whose propagation reaches the mounter's own or the
+	// host's (PID 1) namespace. By default that fails with
+	// ErrFailedPrecondition, because the volume would then appear outside
+	// the consumer and outlive it. Consumers in the mounter's own or the
+	// host's namespace are never checked: kubelet's flow relies on
+	// propagation there.
+	AllowPropagation bool
+}
+
+var _ Interface = (*Executor)(nil)
+
+// checkConsumer accepts a PID of 0 or more and an absolute, clean mount
+// point other than "/".
+func checkConsumer(c Consumer) error {
+	if c.PID < 0 {
+		return fmt.Errorf("consumer pid %d: %w", c.PID, errdefs.ErrInvalidArgument)
+	}
+	if !path.IsAbs(c.MountPoint) || path.Clean(c.MountPoint) != c.MountPoint || c.MountPoint == "/" ||
+		strings.ContainsRune(c.MountPoint, 0) {
+		return fmt.Errorf("mount point %q must be a clean absolute path other than /: %w", c.MountPoint, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// checkTargets accepts the targets of a plan that is only to be undone: its
+// sources are never opened, so the policy does not apply.
+func checkTargets(mounts []plan.Mount) error {
+	for i, m := range mounts {
+		if err := plan.ValidateTarget(m.Target); err != nil {
+			return fmt.Errorf("mount %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+// resolve returns the plan with symlinks resolved in bind sources and in
+// path-valued options, checked against the policy once more: a symlink under
+// an allowed root must not lead the kernel outside it. (A path swapped
+// between this check and the mount syscall is not caught; the roots belong
+// to the plugin, not to the plan's author.)
+func (e *Executor) resolve(mounts []plan.Mount) ([]plan.Mount, error) {
+	out := make([]plan.Mount, len(mounts))
+	for i, m := range mounts {
+		r, err := resolveMount(m)
+		if err != nil {
+			return nil, fmt.Errorf("mount %d: %w", i, err)
+		}
+		out[i] = r
+	}
+	if err := e.Policy.Validate(out); err != nil {
+		return nil, fmt.Errorf("after resolving symlinks: %w", err)
+	}
+	return out, nil
+}
+
+func resolveMount(m plan.Mount) (plan.Mount, error) {
+	r := plan.Mount{Type: m.Type, Source: m.Source, Target: m.Target, Options: make([]string, len(m.Options))}
+	var err error
+	if m.Type == plan.TypeBind {
+		if r.Source, err = resolvePath(m.Source); err != nil {
+			return r, fmt.Errorf("bind source: %w", err)
+		}
+	}
+	for i, o := range m.Options {
+		key, val, ok := strings.Cut(o, "=")
+		r.Options[i] = o
+		if !ok || !strings.HasPrefix(val, "/") {
+			continue // the policy allows "/" in path-valued options only
+		}
+		parts := strings.Split(val, ":")
+		for j := range parts {
+			if parts[j], err = resolvePath(parts[j]); err != nil {
+				return r, fmt.Errorf("option %q: %w", key, err)
+			}
+		}
+		r.Options[i] = key + "=" + strings.Join(parts, ":")
+	}
+	return r, nil
+}
+
+func resolvePath(p string) (string, error) {
+	r, err := filepath.EvalSymlinks(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+	}
+	return r, err
+}
+
+// targetPath is where a descriptor is attached.
+func targetPath(mountPoint, target string) string {
+	if target == "" {
+		return mountPoint
+	}
+	return path.Join(mountPoint, target)
+}
+
+// within reports whether p is one of dirs or lies below one.
+func within(dirs []string, p string) bool {
+	for _, d := range dirs {
+		if plan.Within(d, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// gone reports whether an error from opening a consumer's namespace means
+// the namespace no longer exists: its process exited, or its PID now names
+// a process in another namespace.
+func gone(c Consumer, err error) bool {
+	return c.PID != 0 && (errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrFailedPrecondition))
+}
+
+func checkContext(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("mounter: %w", err)
+	}
+	return nil
+}

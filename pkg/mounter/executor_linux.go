@@ -1,0 +1,152 @@
+package mounter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mountns"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Mount checks the plan against the policy, builds every mount in the
+// mounter's own namespace (where sources and device nodes live), then enters
+// the consumer's namespace and attaches them in order. Mounts already in
+// place are left as they are; on failure what this call attached is
+// unmounted again and what it created is removed.
+func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) error {
+	if err := checkContext(ctx); err != nil {
+		return err
+	}
+	if err := checkConsumer(c); err != nil {
+		return err
+	}
+	if err := e.Policy.Validate(mounts); err != nil {
+		return err
+	}
+	resolved, err := e.resolve(mounts)
+	if err != nil {
+		return err
+	}
+	ns, err := openNamespace(c)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	guard, err := e.newGuard(ns)
+	if err != nil {
+		return err
+	}
+	a, err := build(resolved)
+	if err != nil {
+		return err
+	}
+	defer a.close()
+	a.ns, a.mountPoint, a.guard = ns, c.MountPoint, guard
+	if err := ns.Do(a.attachAll); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).V(2).Info("Mounted plan", "mountPoint", c.MountPoint, "pid", c.PID,
+		"mntNS", ns.Inode(), "mounts", len(mounts), "attached", len(a.attached))
+	return nil
+}
+
+// Unmount removes the plan's mounts in reverse order, each only if the mount
+// on top of its target is the one the plan describes, so a repeated call
+// never removes what lay underneath. A namespace that is gone is not an
+// error: the kernel dropped its mounts with it.
+func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c Consumer) error {
+	if err := checkContext(ctx); err != nil {
+		return err
+	}
+	if err := checkConsumer(c); err != nil {
+		return err
+	}
+	if err := checkTargets(mounts); err != nil {
+		return err
+	}
+	ns, err := openNamespace(c)
+	if gone(c, err) {
+		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	ids := identify(mounts)
+	return ns.Do(func() error {
+		for i := len(mounts) - 1; i >= 0; i-- {
+			if err := unmountIfOurs(ns, targetPath(c.MountPoint, mounts[i].Target), mounts[i], ids[i]); err != nil {
+				return fmt.Errorf("mount %d: %w", i, err)
+			}
+		}
+		return e.removeMountPoint(c.MountPoint)
+	})
+}
+
+// UnmountAll removes every mount at or below the consumer's mount point,
+// newest first, whatever it is. It needs no plan, so it works after the
+// plugin lost its state; it also removes whatever else was mounted there.
+func (e *Executor) UnmountAll(ctx context.Context, c Consumer) error {
+	if err := checkContext(ctx); err != nil {
+		return err
+	}
+	if err := checkConsumer(c); err != nil {
+		return err
+	}
+	ns, err := openNamespace(c)
+	if gone(c, err) {
+		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	return ns.Do(func() error {
+		if err := unmountTree(ns, c.MountPoint); err != nil {
+			return err
+		}
+		return e.removeMountPoint(c.MountPoint)
+	})
+}
+
+func openNamespace(c Consumer) (*mountns.Namespace, error) {
+	if c.PID != 0 {
+		return mountns.OpenPID(c.PID, c.NSInode)
+	}
+	ns, err := mountns.Self()
+	if err == nil && c.NSInode != 0 && ns.Inode() != c.NSInode {
+		ns.Close()
+		return nil, fmt.Errorf("mounter runs in mount namespace %d, not %d: %w", ns.Inode(), c.NSInode, errdefs.ErrFailedPrecondition)
+	}
+	return ns, err
+}
+
+// removeMountPoint removes the mount point if so configured. Run inside the
+// namespace; a directory that is not empty or still mounted stays.
+func (e *Executor) removeMountPoint(p string) error {
+	if !e.RemoveMountPoint {
+		return nil
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove mount point: %w", mountns.Classify(err))
+	}
+	return nil
+}
+
+// detach unmounts target; a target that is not (or no longer) a mount point
+// or does not exist is not an error.
+func detach(target string) error {
+	err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW)
+	if err == nil || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	return &mountns.OpError{Op: "umount2", Path: target, Err: err}
+}

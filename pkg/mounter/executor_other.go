@@ -1,0 +1,22 @@
+//go:build !linux
+
+package mounter
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+var errNotLinux = fmt.Errorf("mount namespaces need Linux: %w", errdefs.ErrUnimplemented)
+
+// Mount is implemented on Linux only.
+func (e *Executor) Mount(context.Context, []plan.Mount, Consumer) error { return errNotLinux }
+
+// Unmount is implemented on Linux only.
+func (e *Executor) Unmount(context.Context, []plan.Mount, Consumer) error { return errNotLinux }
+
+// UnmountAll is implemented on Linux only.
+func (e *Executor) UnmountAll(context.Context, Consumer) error { return errNotLinux }

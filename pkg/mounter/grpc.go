@@ -1,0 +1,78 @@
+package mounter
+
+import (
+	"context"
+	"fmt"
+	"math"
+
+	"google.golang.org/grpc"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// NewServer serves m as the Mounter gRPC service. Errors become status codes
+// here, once, with errdefs.ToGRPC.
+func NewServer(m Interface) api.MounterServer { return &server{m: m} }
+
+type server struct {
+	api.UnimplementedMounterServer
+	m Interface
+}
+
+func (s *server) Mount(ctx context.Context, req *api.MountRequest) (*api.MountResponse, error) {
+	c, err := ConsumerFromProto(req.GetConsumer())
+	if err == nil {
+		err = s.m.Mount(ctx, plan.FromProto(req.GetMounts()), c)
+	}
+	if err != nil {
+		return nil, errdefs.ToGRPC(err)
+	}
+	return &api.MountResponse{}, nil
+}
+
+func (s *server) Unmount(ctx context.Context, req *api.UnmountRequest) (*api.UnmountResponse, error) {
+	c, err := ConsumerFromProto(req.GetConsumer())
+	if err == nil {
+		err = s.m.Unmount(ctx, plan.FromProto(req.GetMounts()), c)
+	}
+	if err != nil {
+		return nil, errdefs.ToGRPC(err)
+	}
+	return &api.UnmountResponse{}, nil
+}
+
+// NewClient returns an Interface that performs plans through a Mounter
+// service (the sidecar's `serve`). Errors wrap the errdefs sentinel of their
+// status code, so errors.Is works as with the in-process Executor.
+func NewClient(cc grpc.ClientConnInterface) Interface { return &client{c: api.NewMounterClient(cc)} }
+
+type client struct{ c api.MounterClient }
+
+func (c *client) Mount(ctx context.Context, mounts []plan.Mount, consumer Consumer) error {
+	_, err := c.c.Mount(ctx, &api.MountRequest{Mounts: plan.ToProto(mounts), Consumer: ConsumerToProto(consumer)})
+	return errdefs.FromGRPC(err)
+}
+
+func (c *client) Unmount(ctx context.Context, mounts []plan.Mount, consumer Consumer) error {
+	_, err := c.c.Unmount(ctx, &api.UnmountRequest{Mounts: plan.ToProto(mounts), Consumer: ConsumerToProto(consumer)})
+	return errdefs.FromGRPC(err)
+}
+
+// ConsumerToProto converts a consumer to its wire form.
+func ConsumerToProto(c Consumer) *api.Consumer {
+	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.NSInode}
+}
+
+// ConsumerFromProto converts a consumer from its wire form; a missing one or
+// a PID out of range is an ErrInvalidArgument.
+func ConsumerFromProto(c *api.Consumer) (Consumer, error) {
+	if c == nil {
+		return Consumer{}, fmt.Errorf("consumer is required: %w", errdefs.ErrInvalidArgument)
+	}
+	if c.GetPid() < 0 || c.GetPid() > math.MaxInt32 {
+		return Consumer{}, fmt.Errorf("consumer pid %d is out of range: %w", c.GetPid(), errdefs.ErrInvalidArgument)
+	}
+	return Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode()}, nil
+}

@@ -1,0 +1,135 @@
+package mounter
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/mountns"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// hostID is what the mounter's own namespace knows of a bind's source: the
+// device its filesystem lives on. Unknown when the source is gone.
+type hostID struct {
+	dev   uint64
+	known bool
+}
+
+// identify stats bind sources before entering the consumer's namespace,
+// where they are not reachable.
+func identify(mounts []plan.Mount) []hostID {
+	ids := make([]hostID, len(mounts))
+	for i, m := range mounts {
+		var st unix.Stat_t
+		if m.Type == plan.TypeBind && unix.Stat(m.Source, &st) == nil {
+			ids[i] = hostID{dev: uint64(st.Dev), known: true} //nolint:unconvert // Dev is uint32 on some architectures
+		}
+	}
+	return ids
+}
+
+// unmountIfOurs unmounts target if the mount on top of it is m. Run inside
+// the namespace.
+func unmountIfOurs(ns *mountns.Namespace, target string, m plan.Mount, id hostID) error {
+	info, err := topMountAt(ns, target)
+	if err != nil || info == nil || !matches(info, m, id) {
+		return err
+	}
+	return detach(target)
+}
+
+// matches reports whether a mount is the one m describes. It reads only the
+// mount table, so it also works when the mount is broken (a dead FUSE
+// daemon) or its source is gone.
+func matches(info *mountinfo.Info, m plan.Mount, id hostID) bool {
+	if m.Type != plan.TypeBind {
+		return info.FSType == m.Type && info.Source == m.Source
+	}
+	if id.known && unix.Mkdev(uint32(info.Major), uint32(info.Minor)) != id.dev {
+		return false
+	}
+	// Root is the bound path inside its filesystem: a suffix of the
+	// source, or "/" when the source is a mount's root (a FUSE mount).
+	root := strings.TrimSuffix(info.Root, "//deleted")
+	if root == "/" {
+		return id.known || strings.HasPrefix(info.FSType, "fuse")
+	}
+	return strings.HasSuffix(m.Source, root)
+}
+
+// topMountAt returns the mount on top of the stack mounted exactly at p, or
+// nil when p is not a mount point.
+func topMountAt(ns *mountns.Namespace, p string) (*mountinfo.Info, error) {
+	canonical, err := canonicalPath(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	stack, err := ns.MountInfo(func(i *mountinfo.Info) (bool, bool) { return i.Mountpoint != canonical, false })
+	if err != nil {
+		return nil, err
+	}
+	// The top is the one no other mount at p is stacked on.
+	for _, i := range stack {
+		if !slices.ContainsFunc(stack, func(j *mountinfo.Info) bool { return j.Parent == i.ID }) {
+			return i, nil
+		}
+	}
+	return nil, nil
+}
+
+// canonicalPath resolves symlinks in p's parent, as the mount table shows
+// paths; p's own last component is never followed.
+func canonicalPath(p string) (string, error) {
+	dir, err := filepath.EvalSymlinks(filepath.Dir(p))
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, filepath.Base(p)), nil
+}
+
+func mountByID(ns *mountns.Namespace, id int) (*mountinfo.Info, error) {
+	infos, err := ns.MountInfo(func(i *mountinfo.Info) (bool, bool) { return i.ID != id, i.ID == id })
+	if err != nil || len(infos) == 0 {
+		return nil, err
+	}
+	return infos[0], nil
+}
+
+// unmountTree unmounts everything at or below p, newest first, until
+// nothing is left. Run inside the namespace.
+func unmountTree(ns *mountns.Namespace, p string) error {
+	canonical, err := canonicalPath(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	below := func(i *mountinfo.Info) (bool, bool) { return !plan.Within(canonical, i.Mountpoint), false }
+	left := -1
+	for {
+		infos, err := ns.MountInfo(below)
+		if err != nil || len(infos) == 0 {
+			return err
+		}
+		if left != -1 && len(infos) >= left {
+			return fmt.Errorf("%d mounts remain under %s, first %s: %w", len(infos), p, infos[0].Mountpoint, mountns.Classify(unix.EBUSY))
+		}
+		left = len(infos)
+		for i := len(infos) - 1; i >= 0; i-- {
+			if err := detach(infos[i].Mountpoint); err != nil {
+				return err
+			}
+		}
+	}
+}
