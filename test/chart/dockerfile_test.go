@@ -1,0 +1,703 @@
+package chart_test
+
+import (
+	"bufio"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+var (
+	repoRoot   = filepath.Join("..", "..")
+	dockerfile = filepath.Join(repoRoot, "Dockerfile")
+)
+
+// execTools is the one table of external programs mountplan runs on a node and
+// the Debian (bookworm) package that ships each. TestDockerfileTools checks
+// that the runtime image installs every package listed here, and
+// TestExecToolsListed that every program the code under pkg/ and cmd/ runs is
+// listed. The package of each tool was checked with dpkg -S on bookworm;
+// TestExecToolsPackages repeats that check where the tool is installed.
+var execTools = []struct {
+	tool, pkg, usedFor string
+}{
+	{"mkfs.ext4", "e2fsprogs", "format ext4 (pkg/fsutil)"},
+	{"resize2fs", "e2fsprogs", "expand ext4 (pkg/fsutil)"},
+	{"e2fsck", "e2fsprogs", "check ext4 before a resize"},
+	{"blkid", "util-linux", "detect filesystems (pkg/fsutil)"},
+	{"fsck", "util-linux", "filesystem check front end"},
+	{"mkfs.xfs", "xfsprogs", "format xfs (pkg/fsutil)"},
+	{"xfs_growfs", "xfsprogs", "expand xfs (pkg/fsutil)"},
+	{"xfs_repair", "xfsprogs", "check xfs"},
+	{"mount", "mount", "fallback mounts, FUSE helpers"},
+	{"umount", "mount", "fallback unmounts"},
+	{"losetup", "mount", "loop device fallback and diagnostics"},
+	{"fusermount3", "fuse3", "unmount FUSE daemons' mounts"},
+	{"sshfs", "sshfs", "FUSE profile"},
+	{"rclone", "rclone", "FUSE profile"},
+	{"squashfuse", "squashfuse", "FUSE profile"},
+	{"nbd-client", "nbd-client", "type nbd"},
+	{"iscsiadm", "open-iscsi", "type iscsi"},
+}
+
+// Packages installed for a reason other than a tool the code runs.
+var extraPackages = map[string]string{
+	"ca-certificates": "TLS for rclone and other FUSE daemons",
+}
+
+type dockerStage struct {
+	from, name string
+	instrs     []dockerInstr
+}
+
+type dockerInstr struct {
+	line      int
+	cmd, args string
+}
+
+// parseDockerfile splits a Dockerfile into stages of instructions, joining
+// continuation lines and dropping comments.
+func parseDockerfile(t *testing.T, file string) []dockerStage {
+	t.Helper()
+	f, err := os.Open(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var stages []dockerStage
+	var cur strings.Builder
+	start, n := 0, 0
+	flush := func() {
+		text := strings.TrimSpace(cur.String())
+		cur.Reset()
+		if text == "" {
+			return
+		}
+		cmd, args, _ := strings.Cut(text, " ")
+		in := dockerInstr{line: start, cmd: strings.ToUpper(cmd), args: strings.TrimSpace(args)}
+		if in.cmd == "FROM" {
+			fields := strings.Fields(in.args)
+			var s dockerStage
+			for i := 0; i < len(fields); i++ {
+				switch {
+				case strings.HasPrefix(fields[i], "--"):
+				case strings.EqualFold(fields[i], "AS") && i+1 < len(fields):
+					s.name = fields[i+1]
+					i++
+				case s.from == "":
+					s.from = fields[i]
+				}
+			}
+			stages = append(stages, s)
+		}
+		if len(stages) == 0 {
+			if in.cmd != "ARG" {
+				t.Fatalf("%s:%d: %s before the first FROM", file, in.line, in.cmd)
+			}
+			return
+		}
+		stages[len(stages)-1].instrs = append(stages[len(stages)-1].instrs, in)
+	}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		n++
+		line := sc.Text()
+		trimmed := strings.TrimSpace(line)
+		if strings.HasPrefix(trimmed, "#") {
+			continue // comment, also inside a continued instruction
+		}
+		if cur.Len() == 0 {
+			if trimmed == "" {
+				continue
+			}
+			start = n
+		}
+		if body, ok := strings.CutSuffix(strings.TrimRight(line, " \t"), "\\"); ok {
+			cur.WriteString(body + " ")
+			continue
+		}
+		cur.WriteString(line)
+		flush()
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	flush()
+	if len(stages) == 0 {
+		t.Fatalf("%s has no FROM", file)
+	}
+	return stages
+}
+
+// shellWords splits a RUN line into words and shell operators.
+func shellWords(s string) []string {
+	var words []string
+	for _, w := range strings.Fields(s) {
+		for w != "" {
+			i := strings.IndexAny(w, ";&|")
+			if i < 0 {
+				words = append(words, w)
+				break
+			}
+			if i > 0 {
+				words = append(words, w[:i])
+			}
+			j := i + 1
+			for j < len(w) && strings.ContainsRune(";&|", rune(w[j])) {
+				j++
+			}
+			words = append(words, w[i:j])
+			w = w[j:]
+		}
+	}
+	return words
+}
+
+// aptInstalls returns the packages a stage installs with apt-get/apt install,
+// and whether every such install passes --no-install-recommends.
+func aptInstalls(s dockerStage) (pkgs []string, noRecommends bool) {
+	noRecommends = true
+	for _, in := range s.instrs {
+		if in.cmd != "RUN" {
+			continue
+		}
+		words := shellWords(in.args)
+		for i := 0; i+1 < len(words); i++ {
+			if (words[i] != "apt-get" && words[i] != "apt") || words[i+1] != "install" {
+				continue
+			}
+			seen := false
+			for j := i + 2; j < len(words); j++ {
+				w := words[j]
+				if strings.ContainsAny(w, ";&|") {
+					break
+				}
+				if w == "--no-install-recommends" {
+					seen = true
+				}
+				if strings.HasPrefix(w, "-") {
+					continue
+				}
+				name, _, _ := strings.Cut(w, "=") // pkg=version
+				pkgs = append(pkgs, name)
+			}
+			noRecommends = noRecommends && seen
+		}
+	}
+	return pkgs, noRecommends
+}
+
+func TestDockerfilePinnedBases(t *testing.T) {
+	stages := parseDockerfile(t, dockerfile)
+	names := map[string]bool{}
+	for _, s := range stages {
+		if names[s.from] {
+			continue // a previous stage
+		}
+		ref := s.from
+		switch {
+		case strings.Contains(ref, "$"):
+			t.Errorf("FROM %s: base image from a build argument is not pinned", ref)
+		case strings.Contains(ref, "@sha256:"):
+		default:
+			i := strings.LastIndex(ref, ":")
+			if i < 0 || strings.Contains(ref[i:], "/") {
+				t.Errorf("FROM %s: no tag (implicitly latest)", ref)
+			} else if tag := ref[i+1:]; tag == "latest" || tag == "" {
+				t.Errorf("FROM %s: not pinned", ref)
+			}
+		}
+		if s.name != "" {
+			names[s.name] = true
+		}
+	}
+	if len(stages) < 2 {
+		t.Errorf("the Dockerfile has %d stage(s), want a builder and a runtime stage", len(stages))
+	}
+	if final := stages[len(stages)-1].from; !strings.HasPrefix(final, "debian:") || !strings.Contains(final, "slim") {
+		t.Errorf("runtime stage FROM %s, want a Debian slim image", final)
+	}
+}
+
+func TestDockerfileBinaries(t *testing.T) {
+	stages := parseDockerfile(t, dockerfile)
+	final := stages[len(stages)-1]
+
+	// The builder builds both commands statically and reproducibly.
+	built := map[string]string{} // output path → package
+	for _, s := range stages[:len(stages)-1] {
+		for _, in := range s.instrs {
+			if in.cmd != "RUN" {
+				continue
+			}
+			for _, cmd := range splitCommands(shellWords(in.args)) {
+				i := slices.Index(cmd, "build")
+				if i < 1 || cmd[i-1] != "go" {
+					continue
+				}
+				if !slices.Contains(cmd[:i], "CGO_ENABLED=0") {
+					t.Errorf("Dockerfile:%d: go build without CGO_ENABLED=0: %q", in.line, cmd)
+				}
+				if !slices.Contains(cmd, "-trimpath") {
+					t.Errorf("Dockerfile:%d: go build without -trimpath: %q", in.line, cmd)
+				}
+				out := ""
+				if j := slices.Index(cmd, "-o"); j >= 0 && j+1 < len(cmd) {
+					out = cmd[j+1]
+				}
+				built[out] = cmd[len(cmd)-1]
+			}
+		}
+	}
+	for _, c := range []string{"mountplan-plugin", "mountplan-sidecar"} {
+		found := false
+		for out, pkg := range built {
+			found = found || (path.Base(out) == c && pkg == "./cmd/"+c)
+		}
+		if !found {
+			t.Errorf("the builder stage does not build ./cmd/%s into a file named %s (builds: %v)", c, c, built)
+		}
+	}
+
+	// The runtime stage copies them to the paths the chart runs.
+	installed := map[string]bool{}
+	for _, in := range final.instrs {
+		if in.cmd != "COPY" {
+			continue
+		}
+		var words []string
+		for _, w := range strings.Fields(in.args) {
+			if !strings.HasPrefix(w, "--") {
+				words = append(words, w)
+			}
+		}
+		if len(words) < 2 {
+			continue
+		}
+		dst := words[len(words)-1]
+		for _, src := range words[:len(words)-1] {
+			if strings.HasSuffix(dst, "/") || len(words) > 2 {
+				installed[path.Join(dst, path.Base(src))] = true
+			} else {
+				installed[dst] = true
+			}
+		}
+	}
+	r := render(t, nil)
+	for _, c := range r.ds.Spec.Template.Spec.Containers {
+		if len(c.Command) > 0 && strings.HasPrefix(c.Image, r.str(t, "image.plugin.repository")) && !installed[c.Command[0]] {
+			t.Errorf("container %s runs %s, which the Dockerfile does not install (installs %v)", c.Name, c.Command[0], installed)
+		}
+	}
+	for _, b := range []string{pluginBinary, sidecarBinary} {
+		if !installed[b] {
+			t.Errorf("the runtime stage does not copy %s", b)
+		}
+	}
+}
+
+// splitCommands splits shell words at operators into simple commands.
+func splitCommands(words []string) [][]string {
+	var cmds [][]string
+	var cur []string
+	for _, w := range words {
+		if strings.ContainsAny(w, ";&|") {
+			cmds = append(cmds, cur)
+			cur = nil
+			continue
+		}
+		cur = append(cur, w)
+	}
+	return append(cmds, cur)
+}
+
+func TestDockerfileTools(t *testing.T) {
+	stages := parseDockerfile(t, dockerfile)
+	pkgs, noRecommends := aptInstalls(stages[len(stages)-1])
+	if !noRecommends {
+		t.Error("the runtime stage runs apt-get install without --no-install-recommends")
+	}
+	installed := map[string]bool{}
+	for _, p := range pkgs {
+		installed[p] = true
+	}
+	needed := map[string]bool{}
+	for _, e := range execTools {
+		needed[e.pkg] = true
+		if !installed[e.pkg] {
+			t.Errorf("%s (%s) needs package %s, which the runtime stage does not install", e.tool, e.usedFor, e.pkg)
+		}
+	}
+	for p := range extraPackages {
+		needed[p] = true
+	}
+	for _, p := range pkgs {
+		if !needed[p] {
+			t.Errorf("the runtime stage installs %s, which no tool in execTools needs: add the tool or drop the package", p)
+		}
+	}
+}
+
+// TestExecToolsPackages checks the table's packages against dpkg where the
+// tools are installed on the test machine (a Debian host); it skips otherwise.
+func TestExecToolsPackages(t *testing.T) {
+	if _, err := exec.LookPath("dpkg-query"); err != nil {
+		t.Skip("dpkg-query not found: not a Debian host")
+	}
+	checked := 0
+	for _, e := range execTools {
+		out, err := exec.Command("dpkg-query", "-S", "*bin/"+e.tool).Output()
+		if err != nil {
+			t.Logf("%s: not installed here, package not checked", e.tool)
+			continue
+		}
+		var owners []string
+		for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+			pkgs, file, ok := strings.Cut(line, ": ")
+			if !ok || path.Base(file) != e.tool {
+				continue
+			}
+			for _, p := range strings.Split(pkgs, ", ") {
+				p, _, _ = strings.Cut(p, ":") // pkg:arch
+				owners = append(owners, p)
+			}
+		}
+		if len(owners) == 0 {
+			continue
+		}
+		checked++
+		if !slices.Contains(owners, e.pkg) {
+			t.Errorf("%s is shipped by %v here, the table says %s", e.tool, owners, e.pkg)
+		}
+	}
+	t.Logf("%d of %d tools checked against dpkg", checked, len(execTools))
+}
+
+// TestExecToolsListed finds the programs that the Go code under pkg/ and cmd/
+// runs and checks that execTools lists each of them.
+func TestExecToolsListed(t *testing.T) {
+	found, unresolved, err := findExecTools(repoRoot, []string{"pkg", "cmd"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed := map[string]bool{}
+	for _, e := range execTools {
+		listed[e.tool] = true
+	}
+	var names []string
+	for name := range found {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		if !listed[path.Base(name)] {
+			t.Errorf("%s runs %q, which execTools does not list: add it with its Debian package (and to the Dockerfile)", found[name][0], name)
+		}
+	}
+	for _, u := range unresolved {
+		t.Errorf("%s: cannot tell which program this runs; use a string literal or constant for the name so the image can be checked", u)
+	}
+	t.Logf("programs run by pkg/ and cmd/: %v", names)
+}
+
+// findExecTools parses the non-test Go files under dirs (skipping test helper
+// packages, whose directory name ends in "test") and returns the program names
+// passed to Command/CommandContext/LookPath (of os/exec or k8s.io/utils/exec),
+// directly or through wrapper functions of the same package that pass one of
+// their parameters on. A name is resolved from a string literal, a constant,
+// or the literals assigned to a local variable.
+func findExecTools(root string, dirs []string) (map[string][]string, []string, error) {
+	fset := token.NewFileSet()
+	pkgs := map[string][]*ast.File{}
+	for _, d := range dirs {
+		err := filepath.WalkDir(filepath.Join(root, d), func(p string, de fs.DirEntry, err error) error {
+			if err != nil {
+				if os.IsNotExist(err) {
+					return nil
+				}
+				return err
+			}
+			if de.IsDir() {
+				if de.Name() != d && (strings.HasSuffix(de.Name(), "test") || de.Name() == "testdata") {
+					return filepath.SkipDir
+				}
+				return nil
+			}
+			if !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+				return nil
+			}
+			f, err := parser.ParseFile(fset, p, nil, 0)
+			if err != nil {
+				return err
+			}
+			pkgs[filepath.Dir(p)] = append(pkgs[filepath.Dir(p)], f)
+			return nil
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+	}
+
+	found := map[string][]string{}
+	var unresolved []string
+	for _, files := range pkgs {
+		consts := map[string]string{}
+		for _, f := range files {
+			for _, decl := range f.Decls {
+				gd, ok := decl.(*ast.GenDecl)
+				if !ok || gd.Tok != token.CONST {
+					continue
+				}
+				for _, spec := range gd.Specs {
+					vs := spec.(*ast.ValueSpec)
+					for i, n := range vs.Names {
+						if i < len(vs.Values) {
+							if s, ok := stringLit(vs.Values[i]); ok {
+								consts[n.Name] = s
+							}
+						}
+					}
+				}
+			}
+		}
+		// wrappers: function name → index of the argument that names the program.
+		wrappers := map[string]int{}
+		type site struct {
+			fn   *ast.FuncDecl
+			arg  ast.Expr
+			desc string
+		}
+		collect := func() (sites []site) {
+			for _, f := range files {
+				for _, decl := range f.Decls {
+					fn, ok := decl.(*ast.FuncDecl)
+					if !ok || fn.Body == nil {
+						continue
+					}
+					ast.Inspect(fn.Body, func(n ast.Node) bool {
+						call, ok := n.(*ast.CallExpr)
+						if !ok {
+							return true
+						}
+						name, idx := "", -1
+						switch fun := call.Fun.(type) {
+						case *ast.SelectorExpr:
+							name = fun.Sel.Name
+						case *ast.Ident:
+							name = fun.Name
+						}
+						switch name {
+						case "Command", "LookPath":
+							idx = 0
+						case "CommandContext":
+							idx = 1
+						}
+						if i, ok := wrappers[name]; ok && idx < 0 {
+							idx = i
+						}
+						if idx >= 0 && idx < len(call.Args) {
+							sites = append(sites, site{fn, call.Args[idx], fset.Position(call.Pos()).String()})
+						}
+						return true
+					})
+				}
+			}
+			return sites
+		}
+		// Iterate until no new wrapper appears.
+		for {
+			before := len(wrappers)
+			for _, s := range collect() {
+				if id, ok := s.arg.(*ast.Ident); ok {
+					if i := paramIndex(s.fn, id.Name); i >= 0 {
+						wrappers[s.fn.Name.Name] = i
+					}
+				}
+			}
+			if len(wrappers) == before {
+				break
+			}
+		}
+		for _, s := range collect() {
+			names, ok := resolveString(s.fn, s.arg, consts)
+			if id, isIdent := s.arg.(*ast.Ident); isIdent && paramIndex(s.fn, id.Name) >= 0 {
+				continue // a wrapper's parameter: resolved at its call sites
+			}
+			if !ok {
+				unresolved = append(unresolved, s.desc)
+				continue
+			}
+			for _, n := range names {
+				found[n] = append(found[n], s.desc)
+			}
+		}
+	}
+	return found, unresolved, nil
+}
+
+func stringLit(e ast.Expr) (string, bool) {
+	lit, ok := e.(*ast.BasicLit)
+	if !ok || lit.Kind != token.STRING {
+		return "", false
+	}
+	s, err := strconv.Unquote(lit.Value)
+	return s, err == nil
+}
+
+// paramIndex returns the position of a named parameter of fn, or -1.
+func paramIndex(fn *ast.FuncDecl, name string) int {
+	i := 0
+	for _, field := range fn.Type.Params.List {
+		if len(field.Names) == 0 {
+			i++
+			continue
+		}
+		for _, n := range field.Names {
+			if n.Name == name {
+				return i
+			}
+			i++
+		}
+	}
+	return -1
+}
+
+// resolveString returns the string values e can have: a literal, a constant,
+// or every literal or constant assigned to a local variable in fn.
+func resolveString(fn *ast.FuncDecl, e ast.Expr, consts map[string]string) ([]string, bool) {
+	if s, ok := stringLit(e); ok {
+		return []string{s}, true
+	}
+	id, ok := e.(*ast.Ident)
+	if !ok {
+		return nil, false
+	}
+	if s, ok := consts[id.Name]; ok {
+		return []string{s}, true
+	}
+	var vals []string
+	ok = true
+	ast.Inspect(fn.Body, func(n ast.Node) bool {
+		var lhs, rhs []ast.Expr
+		switch a := n.(type) {
+		case *ast.AssignStmt:
+			lhs, rhs = a.Lhs, a.Rhs
+		case *ast.ValueSpec:
+			if len(a.Values) == 0 {
+				return true // var x string: the zero value, not a program
+			}
+			for _, n := range a.Names {
+				lhs = append(lhs, n)
+			}
+			rhs = a.Values
+		default:
+			return true
+		}
+		for i, l := range lhs {
+			if lid, isID := l.(*ast.Ident); !isID || lid.Name != id.Name {
+				continue
+			}
+			if len(rhs) != len(lhs) {
+				ok = false
+				continue
+			}
+			if s, isLit := stringLit(rhs[i]); isLit {
+				vals = append(vals, s)
+			} else if c, isConst := rhs[i].(*ast.Ident); isConst && consts[c.Name] != "" {
+				vals = append(vals, consts[c.Name])
+			} else {
+				ok = false
+			}
+		}
+		return true
+	})
+	return vals, ok && len(vals) > 0
+}
+
+// TestFindExecTools checks the scanner on a fixture package.
+func TestFindExecTools(t *testing.T) {
+	root := t.TempDir()
+	write := func(rel, src string) {
+		t.Helper()
+		p := filepath.Join(root, rel)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("pkg/a/a.go", `package a
+
+import (
+	"context"
+	"os"
+	"os/exec"
+
+	utilexec "k8s.io/utils/exec"
+)
+
+const daemon = "sshfs"
+
+type tools struct{ exec utilexec.Interface }
+
+func direct(ctx context.Context) {
+	_ = exec.Command("nbd-client", "-d")
+	_ = exec.CommandContext(ctx, daemon)
+	_, _ = exec.LookPath("/usr/sbin/iscsiadm")
+}
+
+func (t tools) run(ctx context.Context, dev, tool string, args ...string) {
+	_ = t.exec.CommandContext(ctx, tool, args...)
+}
+
+func outer(ctx context.Context, t tools, name string) { t.run(ctx, "", name) }
+
+func chosen(ctx context.Context, t tools, xfs bool) {
+	var tool string
+	if xfs {
+		tool = "mkfs.xfs"
+	} else {
+		tool = "mkfs.ext4"
+	}
+	t.run(ctx, "/dev/loop0", tool)
+	outer(ctx, t, "fusermount3")
+}
+
+func dynamic() { _ = exec.Command(os.Args[1]) }
+`)
+	write("pkg/a/a_test.go", `package a
+import "os/exec"
+func helper() { _ = exec.Command("only-in-tests") }
+`)
+	write("pkg/a/atest/h.go", `package atest
+import "os/exec"
+func helper() { _ = exec.Command("unshare") }
+`)
+	found, unresolved, err := findExecTools(root, []string{"pkg", "cmd"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for n := range found {
+		got = append(got, n)
+	}
+	sort.Strings(got)
+	want := []string{"/usr/sbin/iscsiadm", "fusermount3", "mkfs.ext4", "mkfs.xfs", "nbd-client", "sshfs"}
+	if !slices.Equal(got, want) {
+		t.Errorf("found %v, want %v", got, want)
+	}
+	if len(unresolved) != 1 || !strings.Contains(unresolved[0], "a.go:") {
+		t.Errorf("unresolved %v, want the os.Args call only", unresolved)
+	}
+}
