@@ -1,0 +1,179 @@
+package mounter_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// recorder is a mounter.Interface that records what reaches it and answers
+// with err.
+type recorder struct {
+	mu       sync.Mutex
+	mounts   []plan.Mount
+	consumer mounter.Consumer
+	err      error
+}
+
+func (r *recorder) Mount(_ context.Context, m []plan.Mount, c mounter.Consumer) error {
+	return r.record(m, c)
+}
+
+func (r *recorder) Unmount(_ context.Context, m []plan.Mount, c mounter.Consumer) error {
+	return r.record(m, c)
+}
+
+func (r *recorder) record(m []plan.Mount, c mounter.Consumer) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.mounts, r.consumer = m, c
+	return r.err
+}
+
+// serve runs the Mounter service for m on a socket in a temp dir and
+// returns a client connection to it.
+func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterClient) {
+	t.Helper()
+	endpoint := "unix://" + filepath.Join(t.TempDir(), "mounter.sock")
+	l, err := mounter.ListenUnix(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- mounter.Serve(ctx, l, m) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	conn, err := mounter.Dial(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return mounter.NewClient(conn), api.NewMounterClient(conn)
+}
+
+func TestGRPCRoundTrip(t *testing.T) {
+	rec := &recorder{}
+	client, _ := serve(t, rec)
+	mounts := []plan.Mount{
+		{Type: "ext4", Source: "/dev/loop7", Options: []string{"ro", "nosuid", "nodev"}},
+		{Type: "bind", Source: "/var/lib/mountplan/x", Target: "data"},
+	}
+	c := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026531840}
+	for name, call := range map[string]func(context.Context, []plan.Mount, mounter.Consumer) error{
+		"Mount": client.Mount, "Unmount": client.Unmount,
+	} {
+		if err := call(context.Background(), mounts, c); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if !reflect.DeepEqual(rec.mounts, mounts) || rec.consumer != c {
+			t.Fatalf("%s: server got %v %+v, want %v %+v", name, rec.mounts, rec.consumer, mounts, c)
+		}
+	}
+}
+
+func TestGRPCErrorsKeepTheirCodes(t *testing.T) {
+	tests := []struct {
+		err      error
+		code     codes.Code
+		sentinel error
+	}{
+		{fmt.Errorf("target: %w", errdefs.ErrInvalidArgument), codes.InvalidArgument, errdefs.ErrInvalidArgument},
+		{fmt.Errorf("pid 7: %w", errdefs.ErrNotFound), codes.NotFound, errdefs.ErrNotFound},
+		{fmt.Errorf("namespace: %w", errdefs.ErrFailedPrecondition), codes.FailedPrecondition, errdefs.ErrFailedPrecondition},
+		{fmt.Errorf("busy: %w", errdefs.ErrAborted), codes.Aborted, errdefs.ErrAborted},
+		{errors.New("boom"), codes.Internal, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.code.String(), func(t *testing.T) {
+			client, _ := serve(t, &recorder{err: tt.err})
+			err := client.Mount(context.Background(), []plan.Mount{{Type: "tmpfs"}}, mounter.Consumer{MountPoint: "/x"})
+			if errdefs.Code(err) != tt.code {
+				t.Fatalf("code = %v (%v), want %v", errdefs.Code(err), err, tt.code)
+			}
+			if tt.sentinel != nil && !errors.Is(err, tt.sentinel) {
+				t.Fatalf("%v does not wrap %v", err, tt.sentinel)
+			}
+			// Internal has no sentinel: the status error itself comes back.
+			if !strings.HasSuffix(err.Error(), tt.err.Error()) {
+				t.Fatalf("message = %q, want %q", err, tt.err)
+			}
+		})
+	}
+}
+
+func TestGRPCWithoutConsumer(t *testing.T) {
+	_, raw := serve(t, &recorder{})
+	_, err := raw.Mount(context.Background(), &api.MountRequest{})
+	if errdefs.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Mount without consumer = %v, want InvalidArgument", err)
+	}
+	_, err = raw.Unmount(context.Background(), &api.UnmountRequest{Consumer: &api.Consumer{Pid: 1 << 40, MountPoint: "/x"}})
+	if errdefs.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Unmount with pid out of range = %v, want InvalidArgument", err)
+	}
+}
+
+func TestListenUnix(t *testing.T) {
+	dir := t.TempDir()
+	stale := filepath.Join(dir, "stale.sock")
+	l, err := net.Listen("unix", stale)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	l.Close()
+	live := filepath.Join(dir, "live.sock")
+	ll, err := net.Listen("unix", live)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ll.Close()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		endpoint string
+		want     error
+	}{
+		{"unix://" + stale, nil},
+		{"unix://" + filepath.Join(dir, "new.sock"), nil},
+		{"unix://" + live, errdefs.ErrAlreadyExists},
+		{"unix://" + file, errdefs.ErrFailedPrecondition},
+		{"tcp://127.0.0.1:1", errdefs.ErrInvalidArgument},
+		{"unix://relative.sock", errdefs.ErrInvalidArgument},
+	}
+	for _, tt := range tests {
+		l, err := mounter.ListenUnix(tt.endpoint)
+		if !errors.Is(err, tt.want) {
+			t.Errorf("ListenUnix(%s) = %v, want %v", tt.endpoint, err, tt.want)
+		}
+		if err != nil {
+			continue
+		}
+		fi, err := os.Stat(l.Addr().String())
+		if err != nil || fi.Mode().Perm() != 0o600 {
+			t.Errorf("socket %s: %v, mode %v, want 0600", l.Addr(), err, fi.Mode())
+		}
+		l.Close()
+	}
+}

@@ -1,0 +1,125 @@
+package mounter_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+
+	csi "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// plugin is a NodePrepareClient that answers with a fixed plan and records
+// the requests it gets.
+type plugin struct {
+	mounts     []plan.Mount
+	inode      uint64
+	prepared   *api.NodePrepareVolumeRequest
+	unprepared []*api.NodeUnprepareVolumeRequest
+}
+
+func (p *plugin) NodePrepareVolume(_ context.Context, req *api.NodePrepareVolumeRequest, _ ...grpc.CallOption) (*api.NodePrepareVolumeResponse, error) {
+	p.prepared = req
+	c := *req.GetConsumer()
+	c.MntNsInode = p.inode
+	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(p.mounts), Consumer: &c}, nil
+}
+
+func (p *plugin) NodeUnprepareVolume(_ context.Context, req *api.NodeUnprepareVolumeRequest, _ ...grpc.CallOption) (*api.NodeUnprepareVolumeResponse, error) {
+	p.unprepared = append(p.unprepared, req)
+	return &api.NodeUnprepareVolumeResponse{}, nil
+}
+
+type treeUnmounter struct {
+	err error
+	got mounter.Consumer
+}
+
+func (u *treeUnmounter) UnmountAll(_ context.Context, c mounter.Consumer) error {
+	u.got = c
+	return u.err
+}
+
+func TestPrepare(t *testing.T) {
+	rw := []plan.Mount{tmpfs("v", "")}
+	ro := []plan.Mount{tmpfs("v", "", "ro")}
+	tests := []struct {
+		name     string
+		readOnly bool
+		block    bool
+		plan     []plan.Mount
+		mountErr error
+		want     error
+		released bool
+	}{
+		{name: "performed", plan: rw},
+		{name: "read-only block", readOnly: true, block: true, plan: ro},
+		{name: "mount fails: claim released", plan: rw, mountErr: fmt.Errorf("x: %w", errdefs.ErrFailedPrecondition),
+			want: errdefs.ErrFailedPrecondition, released: true},
+		{name: "writable plan for read-only request", readOnly: true, plan: rw, want: errdefs.ErrInvalidArgument, released: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := &plugin{mounts: tt.plan, inode: 4026532000}
+			m := &recorder{err: tt.mountErr}
+			r := mounter.PrepareRequest{VolumeID: "vol-1", StagingPath: "/var/lib/mountplan/staging/vol-1",
+				ReadOnly: tt.readOnly, Block: tt.block, Consumer: mounter.Consumer{PID: 42, MountPoint: "/data"}}
+			c, err := mounter.Prepare(context.Background(), p, m, r)
+			if !errors.Is(err, tt.want) {
+				t.Fatalf("Prepare = %v, want %v", err, tt.want)
+			}
+			want := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026532000}
+			if c != want {
+				t.Fatalf("consumer = %+v, want %+v", c, want)
+			}
+			checkPrepareRequest(t, p.prepared, tt.readOnly, tt.block)
+			if got := len(p.unprepared) == 1; got != tt.released {
+				t.Fatalf("claim released: %v, want %v", got, tt.released)
+			}
+			if tt.released && p.unprepared[0].GetConsumer().GetMntNsInode() != want.NSInode {
+				t.Fatalf("released consumer %v, want the recorded one", p.unprepared[0].GetConsumer())
+			}
+		})
+	}
+}
+
+func checkPrepareRequest(t *testing.T, req *api.NodePrepareVolumeRequest, readOnly, block bool) {
+	t.Helper()
+	mode := csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
+	if readOnly {
+		mode = csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
+	}
+	vc := req.GetVolumeCapability()
+	if req.GetVolumeId() != "vol-1" || req.GetReadonly() != readOnly || vc.GetAccessMode().GetMode() != mode ||
+		(vc.GetBlock() != nil) != block || (vc.GetMount() != nil) == block || req.GetConsumer().GetPid() != 42 {
+		t.Fatalf("NodePrepareVolume request = %v", req)
+	}
+}
+
+func TestUnprepare(t *testing.T) {
+	c := mounter.Consumer{PID: 42, MountPoint: "/data"}
+	p := &plugin{}
+	u := &treeUnmounter{}
+	if err := mounter.Unprepare(context.Background(), p, u, "vol-1", c); err != nil {
+		t.Fatal(err)
+	}
+	if u.got != c || len(p.unprepared) != 1 || p.unprepared[0].GetVolumeId() != "vol-1" {
+		t.Fatalf("unmounted %+v, released %v", u.got, p.unprepared)
+	}
+
+	// While something is still mounted, the claim is kept.
+	p = &plugin{}
+	u = &treeUnmounter{err: fmt.Errorf("busy: %w", errdefs.ErrFailedPrecondition)}
+	if err := mounter.Unprepare(context.Background(), p, u, "vol-1", c); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Fatalf("Unprepare = %v, want FailedPrecondition", err)
+	}
+	if len(p.unprepared) != 0 {
+		t.Fatal("claim released while still mounted")
+	}
+}
