@@ -73,7 +73,7 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
-	ls := loop.New()
+	ls := loop.New(stateDir)
 	return &Driver{
 		opts:    opts,
 		store:   store,

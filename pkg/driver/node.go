@@ -84,7 +84,13 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Vol
 	if err != nil {
 		return nil, err
 	}
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: loop.Type, Image: image, FsType: vctx[ctxFsType]}, nil
+	params := map[string]string{}
+	for _, k := range []string{loop.ParamOverlay, loop.ParamUpperSize} {
+		if val, ok := vctx[k]; ok {
+			params[k] = val
+		}
+	}
+	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: loop.Type, Image: image, FsType: vctx[ctxFsType], Parameters: params}, nil
 }
 
 func checkStaticContext(vctx map[string]string) error {
@@ -94,7 +100,11 @@ func checkStaticContext(vctx map[string]string) error {
 			if val != loop.Type {
 				return invalid("volume type %q is not supported (supported: %s)", val, loop.Type)
 			}
-		case k == ctxImage || k == ctxFsType || strings.HasPrefix(k, reservedPrefix):
+		case k == loop.ParamOverlay:
+			if val != "true" && val != "false" {
+				return invalid("%s must be true or false, not %q", k, val)
+			}
+		case k == ctxImage || k == ctxFsType || k == loop.ParamUpperSize || strings.HasPrefix(k, reservedPrefix):
 		default:
 			return invalid("unknown volume attribute %q", k)
 		}

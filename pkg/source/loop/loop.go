@@ -39,10 +39,14 @@ type State struct {
 	ReadOnly bool             `json:"readOnly,omitempty"`
 	// FsType is the filesystem found or made on the device ("" for block).
 	FsType string `json:"fsType,omitempty"`
+	// Chain is set for a writable overlay over a read-only image.
+	Chain *Chain `json:"chain,omitempty"`
 }
 
 // Source attaches images to loop devices.
 type Source struct {
+	// StateDir holds chain mounts and scratch images.
+	StateDir string
 	// MountableTypes are the filesystems a plan may mount; a device holding
 	// anything else is refused rather than reformatted.
 	MountableTypes []string
@@ -53,9 +57,10 @@ type Source struct {
 
 var _ source.Source = (*Source)(nil)
 
-// New returns a loop source.
-func New() *Source {
+// New returns a loop source keeping its mounts and scratch images under stateDir.
+func New(stateDir string) *Source {
 	return &Source{
+		StateDir:       stateDir,
 		MountableTypes: []string{"ext4", "xfs", "btrfs", "erofs", "squashfs"},
 		devices:        map[string]*loopdev.Device{},
 	}
@@ -87,7 +92,13 @@ func (s *Source) held(id string) *loopdev.Device {
 // Stage attaches v.Image and, for mount access, makes sure it holds a
 // filesystem. The device is not mounted anywhere: the plan mounts it.
 func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
-	dev, err := loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: req.ReadOnly, DirectIO: true, Autoclear: true})
+	chained := wantsChain(v)
+	if chained && req.Block {
+		return nil, fmt.Errorf("overlay volumes have no block access: %w", errdefs.ErrInvalidArgument)
+	}
+	// The image under an overlay is never written, whatever the access mode.
+	ro := req.ReadOnly || chained
+	dev, err := loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true})
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", v.Image, err)
 	}
@@ -99,7 +110,11 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 		}
 	}()
 	st := State{Device: dev.Path, Identity: dev.Identity, DirectIO: dev.DirectIO, ReadOnly: dev.ReadOnly}
-	if !req.Block {
+	if chained {
+		if st.FsType, st.Chain, err = s.stageChain(ctx, v, dev.Path); err != nil {
+			return nil, err
+		}
+	} else if !req.Block {
 		if st.FsType, err = s.ensureFilesystem(ctx, v, dev.Path, req); err != nil {
 			return nil, err
 		}
@@ -110,6 +125,20 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	}
 	s.hold(v.ID, dev)
 	return raw, nil
+}
+
+// stageChain checks that the image holds a read-only filesystem and builds
+// the overlay's layers over it.
+func (s *Source) stageChain(ctx context.Context, v *journal.Volume, device string) (string, *Chain, error) {
+	fsType, err := fsutil.Detect(ctx, device)
+	if err != nil {
+		return "", nil, err
+	}
+	if !slices.Contains(readOnlyTypes, fsType) {
+		return "", nil, fmt.Errorf("overlay needs a read-only image (%v); %s holds %q: %w", readOnlyTypes, v.Image, fsType, errdefs.ErrFailedPrecondition)
+	}
+	c, err := s.buildChain(ctx, v, device, fsType)
+	return fsType, c, err
 }
 
 // ensureFilesystem returns the filesystem on device, making one only when
@@ -158,6 +187,9 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 	if err != nil {
 		return nil, err
 	}
+	if st.Chain != nil {
+		return chainPlan(st.Chain, req.ReadOnly), nil
+	}
 	ro := req.ReadOnly || st.ReadOnly
 	if req.Block {
 		opts := []string{"nosuid"}
@@ -187,11 +219,22 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 	if err != nil {
 		return err
 	}
-	dev := s.take(v.ID)
+	if st.Chain != nil {
+		if err := s.teardownChain(ctx, v.ID, st.Chain); err != nil {
+			return err
+		}
+	}
+	return s.detach(ctx, v.ID, st.Device, st.Identity)
+}
+
+// detach detaches the device held under key, or found by its identity.
+func (s *Source) detach(ctx context.Context, key, device string, id loopdev.Identity) error {
+	dev := s.take(key)
 	if dev == nil {
-		dev, err = loopdev.Adopt(st.Device, st.Identity)
+		var err error
+		dev, err = loopdev.Adopt(device, id)
 		if errors.Is(err, errdefs.ErrNotFound) {
-			klog.FromContext(ctx).V(2).Info("Loop device already gone", "device", st.Device)
+			klog.FromContext(ctx).V(2).Info("Loop device already gone", "device", device)
 			return nil
 		}
 		if err != nil {
@@ -220,6 +263,20 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 		return nil, err
 	}
 	st.Device, st.Identity, st.DirectIO = dev.Path, dev.Identity, dev.DirectIO
+	if st.Chain != nil && !chainIntact(st.Chain) {
+		// The layers are gone (a reboot): build them anew. A tmpfs upper's
+		// writes did not survive; a scratch image's are discarded too,
+		// since an overlay's upper is only valid with its own work dir.
+		klog.FromContext(ctx).Info("Overlay layers gone; building them again", "volume", v.ID)
+		if err := s.teardownChain(ctx, v.ID, st.Chain); err != nil {
+			_ = dev.Close()
+			return nil, err
+		}
+		if st.Chain, err = s.buildChain(ctx, v, dev.Path, st.FsType); err != nil {
+			_ = dev.Close()
+			return nil, err
+		}
+	}
 	raw, err := json.Marshal(st)
 	if err != nil {
 		_ = dev.Close()
