@@ -240,4 +240,3 @@ func syncDir(dir string) error {
 	}
 	return nil
 }
-
