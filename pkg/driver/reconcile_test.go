@@ -1,0 +1,146 @@
+package driver
+
+import (
+	"context"
+	"encoding/json"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// fakeSource records what the reconciler asks of it.
+type fakeSource struct {
+	adopted, unstaged []string
+	adoptState        json.RawMessage
+}
+
+func (f *fakeSource) Stage(context.Context, *journal.Volume, source.StageRequest) (json.RawMessage, error) {
+	return json.RawMessage(`{}`), nil
+}
+
+func (f *fakeSource) Plan(*journal.Volume, source.PlanRequest) ([]plan.Mount, error) {
+	return []plan.Mount{{Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev"}}}, nil
+}
+
+func (f *fakeSource) Unstage(_ context.Context, v *journal.Volume) error {
+	f.unstaged = append(f.unstaged, v.ID)
+	return nil
+}
+
+func (f *fakeSource) Adopt(_ context.Context, v *journal.Volume) (json.RawMessage, error) {
+	f.adopted = append(f.adopted, v.ID)
+	if f.adoptState != nil {
+		return f.adoptState, nil
+	}
+	return v.Stage.Source, nil
+}
+
+// deadPID returns the PID of a process that has exited and been reaped.
+func deadPID(t *testing.T) int {
+	t.Helper()
+	cmd := exec.Command("true")
+	if err := cmd.Run(); err != nil {
+		t.Skipf("cannot run true: %v", err)
+	}
+	return cmd.Process.Pid
+}
+
+func TestReconcile(t *testing.T) {
+	d, _ := newTestDriver(t)
+	fake := &fakeSource{adoptState: json.RawMessage(`{"device":"/dev/loop9"}`)}
+	d.sources["fake"] = fake
+	staged := func(id string, phase journal.Phase) *journal.Volume {
+		return &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: "fake",
+			Stage: &journal.Stage{Phase: phase, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)}}
+	}
+	interrupted := staged("interrupted", journal.PhaseStaging)
+	interruptedStatic := staged("static-interrupted", journal.PhaseUnstaging)
+	interruptedStatic.Kind = journal.KindStatic
+	healthy := staged("healthy", journal.PhaseStaged)
+	healthy.Consumers = []journal.Consumer{{PID: deadPID(t), NSInode: 1, MountPoint: "/gone"}}
+	healthy.Publishes = []journal.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
+	halfMadeInline := &journal.Volume{ID: "inline", Kind: journal.KindEphemeral, Type: "fake", Creating: true}
+	idle := &journal.Volume{ID: "idle", Kind: journal.KindProvisioned, Type: "fake"}
+	for _, v := range []*journal.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
+		if err := d.store.Put(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d.Ready() {
+		t.Fatal("ready before the startup reconcile")
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatalf("Reconcile: %v", err)
+	}
+	if !d.Ready() {
+		t.Fatal("not ready after the startup reconcile")
+	}
+
+	if v, err := d.store.Get("interrupted"); err != nil || v.Stage != nil {
+		t.Errorf("interrupted stage not undone: %+v %v", v, err)
+	}
+	if _, err := d.store.Get("static-interrupted"); err == nil {
+		t.Error("an interrupted static volume's record survived")
+	}
+	if len(fake.unstaged) < 2 {
+		t.Errorf("interrupted steps were not undone through the source: %v", fake.unstaged)
+	}
+	v, err := d.store.Get("healthy")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(v.Consumers) != 0 {
+		t.Errorf("consumer whose namespace is gone was kept: %+v", v.Consumers)
+	}
+	if len(v.Publishes) != 0 {
+		t.Errorf("publish that is no longer mounted was kept: %+v", v.Publishes)
+	}
+	if string(v.Stage.Source) != `{"device":"/dev/loop9"}` {
+		t.Errorf("adopted state not recorded: %s", v.Stage.Source)
+	}
+	if _, err := d.store.Get("inline"); err == nil {
+		t.Error("half-made inline volume survived")
+	}
+	if v, err := d.store.Get("idle"); err != nil || v.Stage != nil {
+		t.Errorf("idle volume changed: %+v %v", v, err)
+	}
+	adoptedHealthy := false
+	for _, id := range fake.adopted {
+		if id == "healthy" {
+			adoptedHealthy = true
+		}
+		if id == "idle" {
+			t.Error("an unstaged volume was adopted")
+		}
+	}
+	if !adoptedHealthy {
+		t.Errorf("staged volume not adopted: %v", fake.adopted)
+	}
+}
+
+func TestUnstageRefusesLiveConsumers(t *testing.T) {
+	d, _ := newTestDriver(t)
+	d.sources["fake"] = &fakeSource{}
+	inode, err := namespaceOf(1) // PID 1 lives as long as the machine
+	if err != nil {
+		t.Skipf("cannot read PID 1's namespace: %v", err)
+	}
+	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
+		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []journal.Consumer{{PID: 1, NSInode: inode, MountPoint: "/data"}}}
+	if err := d.store.Put(v); err != nil {
+		t.Fatal(err)
+	}
+	err = d.unstage(context.Background(), v)
+	if err == nil {
+		t.Fatal("unstage with a live consumer succeeded")
+	}
+	if want := "pid 1"; !strings.Contains(err.Error(), want) {
+		t.Fatalf("error %q does not name the consumer (%s)", err, want)
+	}
+}
+
