@@ -143,4 +143,3 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 		t.Fatalf("error %q does not name the consumer (%s)", err, want)
 	}
 }
-
