@@ -1,0 +1,124 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mountns"
+)
+
+func runMount(ctx context.Context, args []string) error {
+	fs := newFlagSet("mount")
+	endpoint := fs.String("plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required)")
+	r := mounter.PrepareRequest{}
+	fs.StringVar(&r.VolumeID, "volume-id", "", "volume to prepare (required)")
+	fs.StringVar(&r.StagingPath, "staging-path", "", "the volume's staging target path (required)")
+	fs.BoolVar(&r.ReadOnly, "readonly", false, "ask for read-only access (SINGLE_NODE_READER_ONLY); a plan with a writable mount is refused")
+	fs.BoolVar(&r.Block, "block", false, "ask for raw block access instead of a filesystem")
+	cf := consumerFlags(fs)
+	ef := executorFlags(fs)
+	timeout := fs.Duration("timeout", 2*time.Minute, "give up after this long")
+	if err := parse(fs, args, "plugin-endpoint", "volume-id", "staging-path", "pid", "target"); err != nil {
+		return err
+	}
+	r.Consumer = cf.consumer()
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	if err := mountns.Supported(); err != nil {
+		return err
+	}
+	np, closeConn, err := dialPlugin(*endpoint)
+	if err != nil {
+		return err
+	}
+	defer closeConn()
+	c, err := mounter.Prepare(ctx, np, ef.executor(), r)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("mounted volume %s at %s for pid %d\n", r.VolumeID, c.MountPoint, c.PID)
+	if c.NSInode != 0 {
+		fmt.Printf("mount namespace %d (pass --mnt-ns-inode %d to unmount)\n", c.NSInode, c.NSInode)
+	}
+	return nil
+}
+
+func runUnmount(ctx context.Context, args []string) error {
+	fs := newFlagSet("unmount")
+	endpoint := fs.String("plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required)")
+	volumeID := fs.String("volume-id", "", "volume to release (required)")
+	cf := consumerFlags(fs)
+	removeTarget := fs.Bool("remove-target", false, "remove the target afterwards (rmdir or unlink, never recursive)")
+	timeout := fs.Duration("timeout", 2*time.Minute, "give up after this long")
+	if err := parse(fs, args, "plugin-endpoint", "volume-id", "pid", "target"); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	np, closeConn, err := dialPlugin(*endpoint)
+	if err != nil {
+		return err
+	}
+	defer closeConn()
+	e := &mounter.Executor{RemoveMountPoint: *removeTarget}
+	return mounter.Unprepare(ctx, np, e, *volumeID, cf.consumer())
+}
+
+func runServe(ctx context.Context, args []string) error {
+	fs := newFlagSet("serve")
+	endpoint := fs.String("endpoint", "", "where to serve the Mounter service, unix:///path (required)")
+	ef := executorFlags(fs)
+	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", true,
+		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive), as CSI's NodeUnpublishVolume must")
+	if err := parse(fs, args, "endpoint"); err != nil {
+		return err
+	}
+	if err := mountns.Supported(); err != nil {
+		return err
+	}
+	l, err := mounter.ListenUnix(*endpoint)
+	if err != nil {
+		return err
+	}
+	logger := klog.Background().WithName("mounter")
+	logger.Info("Serving the Mounter service", "endpoint", *endpoint, "allowedRoots", ef.roots.values())
+	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor())
+	logger.Info("Stopped", "err", err)
+	return err
+}
+
+// dialPlugin connects to the plugin's NodePrepare service.
+func dialPlugin(endpoint string) (api.NodePrepareClient, func(), error) {
+	conn, err := mounter.Dial(endpoint)
+	if err != nil {
+		return nil, nil, err
+	}
+	return api.NewNodePrepareClient(conn), func() { conn.Close() }, nil
+}
+
+// parse parses args and checks that the required flags were given.
+func parse(fs *flag.FlagSet, args []string, required ...string) error {
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		return err
+	} else if err != nil {
+		return fmt.Errorf("%w: %w", err, errUsage) // flag has printed the flags
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q: %w", fs.Args(), errUsage)
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	for _, name := range required {
+		if !set[name] {
+			return fmt.Errorf("--%s is required: %w", name, errUsage)
+		}
+	}
+	return nil
+}

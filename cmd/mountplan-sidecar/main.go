@@ -1,0 +1,68 @@
+// Command mountplan-sidecar is mountplan's mounter. It asks the plugin for a
+// volume's mount plan and performs it inside a consumer's mount namespace
+// (mount, unmount), or serves the Mounter gRPC service that the plugin
+// hands kubelet's publish requests to (serve). Only wiring lives here; the
+// work is done by pkg/mounter and pkg/mountns.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"k8s.io/klog/v2"
+)
+
+const usage = `usage: mountplan-sidecar <command> [flags]
+
+commands:
+  mount    ask the plugin for a volume's plan and perform it in a process's mount namespace
+  unmount  unmount everything at and below a target in a process's mount namespace, then release the claim
+  serve    serve the Mounter gRPC service on a unix socket
+
+Run "mountplan-sidecar <command> -h" for the flags of a command.
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	err := run(ctx, os.Args[1], os.Args[2:])
+	stop()
+	klog.Flush()
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(0)
+	case errors.Is(err, errUsage):
+		fmt.Fprintf(os.Stderr, "mountplan-sidecar %s: %v\n", os.Args[1], err)
+		os.Exit(2)
+	case err != nil:
+		fmt.Fprintf(os.Stderr, "mountplan-sidecar %s: %v\n", os.Args[1], err)
+		os.Exit(1)
+	}
+}
+
+// errUsage marks errors in the command line (exit status 2).
+var errUsage = errors.New("bad command line")
+
+func run(ctx context.Context, cmd string, args []string) error {
+	switch cmd {
+	case "mount":
+		return runMount(ctx, args)
+	case "unmount":
+		return runUnmount(ctx, args)
+	case "serve":
+		return runServe(ctx, args)
+	case "-h", "--help", "help":
+		fmt.Print(usage)
+		return nil
+	}
+	fmt.Fprint(os.Stderr, usage)
+	return fmt.Errorf("unknown command %q: %w", cmd, errUsage)
+}

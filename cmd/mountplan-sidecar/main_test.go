@@ -1,0 +1,167 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// fakePlugin serves NodePrepare with a fixed plan.
+type fakePlugin struct {
+	api.UnimplementedNodePrepareServer
+	mounts []plan.Mount
+
+	mu         sync.Mutex
+	unprepared []string
+}
+
+func (p *fakePlugin) NodePrepareVolume(_ context.Context, req *api.NodePrepareVolumeRequest) (*api.NodePrepareVolumeResponse, error) {
+	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(p.mounts), Consumer: req.GetConsumer()}, nil
+}
+
+func (p *fakePlugin) NodeUnprepareVolume(_ context.Context, req *api.NodeUnprepareVolumeRequest) (*api.NodeUnprepareVolumeResponse, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.unprepared = append(p.unprepared, req.GetVolumeId())
+	return &api.NodeUnprepareVolumeResponse{}, nil
+}
+
+func (p *fakePlugin) released() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string{}, p.unprepared...)
+}
+
+func startPlugin(t *testing.T, p *fakePlugin) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "plugin.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	api.RegisterNodePrepareServer(srv, p)
+	go srv.Serve(l) //nolint:errcheck // ends with Stop
+	t.Cleanup(srv.Stop)
+	return "unix://" + sock
+}
+
+func TestMountAndUnmountCommands(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	dir := mountnstest.Scratch(t)
+	pid := mountnstest.Namespace(t, "private")
+	p := &fakePlugin{mounts: []plan.Mount{{Type: "tmpfs", Source: "vol-1", Options: []string{"nosuid", "nodev"}},
+		{Type: "tmpfs", Source: "vol-1-sub", Target: "sub", Options: []string{"nosuid", "nodev"}}}}
+	endpoint := startPlugin(t, p)
+	target := filepath.Join(dir, "mp")
+	common := []string{"--plugin-endpoint", endpoint, "--volume-id", "vol-1", "--pid", strconv.Itoa(pid), "--target", target}
+
+	if err := run(context.Background(), "mount", append(common, "--staging-path", "/staging", "--allowed-root", dir)); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(mountnstest.MountsUnder(t, pid, dir)); n != 2 {
+		t.Fatalf("%d mounts in the namespace, want 2", n)
+	}
+	if err := run(context.Background(), "unmount", append(common, "--remove-target")); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(mountnstest.MountsUnder(t, pid, dir)); n != 0 {
+		t.Fatalf("%d mounts left in the namespace", n)
+	}
+	if _, err := os.Lstat(filepath.Join("/proc", strconv.Itoa(pid), "root", target)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("target not removed: %v", err)
+	}
+	if got := p.released(); len(got) != 1 || got[0] != "vol-1" {
+		t.Fatalf("released %v, want [vol-1]", got)
+	}
+}
+
+// TestMountCommandReleasesOnFailure: the default allowed root does not
+// contain the plan's overlay dirs, so the plan is refused and the claim
+// released.
+func TestMountCommandReleasesOnFailure(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	dir := mountnstest.Scratch(t)
+	p := &fakePlugin{mounts: []plan.Mount{{Type: "overlay", Source: "o",
+		Options: []string{"nosuid", "nodev", "lowerdir=" + dir}}}}
+	endpoint := startPlugin(t, p)
+	err := run(context.Background(), "mount", []string{"--plugin-endpoint", endpoint, "--volume-id", "vol-2",
+		"--staging-path", "/staging", "--pid", strconv.Itoa(os.Getpid()), "--target", filepath.Join(dir, "mp")})
+	if !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("mount = %v, want InvalidArgument", err)
+	}
+	if got := p.released(); len(got) != 1 || got[0] != "vol-2" {
+		t.Fatalf("released %v, want [vol-2]", got)
+	}
+}
+
+func TestServeCommand(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	dir := mountnstest.Scratch(t)
+	pid := mountnstest.Namespace(t, "private")
+	sock := filepath.Join(dir, "mounter.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, "serve", []string{"--endpoint", "unix://" + sock, "--allowed-root", dir}) }()
+	// Serving starts asynchronously: wait for the socket.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if _, err := os.Lstat(sock); err == nil {
+			break
+		}
+	}
+	conn, err := mounter.Dial("unix://" + sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	m := mounter.NewClient(conn)
+	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
+	mounts := []plan.Mount{{Type: "tmpfs", Source: "served", Options: []string{"nosuid", "nodev"}}}
+	callCtx, callCancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer callCancel()
+	if err := m.Mount(callCtx, mounts, c); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Unmount(callCtx, mounts, c); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(mountnstest.MountsUnder(t, pid, dir)); n != 0 {
+		t.Fatalf("%d mounts left", n)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("serve: %v", err)
+	}
+	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("socket left behind: %v", err)
+	}
+}
+
+func TestUsageErrors(t *testing.T) {
+	for _, args := range [][]string{
+		{"nosuch"},
+		{"mount", "--volume-id", "v"},
+		{"serve"},
+		{"unmount", "--plugin-endpoint", "unix:///x", "--volume-id", "v", "--pid", "1", "--target", "/x", "extra"},
+	} {
+		if err := run(context.Background(), args[0], args[1:]); !errors.Is(err, errUsage) {
+			t.Errorf("%v: %v, want a usage error", args, err)
+		}
+	}
+}
