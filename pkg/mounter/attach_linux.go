@@ -177,7 +177,13 @@ func (a *attacher) alreadyMounted(i int, target string) (bool, error) {
 func (a *attacher) rollback() error {
 	var errs []error
 	for i := len(a.attached) - 1; i >= 0; i-- {
-		errs = append(errs, detach(a.attached[i]))
+		err := detach(a.attached[i])
+		if errors.Is(err, unix.EBUSY) {
+			// Something in the consumer already uses it; a failed Mount
+			// must still not leave the volume attached.
+			err = unix.Unmount(a.attached[i], unix.UMOUNT_NOFOLLOW|unix.MNT_DETACH)
+		}
+		errs = append(errs, err)
 	}
 	for i := len(a.created) - 1; i >= 0; i-- {
 		if err := os.Remove(a.created[i]); err != nil && !errors.Is(err, fs.ErrNotExist) {
