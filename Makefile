@@ -13,7 +13,7 @@ TESTFLAGS ?= -p 1 -count=1 -timeout 80m
 all: build
 
 build:
-	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar
+	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./hack/csictl
 
 test: build
 	$(GO) test $(TESTFLAGS) $(PKGS)
