@@ -5,6 +5,7 @@ package mountns_test
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -256,5 +257,35 @@ func TestDoLeavesMainThreadAlone(t *testing.T) {
 	}
 	if main.Ino != self.Ino {
 		t.Fatalf("main thread is in mount namespace %d, the process in %d", main.Ino, self.Ino)
+	}
+}
+
+// TestReadOnlyDevice: a read-only image on a read-only loop device mounts
+// only with a read-only superblock, which "ro" asks for.
+func TestReadOnlyDevice(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	mountnstest.RequireTool(t, "mkfs.erofs")
+	dir := mountnstest.Scratch(t)
+	content := filepath.Join(dir, "content")
+	if err := os.Mkdir(content, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(content, "f"), []byte("erofs"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(dir, "img.erofs")
+	if out, err := exec.Command("mkfs.erofs", "--quiet", img, content).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.erofs: %v: %s", err, out)
+	}
+	dev := mountnstest.AttachLoop(t, img, true)
+	pid := mountnstest.Namespace(t, "private")
+	target := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(target, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	attachInto(t, pid, plan.Mount{Type: "erofs", Source: dev, Options: []string{"ro", "nosuid", "nodev"}}, target)
+	requireOnlyInNamespace(t, pid, target, "erofs")
+	if b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "root", target, "f")); err != nil || string(b) != "erofs" {
+		t.Fatalf("read through the namespace: %q, %v", b, err)
 	}
 }

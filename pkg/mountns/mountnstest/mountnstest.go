@@ -159,8 +159,20 @@ func LoopDevice(t testing.TB, dir, fstype string, sizeMiB int) string {
 		RequireTool(t, "mkfs."+fstype)
 		run(t, "mkfs."+fstype, mkfsArgs(fstype, img.Name())...)
 	}
-	dev := strings.TrimSpace(run(t, "losetup", "--find", "--show", img.Name()))
-	t.Cleanup(func() { detachLoop(t, dev, img.Name()) })
+	return AttachLoop(t, img.Name(), false)
+}
+
+// AttachLoop attaches image to a free loop device (read-only if asked) and
+// returns the device. Cleanup detaches it.
+func AttachLoop(t testing.TB, image string, readOnly bool) string {
+	t.Helper()
+	RequireTool(t, "losetup")
+	args := []string{"--find", "--show", image}
+	if readOnly {
+		args = append([]string{"--read-only"}, args...)
+	}
+	dev := strings.TrimSpace(run(t, "losetup", args...))
+	t.Cleanup(func() { detachLoop(t, dev, image) })
 	return dev
 }
 
