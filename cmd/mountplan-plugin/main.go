@@ -19,12 +19,13 @@ import (
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/driver"
 	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
 )
 
 type flags struct {
-	endpoint, nodeID, stateDir, driverName, configPath, mounterEndpoint string
-	reconcileInterval                                                   time.Duration
+	endpoint, nodeID, stateDir, driverName, configPath, mounterEndpoint, metricsAddress string
+	reconcileInterval                                                                   time.Duration
 }
 
 func main() {
@@ -35,6 +36,7 @@ func main() {
 	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
 	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket; empty: perform plans in process")
+	flag.StringVar(&f.metricsAddress, "metrics-address", "", "serve Prometheus metrics on this address (host:port); empty: off")
 	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
 	klog.InitFlags(nil)
 	flag.Parse()
@@ -62,16 +64,28 @@ func run(f flags) error {
 		return err
 	}
 	defer closeMounter()
-	d, err := driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
-		StateDir: f.stateDir, Config: cfg, Mounter: m})
+	var mx *metrics.Metrics
+	var d *driver.Driver
+	if f.metricsAddress != "" {
+		mx = metrics.New(func() map[string]int { return d.StagedByType() })
+	}
+	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
+		StateDir: f.stateDir, Config: cfg, Mounter: m, Metrics: mx})
 	if err != nil {
 		return err
+	}
+	if mx != nil {
+		go func() {
+			if err := mx.Serve(ctx, f.metricsAddress); err != nil {
+				klog.ErrorS(err, "Metrics server failed", "address", f.metricsAddress)
+			}
+		}()
 	}
 	lis, err := endpoint.Listen(f.endpoint)
 	if err != nil {
 		return err
 	}
-	srv := grpc.NewServer(grpc.UnaryInterceptor(driver.Interceptor))
+	srv := grpc.NewServer(grpc.UnaryInterceptor(d.Interceptor))
 	d.Register(srv)
 	go func() {
 		// Serve at once so Probe can answer "not ready" while this runs.

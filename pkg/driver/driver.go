@@ -18,6 +18,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/keylock"
+	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -37,6 +38,8 @@ type Options struct {
 	// Mounter performs plans for kubelet's publishes: the sidecar's Mounter
 	// service, or an in-process executor.
 	Mounter mounter.Interface
+	// Metrics, when not nil, records RPC latencies and device steps.
+	Metrics *metrics.Metrics
 }
 
 // Driver implements the services. Create it with New.
@@ -74,6 +77,7 @@ func New(opts Options) (*Driver, error) {
 		return nil, err
 	}
 	ls := loop.New(stateDir)
+	ls.Metrics = opts.Metrics
 	return &Driver{
 		opts:    opts,
 		store:   store,
@@ -108,6 +112,18 @@ func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
 		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)
 	}
 	return s, nil
+}
+
+// StagedByType counts staged volumes by type, for the metrics gauge.
+func (d *Driver) StagedByType() map[string]int {
+	vols, _ := d.store.List()
+	out := map[string]int{}
+	for _, v := range vols {
+		if v.Staged() {
+			out[v.Type]++
+		}
+	}
+	return out
 }
 
 // Ready reports whether the startup reconcile has finished.

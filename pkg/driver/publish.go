@@ -80,7 +80,9 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if err := d.store.Put(v); err != nil {
 		return err
 	}
-	if err := d.opts.Mounter.Mount(ctx, mounts, mounter.Consumer{MountPoint: target}); err != nil {
+	if err := d.opts.Metrics.Step("mount", func() error {
+		return d.opts.Mounter.Mount(ctx, mounts, mounter.Consumer{MountPoint: target})
+	}); err != nil {
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
 		return errors.Join(err, d.store.Put(v))
 	}

@@ -29,6 +29,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		}
 		err = d.reconcileVolume(klog.NewContext(ctx, logger.WithValues("volume", v.ID)), v)
 		unlock()
+		d.opts.Metrics.Reconciled(err)
 		if err != nil {
 			logger.Error(err, "Reconcile failed", "volume", v.ID)
 			errs = append(errs, err)

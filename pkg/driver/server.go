@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime/debug"
 	"sync/atomic"
+	"time"
 
 	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
 	"google.golang.org/grpc"
@@ -21,9 +22,12 @@ type volumeIDGetter interface{ GetVolumeId() string }
 
 // Interceptor is the one place where errors become gRPC codes. It also puts
 // a contextual logger (method, request number, volume) into the context,
-// logs requests with their secrets stripped by protosanitizer, and turns a
-// panic into an Internal error instead of a dead plugin.
-func Interceptor(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+// logs requests with their secrets stripped by protosanitizer, turns a
+// panic into an Internal error instead of a dead plugin, and records the
+// call's latency by method and code.
+func (d *Driver) Interceptor(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+	start := time.Now()
+	defer func() { d.opts.Metrics.ObserveRPC(info.FullMethod, status.Code(err), time.Since(start)) }()
 	logger := klog.FromContext(ctx).WithValues("method", info.FullMethod, "request", requestSeq.Add(1))
 	if r, ok := req.(volumeIDGetter); ok && r.GetVolumeId() != "" {
 		logger = logger.WithValues("volume", r.GetVolumeId())

@@ -41,9 +41,7 @@ var sidecarFlags = map[string]struct {
 
 // pendingFlags are flags the chart passes that the binaries do not define yet:
 // they are reported, not failed, and should be removed from here once defined.
-var pendingFlags = map[string]string{
-	"mountplan-plugin --metrics-address": "metrics are wired by the packaging issue's metrics part",
-}
+var pendingFlags = map[string]string{}
 
 func TestSidecarFlags(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {

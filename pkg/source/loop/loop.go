@@ -24,6 +24,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -47,6 +48,8 @@ type State struct {
 type Source struct {
 	// StateDir holds chain mounts and scratch images.
 	StateDir string
+	// Metrics times attach, format and detach (nil: not recorded).
+	Metrics *metrics.Metrics
 	// MountableTypes are the filesystems a plan may mount; a device holding
 	// anything else is refused rather than reformatted.
 	MountableTypes []string
@@ -98,8 +101,11 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	}
 	// The image under an overlay is never written, whatever the access mode.
 	ro := req.ReadOnly || chained
-	dev, err := loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true})
-	if err != nil {
+	var dev *loopdev.Device
+	if err := s.Metrics.Step("attach", func() (err error) {
+		dev, err = loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true})
+		return err
+	}); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", v.Image, err)
 	}
 	defer func() {
@@ -174,7 +180,7 @@ func (s *Source) ensureFilesystem(ctx context.Context, v *journal.Volume, device
 	if err := req.Save(v); err != nil {
 		return "", err
 	}
-	if err := fsutil.Format(ctx, device, fsType); err != nil {
+	if err := s.Metrics.Step("format", func() error { return fsutil.Format(ctx, device, fsType) }); err != nil {
 		return "", err
 	}
 	v.Format.Done = true
@@ -241,7 +247,7 @@ func (s *Source) detach(ctx context.Context, key, device string, id loopdev.Iden
 			return err
 		}
 	}
-	return dev.Detach()
+	return s.Metrics.Step("detach", dev.Detach)
 }
 
 // Adopt reopens the device of a staged volume, or attaches the image again
