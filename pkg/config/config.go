@@ -23,6 +23,12 @@ type Config struct {
 	// DefaultFsType is used when neither the request nor the StorageClass
 	// names one. ext4 when empty.
 	DefaultFsType string `json:"defaultFsType,omitempty"`
+	// FuseProfiles are the FUSE daemons volumes may pick by name (fuse.go).
+	FuseProfiles []FuseProfile `json:"fuseProfiles,omitempty"`
+	// NBD is the policy for NBD volumes (nbd.go).
+	NBD NBDConfig `json:"nbd,omitempty"`
+	// ISCSI is the policy for iSCSI volumes (iscsi.go).
+	ISCSI ISCSIConfig `json:"iscsi,omitempty"`
 }
 
 // MountPolicy is the admin's part of plan.Policy.
@@ -49,6 +55,11 @@ func Load(path string) (*Config, error) {
 	}
 	if c.DefaultFsType == "" {
 		c.DefaultFsType = "ext4"
+	}
+	for _, check := range []func() error{c.validateFuse, c.validateNBD, c.validateISCSI} {
+		if err := check(); err != nil {
+			return nil, fmt.Errorf("config %s: %w", path, err)
+		}
 	}
 	for i, r := range c.ImageRoots {
 		if !filepath.IsAbs(r) || filepath.Clean(r) != r || r == "/" {

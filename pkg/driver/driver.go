@@ -40,6 +40,8 @@ type Options struct {
 	Mounter mounter.Interface
 	// Metrics, when not nil, records RPC latencies and device steps.
 	Metrics *metrics.Metrics
+	// Sources are the volume kinds besides loop, by volume_context type.
+	Sources map[string]source.Source
 }
 
 // Driver implements the services. Create it with New.
@@ -77,12 +79,16 @@ func New(opts Options) (*Driver, error) {
 		return nil, err
 	}
 	ls := loop.New(stateDir)
-	ls.Metrics = opts.Metrics
+	ls.Metrics, ls.ImageRoots = opts.Metrics, opts.Config.ImageRoots
+	sources := map[string]source.Source{loop.Type: ls}
+	for typ, s := range opts.Sources {
+		sources[typ] = s
+	}
 	return &Driver{
 		opts:    opts,
 		store:   store,
 		loop:    ls,
-		sources: map[string]source.Source{loop.Type: ls},
+		sources: sources,
 		policy:  PolicyFor(opts.Config, stateDir),
 	}, nil
 }

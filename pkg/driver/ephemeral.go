@@ -56,7 +56,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 		return err
 	}
 	v.Creating = false
-	if err := d.stage(ctx, v, d.opts.StateDir, c, nil); err != nil {
+	if err := d.stage(ctx, v, d.opts.StateDir, c, nil, nil); err != nil {
 		return err
 	}
 	return d.publish(ctx, v, target, c, req.GetReadonly())

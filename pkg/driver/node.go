@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"strings"
@@ -20,7 +21,6 @@ import (
 // Volume context keys.
 const (
 	ctxType      = "type"
-	ctxImage     = "image"
 	ctxFsType    = "fsType"
 	ctxEphemeral = "csi.storage.k8s.io/ephemeral"
 	ctxSize      = "size"
@@ -36,6 +36,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
 			Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
@@ -64,57 +65,27 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
-	return &csi.NodeStageVolumeResponse{}, d.stage(ctx, v, req.GetStagingTargetPath(), c, req.GetVolumeContext())
+	return &csi.NodeStageVolumeResponse{}, d.stage(ctx, v, req.GetStagingTargetPath(), c, req.GetVolumeContext(), req.GetSecrets())
 }
 
-// volumeForStage finds the record of a provisioned volume, or makes one for
-// a static volume described by its context.
+// volumeForStage finds the record of a provisioned volume, or has the
+// source named by the context's type make one for a static volume.
 func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Volume, error) {
 	v, err := d.store.Get(id)
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
 	}
-	if vctx[ctxImage] == "" {
-		return nil, fmt.Errorf("volume %s does not exist and its context names no image: %w", id, errdefs.ErrNotFound)
+	typ := firstNonEmpty(vctx[ctxType], loop.Type)
+	src, ok := d.sources[typ]
+	if !ok {
+		return nil, invalid("volume type %q is not supported (supported: %s)", typ, strings.Join(slices.Sorted(maps.Keys(d.sources)), ", "))
 	}
-	if err := checkStaticContext(vctx); err != nil {
-		return nil, err
-	}
-	image, err := loop.ResolveStaticImage(vctx[ctxImage], d.opts.Config.ImageRoots)
-	if err != nil {
-		return nil, err
-	}
-	params := map[string]string{}
-	for _, k := range []string{loop.ParamOverlay, loop.ParamUpperSize} {
-		if val, ok := vctx[k]; ok {
-			params[k] = val
-		}
-	}
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: loop.Type, Image: image, FsType: vctx[ctxFsType], Parameters: params}, nil
-}
-
-func checkStaticContext(vctx map[string]string) error {
-	for k, val := range vctx {
-		switch {
-		case k == ctxType:
-			if val != loop.Type {
-				return invalid("volume type %q is not supported (supported: %s)", val, loop.Type)
-			}
-		case k == loop.ParamOverlay:
-			if val != "true" && val != "false" {
-				return invalid("%s must be true or false, not %q", k, val)
-			}
-		case k == ctxImage || k == ctxFsType || k == loop.ParamUpperSize || strings.HasPrefix(k, reservedPrefix):
-		default:
-			return invalid("unknown volume attribute %q", k)
-		}
-	}
-	return nil
+	return src.NewVolume(id, vctx)
 }
 
 // stage activates v, journaling the intent first. Repeating a completed
 // stage with the same capability is a no-op.
-func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath string, c capability, vctx map[string]string) error {
+func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath string, c capability, vctx, secrets map[string]string) error {
 	src, err := d.sourceOf(v)
 	if err != nil {
 		return err
@@ -136,7 +107,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 		return err
 	}
 	fsType := firstNonEmpty(c.fsType, v.FsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Save: d.store.Put})
+	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.store.Put})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))

@@ -213,7 +213,15 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if p := findPublish(v, req.GetVolumePath()); p != nil && !v.Stage.Block && d.isMountPoint(p.TargetPath) {
 		mountPath = p.TargetPath
 	}
-	size, err := d.loop.Expand(ctx, v, mountPath, filepath.Join(d.opts.StateDir, "expand", id))
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return nil, err
+	}
+	exp, ok := src.(source.Expander)
+	if !ok {
+		return nil, fmt.Errorf("%s volumes cannot be expanded: %w", v.Type, errdefs.ErrUnimplemented)
+	}
+	size, err := exp.Expand(ctx, v, mountPath, filepath.Join(d.opts.StateDir, "expand", id))
 	if err != nil {
 		return nil, err
 	}

@@ -18,6 +18,10 @@ type fakeSource struct {
 	adoptState        json.RawMessage
 }
 
+func (f *fakeSource) NewVolume(id string, _ map[string]string) (*journal.Volume, error) {
+	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: "fake"}, nil
+}
+
 func (f *fakeSource) Stage(context.Context, *journal.Volume, source.StageRequest) (json.RawMessage, error) {
 	return json.RawMessage(`{}`), nil
 }

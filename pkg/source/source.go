@@ -16,6 +16,10 @@ import (
 type StageRequest struct {
 	Block    bool
 	ReadOnly bool
+	// Secrets from the node-stage secret. They must never reach a command
+	// line, an environment another process can read, a log line or an
+	// error string.
+	Secrets map[string]string
 	// FsType to create when the device holds no filesystem yet.
 	FsType string
 	// Save persists v (with an intent such as a pending format) before the
@@ -32,6 +36,11 @@ type PlanRequest struct {
 
 // Source activates and deactivates one kind of volume.
 type Source interface {
+	// NewVolume checks the volume_context of a volume this plugin did not
+	// provision (a static PV) and returns its record, not yet saved.
+	// Everything that could name a binary or a host path is checked here
+	// against the admin's config; errors wrap errdefs.ErrInvalidArgument.
+	NewVolume(id string, vctx map[string]string) (*journal.Volume, error)
 	// Stage activates v's device and returns the state to keep in the
 	// journal. On error it leaves nothing attached.
 	Stage(ctx context.Context, v *journal.Volume, req StageRequest) (json.RawMessage, error)
@@ -44,4 +53,27 @@ type Source interface {
 	// Adopt re-establishes in-memory handles for a staged v after a plugin
 	// restart, repairing what it can. It returns the (possibly updated) state.
 	Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error)
+}
+
+// Expander is a Source whose volumes can grow.
+type Expander interface {
+	// Expand makes the staged v's device and filesystem see its new size
+	// and returns the size. mountPath is where v is mounted in this
+	// namespace, if anywhere; scratch is a private directory it may use.
+	Expand(ctx context.Context, v *journal.Volume, mountPath, scratch string) (int64, error)
+}
+
+// Health is a source's view of a staged volume.
+type Health struct {
+	Abnormal bool
+	// Reason is CamelCase, for machines (DeviceGone, DaemonDown, ...).
+	Reason  string
+	Message string
+}
+
+// HealthChecker is a Source that can tell whether a staged volume works.
+// Check must not block on a dead mount or daemon: it answers from probes
+// with timeouts.
+type HealthChecker interface {
+	Health(ctx context.Context, v *journal.Volume) Health
 }

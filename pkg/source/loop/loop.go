@@ -50,6 +50,8 @@ type Source struct {
 	StateDir string
 	// Metrics times attach, format and detach (nil: not recorded).
 	Metrics *metrics.Metrics
+	// ImageRoots are the admin's directories for static images.
+	ImageRoots []string
 	// MountableTypes are the filesystems a plan may mount; a device holding
 	// anything else is refused rather than reformatted.
 	MountableTypes []string
@@ -58,7 +60,11 @@ type Source struct {
 	devices map[string]*loopdev.Device
 }
 
-var _ source.Source = (*Source)(nil)
+var (
+	_ source.Source        = (*Source)(nil)
+	_ source.Expander      = (*Source)(nil)
+	_ source.HealthChecker = (*Source)(nil)
+)
 
 // New returns a loop source keeping its mounts and scratch images under stateDir.
 func New(stateDir string) *Source {
@@ -352,4 +358,20 @@ func growMounted(ctx context.Context, device, fsType, mountPath, scratch string)
 	}
 	defer func() { _ = unix.Unmount(scratch, 0) }()
 	return fsutil.Resize(ctx, device, fsType, scratch)
+}
+
+// Health reports a staged volume whose loop device is no longer backed by
+// its image (detached behind the plugin's back).
+func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
+	st, err := decode(v)
+	if err != nil {
+		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
+	}
+	dev, err := loopdev.Adopt(st.Device, st.Identity)
+	if err != nil {
+		return source.Health{Abnormal: true, Reason: "DeviceGone",
+			Message: fmt.Sprintf("%s is no longer backed by %s", st.Device, v.Image)}
+	}
+	_ = dev.Close()
+	return source.Health{}
 }
