@@ -84,13 +84,19 @@ func New(opts Options) (*Driver, error) {
 	for typ, s := range opts.Sources {
 		sources[typ] = s
 	}
-	return &Driver{
+	d := &Driver{
 		opts:    opts,
 		store:   store,
 		loop:    ls,
 		sources: sources,
 		policy:  PolicyFor(opts.Config, stateDir),
-	}, nil
+	}
+	for _, s := range sources {
+		if hu, ok := s.(source.HostUser); ok {
+			hu.SetHost(d)
+		}
+	}
+	return d, nil
 }
 
 // PolicyFor is the plan policy of a plugin with this config and state dir;

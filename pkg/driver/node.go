@@ -208,7 +208,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if pub == nil || !d.isMountPoint(pub.TargetPath) {
 		return nil, fmt.Errorf("volume %s is not published at %s: %w", v.ID, req.GetVolumePath(), errdefs.ErrNotFound)
 	}
-	return d.statsOf(v, pub.TargetPath)
+	return d.statsOf(ctx, v, pub.TargetPath)
 }
 
 func findPublish(v *journal.Volume, target string) *journal.Publish {

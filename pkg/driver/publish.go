@@ -167,7 +167,7 @@ func accessName(block bool) string {
 }
 
 // statsOf reports usage of a published volume.
-func (d *Driver) statsOf(v *journal.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d *Driver) statsOf(ctx context.Context, v *journal.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	if v.Stage != nil && v.Stage.Block {
 		dev, err := d.loop.Device(v)
 		if err != nil {
@@ -179,7 +179,16 @@ func (d *Driver) statsOf(v *journal.Volume, path string) (*csi.NodeGetVolumeStat
 		}
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}
-	u, err := fsutil.Stats(path)
+	var u fsutil.Usage
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return nil, err
+	}
+	if st, ok := src.(source.Statter); ok {
+		u, err = st.Stats(ctx, v, path)
+	} else {
+		u, err = fsutil.Stats(path)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -147,3 +147,30 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 		t.Fatalf("error %q does not name the consumer (%s)", err, want)
 	}
 }
+
+func TestReattachReplacesEveryMount(t *testing.T) {
+	d, m := newTestDriver(t)
+	d.sources["fake"] = &fakeSource{}
+	inode, err := namespaceOf(1)
+	if err != nil {
+		t.Skipf("cannot read PID 1's namespace: %v", err)
+	}
+	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v", Options: []string{"nosuid", "nodev"}}}
+	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
+		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []journal.Consumer{{PID: 1, NSInode: inode, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
+		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
+	if err := d.store.Put(v); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reattach(context.Background(), "v"); err != nil {
+		t.Fatal(err)
+	}
+	if m.calls != 4 { // unmount + mount at the live consumer and at the publish
+		t.Fatalf("mounter calls = %d, want 4", m.calls)
+	}
+	got, err := d.store.Get("v")
+	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != 1 {
+		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -76,4 +77,27 @@ type Health struct {
 // with timeouts.
 type HealthChecker interface {
 	Health(ctx context.Context, v *journal.Volume) Health
+}
+
+// Statter is a Source that answers NodeGetVolumeStats itself, for volumes
+// where a plain statfs could hang (a FUSE mount whose daemon stopped
+// answering).
+type Statter interface {
+	Stats(ctx context.Context, v *journal.Volume, path string) (fsutil.Usage, error)
+}
+
+// Host is what the driver offers a source that acts on its own, such as a
+// supervisor that restarts a dead daemon.
+type Host interface {
+	// Reattach performs the volume's plan again at every place it is
+	// mounted (each consumer's namespace and each kubelet publish),
+	// replacing what is there: a restarted daemon's new mount heals its
+	// consumers in place. It takes the volume's lock, waiting for it.
+	Reattach(ctx context.Context, volumeID string) error
+}
+
+// HostUser is a Source that wants the Host; the driver hands it over when
+// it is created.
+type HostUser interface {
+	SetHost(Host)
 }

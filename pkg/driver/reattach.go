@@ -1,0 +1,71 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Reattach performs v's recorded plans again at every consumer and publish,
+// replacing what is mounted there. A source calls it after it restored the
+// volume's backing mount (a restarted FUSE daemon), so running containers
+// heal in place without any action from the pod.
+func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
+	unlock, err := d.lockWait(ctx, volumeID, "reattach")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	v, err := d.store.Get(volumeID)
+	if err != nil || !v.Staged() {
+		return err
+	}
+	changed := d.dropDeadConsumers(ctx, v)
+	var errs []error
+	for _, c := range v.Consumers {
+		errs = append(errs, d.replace(ctx, c.Mounts, mounter.Consumer{PID: c.PID, MountPoint: c.MountPoint, NSInode: c.NSInode}))
+	}
+	for _, p := range v.Publishes {
+		errs = append(errs, d.replace(ctx, p.Mounts, mounter.Consumer{MountPoint: p.TargetPath}))
+	}
+	if changed {
+		errs = append(errs, d.store.Put(v))
+	}
+	return errors.Join(errs...)
+}
+
+// replace unmounts what a plan left at a consumer (a dead daemon's mount
+// still sits there) and performs the plan again.
+func (d *Driver) replace(ctx context.Context, mounts []plan.Mount, c mounter.Consumer) error {
+	if err := d.opts.Mounter.Unmount(ctx, mounts, c); err != nil {
+		return fmt.Errorf("reattach at %s (pid %d): %w", c.MountPoint, c.PID, err)
+	}
+	if err := d.opts.Mounter.Mount(ctx, mounts, c); err != nil {
+		return fmt.Errorf("reattach at %s (pid %d): %w", c.MountPoint, c.PID, err)
+	}
+	klog.FromContext(ctx).Info("Reattached", "mountPoint", c.MountPoint, "pid", c.PID)
+	return nil
+}
+
+// lockWait takes the volume's lock, waiting while a request holds it:
+// background work yields to requests instead of failing them with Aborted.
+func (d *Driver) lockWait(ctx context.Context, id, op string) (func(), error) {
+	for {
+		unlock, err := d.lock(id, op)
+		if err == nil || !errors.Is(err, errdefs.ErrAborted) {
+			return unlock, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
