@@ -10,6 +10,7 @@ import (
 	"k8s.io/klog/v2"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns"
 )
@@ -73,7 +74,7 @@ func runUnmount(ctx context.Context, args []string) error {
 
 func runServe(ctx context.Context, args []string) error {
 	fs := newFlagSet("serve")
-	endpoint := fs.String("endpoint", "", "where to serve the Mounter service, unix:///path (required)")
+	ep := fs.String("endpoint", "", "where to serve the Mounter service, unix:///path (required)")
 	ef := executorFlags(fs)
 	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", true,
 		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive), as CSI's NodeUnpublishVolume must")
@@ -83,20 +84,20 @@ func runServe(ctx context.Context, args []string) error {
 	if err := mountns.Supported(); err != nil {
 		return err
 	}
-	l, err := mounter.ListenUnix(*endpoint)
+	l, err := endpoint.Listen(*ep)
 	if err != nil {
 		return err
 	}
 	logger := klog.Background().WithName("mounter")
-	logger.Info("Serving the Mounter service", "endpoint", *endpoint, "allowedRoots", ef.roots.values())
+	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values())
 	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor())
 	logger.Info("Stopped", "err", err)
 	return err
 }
 
 // dialPlugin connects to the plugin's NodePrepare service.
-func dialPlugin(endpoint string) (api.NodePrepareClient, func(), error) {
-	conn, err := mounter.Dial(endpoint)
+func dialPlugin(ep string) (api.NodePrepareClient, func(), error) {
+	conn, err := endpoint.Dial(ep)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
@@ -125,7 +126,7 @@ func TestServeCommand(t *testing.T) {
 			break
 		}
 	}
-	conn, err := mounter.Dial("unix://" + sock)
+	conn, err := endpoint.Dial("unix://" + sock)
 	if err != nil {
 		t.Fatal(err)
 	}

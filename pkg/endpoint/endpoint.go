@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -17,17 +18,18 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
-// Path returns the socket path of a unix:// endpoint.
+// Path returns the socket path of a unix:///abs/path endpoint.
 func Path(ep string) (string, error) {
 	p, ok := strings.CutPrefix(ep, "unix://")
-	if !ok || !filepath.IsAbs(p) {
+	if !ok || !filepath.IsAbs(p) || filepath.Clean(p) != p {
 		return "", fmt.Errorf("endpoint %q must be unix:///absolute/path: %w", ep, errdefs.ErrInvalidArgument)
 	}
-	return filepath.Clean(p), nil
+	return p, nil
 }
 
-// Listen listens on ep, first removing a stale socket a dead process left
-// behind. Anything at that path that is not a socket is left alone.
+// Listen listens on ep with a socket only its owner may use: whoever can
+// connect can stage and mount. A socket a dead process left behind is
+// removed; a socket something still serves on, or any other file, is not.
 func Listen(ep string) (net.Listener, error) {
 	p, err := Path(ep)
 	if err != nil {
@@ -36,21 +38,39 @@ func Listen(ep string) (net.Listener, error) {
 	if err := os.MkdirAll(filepath.Dir(p), 0o750); err != nil {
 		return nil, err
 	}
-	fi, err := os.Lstat(p)
-	switch {
-	case err == nil && fi.Mode().Type() == fs.ModeSocket:
-		if err := os.Remove(p); err != nil {
-			return nil, fmt.Errorf("remove stale socket %s: %w", p, err)
-		}
-	case err == nil:
-		return nil, fmt.Errorf("%s exists and is not a socket: %w", p, errdefs.ErrFailedPrecondition)
-	case !errors.Is(err, fs.ErrNotExist):
+	if err := removeStale(p); err != nil {
 		return nil, err
 	}
-	return net.Listen("unix", p)
+	l, err := net.Listen("unix", p)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(p, 0o600); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
 }
 
-// Dial opens a gRPC client connection to ep.
+func removeStale(p string) error {
+	fi, err := os.Lstat(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("%s exists and is not a socket: %w", p, errdefs.ErrFailedPrecondition)
+	}
+	if c, err := net.DialTimeout("unix", p, time.Second); err == nil {
+		c.Close()
+		return fmt.Errorf("%s: another process is serving on it: %w", p, errdefs.ErrAlreadyExists)
+	}
+	return os.Remove(p)
+}
+
+// Dial opens a gRPC client connection to ep; it connects on the first call.
 func Dial(ep string, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	p, err := Path(ep)
 	if err != nil {

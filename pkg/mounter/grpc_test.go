@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -15,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -48,8 +47,8 @@ func (r *recorder) record(m []plan.Mount, c mounter.Consumer) error {
 // returns a client connection to it.
 func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterClient) {
 	t.Helper()
-	endpoint := "unix://" + filepath.Join(t.TempDir(), "mounter.sock")
-	l, err := mounter.ListenUnix(endpoint)
+	ep := "unix://" + filepath.Join(t.TempDir(), "mounter.sock")
+	l, err := endpoint.Listen(ep)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +61,7 @@ func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterCli
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	conn, err := mounter.Dial(endpoint)
+	conn, err := endpoint.Dial(ep)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,51 +128,5 @@ func TestGRPCWithoutConsumer(t *testing.T) {
 	_, err = raw.Unmount(context.Background(), &api.UnmountRequest{Consumer: &api.Consumer{Pid: 1 << 40, MountPoint: "/x"}})
 	if errdefs.Code(err) != codes.InvalidArgument {
 		t.Fatalf("Unmount with pid out of range = %v, want InvalidArgument", err)
-	}
-}
-
-func TestListenUnix(t *testing.T) {
-	dir := t.TempDir()
-	stale := filepath.Join(dir, "stale.sock")
-	l, err := net.Listen("unix", stale)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l.(*net.UnixListener).SetUnlinkOnClose(false)
-	l.Close()
-	live := filepath.Join(dir, "live.sock")
-	ll, err := net.Listen("unix", live)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ll.Close()
-	file := filepath.Join(dir, "file")
-	if err := os.WriteFile(file, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	tests := []struct {
-		endpoint string
-		want     error
-	}{
-		{"unix://" + stale, nil},
-		{"unix://" + filepath.Join(dir, "new.sock"), nil},
-		{"unix://" + live, errdefs.ErrAlreadyExists},
-		{"unix://" + file, errdefs.ErrFailedPrecondition},
-		{"tcp://127.0.0.1:1", errdefs.ErrInvalidArgument},
-		{"unix://relative.sock", errdefs.ErrInvalidArgument},
-	}
-	for _, tt := range tests {
-		l, err := mounter.ListenUnix(tt.endpoint)
-		if !errors.Is(err, tt.want) {
-			t.Errorf("ListenUnix(%s) = %v, want %v", tt.endpoint, err, tt.want)
-		}
-		if err != nil {
-			continue
-		}
-		fi, err := os.Stat(l.Addr().String())
-		if err != nil || fi.Mode().Perm() != 0o600 {
-			t.Errorf("socket %s: %v, mode %v, want 0600", l.Addr(), err, fi.Mode())
-		}
-		l.Close()
 	}
 }

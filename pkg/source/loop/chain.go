@@ -55,8 +55,8 @@ func wantsChain(v *journal.Volume) bool { return v.Parameters[ParamOverlay] == "
 // buildChain mounts the lower image and a fresh upper under the state dir.
 // On error it undoes every step it took.
 func (s *Source) buildChain(ctx context.Context, v *journal.Volume, lowerDev, lowerType string) (c *Chain, err error) {
-	dir := filepath.Join(s.StateDir, "chains", v.ID)
-	c = &Chain{Dir: dir, Lower: filepath.Join(dir, "lower"), Upper: filepath.Join(dir, "upper")}
+	c = s.chainAt(v.ID)
+	dir := c.Dir
 	defer func() {
 		if err != nil {
 			if terr := s.teardownChain(ctx, v.ID, c); terr != nil {
@@ -92,7 +92,7 @@ func (s *Source) mountUpper(ctx context.Context, v *journal.Volume, c *Chain) er
 	if err != nil || n < 16<<20 {
 		return fmt.Errorf("upperSize %q must be a byte count of at least 16 MiB: %w", size, errdefs.ErrInvalidArgument)
 	}
-	img := filepath.Join(s.StateDir, "images", "scratch", v.ID+".img")
+	img := s.scratchImage(v.ID)
 	if err := CreateImage(img, n); err != nil {
 		return err
 	}
@@ -153,6 +153,16 @@ func chainIntact(c *Chain) bool {
 }
 
 func scratchKey(id string) string { return id + "/scratch" }
+
+// chainAt is where volume id's layers live; the path depends on nothing else.
+func (s *Source) chainAt(id string) *Chain {
+	dir := filepath.Join(s.StateDir, "chains", id)
+	return &Chain{Dir: dir, Lower: filepath.Join(dir, "lower"), Upper: filepath.Join(dir, "upper")}
+}
+
+func (s *Source) scratchImage(id string) string {
+	return filepath.Join(s.StateDir, "images", "scratch", id+".img")
+}
 
 func mountAt(source, target, fsType string, flags uintptr, data string) error {
 	if err := unix.Mount(source, target, fsType, flags|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {

@@ -227,6 +227,9 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 
 // Unstage detaches the device if it is still backed by v's image.
 func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
+	if v.Stage != nil && len(v.Stage.Source) == 0 {
+		return s.undoUnrecorded(ctx, v)
+	}
 	st, err := decode(v)
 	if err != nil {
 		return err
@@ -237,6 +240,23 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 		}
 	}
 	return s.detach(ctx, v.ID, st.Device, st.Identity)
+}
+
+// undoUnrecorded undoes a stage that died before it recorded its state.
+// Its devices were attached with autoclear and went with the process that
+// held them, unless a chain's layer mount still holds one; those layers
+// sit at paths fixed by the volume ID, so they can be found without state.
+func (s *Source) undoUnrecorded(ctx context.Context, v *journal.Volume) error {
+	if err := s.teardownChain(ctx, v.ID, s.chainAt(v.ID)); err != nil {
+		return err
+	}
+	if err := RemoveImage(s.scratchImage(v.ID)); err != nil {
+		return err
+	}
+	if dev := s.take(v.ID); dev != nil {
+		return dev.Detach()
+	}
+	return nil
 }
 
 // detach detaches the device held under key, or found by its identity.
