@@ -1,0 +1,186 @@
+// Command bench measures what a volume cycle costs through mountplan-plugin's
+// socket against the kernel work that cycle asks for, on a 64 MiB ext4 loop
+// volume:
+//
+//  1. publish cycle through the socket: NodeStageVolume, NodePublishVolume,
+//     NodeUnpublishVolume, NodeUnstageVolume against the real plugin binary;
+//  2. its floor, in process: LOOP_CTL_GET_FREE + LOOP_CONFIGURE
+//     (loopdev.Attach), mount(2) nosuid,nodev, umount2, detach;
+//  3. the same with util-linux: losetup --find --show, mount, umount,
+//     losetup -d;
+//  4. prepare cycle through the socket: NodeStageVolume, NodePrepareVolume,
+//     the returned plan performed in a consumer's mount namespace by the
+//     in-process mounter.Executor, Executor.Unmount, NodeUnprepareVolume,
+//     NodeUnstageVolume;
+//  5. its floor: attach, fsopen/fsmount (mountns.Build), setns into the
+//     consumer (mountns.OpenPID + Do), move_mount (mountns.Attach), umount
+//     inside the namespace, detach.
+//
+// It prints markdown tables: medians, p90s and cycle/floor ratios, then the
+// median of every step (each RPC separately) with the journal writes each
+// RPC made, so that time above the floor can be attributed.
+//
+// Everything it makes lives in one temporary directory and is removed at the
+// end, on error and on SIGINT/SIGTERM: the plugin is stopped, the consumer
+// process killed, loop devices detached and mounts removed. The last line is
+// a leak check of loop devices backed by files under that directory and of
+// mounts under it.
+//
+// Run it as root: hack/bench.sh [-n 50] [-state-dir /var/tmp].
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+)
+
+func init() {
+	// Children (plugin, consumer) are started from the main goroutine with
+	// Pdeathsig, which the kernel ties to the starting *thread*. mountns.Do
+	// ends the threads it enters namespaces on; pinning the main goroutine
+	// to the main thread (which Do never uses) keeps the children alive.
+	runtime.LockOSThread()
+}
+
+type options struct {
+	n, warmup int
+	baseDir   string
+	plugin    string
+	phases    map[int]bool
+	straceOut string
+	verbose   bool
+	mounts    int
+}
+
+func main() {
+	var o options
+	var phases string
+	flag.IntVar(&o.n, "n", 50, "timed iterations of each cycle")
+	flag.IntVar(&o.warmup, "warmup", 5, "untimed iterations before the timed ones")
+	flag.StringVar(&o.baseDir, "state-dir", "/var/tmp", "directory under which a fresh temporary dir is made for the plugin's state dir, the images, the socket and the mount points")
+	flag.StringVar(&o.plugin, "plugin", "bin/mountplan-plugin", "plugin binary")
+	flag.StringVar(&phases, "phases", "1,2,3,4,5", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor)")
+	flag.StringVar(&o.straceOut, "strace", "", "if set, attach `strace -f -c -w` (wall-clock time per syscall) to the plugin during the timed loops of cycles 1 and 4 and write its summaries to FILE.cycle1 and FILE.cycle4 (timings are then perturbed)")
+	flag.BoolVar(&o.verbose, "v", false, "log progress to stderr")
+	flag.IntVar(&o.mounts, "mounts", 0, "run everything in a private mount namespace holding this many extra tmpfs mounts, as a busy node's mount table would (the host's table is not touched)")
+	flag.Parse()
+	var err error
+	if o.phases, err = parsePhases(phases); err != nil {
+		fail(err)
+	}
+	if o.n < 1 || o.warmup < 0 {
+		fail(errors.New("-n must be at least 1 and -warmup at least 0"))
+	}
+	if os.Geteuid() != 0 {
+		fail(errors.New("needs root: loop devices, mounts and mount namespaces"))
+	}
+	if o.plugin, err = filepath.Abs(o.plugin); err != nil {
+		fail(err)
+	}
+	if o.mounts > 0 && os.Getenv(inNamespaceEnv) == "" {
+		os.Exit(reexecInNamespace())
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	defer stop()
+	code := run(ctx, o)
+	os.Exit(code)
+}
+
+// inNamespaceEnv marks the copy of the bench that -mounts started in a
+// private mount namespace.
+const inNamespaceEnv = "MPBENCH_IN_PRIVATE_MOUNT_NS"
+
+// reexecInNamespace runs this command again under `unshare -m
+// --propagation private`, so that the extra mounts of -mounts never appear
+// in the host's table, and returns its exit code.
+func reexecInNamespace() int {
+	signal.Ignore(syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP) // the child handles them and tears down
+	exe, err := os.Executable()
+	if err != nil {
+		fail(err)
+	}
+	cmd := exec.Command("unshare", append([]string{"-m", "--propagation", "private", exe}, os.Args[1:]...)...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.Env = append(os.Environ(), inNamespaceEnv+"=1")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Run(); err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode()
+		}
+		fail(err)
+	}
+	return 0
+}
+
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "bench:", err)
+	os.Exit(2)
+}
+
+func parsePhases(s string) (map[int]bool, error) {
+	m := map[int]bool{}
+	for _, f := range strings.Split(s, ",") {
+		var p int
+		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 5 {
+			return nil, fmt.Errorf("-phases: %q is not one of 1..5", f)
+		}
+		m[p] = true
+	}
+	return m, nil
+}
+
+// run does the whole benchmark and returns the exit code. Teardown runs
+// whatever happened before it.
+func run(ctx context.Context, o options) int {
+	b, err := newBench(o)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		if b != nil {
+			fmt.Println(b.teardown())
+		}
+		return 1
+	}
+	res, runErr := b.measure(ctx)
+	switch {
+	case runErr != nil && ctx.Err() != nil:
+		fmt.Fprintln(os.Stderr, "bench: interrupted; tearing down")
+	case runErr != nil:
+		fmt.Fprintln(os.Stderr, "bench:", runErr)
+		if tail := b.pluginLogTail(30); tail != "" {
+			fmt.Fprintf(os.Stderr, "plugin log, last lines:\n%s\n", tail)
+		}
+	}
+	if res != nil {
+		res.print(os.Stdout)
+	}
+	leaks := b.teardown()
+	fmt.Println()
+	fmt.Println(leaks)
+	switch {
+	case ctx.Err() != nil:
+		return 130
+	case runErr != nil:
+		return 1
+	case !leaks.clean():
+		return 3
+	}
+	return 0
+}
+
+func (b *bench) logf(format string, args ...any) {
+	if b.o.verbose {
+		fmt.Fprintf(os.Stderr, "%s bench: %s\n", time.Now().Format("15:04:05.000"), fmt.Sprintf(format, args...))
+	}
+}

@@ -1,0 +1,212 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// child is a process the bench started and must end.
+type child struct {
+	name string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error // from Wait, valid once done is closed
+}
+
+// startChild starts argv in its own process group, so that a terminal's
+// SIGINT reaches the bench only and the teardown stays orderly, with
+// Pdeathsig so that nothing outlives a SIGKILLed bench.
+func startChild(name string, stdout, stderr *os.File, argv ...string) (*child, error) {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	c := &child{name: name, cmd: cmd, done: make(chan struct{})}
+	go func() { c.err = cmd.Wait(); close(c.done) }()
+	return c, nil
+}
+
+func (c *child) pid() int { return c.cmd.Process.Pid }
+
+func (c *child) exited() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// stop sends sig, waits up to grace, then SIGKILLs. It reports how the
+// process ended when that was not a clean exit on sig.
+func (c *child) stop(sig syscall.Signal, grace time.Duration) error {
+	if c == nil {
+		return nil
+	}
+	if !c.exited() {
+		_ = c.cmd.Process.Signal(sig)
+	}
+	select {
+	case <-c.done:
+	case <-time.After(grace):
+		_ = c.cmd.Process.Kill()
+		<-c.done
+		return fmt.Errorf("%s ignored %v for %v; killed it", c.name, sig, grace)
+	}
+	if sig == syscall.SIGKILL {
+		return nil
+	}
+	if c.err != nil {
+		return fmt.Errorf("%s: %w", c.name, c.err)
+	}
+	return nil
+}
+
+// startPlugin starts the plugin on sock with state dir state and waits
+// until Probe says ready (the startup reconcile has finished).
+func (b *bench) startPlugin(ctx context.Context) error {
+	logf, err := os.OpenFile(b.pluginLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	// A long reconcile interval keeps the periodic reconcile out of the
+	// timed loops; the startup reconcile still runs.
+	args := []string{b.o.plugin,
+		"--endpoint", "unix://" + b.sock, "--state-dir", b.stateDir, "--node-id", "bench-node",
+		"--reconcile-interval", "1h"}
+	if b.metricsAddr = metricsAddress(b.o.plugin); b.metricsAddr != "" {
+		args = append(args, "--metrics-address", b.metricsAddr)
+	}
+	b.plugin, err = startChild("plugin", logf, logf, args...)
+	if err != nil {
+		return err
+	}
+	b.logf("plugin pid %d, log %s", b.plugin.pid(), b.pluginLog)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if b.plugin.exited() {
+			return fmt.Errorf("plugin exited at start: %v", b.plugin.err)
+		}
+		if c, err := net.DialTimeout("unix", b.sock, time.Second); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			return errors.New("plugin socket did not accept connections within 30s")
+		}
+		if err := sleepCtx(ctx, 10*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	b.conn, err = grpc.NewClient("unix://"+b.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	id := csi.NewIdentityClient(b.conn)
+	for {
+		r, err := id.Probe(ctx, &csi.ProbeRequest{})
+		if err == nil && r.GetReady().GetValue() {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("plugin not ready within 30s (last probe: %v)", err)
+		}
+		if err := sleepCtx(ctx, 10*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
+
+func (b *bench) pluginLogTail(n int) string {
+	if b == nil || b.pluginLog == "" {
+		return ""
+	}
+	data, err := os.ReadFile(b.pluginLog)
+	if err != nil {
+		return ""
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// startConsumer starts `unshare -m --propagation private sleep infinity`
+// and waits until its process is sleep in a mount namespace of its own.
+func (b *bench) startConsumer(ctx context.Context) error {
+	var err error
+	b.consumer, err = startChild("consumer (unshare)", nil, os.Stderr,
+		"unshare", "-m", "--propagation", "private", "sleep", "infinity")
+	if err != nil {
+		return err
+	}
+	self, err := os.Readlink("/proc/self/ns/mnt")
+	if err != nil {
+		return err
+	}
+	pid := strconv.Itoa(b.consumer.pid())
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if b.consumer.exited() {
+			return fmt.Errorf("unshare exited early: %v", b.consumer.err)
+		}
+		ns, _ := os.Readlink("/proc/" + pid + "/ns/mnt")
+		comm, _ := os.ReadFile("/proc/" + pid + "/comm")
+		if ns != "" && ns != self && string(bytes.TrimSpace(comm)) == "sleep" {
+			b.logf("consumer pid %s in %s", pid, ns)
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return errors.New("unshare did not enter a new mount namespace within 5s")
+		}
+		if err := sleepCtx(ctx, 5*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
+
+// straceOn attaches `strace -f -c -w` to the plugin; the returned function
+// stops it and returns its summary.
+func (b *bench) straceOn(out string) (func() string, error) {
+	if _, err := exec.LookPath("strace"); err != nil {
+		return nil, err
+	}
+	c, err := startChild("strace", nil, nil, "strace", "-f", "-c", "-w", "-o", out, "-p", strconv.Itoa(b.plugin.pid()))
+	if err != nil {
+		return nil, err
+	}
+	time.Sleep(300 * time.Millisecond) // let it attach to every thread
+	return func() string {
+		_ = c.stop(syscall.SIGINT, 10*time.Second)
+		data, _ := os.ReadFile(out)
+		return string(data)
+	}, nil
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
