@@ -1,0 +1,211 @@
+package e2e
+
+// kubelet's flow with the mounter split out: the plugin runs with
+// --mounter-endpoint and hands NodePublishVolume's plan to a long-running
+// `mountplan-sidecar serve`, which performs it at the target path in the
+// host namespace.
+
+import (
+	"errors"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source/loop"
+	"github.com/mountplan/mountplan/test/testutil"
+)
+
+// prepServe is a `mountplan-sidecar serve` subprocess.
+type prepServe struct {
+	cmd     *exec.Cmd
+	done    chan struct{}
+	socket  string
+	logPath string
+}
+
+func startPrepServe(t *testing.T, sidecar, ep string, args ...string) *prepServe {
+	t.Helper()
+	s := &prepServe{done: make(chan struct{}), socket: strings.TrimPrefix(ep, "unix://")}
+	s.logPath = filepath.Join(filepath.Dir(s.socket), "sidecar.log")
+	logf, err := os.Create(s.logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	s.cmd = exec.Command(sidecar, append([]string{"serve", "--endpoint", ep}, args...)...)
+	s.cmd.Stdout, s.cmd.Stderr = logf, logf
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = s.cmd.Wait(); close(s.done) }()
+	t.Cleanup(func() {
+		select {
+		case <-s.done:
+		default:
+			_ = s.cmd.Process.Kill()
+			<-s.done
+		}
+		if t.Failed() {
+			t.Logf("sidecar log:\n%s", s.log())
+		}
+	})
+	if !prepPoll(10*time.Second, 10*time.Millisecond, func() bool {
+		select {
+		case <-s.done:
+			return true
+		default:
+		}
+		c, err := net.DialTimeout("unix", s.socket, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	}) {
+		t.Fatalf("mountplan-sidecar serve did not listen on %s within 10s:\n%s", s.socket, s.log())
+	}
+	select {
+	case <-s.done:
+		t.Fatalf("mountplan-sidecar serve exited at start (%v):\n%s", s.cmd.ProcessState, s.log())
+	default:
+	}
+	return s
+}
+
+func (s *prepServe) log() string {
+	b, _ := os.ReadFile(s.logPath)
+	return string(b)
+}
+
+// stop sends SIGTERM and returns the exit status.
+func (s *prepServe) stop(t *testing.T) int {
+	t.Helper()
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("mountplan-sidecar serve ignored SIGTERM for 10s")
+	}
+	return s.cmd.ProcessState.ExitCode()
+}
+
+func TestPublishThroughSidecarServe(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.NoLeaks(t)
+	tm := prepTimer(t)
+	_, sidecarBin := testutil.BuildBinaries(t)
+	// A short directory: a unix socket's path must fit in 108 bytes.
+	sockDir, err := os.MkdirTemp("", "mpside-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	testutil.RegisterLeakMarker(sockDir)
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
+	mounterEP := "unix://" + filepath.Join(sockDir, "mounter.sock")
+
+	e := startPrepEnv(t, prepOptions{args: []string{"--mounter-endpoint", mounterEP}})
+	srv := startPrepServe(t, sidecarBin, mounterEP, "--allowed-root", e.stateDir(), "--v=4")
+	if fi, err := os.Stat(srv.socket); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("mounter socket %s: %v, %v; want mode 0600", srv.socket, fi, err)
+	}
+	tm.step("plugin and mountplan-sidecar serve running")
+
+	id := e.create("prep-serve", 32*prepMiB)
+	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	e.stage(id, prepMountCap(), nil)
+	dev := e.stagedDevice(id, image)
+
+	if err := os.Mkdir(filepath.Join(e.dir, "pod"), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	target := filepath.Join(e.dir, "pod", "mount")
+	publish := func() error {
+		_, err := e.node.NodePublishVolume(e.ctx(), &csi.NodePublishVolumeRequest{VolumeId: id,
+			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: prepMountCap()})
+		return err
+	}
+	unpublish := func() error {
+		_, err := e.node.NodeUnpublishVolume(e.ctx(), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+		return err
+	}
+	if err := publish(); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+	mi := prepHostMountAt(t, target)
+	if mi == nil || mi.FSType != "ext4" || uint32(mi.Major) != dev.Major || uint32(mi.Minor) != dev.Minor {
+		t.Fatalf("host mount at %s: %+v; want ext4 on %s", target, mi, dev)
+	}
+	for _, o := range []string{"nosuid", "nodev"} {
+		if !strings.Contains(","+mi.Options+",", ","+o+",") {
+			t.Errorf("published mount lacks %s: %s", o, mi.Options)
+		}
+	}
+	// The sidecar performed it, not the plugin.
+	if l := srv.log(); !strings.Contains(l, `"/mountplan.v1alpha1.Mounter/Mount"`) || !strings.Contains(l, "Call succeeded") {
+		t.Errorf("the sidecar's log shows no Mount call:\n%s", l)
+	}
+	if err := os.WriteFile(filepath.Join(target, "f"), []byte("published\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(target, "f")); err != nil || string(b) != "published\n" {
+		t.Errorf("reading back: %q, %v", b, err)
+	}
+	if v := e.mustRecord(id); len(v.Publishes) != 1 || v.Publishes[0].TargetPath != target {
+		t.Errorf("journal publishes %+v, want %s", v.Publishes, target)
+	}
+	if err := publish(); err != nil {
+		t.Errorf("repeated NodePublishVolume: %v", err)
+	}
+	if n := len(prepHostMountsOfDev(t, dev)); n != 1 {
+		t.Errorf("after a repeated publish %s is mounted %d times on the host, want 1", dev, n)
+	}
+	tm.step("published through the sidecar")
+
+	if err := unpublish(); err != nil {
+		t.Fatalf("NodeUnpublishVolume: %v", err)
+	}
+	if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("target %s left after NodeUnpublishVolume: %v", target, err)
+	}
+	prepCheckHostClean(t, "after NodeUnpublishVolume", dev)
+	if strings.Count(srv.log(), `"/mountplan.v1alpha1.Mounter/Unmount"`) == 0 {
+		t.Errorf("the sidecar's log shows no Unmount call:\n%s", srv.log())
+	}
+	if err := unpublish(); err != nil {
+		t.Errorf("repeated NodeUnpublishVolume: %v", err)
+	}
+	if v := e.mustRecord(id); len(v.Publishes) != 0 {
+		t.Errorf("journal publishes after unpublish: %+v", v.Publishes)
+	}
+	tm.step("unpublished")
+
+	if code := srv.stop(t); code != 0 {
+		t.Errorf("mountplan-sidecar serve exited %d on SIGTERM, want 0:\n%s", code, srv.log())
+	}
+	if _, err := os.Lstat(srv.socket); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("mounter socket left after SIGTERM: %v", err)
+	}
+	// With the mounter gone, a publish fails cleanly and records nothing.
+	err = publish()
+	prepWantCode(t, "NodePublishVolume with the mounter stopped", err, codes.Unavailable)
+	if mi := prepHostMountAt(t, target); mi != nil {
+		t.Errorf("something is mounted at %s: %s", target, mi.FSType)
+	}
+	if v := e.mustRecord(id); len(v.Publishes) != 0 {
+		t.Errorf("journal publishes after a failed publish: %+v", v.Publishes)
+	}
+	tm.step("sidecar stopped with SIGTERM; publish without it fails")
+
+	e.unstage(id)
+	prepWaitNoLoop(t, image)
+	e.delete(id)
+}
