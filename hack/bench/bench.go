@@ -297,23 +297,32 @@ func sparseCopy(src, dst string) error {
 	return out.Close()
 }
 
-// measureJournalWrite times journal.WriteFileAtomic (write, fsync, rename,
-// fsync of the directory) of a record-sized file next to the plugin's
-// records: the unit cost of one journal write on this filesystem.
+// measureJournalWrite times one journal record write of each durability
+// in a scratch store next to the plugin's records: the unit costs of the
+// journal on this filesystem.
 func (b *bench) measureJournalWrite(ctx context.Context) *sample {
-	s := newSample(0, "journal.WriteFileAtomic of a 600-byte record in <state-dir>/volumes")
-	p := filepath.Join(b.stateDir, "bench-probe.json")
-	data := []byte(strings.Repeat("x", 600))
-	for i := 0; i < b.o.warmup+b.o.n && ctx.Err() == nil; i++ {
-		t := time.Now()
-		if err := journal.WriteFileAtomic(p, data, 0o600); err != nil {
-			return nil
-		}
-		if i >= b.o.warmup {
-			s.add("write + fsync + rename + fsync dir", time.Since(t))
+	s := newSample(0, "journal.Store.Put of a volume record")
+	dir := filepath.Join(b.stateDir, "bench-journal")
+	defer os.RemoveAll(dir)
+	st, err := journal.Open(dir)
+	if err != nil {
+		return nil
+	}
+	v := &journal.Volume{ID: "probe", Kind: journal.KindProvisioned, Type: "loop", Image: strings.Repeat("x", 200)}
+	for _, d := range []struct {
+		name string
+		d    journal.Durability
+	}{{"runtime (write + rename)", journal.Runtime}, {"durable (write + fsync + rename + fsync dir)", journal.Durable}} {
+		for i := 0; i < b.o.warmup+b.o.n && ctx.Err() == nil; i++ {
+			t := time.Now()
+			if err := st.Put(v, d.d); err != nil {
+				return nil
+			}
+			if i >= b.o.warmup {
+				s.add(d.name, time.Since(t))
+			}
 		}
 	}
-	_ = os.Remove(p)
 	return s
 }
 

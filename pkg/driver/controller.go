@@ -150,7 +150,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		v = &journal.Volume{ID: id, Name: req.GetName(), Kind: journal.KindProvisioned, Type: loop.Type,
 			Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
 			FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
-		if err := d.store.Put(v); err != nil {
+		if err := d.store.Put(v, journal.Durable); err != nil {
 			return nil, err
 		}
 	default:
@@ -160,7 +160,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, fmt.Errorf("create image for %s: %w", id, err)
 	}
 	v.Creating = false
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	return d.createResponse(v), nil
@@ -234,7 +234,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err := loop.RemoveImage(v.Image); err != nil {
 		return nil, err
 	}
-	return &csi.DeleteVolumeResponse{}, d.store.Delete(id)
+	return &csi.DeleteVolumeResponse{}, d.store.Delete(id, journal.Durable)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
@@ -293,7 +293,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 			return nil, fmt.Errorf("grow image of %s: %w", id, err)
 		}
 		v.CapacityBytes = size
-		if err := d.store.Put(v); err != nil {
+		if err := d.store.Put(v, journal.Durable); err != nil {
 			return nil, err
 		}
 	}

@@ -44,7 +44,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	}
 	v = &journal.Volume{ID: id, Kind: journal.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
 		Image: loop.ImagePath(d.opts.StateDir, journal.KindEphemeral, id), Creating: true}
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Durable); err != nil {
 		return err
 	}
 	defer func() {
@@ -92,7 +92,7 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 // destroyEphemeral tears down an inline volume: unstage, image, record.
 func (d *Driver) destroyEphemeral(ctx context.Context, v *journal.Volume) error {
 	if len(v.Publishes) > 0 {
-		return d.store.Put(v)
+		return d.store.Put(v, journal.Runtime)
 	}
 	if err := d.unstage(ctx, v); err != nil {
 		return err
@@ -101,7 +101,7 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *journal.Volume) error 
 		return err
 	}
 	klog.FromContext(ctx).V(2).Info("Inline volume removed", "volume", v.ID)
-	return d.store.Delete(v.ID)
+	return d.store.Delete(v.ID, journal.Durable)
 }
 
 // parseSize reads a byte count with an optional binary (Ki, Mi, Gi, Ti) or

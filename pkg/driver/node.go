@@ -103,17 +103,17 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 		}
 	}
 	v.Stage = &journal.Stage{Phase: journal.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	fsType := firstNonEmpty(c.fsType, v.FsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.store.Put})
+	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.saveDurable})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
 	}
 	v.Stage.Source, v.Stage.Phase = state, journal.PhaseStaged
-	return d.store.Put(v)
+	return d.store.Put(v, journal.Runtime)
 }
 
 // adopt makes sure a staged volume's handles are live in this process.
@@ -124,18 +124,22 @@ func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source
 	}
 	if string(state) != string(v.Stage.Source) {
 		v.Stage.Source = state
-		return d.store.Put(v)
+		return d.store.Put(v, journal.Runtime)
 	}
 	return nil
 }
+
+// saveDurable is the sources' Save: what they record before a side effect
+// (a pending format) describes the disk, so it must survive a machine crash.
+func (d *Driver) saveDurable(v *journal.Volume) error { return d.store.Put(v, journal.Durable) }
 
 // saveOrForget keeps the record of a volume that outlives its stage and
 // drops the record of a static one, which exists only while staged.
 func (d *Driver) saveOrForget(v *journal.Volume) error {
 	if v.Kind == journal.KindStatic && v.Stage == nil {
-		return d.store.Delete(v.ID)
+		return d.store.Delete(v.ID, journal.Runtime)
 	}
-	return d.store.Put(v)
+	return d.store.Put(v, journal.Runtime)
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
@@ -182,7 +186,7 @@ func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
 		return err
 	}
 	v.Stage.Phase = journal.PhaseUnstaging
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if err := src.Unstage(ctx, v); err != nil {

@@ -80,7 +80,7 @@ func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.C
 	cons.Mounts = mounts
 	v.Consumers = append(v.Consumers, *cons)
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", inode, "mountPoint", cons.MountPoint)
-	return mounts, d.store.Put(v)
+	return mounts, d.store.Put(v, journal.Runtime)
 }
 
 // NodeUnprepareVolume releases a consumer's claim. Idempotent: an unknown
@@ -116,7 +116,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if len(v.Consumers) == n {
 		return &api.NodeUnprepareVolumeResponse{}, nil
 	}
-	return &api.NodeUnprepareVolumeResponse{}, d.store.Put(v)
+	return &api.NodeUnprepareVolumeResponse{}, d.store.Put(v, journal.Runtime)
 }
 
 func checkConsumer(c *api.Consumer, needPID bool) (journal.Consumer, error) {

@@ -77,14 +77,14 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts})
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if err := d.opts.Metrics.Step("mount", func() error {
 		return d.opts.Mounter.Mount(ctx, mounts, mounter.Consumer{MountPoint: target})
 	}); err != nil {
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
-		return errors.Join(err, d.store.Put(v))
+		return errors.Join(err, d.store.Put(v, journal.Runtime))
 	}
 	return nil
 }
@@ -145,7 +145,7 @@ func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string
 	if v.Kind == journal.KindEphemeral {
 		return d.destroyEphemeral(ctx, v)
 	}
-	return d.store.Put(v)
+	return d.store.Put(v, journal.Runtime)
 }
 
 // isMountPoint reports whether p is a mount point. A path whose check fails

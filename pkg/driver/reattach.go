@@ -9,6 +9,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -36,7 +37,7 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 		errs = append(errs, d.replace(ctx, p.Mounts, mounter.Consumer{MountPoint: p.TargetPath}))
 	}
 	if changed {
-		errs = append(errs, d.store.Put(v))
+		errs = append(errs, d.store.Put(v, journal.Runtime))
 	}
 	return errors.Join(errs...)
 }

@@ -74,7 +74,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 		return err
 	}
 	if changed {
-		return d.store.Put(v)
+		return d.store.Put(v, journal.Runtime)
 	}
 	return nil
 }

@@ -70,7 +70,7 @@ func TestReconcile(t *testing.T) {
 	halfMadeInline := &journal.Volume{ID: "inline", Kind: journal.KindEphemeral, Type: "fake", Creating: true}
 	idle := &journal.Volume{ID: "idle", Kind: journal.KindProvisioned, Type: "fake"}
 	for _, v := range []*journal.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
-		if err := d.store.Put(v); err != nil {
+		if err := d.store.Put(v, journal.Runtime); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -136,7 +136,7 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
 		Consumers: []journal.Consumer{{PID: 1, NSInode: inode, MountPoint: "/data"}}}
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	err = d.unstage(context.Background(), v)
@@ -160,7 +160,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
 		Consumers: []journal.Consumer{{PID: 1, NSInode: inode, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
 		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
-	if err := d.store.Put(v); err != nil {
+	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.Reattach(context.Background(), "v"); err != nil {

@@ -96,6 +96,22 @@ type Consumer struct {
 // Staged reports whether the volume's stage completed.
 func (v *Volume) Staged() bool { return v.Stage != nil && v.Stage.Phase == PhaseStaged }
 
+// Durability says what a write must survive.
+type Durability int
+
+const (
+	// Runtime records describe kernel state (attached devices, mounts,
+	// namespaces) that a reboot erases too. Their writes survive a crash
+	// of the plugin (temp file and rename: the page cache outlives the
+	// process) but skip fsync: after a machine crash the reconciler finds
+	// the devices and mounts gone whatever the record says.
+	Runtime Durability = iota
+	// Durable records describe what is on disk (an image exists, a format
+	// is under way) and survive a machine crash: fsync of the file and its
+	// directory.
+	Durable
+)
+
 // Store reads and writes records in a directory.
 type Store struct {
 	dir string
@@ -144,8 +160,8 @@ func (s *Store) Get(id string) (*Volume, error) {
 }
 
 // Put writes v atomically: after a crash the file holds either the old or
-// the new record, never a mix.
-func (s *Store) Put(v *Volume) error {
+// the new record, never a mix. d says whether it must survive a machine crash.
+func (s *Store) Put(v *Volume, d Durability) error {
 	if err := ValidID(v.ID); err != nil {
 		return err
 	}
@@ -153,18 +169,21 @@ func (s *Store) Put(v *Volume) error {
 	if err != nil {
 		return fmt.Errorf("journal: %w", err)
 	}
-	return WriteFileAtomic(s.path(v.ID), b, 0o600)
+	return writeFileAtomic(s.path(v.ID), b, 0o600, d == Durable)
 }
 
 // Delete removes the record of id; a missing record is not an error.
-func (s *Store) Delete(id string) error {
+func (s *Store) Delete(id string, d Durability) error {
 	if err := ValidID(id); err != nil {
 		return err
 	}
 	if err := os.Remove(s.path(id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("journal: %w", err)
 	}
-	return syncDir(s.dir)
+	if d == Durable {
+		return syncDir(s.dir)
+	}
+	return nil
 }
 
 // List returns every record, sorted by ID. Corrupt records are returned in
@@ -194,12 +213,13 @@ func (s *Store) List() ([]*Volume, error) {
 
 // CheckWritable proves the journal can still be written (for Probe).
 func (s *Store) CheckWritable() error {
-	return WriteFileAtomic(filepath.Join(s.dir, ".probe"), []byte("ok\n"), 0o600)
+	return writeFileAtomic(filepath.Join(s.dir, ".probe"), []byte("ok\n"), 0o600, true)
 }
 
-// WriteFileAtomic writes data to path through a synced temp file and a
-// rename, then syncs the directory so the rename itself survives a crash.
-func WriteFileAtomic(path string, data []byte, perm fs.FileMode) (err error) {
+// writeFileAtomic writes data to path through a temp file and a rename.
+// When durable, the temp file is synced before the rename and the
+// directory after it, so the rename itself survives a machine crash.
+func writeFileAtomic(path string, data []byte, perm fs.FileMode, durable bool) (err error) {
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
 	if err != nil {
@@ -217,14 +237,19 @@ func WriteFileAtomic(path string, data []byte, perm fs.FileMode) (err error) {
 	if _, err = f.Write(data); err != nil {
 		return fmt.Errorf("journal: write %s: %w", f.Name(), err)
 	}
-	if err = f.Sync(); err != nil {
-		return fmt.Errorf("journal: fsync %s: %w", f.Name(), err)
+	if durable {
+		if err = f.Sync(); err != nil {
+			return fmt.Errorf("journal: fsync %s: %w", f.Name(), err)
+		}
 	}
 	if err = f.Close(); err != nil {
 		return fmt.Errorf("journal: %w", err)
 	}
 	if err = os.Rename(f.Name(), path); err != nil {
 		return fmt.Errorf("journal: %w", err)
+	}
+	if !durable {
+		return nil
 	}
 	return syncDir(dir)
 }

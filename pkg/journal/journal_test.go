@@ -12,6 +12,12 @@ import (
 )
 
 func TestPutGetDeleteRoundTrip(t *testing.T) {
+	for _, d := range []Durability{Runtime, Durable} {
+		testRoundTrip(t, d)
+	}
+}
+
+func testRoundTrip(t *testing.T, d Durability) {
 	s, err := Open(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -20,7 +26,7 @@ func TestPutGetDeleteRoundTrip(t *testing.T) {
 		Stage: &Stage{Phase: PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)},
 		Consumers: []Consumer{{PID: 42, NSInode: 7, MountPoint: "/data",
 			Mounts: []plan.Mount{{Type: "ext4", Source: "/dev/loop1", Options: []string{"nosuid", "nodev"}}}}}}
-	if err := s.Put(v); err != nil {
+	if err := s.Put(v, d); err != nil {
 		t.Fatal(err)
 	}
 	got, err := s.Get("pvc-1")
@@ -35,10 +41,10 @@ func TestPutGetDeleteRoundTrip(t *testing.T) {
 	if err != nil || len(list) != 1 {
 		t.Fatalf("List = %v, %v", list, err)
 	}
-	if err := s.Delete("pvc-1"); err != nil {
+	if err := s.Delete("pvc-1", d); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Delete("pvc-1"); err != nil {
+	if err := s.Delete("pvc-1", d); err != nil {
 		t.Fatalf("second delete: %v", err)
 	}
 	if _, err := s.Get("pvc-1"); !errors.Is(err, errdefs.ErrNotFound) {
@@ -65,7 +71,7 @@ func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Put(&Volume{ID: "v", Kind: KindStatic}); err != nil {
+	if err := s.Put(&Volume{ID: "v", Kind: KindStatic}, Durable); err != nil {
 		t.Fatal(err)
 	}
 	// A directory where the temp file would go makes the next write fail
@@ -75,7 +81,7 @@ func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = os.Chmod(s.dir, 0o700) })
 	if os.Geteuid() != 0 { // root ignores directory permissions
-		if err := s.Put(&Volume{ID: "v", Kind: KindProvisioned}); err == nil {
+		if err := s.Put(&Volume{ID: "v", Kind: KindProvisioned}, Durable); err == nil {
 			t.Fatal("write into a read-only dir succeeded")
 		}
 		got, err := s.Get("v")
@@ -97,7 +103,7 @@ func TestListReportsCorruptRecords(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Put(&Volume{ID: "good", Kind: KindStatic}); err != nil {
+	if err := s.Put(&Volume{ID: "good", Kind: KindStatic}, Durable); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(s.dir, "bad.json"), []byte("{"), 0o600); err != nil {
