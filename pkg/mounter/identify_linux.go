@@ -38,6 +38,12 @@ func identify(mounts []plan.Mount) []hostID {
 // unmountIfOurs unmounts target if the mount on top of it is m. Run inside
 // the namespace.
 func unmountIfOurs(ns *mountns.Namespace, target string, m plan.Mount, id hostID) error {
+	if ours, sure := quickMatch(target, m); sure {
+		if !ours {
+			return nil
+		}
+		return detach(target)
+	}
 	info, err := topMountAt(ns, target)
 	if err != nil || info == nil || !matches(info, m, id) {
 		return err
@@ -132,4 +138,31 @@ func unmountTree(ns *mountns.Namespace, p string) error {
 			}
 		}
 	}
+}
+
+// quickMatch answers from two stat calls, without reading the mount table
+// (thousands of lines on a busy node), in the common cases: target is no
+// mount point at all, or its root is the very device or file m names. It
+// is not sure (and the caller reads the table) for filesystems without a
+// backing device, for sources that are gone, and for anything else.
+func quickMatch(target string, m plan.Mount) (ours, sure bool) {
+	var tx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, target, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_INO, &tx); err != nil {
+		return false, errors.Is(err, unix.ENOENT)
+	}
+	if tx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 && tx.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
+		return false, true
+	}
+	var src unix.Stat_t
+	if unix.Stat(m.Source, &src) != nil {
+		return false, false
+	}
+	targetDev := unix.Mkdev(tx.Dev_major, tx.Dev_minor)
+	switch {
+	case m.Type == plan.TypeBind:
+		return targetDev == uint64(src.Dev) && tx.Ino == src.Ino, targetDev == uint64(src.Dev) && tx.Ino == src.Ino //nolint:unconvert // Dev is uint32 on some architectures
+	case src.Mode&unix.S_IFMT == unix.S_IFBLK && targetDev == uint64(src.Rdev): //nolint:unconvert // Rdev is uint32 on some architectures
+		return true, true
+	}
+	return false, false
 }
