@@ -25,6 +25,7 @@ var (
 	ErrResourceExhausted  = errors.New("resource exhausted")
 	ErrUnimplemented      = errors.New("not implemented")
 	ErrUnavailable        = errors.New("unavailable")
+	ErrPermissionDenied   = errors.New("permission denied")
 )
 
 var table = []struct {
@@ -40,6 +41,7 @@ var table = []struct {
 	{ErrResourceExhausted, codes.ResourceExhausted},
 	{ErrUnimplemented, codes.Unimplemented},
 	{ErrUnavailable, codes.Unavailable},
+	{ErrPermissionDenied, codes.PermissionDenied},
 	{context.DeadlineExceeded, codes.DeadlineExceeded},
 	{context.Canceled, codes.Canceled},
 }

@@ -21,6 +21,7 @@ func TestCode(t *testing.T) {
 		{"double wrapped not found", fmt.Errorf("a: %w", fmt.Errorf("b: %w", ErrNotFound)), codes.NotFound},
 		{"aborted", ErrAborted, codes.Aborted},
 		{"precondition", fmt.Errorf("staged: %w", ErrFailedPrecondition), codes.FailedPrecondition},
+		{"permission denied", fmt.Errorf("login: %w", ErrPermissionDenied), codes.PermissionDenied},
 		{"deadline", fmt.Errorf("wait: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
 		{"plain error", errors.New("boom"), codes.Internal},
 		{"status passes", status.Error(codes.Unavailable, "x"), codes.Unavailable},
