@@ -27,6 +27,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
 )
 
 // Type is the volume_context type of this source.
@@ -70,7 +71,7 @@ var (
 func New(stateDir string) *Source {
 	return &Source{
 		StateDir:       stateDir,
-		MountableTypes: []string{"ext4", "xfs", "btrfs", "erofs", "squashfs"},
+		MountableTypes: blockdev.MountableTypes,
 		devices:        map[string]*loopdev.Device{},
 	}
 }
@@ -156,41 +157,7 @@ func (s *Source) stageChain(ctx context.Context, v *journal.Volume, device strin
 // ensureFilesystem returns the filesystem on device, making one only when
 // the device is blank or when a format of ours was interrupted.
 func (s *Source) ensureFilesystem(ctx context.Context, v *journal.Volume, device string, req source.StageRequest) (string, error) {
-	if v.Format != nil && v.Format.Done {
-		return v.Format.FsType, nil
-	}
-	interrupted := v.Format != nil && !v.Format.Done
-	if !interrupted {
-		found, err := fsutil.Detect(ctx, device)
-		if err != nil {
-			return "", err
-		}
-		if found != "" {
-			if !slices.Contains(s.MountableTypes, found) {
-				return "", fmt.Errorf("image %s holds %q, which is not a mountable filesystem; it is left untouched: %w", v.Image, found, errdefs.ErrFailedPrecondition)
-			}
-			v.Format = &journal.Format{FsType: found, Done: true}
-			return found, req.Save(v)
-		}
-	}
-	if req.ReadOnly {
-		return "", fmt.Errorf("image %s holds no filesystem and the volume is read-only: %w", v.Image, errdefs.ErrFailedPrecondition)
-	}
-	fsType := req.FsType
-	if interrupted {
-		fsType = v.Format.FsType
-	}
-	// Intent first: if mkfs is interrupted, the next stage sees a pending
-	// format and redoes it instead of trusting a half-written superblock.
-	v.Format = &journal.Format{FsType: fsType}
-	if err := req.Save(v); err != nil {
-		return "", err
-	}
-	if err := s.Metrics.Step("format", func() error { return fsutil.Format(ctx, device, fsType) }); err != nil {
-		return "", err
-	}
-	v.Format.Done = true
-	return fsType, req.Save(v)
+	return blockdev.EnsureFilesystem(ctx, v, device, req, blockdev.Filesystem{What: "image " + v.Image, Mountable: s.MountableTypes, Metrics: s.Metrics})
 }
 
 // Plan mounts the device (mount access) or binds its node (block access).
@@ -202,27 +169,7 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 	if st.Chain != nil {
 		return chainPlan(st.Chain, req.ReadOnly), nil
 	}
-	ro := req.ReadOnly || st.ReadOnly
-	if req.Block {
-		opts := []string{"nosuid"}
-		if ro {
-			opts = append(opts, "ro")
-		}
-		return []plan.Mount{{Type: plan.TypeBind, Source: st.Device, Options: opts}}, nil
-	}
-	if st.FsType == "" {
-		return nil, fmt.Errorf("volume %s was staged for block access: %w", v.ID, errdefs.ErrInvalidArgument)
-	}
-	opts := []string{"nosuid", "nodev"}
-	if ro {
-		opts = append(opts, "ro")
-	}
-	for _, f := range req.MountFlags {
-		if !slices.Contains(opts, f) {
-			opts = append(opts, f)
-		}
-	}
-	return []plan.Mount{{Type: st.FsType, Source: st.Device, Options: opts}}, nil
+	return blockdev.Plan(v.ID, st.Device, st.FsType, st.ReadOnly, req)
 }
 
 // Unstage detaches the device if it is still backed by v's image.

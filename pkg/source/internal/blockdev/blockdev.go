@@ -1,0 +1,104 @@
+// Package blockdev holds what every block-device source (loop, nbd, iscsi)
+// does the same way: make sure a staged device holds a filesystem, with the
+// journal's format intent, and turn a device into a plan.
+package blockdev
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// MountableTypes are the filesystems a plan may mount from a block device.
+var MountableTypes = []string{"ext4", "xfs", "btrfs", "erofs", "squashfs"}
+
+// Filesystem says how EnsureFilesystem treats a device.
+type Filesystem struct {
+	// What names the device's content in errors ("image /srv/a.img",
+	// "export disk1 on 10.0.0.5:10809").
+	What string
+	// Mountable are the filesystems accepted as found; anything else is
+	// refused rather than reformatted. Empty: MountableTypes.
+	Mountable []string
+	// Metrics times the format step (nil: not recorded).
+	Metrics *metrics.Metrics
+}
+
+// EnsureFilesystem returns the filesystem on device, making one only when
+// the device is blank or when a format of ours was interrupted. Before mkfs
+// it saves v with a pending format intent (req.Save), after it the intent
+// done: a format interrupted by a crash is redone from scratch instead of
+// trusting a half-written superblock.
+func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req source.StageRequest, f Filesystem) (string, error) {
+	if v.Format != nil && v.Format.Done {
+		return v.Format.FsType, nil
+	}
+	mountable := f.Mountable
+	if len(mountable) == 0 {
+		mountable = MountableTypes
+	}
+	interrupted := v.Format != nil && !v.Format.Done
+	if !interrupted {
+		found, err := fsutil.Detect(ctx, device)
+		if err != nil {
+			return "", err
+		}
+		if found != "" {
+			if !slices.Contains(mountable, found) {
+				return "", fmt.Errorf("%s holds %q, which is not a mountable filesystem; it is left untouched: %w", f.What, found, errdefs.ErrFailedPrecondition)
+			}
+			v.Format = &journal.Format{FsType: found, Done: true}
+			return found, req.Save(v)
+		}
+	}
+	if req.ReadOnly {
+		return "", fmt.Errorf("%s holds no filesystem and the volume is read-only: %w", f.What, errdefs.ErrFailedPrecondition)
+	}
+	fsType := req.FsType
+	if interrupted {
+		fsType = v.Format.FsType
+	}
+	v.Format = &journal.Format{FsType: fsType}
+	if err := req.Save(v); err != nil {
+		return "", err
+	}
+	if err := f.Metrics.Step("format", func() error { return fsutil.Format(ctx, device, fsType) }); err != nil {
+		return "", err
+	}
+	v.Format.Done = true
+	return fsType, req.Save(v)
+}
+
+// Plan mounts device with fsType (mount access) or binds the device node
+// (block access), nosuid,nodev and ro as asked, plus the request's mount
+// flags.
+func Plan(volumeID, device, fsType string, deviceReadOnly bool, req source.PlanRequest) ([]plan.Mount, error) {
+	ro := req.ReadOnly || deviceReadOnly
+	if req.Block {
+		opts := []string{"nosuid"}
+		if ro {
+			opts = append(opts, "ro")
+		}
+		return []plan.Mount{{Type: plan.TypeBind, Source: device, Options: opts}}, nil
+	}
+	if fsType == "" {
+		return nil, fmt.Errorf("volume %s was staged for block access: %w", volumeID, errdefs.ErrInvalidArgument)
+	}
+	opts := []string{"nosuid", "nodev"}
+	if ro {
+		opts = append(opts, "ro")
+	}
+	for _, f := range req.MountFlags {
+		if !slices.Contains(opts, f) {
+			opts = append(opts, f)
+		}
+	}
+	return []plan.Mount{{Type: fsType, Source: device, Options: opts}}, nil
+}
