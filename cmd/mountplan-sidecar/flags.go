@@ -77,7 +77,7 @@ type consumerFlag struct {
 
 func consumerFlags(fs *flag.FlagSet) *consumerFlag {
 	f := &consumerFlag{}
-	fs.IntVar(&f.pid, "pid", 0, "a process in the consumer's mount namespace; 0 is the sidecar's own (required)")
+	fs.IntVar(&f.pid, "pid", 0, "a process in the consumer's mount namespace, as the host sees it (required, positive)")
 	fs.StringVar(&f.target, "target", "", "mount point, absolute, as the consumer sees it (required)")
 	fs.Uint64Var(&f.inode, "mnt-ns-inode", 0, "inode of the consumer's mount namespace; when set, a PID now in another namespace is refused")
 	return f

@@ -4,12 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"slices"
-	"strconv"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
@@ -62,14 +58,15 @@ func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.C
 	if v.Stage.Block != c.block {
 		return nil, invalid("volume %s is staged for %s access", v.ID, accessName(v.Stage.Block))
 	}
-	inode, err := namespaceOf(cons.PID)
+	ns, err := namespaceOf(cons.PID)
 	if err != nil {
 		return nil, err
 	}
-	if cons.NSInode != 0 && cons.NSInode != inode {
+	if cons.NSInode != 0 && cons.NSInode != ns.inode {
 		return nil, fmt.Errorf("process %d is no longer in mount namespace %d: %w", cons.PID, cons.NSInode, errdefs.ErrFailedPrecondition)
 	}
-	cons.NSInode = inode
+	cons.NSInode, cons.NSID = ns.inode, ns.id
+	inode := ns.inode
 	if i := slices.IndexFunc(v.Consumers, sameConsumer(*cons)); i >= 0 {
 		return v.Consumers[i].Mounts, nil // a repeated prepare: same answer
 	}
@@ -109,7 +106,9 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if cons.NSInode == 0 {
 		// The caller did not keep the namespace identity: the PID still
 		// names it if the process lives.
-		cons.NSInode, _ = namespaceOf(cons.PID)
+		if ns, err := namespaceOf(cons.PID); err == nil {
+			cons.NSInode = ns.inode
+		}
 	}
 	n := len(v.Consumers)
 	v.Consumers = slices.DeleteFunc(v.Consumers, releasedBy(cons))
@@ -132,50 +131,12 @@ func checkConsumer(c *api.Consumer, needPID bool) (journal.Consumer, error) {
 	return journal.Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode()}, nil
 }
 
-// namespaceOf returns the inode of pid's mount namespace: the identity the
-// journal keeps, since a PID alone is reused.
-func namespaceOf(pid int) (uint64, error) {
-	var st unix.Stat_t
-	p := filepath.Join("/proc", strconv.Itoa(pid), "ns", "mnt")
-	if err := unix.Stat(p, &st); err != nil {
-		if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ESRCH) {
-			return 0, fmt.Errorf("process %d does not exist: %w", pid, errdefs.ErrNotFound)
-		}
-		return 0, fmt.Errorf("stat %s: %w", p, err)
-	}
-	return st.Ino, nil
-}
-
-// namespaceAlive reports whether any process is still in the mount
-// namespace with inode ino. The recorded PID is checked first; only when it
-// has gone are other processes searched, since a container's namespace
-// outlives any one of its processes.
-func namespaceAlive(pid int, ino uint64) bool {
-	if got, err := namespaceOf(pid); err == nil && got == ino {
-		return true
-	}
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return true // cannot tell: keep the consumer
-	}
-	for _, e := range entries {
-		other, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if got, err := namespaceOf(other); err == nil && got == ino {
-			return true
-		}
-	}
-	return false
-}
-
 // dropDeadConsumers forgets consumers whose namespace is gone: the kernel
 // dropped their mounts with it. The caller persists v.
 func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
 	n := len(v.Consumers)
 	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Consumer) bool {
-		dead := !namespaceAlive(c.PID, c.NSInode)
+		dead := !namespaceAlive(c)
 		if dead {
 			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.NSInode)
 		}
@@ -186,7 +147,9 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 
 // sameConsumer matches the record of the same namespace and mount point.
 func sameConsumer(a journal.Consumer) func(journal.Consumer) bool {
-	return func(b journal.Consumer) bool { return a.NSInode == b.NSInode && a.MountPoint == b.MountPoint }
+	return func(b journal.Consumer) bool {
+		return a.NSInode == b.NSInode && a.NSID == b.NSID && a.MountPoint == b.MountPoint
+	}
 }
 
 // releasedBy matches the records an unprepare request names: by namespace

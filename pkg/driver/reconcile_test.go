@@ -129,13 +129,13 @@ func TestReconcile(t *testing.T) {
 func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	inode, err := namespaceOf(1) // PID 1 lives as long as the machine
+	ns, err := namespaceOf(1) // PID 1 lives as long as the machine
 	if err != nil {
 		t.Skipf("cannot read PID 1's namespace: %v", err)
 	}
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Consumer{{PID: 1, NSInode: inode, MountPoint: "/data"}}}
+		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.inode, NSID: ns.id, MountPoint: "/data"}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
@@ -151,14 +151,14 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 func TestReattachReplacesEveryMount(t *testing.T) {
 	d, m := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	inode, err := namespaceOf(1)
+	ns, err := namespaceOf(1)
 	if err != nil {
 		t.Skipf("cannot read PID 1's namespace: %v", err)
 	}
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v", Options: []string{"nosuid", "nodev"}}}
 	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Consumer{{PID: 1, NSInode: inode, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
+		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.inode, NSID: ns.id, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
 		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)

@@ -87,8 +87,10 @@ type Publish struct {
 
 // Consumer records a prepared plan and the namespace that received it.
 type Consumer struct {
-	PID        int          `json:"pid"`
-	NSInode    uint64       `json:"nsInode"`
+	PID     int    `json:"pid"`
+	NSInode uint64 `json:"nsInode"`
+	// NSID is the kernel's never-reused ID of the namespace (0 if unknown).
+	NSID       uint64       `json:"nsId,omitempty"`
 	MountPoint string       `json:"mountPoint"`
 	Mounts     []plan.Mount `json:"mounts"`
 }

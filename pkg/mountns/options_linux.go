@@ -48,9 +48,12 @@ func (o *options) addFlag(m plan.Mount, opt string, bind bool) error {
 	switch opt {
 	case "ro":
 		o.attr |= unix.MOUNT_ATTR_RDONLY
-		// A block filesystem is also opened read-only, so a read-only
-		// device (an erofs image, a write-protected disk) can be mounted.
-		if strings.HasPrefix(m.Source, "/dev/") && !bind {
+		// On a read-only device (an erofs image, a write-protected disk)
+		// the filesystem itself must be opened read-only too. Elsewhere
+		// "ro" stays per mount: a read-only superblock would refuse to
+		// share the device with a writable mount of it ("would change RO
+		// state"), and one consumer's ro must not bind another's.
+		if strings.HasPrefix(m.Source, "/dev/") && !bind && readOnlyDevice(m.Source) {
 			o.sbFlags = append(o.sbFlags, "ro")
 		}
 	case "sync", "dirsync", "lazytime":
@@ -94,4 +97,17 @@ func atimeMode(opt string) (uint64, bool) {
 		return unix.MOUNT_ATTR_STRICTATIME, true
 	}
 	return 0, false
+}
+
+// readOnlyDevice reports whether the block device at p is read-only
+// (BLKROGET). Anything it cannot tell counts as writable: the mount then
+// fails with the kernel's own message if it was not.
+func readOnlyDevice(p string) bool {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	ro, err := unix.IoctlGetInt(fd, unix.BLKROGET)
+	return err == nil && ro != 0
 }

@@ -24,9 +24,9 @@ func TestParseOptions(t *testing.T) {
 		rec     bool
 		wantErr error
 	}{
-		{name: "block ro", m: plan.Mount{Type: "ext4", Source: "/dev/loop1", Options: []string{"ro", "nosuid", "nodev", "noexec", "errors=remount-ro"}},
+		{name: "block ro on a writable device stays per mount", m: plan.Mount{Type: "ext4", Source: "/dev/null-not-a-disk", Options: []string{"ro", "nosuid", "nodev", "noexec", "errors=remount-ro"}},
 			attr: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_ATTR_NOEXEC,
-			sb:   []string{"ro"}, data: []string{"errors=remount-ro"}},
+			data: []string{"errors=remount-ro"}},
 		{name: "tmpfs ro keeps a writable superblock", m: plan.Mount{Type: "tmpfs", Source: "t", Options: []string{"ro", "size=1m", "noswap"}},
 			attr: unix.MOUNT_ATTR_RDONLY, data: []string{"size=1m", "noswap"}},
 		{name: "last atime mode wins", m: plan.Mount{Type: "xfs", Source: "/dev/sda", Options: []string{"noatime", "nodiratime", "strictatime"}},

@@ -73,7 +73,7 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 		e.unstage(id)
 		prepWaitNoLoop(t, image)
 		e.delete(id)
-		t.Skipf("known bug: NodeUnstageVolume refused because of dead consumer pid %d: an unrelated namespace (pid %d) reuses its "+
+		t.Errorf("NodeUnstageVolume refused because of dead consumer pid %d: an unrelated namespace (pid %d) reuses its "+
 			"mount namespace inode %d, and pkg/driver/prepare.go namespaceAlive treats any process in a namespace with that inode "+
 			"as the consumer: %v", dead.PID, reuser.PID, dead.NSInode, err)
 	}
