@@ -213,12 +213,8 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if journal.ValidID(id) != nil {
 		return &csi.DeleteVolumeResponse{}, nil // such a volume cannot exist here
 	}
-	unlock, err := d.lock(id, "DeleteVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "DeleteVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.DeleteVolumeResponse{}, nil
 	}
@@ -275,12 +271,8 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if req.GetCapacityRange() == nil {
 		return nil, invalid("capacity_range is required")
 	}
-	unlock, err := d.lock(id, "ControllerExpandVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "ControllerExpandVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if err != nil {
 		return nil, err
 	}

@@ -118,6 +118,18 @@ func (d *Driver) lock(id, op string) (func(), error) {
 	return d.locks.TryLock(id, op)
 }
 
+// locked takes the volume's lock for op and reads its record. The returned
+// func releases the lock and is never nil; a volume without a record comes
+// back with an error wrapping errdefs.ErrNotFound.
+func (d *Driver) locked(id, op string) (*journal.Volume, func(), error) {
+	unlock, err := d.lock(id, op)
+	if err != nil {
+		return nil, func() {}, err
+	}
+	v, err := d.store.Get(id)
+	return v, unlock, err
+}
+
 func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
 	s, ok := d.sources[v.Type]
 	if !ok {

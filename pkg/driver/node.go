@@ -150,12 +150,8 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodeUnstageVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "NodeUnstageVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	}

@@ -34,12 +34,8 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodePrepareVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "NodePrepareVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if err != nil {
 		return nil, err
 	}
@@ -91,12 +87,8 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodeUnprepareVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "NodeUnprepareVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &api.NodeUnprepareVolumeResponse{}, nil
 	}

@@ -113,12 +113,8 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if err := requirePath("target_path", target); err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodeUnpublishVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "NodeUnpublishVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return nil, err
 	}
@@ -206,12 +202,8 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodeExpandVolume")
-	if err != nil {
-		return nil, err
-	}
+	v, unlock, err := d.locked(id, "NodeExpandVolume")
 	defer unlock()
-	v, err := d.store.Get(id)
 	if err != nil {
 		return nil, err
 	}
