@@ -61,21 +61,11 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) e
 // never removes what lay underneath. A namespace that is gone is not an
 // error: the kernel dropped its mounts with it.
 func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c Consumer) error {
-	if err := checkContext(ctx); err != nil {
-		return err
-	}
-	if err := checkConsumer(c); err != nil {
-		return err
-	}
 	if err := checkTargets(mounts); err != nil {
 		return err
 	}
-	ns, err := openNamespace(c)
-	if gone(c, err) {
-		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
-		return nil
-	}
-	if err != nil {
+	ns, err := enterForUnmount(ctx, c)
+	if ns == nil {
 		return err
 	}
 	defer ns.Close()
@@ -94,18 +84,8 @@ func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c Consumer)
 // newest first, whatever it is. It needs no plan, so it works after the
 // plugin lost its state; it also removes whatever else was mounted there.
 func (e *Executor) UnmountAll(ctx context.Context, c Consumer) error {
-	if err := checkContext(ctx); err != nil {
-		return err
-	}
-	if err := checkConsumer(c); err != nil {
-		return err
-	}
-	ns, err := openNamespace(c)
-	if gone(c, err) {
-		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
-		return nil
-	}
-	if err != nil {
+	ns, err := enterForUnmount(ctx, c)
+	if ns == nil {
 		return err
 	}
 	defer ns.Close()
@@ -115,6 +95,24 @@ func (e *Executor) UnmountAll(ctx context.Context, c Consumer) error {
 		}
 		return e.removeMountPoint(c.MountPoint)
 	})
+}
+
+// enterForUnmount checks the request and opens the consumer's namespace.
+// A nil namespace means there is nothing to do: with a nil error, the
+// namespace is gone and the kernel dropped its mounts with it.
+func enterForUnmount(ctx context.Context, c Consumer) (*mountns.Namespace, error) {
+	if err := checkContext(ctx); err != nil {
+		return nil, err
+	}
+	if err := checkConsumer(c); err != nil {
+		return nil, err
+	}
+	ns, err := openNamespace(c)
+	if gone(c, err) {
+		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
+		return nil, nil
+	}
+	return ns, err
 }
 
 func openNamespace(c Consumer) (*mountns.Namespace, error) {
