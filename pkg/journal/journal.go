@@ -171,7 +171,51 @@ func (s *Store) Put(v *Volume, d Durability) error {
 	if err != nil {
 		return fmt.Errorf("journal: %w", err)
 	}
+	if d == Runtime {
+		if done, err := overwriteInPlace(s.path(v.ID), b); done || err != nil {
+			return err
+		}
+	}
 	return writeFileAtomic(s.path(v.ID), b, 0o600, d == Durable)
+}
+
+// pageSize bounds what one write(2) puts into the page cache in one piece:
+// the kernel copies a write page by page and a fatal signal can stop it
+// only between pages.
+const pageSize = 4096
+
+// overwriteInPlace rewrites an existing record with a single pwrite at
+// offset 0, padded with spaces (which JSON ignores) to the old length so
+// no truncate is needed. That is as atomic against a crash of the process
+// as a rename, for records within one page, and several times cheaper on
+// ext4, whose rename-over-an-existing-file forces out the new file's data.
+// It reports false, and writes nothing, when the record is new or too big.
+func overwriteInPlace(path string, data []byte) (bool, error) {
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("journal: %w", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return false, fmt.Errorf("journal: %w", err)
+	}
+	size := max(int64(len(data)), fi.Size())
+	if size > pageSize {
+		return false, nil
+	}
+	buf := make([]byte, size)
+	n := copy(buf, data)
+	for i := n; i < len(buf); i++ {
+		buf[i] = ' '
+	}
+	if _, err := f.WriteAt(buf, 0); err != nil {
+		return false, fmt.Errorf("journal: write %s: %w", path, err)
+	}
+	return true, nil
 }
 
 // Delete removes the record of id; a missing record is not an error.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -115,5 +116,27 @@ func TestListReportsCorruptRecords(t *testing.T) {
 	}
 	if len(list) != 1 || list[0].ID != "good" {
 		t.Fatalf("good record lost: %+v", list)
+	}
+}
+
+func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := &Volume{ID: "v", Kind: KindProvisioned, Image: strings.Repeat("x", 500)}
+	small := &Volume{ID: "v", Kind: KindStatic}
+	huge := &Volume{ID: "v", Kind: KindEphemeral, Image: strings.Repeat("y", 6000)}
+	for i, v := range []*Volume{big, small, big, huge, small} {
+		if err := s.Put(v, Runtime); err != nil {
+			t.Fatalf("put %d: %v", i, err)
+		}
+		got, err := s.Get("v")
+		if err != nil {
+			t.Fatalf("get %d: %v", i, err)
+		}
+		if got.Kind != v.Kind || got.Image != v.Image {
+			t.Fatalf("put %d: read back %s/%d bytes of image, want %s/%d", i, got.Kind, len(got.Image), v.Kind, len(v.Image))
+		}
 	}
 }
