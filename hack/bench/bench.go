@@ -312,7 +312,7 @@ func (b *bench) measureJournalWrite(ctx context.Context) *sample {
 	for _, d := range []struct {
 		name string
 		d    journal.Durability
-	}{{"runtime (write + rename)", journal.Runtime}, {"durable (write + fsync + rename + fsync dir)", journal.Durable}} {
+	}{{"runtime (one pwrite in place)", journal.Runtime}, {"durable (write + fsync + rename + fsync dir)", journal.Durable}} {
 		for i := 0; i < b.o.warmup+b.o.n && ctx.Err() == nil; i++ {
 			t := time.Now()
 			if err := st.Put(v, d.d); err != nil {

@@ -187,8 +187,10 @@ func (r *results) printAttribution(w io.Writer) {
 	fmt.Fprintln(w, "### Where the cycle time goes (estimate from medians)")
 	fmt.Fprintln(w)
 	if jw > 0 {
-		fmt.Fprintf(w, "- one journal record write (journal.WriteFileAtomic: create temp, write, fsync, rename, fsync dir) in <state-dir>/volumes: median %s, p90 %s\n",
-			ms(jw), ms(p90(r.journalWrite.steps[r.journalWrite.order[0]])))
+		for _, name := range r.journalWrite.order {
+			fmt.Fprintf(w, "- one journal record write, %s: median %s, p90 %s\n",
+				name, ms(median(r.journalWrite.steps[name])), ms(p90(r.journalWrite.steps[name])))
+		}
 	}
 	if rpc > 0 {
 		fmt.Fprintf(w, "- one no-op RPC over the socket (Identity.GetPluginInfo): median %s, p90 %s\n",
@@ -247,11 +249,11 @@ func (r *results) printAttribution(w io.Writer) {
 	}
 }
 
-// writeCounter counts journal writes (renames into, and deletions from,
-// <state-dir>/volumes) with inotify. It watches creations too: inotify
-// merges an event into an identical unread one, and the temp file each
-// write creates (a new name every time) keeps two renames onto the same
-// record apart. A nil counter counts nothing.
+// writeCounter counts journal writes (renames into, in-place rewrites of,
+// and deletions from <state-dir>/volumes) with inotify. It watches opens
+// and creations too: inotify merges an event into an identical unread one,
+// and an open (or a durable write's temp file) between two writes of the
+// same record keeps them apart. A nil counter counts nothing.
 type writeCounter struct{ fd int }
 
 func newWriteCounter(dir string) (*writeCounter, error) {
@@ -259,7 +261,7 @@ func newWriteCounter(dir string) (*writeCounter, error) {
 	if err != nil {
 		return nil, fmt.Errorf("inotify_init1: %w", err)
 	}
-	if _, err := unix.InotifyAddWatch(fd, dir, unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_DELETE); err != nil {
+	if _, err := unix.InotifyAddWatch(fd, dir, unix.IN_CREATE|unix.IN_OPEN|unix.IN_CLOSE_WRITE|unix.IN_MOVED_TO|unix.IN_DELETE); err != nil {
 		unix.Close(fd)
 		return nil, fmt.Errorf("inotify_add_watch %s: %w", dir, err)
 	}
@@ -287,7 +289,7 @@ func (w *writeCounter) drain() int {
 			mask := binary.NativeEndian.Uint32(buf[off+4:])
 			nameLen := int(binary.NativeEndian.Uint32(buf[off+12:]))
 			name := strings.TrimRight(string(buf[off+unix.SizeofInotifyEvent:min(k, off+unix.SizeofInotifyEvent+nameLen)]), "\x00")
-			if mask&(unix.IN_MOVED_TO|unix.IN_DELETE) != 0 && !strings.HasPrefix(name, ".") {
+			if mask&(unix.IN_MOVED_TO|unix.IN_CLOSE_WRITE|unix.IN_DELETE) != 0 && !strings.HasPrefix(name, ".") {
 				n++
 			}
 			off += unix.SizeofInotifyEvent + nameLen
