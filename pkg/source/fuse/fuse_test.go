@@ -1,0 +1,243 @@
+package fuse
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+func exampleProfiles(t *testing.T) []config.FuseProfile {
+	t.Helper()
+	c, err := config.Load(filepath.Join("testdata", "profiles.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c.FuseProfiles
+}
+
+func TestNewVolumeChecksContext(t *testing.T) {
+	s, err := New(Options{StateDir: t.TempDir(), Profiles: exampleProfiles(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := s.NewVolume("v1", map[string]string{"type": "fuse", "profile": "sshfs", "source": "me@example.org:/srv",
+		"port": "2222", "csi.storage.k8s.io/pod.name": "ignored"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"profile": "sshfs", "source": "me@example.org:/srv", "port": "2222"}
+	if v.Type != Type || v.Kind != journal.KindStatic || !mapsEqual(v.Parameters, want) {
+		t.Errorf("volume %+v, want parameters %v", v, want)
+	}
+	for name, vctx := range map[string]map[string]string{
+		"unknown profile":  {"profile": "nfs", "source": "a@b:/c"},
+		"no profile":       {"source": "a@b:/c"},
+		"no source":        {"profile": "sshfs"},
+		"unknown option":   {"profile": "sshfs", "source": "a@b:/c", "ssh_command": "sh"},
+		"bad option value": {"profile": "sshfs", "source": "a@b:/c", "port": "22;id"},
+		"metacharacters":   {"profile": "sshfs", "source": "a@b:/c;id"},
+		"not the pattern":  {"profile": "sshfs", "source": "/etc/passwd"},
+		"relative path":    {"profile": "squashfuse", "source": "images/a.sqfs"},
+		"dotdot path":      {"profile": "squashfuse", "source": "/srv/squashfs/../../etc"},
+	} {
+		if _, err := s.NewVolume("v", vctx); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("%s: got %v, want InvalidArgument", name, err)
+		}
+	}
+}
+
+func mapsEqual(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+func TestRender(t *testing.T) {
+	p := &config.FuseProfile{
+		Name:   "t",
+		Binary: "/bin/t",
+		Args:   []string{"-f", "{source}", "{mountpoint}", "--cache={workdir}/c", "-o", "key={secret:key}", "{options}", "--last"},
+		Options: []config.FuseOption{
+			{Name: "port", Pattern: "[0-9]+", Default: "22", Args: []string{"-p", "{value}"}},
+			{Name: "mode", Values: []string{"a", "b"}, Args: []string{"--mode={value}"}},
+		},
+		ReadOnlyArgs: []string{"-o", "ro"},
+		Secrets: []config.FuseSecret{
+			{Name: "key"},
+			{Name: "pass", Optional: true, Stdin: true, Args: []string{"-o", "password_stdin"}},
+			{Name: "ca", Optional: true, Args: []string{"--ca={path}"}},
+		},
+	}
+	at := paths{mountPoint: "/st/fuse/v/mnt", workDir: "/st/fuse/v/work", secretsDir: "/st/fuse/v/secrets"}
+	args, stdin, err := render(p, map[string]string{"mode": "b"}, "u@h:/d", at, true, map[string]bool{"key": true, "ca": true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"-f", "u@h:/d", "/st/fuse/v/mnt", "--cache=/st/fuse/v/work/c", "-o", "key=/st/fuse/v/secrets/key",
+		"-p", "22", "--mode=b", "-o", "ro", "--ca=/st/fuse/v/secrets/ca", "--last"}
+	if !slices.Equal(args, want) || stdin != "" {
+		t.Errorf("render:\n got %q (stdin %q)\nwant %q", args, stdin, want)
+	}
+	// Without {options}, the options come last; the stdin secret is the
+	// file itself.
+	p.Args = []string{"{source}", "{mountpoint}"}
+	args, stdin, err = render(p, map[string]string{"port": "2222"}, "u@h:/d", at, false, map[string]bool{"pass": true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = []string{"u@h:/d", "/st/fuse/v/mnt", "-p", "2222", "-o", "password_stdin"}
+	if !slices.Equal(args, want) || stdin != "/st/fuse/v/secrets/pass" {
+		t.Errorf("render:\n got %q (stdin %q)\nwant %q", args, stdin, want)
+	}
+}
+
+func TestCheckSecrets(t *testing.T) {
+	p := &config.FuseProfile{Name: "t", Secrets: []config.FuseSecret{{Name: "key"}, {Name: "pass", Optional: true}}}
+	const canary = "CANARY-in-a-secret"
+	if given, err := checkSecrets(p, map[string]string{"key": canary}); err != nil || !given["key"] || given["pass"] {
+		t.Errorf("given %v, %v", given, err)
+	}
+	for name, secrets := range map[string]map[string]string{
+		"missing":  {"pass": canary},
+		"unknown":  {"key": canary, "token": canary},
+		"too long": {"key": strings.Repeat("x", maxSecret+1)},
+	} {
+		_, err := checkSecrets(p, secrets)
+		if !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("%s: got %v, want InvalidArgument", name, err)
+		}
+		if err != nil && strings.Contains(err.Error(), canary) {
+			t.Errorf("%s: the error holds the secret: %v", name, err)
+		}
+	}
+}
+
+func TestRedactor(t *testing.T) {
+	key := "-----BEGIN KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmU\nAAAAC3NzaC1lZDI1NTE5AAAAIGJ3\n-----END KEY-----\n"
+	r := redactorOf([]string{key, "hunter2!"})
+	in := "ssh: bad key b3BlbnNzaC1rZXktdjEAAAAABG5vbmU; password hunter2! rejected\n" + key
+	out := r.apply(in)
+	for _, s := range []string{"b3BlbnNzaC1rZXktdjEAAAAABG5vbmU", "AAAAC3NzaC1lZDI1NTE5AAAAIGJ3", "hunter2!"} {
+		if strings.Contains(out, s) {
+			t.Errorf("%q survived redaction: %q", s, out)
+		}
+	}
+	if !strings.Contains(out, "ssh: bad key [redacted]") {
+		t.Errorf("redaction changed the rest: %q", out)
+	}
+	dir := t.TempDir()
+	log := filepath.Join(dir, "daemon.log")
+	body := strings.Repeat("noise line\n", 1000) + "fatal: password hunter2! rejected\x1b[0m\n"
+	if err := os.WriteFile(log, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tail := logTail(log, 200, r)
+	if strings.Contains(tail, "hunter2") || !strings.HasSuffix(tail, "fatal: password [redacted] rejected?[0m") || len(tail) > 200 {
+		t.Errorf("tail %q", tail)
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	if backoff(0) != 0 || backoff(1) != backoffBase || backoff(2) != 2*backoffBase || backoff(100) != backoffMax {
+		t.Errorf("backoff: %v %v %v %v", backoff(0), backoff(1), backoff(2), backoff(100))
+	}
+}
+
+func TestPlan(t *testing.T) {
+	s, err := New(Options{StateDir: "/var/lib/mountplan"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, _ := json.Marshal(State{BindSource: "/var/lib/mountplan/fuse/v/mnt", MountPoint: "/var/lib/mountplan/fuse/v/mnt"})
+	v := &journal.Volume{ID: "v", Type: Type, Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: st}}
+	got, err := s.Plan(v, source.PlanRequest{ReadOnly: true, MountFlags: []string{"noexec"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[0].Type != "bind" || got[0].Source != "/var/lib/mountplan/fuse/v/mnt" ||
+		!slices.Equal(got[0].Options, []string{"nosuid", "nodev", "ro", "noexec"}) {
+		t.Errorf("plan %v", got)
+	}
+	for _, req := range []source.PlanRequest{{Block: true}, {MountFlags: []string{"uid=0"}}} {
+		if _, err := s.Plan(v, req); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("plan %+v: got %v, want InvalidArgument", req, err)
+		}
+	}
+}
+
+func TestDaemonRecordRoundTrip(t *testing.T) {
+	l := layout{dir: t.TempDir()}
+	if d, err := l.readDaemon(); err != nil || d.Generation != 0 {
+		t.Fatalf("missing record: %+v %v", d, err)
+	}
+	want := Daemon{Generation: 3, Proc: Proc{PID: 42, StartTime: 7}, Conn: 51, Started: time.Unix(1, 0).UTC()}
+	if err := l.writeDaemon(want); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := l.readDaemon(); err != nil || got != want {
+		t.Fatalf("read back %+v %v, want %+v", got, err, want)
+	}
+	if err := l.removeFiles(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(l.dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("removeFiles left %s: %v", l.dir, err)
+	}
+}
+
+// removeFiles never follows what the daemon left in its work dir.
+func TestRemoveFilesStaysInside(t *testing.T) {
+	outside := t.TempDir()
+	keep := filepath.Join(outside, "keep")
+	if err := os.WriteFile(keep, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	l := layout{dir: filepath.Join(t.TempDir(), "v")}
+	if err := os.MkdirAll(filepath.Join(l.work(), "cache"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, filepath.Join(l.work(), "cache", "link")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(l.mnt(), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.removeFiles(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(keep); err != nil {
+		t.Errorf("a file outside the volume's directory was removed: %v", err)
+	}
+	if _, err := os.Stat(l.dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s left: %v", l.dir, err)
+	}
+}
+
+func TestProcIdentity(t *testing.T) {
+	self, err := identify(os.Getpid())
+	if err != nil || !self.Alive() {
+		t.Fatalf("self %+v %v", self, err)
+	}
+	if (Proc{PID: self.PID, StartTime: self.StartTime + 1}).Alive() {
+		t.Error("a PID with another start time counts as alive")
+	}
+	if (Proc{}).Alive() {
+		t.Error("the zero Proc counts as alive")
+	}
+}

@@ -1,0 +1,200 @@
+package fuse
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Everything here reads the mount table or fusectl; nothing stats a path
+// that may be a dead or hung FUSE mount.
+
+// isFuse reports whether a mount is a FUSE filesystem (fuse, fuseblk,
+// fuse.sshfs, ...).
+func isFuse(i *mountinfo.Info) bool {
+	return i.FSType == "fuse" || i.FSType == "fuseblk" || strings.HasPrefix(i.FSType, "fuse.") || strings.HasPrefix(i.FSType, "fuseblk.")
+}
+
+// connOf is the FUSE connection ID of a mount: the kernel's dev_t of its
+// superblock, which names /sys/fs/fuse/connections/<ID>. The kernel
+// encodes a dev_t as major<<20 | minor.
+func connOf(i *mountinfo.Info) uint64 {
+	return uint64(i.Major)<<20 | uint64(i.Minor)
+}
+
+// mountsUnder returns the mounts at or below dir in the plugin's
+// namespace, in the table's order (oldest first).
+func mountsUnder(dir string) ([]*mountinfo.Info, error) {
+	return mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
+		return !plan.Within(dir, i.Mountpoint), false
+	})
+}
+
+// topMountAt returns the mount on top of the stack at exactly p, or nil.
+func topMountAt(p string) (*mountinfo.Info, error) {
+	stack, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) { return i.Mountpoint != p, false })
+	if err != nil {
+		return nil, err
+	}
+	for _, i := range stack {
+		if !slices.ContainsFunc(stack, func(j *mountinfo.Info) bool { return j.Parent == i.ID }) {
+			return i, nil
+		}
+	}
+	return nil, nil
+}
+
+// fuseAt returns the FUSE mount on top at p, or nil when the top is not
+// FUSE or nothing is mounted there.
+func fuseAt(p string) (*mountinfo.Info, error) {
+	i, err := topMountAt(p)
+	if err != nil || i == nil || !isFuse(i) {
+		return nil, err
+	}
+	return i, nil
+}
+
+// mountWatch wakes when the plugin's mount table changes: /proc/self/mountinfo
+// polls with POLLPRI after every mount or unmount in the namespace.
+type mountWatch struct{ f *os.File }
+
+func newMountWatch() (*mountWatch, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	return &mountWatch{f: f}, nil
+}
+
+// wait returns after a change of the table, an event on extra (a pidfd),
+// or d, whichever comes first. It reports whether extra fired.
+func (w *mountWatch) wait(extra int, d time.Duration) bool {
+	fds := []unix.PollFd{{Fd: int32(w.f.Fd()), Events: unix.POLLPRI}}
+	if extra >= 0 {
+		fds = append(fds, unix.PollFd{Fd: int32(extra), Events: unix.POLLIN})
+	}
+	ms := int(d / time.Millisecond)
+	if ms < 1 {
+		ms = 1
+	}
+	if _, err := unix.Poll(fds, ms); err != nil {
+		return false
+	}
+	return extra >= 0 && fds[1].Revents != 0
+}
+
+func (w *mountWatch) close() { w.f.Close() }
+
+// unmountDetach lazily unmounts p: a dead FUSE mount may be busy (a shell
+// in it) and must still leave the table now. A path that is no mount point
+// (any more) is not an error.
+func unmountDetach(p string) error {
+	err := unix.Unmount(p, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW)
+	if err == nil || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	return fmt.Errorf("umount2 %s (detach): %w", p, err)
+}
+
+// fusectl reaches /sys/fs/fuse/connections. When it is not mounted there
+// (CI machines, containers), a private, detached instance is made with
+// fsopen/fsmount: it appears in no mount table, needs no namespace, and
+// goes away with its fd.
+type fusectl struct {
+	once sync.Once
+	root int // O_PATH fd of the control filesystem's root, or -1
+	err  error
+}
+
+const fusectlDir = "/sys/fs/fuse/connections"
+
+func (c *fusectl) open() (int, error) {
+	c.once.Do(func() {
+		c.root, c.err = openFusectl()
+	})
+	return c.root, c.err
+}
+
+func openFusectl() (int, error) {
+	fsfd, err := unix.Fsopen("fusectl", unix.FSOPEN_CLOEXEC)
+	if err == nil {
+		defer unix.Close(fsfd)
+		if err = unix.FsconfigCreate(fsfd); err == nil {
+			mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
+			if err == nil {
+				return mfd, nil
+			}
+		}
+	}
+	// No new mount API: fusectl mounted by the host is the only way left.
+	if mounted, _ := mountinfo.Mounted(fusectlDir); mounted {
+		return unix.Open(fusectlDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	}
+	return -1, fmt.Errorf("fusectl: cannot mount a private instance (%w) and %s is not mounted", err, fusectlDir)
+}
+
+func (c *fusectl) file(conn uint64, name string, flags int) (*os.File, error) {
+	root, err := c.open()
+	if err != nil {
+		return nil, err
+	}
+	rel := strconv.FormatUint(conn, 10) + "/" + name
+	fd, err := unix.Openat(root, rel, flags|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: fusectlDir + "/" + rel, Err: err}
+	}
+	return os.NewFile(uintptr(fd), fusectlDir+"/"+rel), nil
+}
+
+// abort aborts FUSE connection conn: every request fails with ENOTCONN,
+// blocked callers return, and the daemon's /dev/fuse reads fail so it
+// exits. A connection that is already gone is not an error.
+func (c *fusectl) abort(conn uint64) error {
+	f, err := c.file(conn, "abort", unix.O_WRONLY)
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.Write([]byte("1")); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("abort FUSE connection %d: %w", conn, err)
+	}
+	return nil
+}
+
+// waiting returns how many requests of conn wait for the daemon.
+func (c *fusectl) waiting(conn uint64) (int, error) {
+	f, err := c.file(conn, "waiting", unix.O_RDONLY)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	b := make([]byte, 32)
+	n, err := f.Read(b)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(strings.TrimSpace(string(b[:n])))
+}
+
+// exists reports whether conn is a live FUSE connection.
+func (c *fusectl) exists(conn uint64) bool {
+	f, err := c.file(conn, "waiting", unix.O_RDONLY)
+	if err != nil {
+		return false
+	}
+	f.Close()
+	return true
+}

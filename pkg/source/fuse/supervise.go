@@ -1,0 +1,304 @@
+package fuse
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/fsutil"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// supervisor watches one staged volume's daemon. It never blocks an RPC:
+// requests read its state under a mutex; its probes run in goroutines of
+// their own with deadlines.
+type supervisor struct {
+	src *Source
+	id  string
+	l   layout
+	log logr.Logger
+
+	mu sync.Mutex
+	st State
+	h  source.Health
+
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// Backoff between restarts of a daemon that keeps failing.
+const (
+	backoffBase = 250 * time.Millisecond
+	backoffMax  = 30 * time.Second
+	// A daemon that ran at least this long before it failed is restarted
+	// at once, its earlier failures forgiven.
+	stableAfter = time.Minute
+	// reattachTimeout bounds one Host.Reattach call.
+	reattachTimeout = time.Minute
+)
+
+func backoff(failures int) time.Duration {
+	if failures <= 0 {
+		return 0
+	}
+	d := backoffBase << min(failures-1, 10)
+	return min(d, backoffMax)
+}
+
+// supervise starts (or replaces) the supervisor of volume id.
+func (s *Source) supervise(id string, st State, l layout) {
+	ctx, cancel := context.WithCancel(s.ctx)
+	sup := &supervisor{src: s, id: id, l: l, st: st, cancel: cancel, done: make(chan struct{}),
+		log: s.log.WithValues("volume", id)}
+	s.mu.Lock()
+	old := s.sups[id]
+	s.sups[id] = sup
+	s.mu.Unlock()
+	if old != nil {
+		old.halt()
+	}
+	go sup.run(ctx)
+}
+
+func (s *Source) supervisorOf(id string) *supervisor {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sups[id]
+}
+
+func (s *Source) takeSupervisor(id string) *supervisor {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sup := s.sups[id]
+	delete(s.sups, id)
+	return sup
+}
+
+// halt stops the supervisor and waits until it has stopped. The daemon is
+// left as it is.
+func (sup *supervisor) halt() {
+	sup.cancel()
+	<-sup.done
+}
+
+func (sup *supervisor) state() State {
+	sup.mu.Lock()
+	defer sup.mu.Unlock()
+	return sup.st
+}
+
+func (sup *supervisor) daemon() Daemon { return sup.state().Daemon }
+
+func (sup *supervisor) setDaemon(d Daemon) {
+	sup.mu.Lock()
+	defer sup.mu.Unlock()
+	sup.st.Daemon = d
+}
+
+// health is the supervisor's last verdict, corrected by the process
+// table: a daemon killed a moment ago is down before the supervisor has
+// noticed.
+func (sup *supervisor) health() source.Health {
+	sup.mu.Lock()
+	h, d := sup.h, sup.st.Daemon
+	sup.mu.Unlock()
+	if !h.Abnormal && !d.Alive() {
+		return source.Health{Abnormal: true, Reason: "DaemonDown", Message: fmt.Sprintf("fuse daemon %s has exited; restarting it", d.Proc)}
+	}
+	return h
+}
+
+func (sup *supervisor) setHealth(reason, msg string) {
+	sup.mu.Lock()
+	defer sup.mu.Unlock()
+	if reason == "" {
+		sup.h = source.Health{}
+		return
+	}
+	sup.h = source.Health{Abnormal: true, Reason: reason, Message: msg}
+}
+
+func (sup *supervisor) run(ctx context.Context) {
+	defer close(sup.done)
+	failures := 0
+	for {
+		reason, msg := sup.watch(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		sup.setHealth(reason, msg+"; restarting it")
+		if time.Since(sup.daemon().Started) >= stableAfter {
+			failures = 0
+		}
+		sup.log.Info("FUSE daemon failed; restarting it", "reason", reason, "detail", msg, "pid", sup.daemon().PID, "failures", failures)
+		for {
+			if !sleep(ctx, backoff(failures)) {
+				return
+			}
+			failures++
+			err := sup.restart(ctx)
+			if err == nil {
+				break
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			sup.log.Error(err, "Restarting the FUSE daemon failed", "failures", failures)
+			sup.setHealth("RestartFailed", err.Error())
+		}
+		d := sup.daemon()
+		sup.setHealth("Reattaching", fmt.Sprintf("fuse daemon restarted as %s; re-attaching its mount at every consumer", d.Proc))
+		if !sup.reattach(ctx) {
+			continue // the new daemon failed too, or supervision stopped
+		}
+		sup.setHealth("", "")
+		sup.log.Info("FUSE daemon restarted and consumers re-attached", "pid", d.PID, "conn", d.Conn, "generation", d.Generation)
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+type probeResult struct{ err error }
+
+// watch returns when the daemon needs a restart: it exited, its mount is
+// gone, its connection was cut, or it has not answered a statfs for the
+// probe timeout while requests wait on its connection.
+func (sup *supervisor) watch(ctx context.Context) (reason, msg string) {
+	d := sup.daemon()
+	if !d.Alive() {
+		return "DaemonDown", fmt.Sprintf("fuse daemon %s is not running", d.Proc)
+	}
+	if r, m := sup.checkMount(d); r != "" {
+		return r, m
+	}
+	exited, stop := watchExit(d.Proc)
+	defer stop()
+	tick := time.NewTicker(sup.src.probe)
+	defer tick.Stop()
+	results := make(chan probeResult, 1)
+	var inFlight time.Time // start of the probe still running, or zero
+	for {
+		select {
+		case <-ctx.Done():
+			return "", ""
+		case <-exited:
+			return "DaemonDown", fmt.Sprintf("fuse daemon %s exited", d.Proc)
+		case r := <-results:
+			inFlight = time.Time{}
+			if errors.Is(r.err, unix.ENOTCONN) || errors.Is(r.err, unix.ECONNABORTED) {
+				return "Disconnected", fmt.Sprintf("the fuse mount of %s answers %v", d.Proc, r.err)
+			}
+		case <-tick.C:
+			if r, m := sup.checkMount(d); r != "" {
+				return r, m
+			}
+			if inFlight.IsZero() {
+				inFlight = time.Now()
+				go func() {
+					_, err := fsutil.Stats(sup.l.mnt())
+					results <- probeResult{err: err}
+				}()
+				continue
+			}
+			if since := time.Since(inFlight); since >= sup.src.deadline {
+				n, err := sup.src.ctl.waiting(d.Conn)
+				if err != nil || n > 0 {
+					return "DaemonHung", fmt.Sprintf("fuse daemon %s has not answered a statfs for %v (%d requests waiting)", d.Proc, since.Round(time.Second), n)
+				}
+			}
+		}
+	}
+}
+
+// checkMount reports a daemon whose mount is no longer on top of its
+// mount point, as the mount table says.
+func (sup *supervisor) checkMount(d Daemon) (reason, msg string) {
+	info, err := fuseAt(sup.l.mnt())
+	if err != nil {
+		return "", "" // cannot tell; the next tick retries
+	}
+	if info == nil || connOf(info) != d.Conn {
+		return "MountGone", fmt.Sprintf("the fuse mount of %s at %s is gone", d.Proc, sup.l.mnt())
+	}
+	return "", ""
+}
+
+// restart replaces the daemon: its connection is aborted (callers blocked
+// on it return), its session killed, the dead mounts lazily unmounted, and
+// a new daemon started on the same mount point.
+func (sup *supervisor) restart(ctx context.Context) error {
+	st := sup.state()
+	if st.Secrets {
+		if info, err := topMountAt(sup.l.secrets()); err == nil && info == nil {
+			return fmt.Errorf("the volume's secrets in %s are gone (the node restarted?); unstage and stage the volume again", sup.l.secrets())
+		}
+	}
+	old := st.Daemon
+	if old.Conn != 0 {
+		if err := sup.src.ctl.abort(old.Conn); err != nil {
+			sup.log.V(2).Info("Could not abort the old FUSE connection", "conn", old.Conn, "err", err)
+		}
+	}
+	signalSession(old.Proc, unix.SIGKILL)
+	waitGone(ctx, old.Proc, sup.src.grace)
+	if err := sup.src.unmountUnder(sup.l.mnt()); err != nil {
+		return err
+	}
+	d, err := sup.src.start(ctx, sup.l, st, old.Generation+1, readRedactor(sup.l.secrets()))
+	if err != nil {
+		// start stopped the new process; it stays the current incarnation
+		// so that the next attempt counts generations on from it.
+		if d.PID != 0 {
+			sup.setDaemon(d)
+		}
+		return err
+	}
+	sup.setDaemon(d)
+	return nil
+}
+
+// reattach has the driver replace the mount at every consumer and
+// publish. It retries while the daemon lives; false means the daemon
+// failed meanwhile or supervision stopped.
+func (sup *supervisor) reattach(ctx context.Context) bool {
+	host := sup.src.getHost()
+	if host == nil {
+		return true
+	}
+	for attempt := 0; ; attempt++ {
+		if !sleep(ctx, backoff(attempt)) {
+			return false
+		}
+		if !sup.daemon().Alive() {
+			return false
+		}
+		rctx, cancel := context.WithTimeout(ctx, reattachTimeout)
+		err := host.Reattach(rctx, sup.id)
+		cancel()
+		if err == nil {
+			return true
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		sup.log.Error(err, "Re-attaching the restarted FUSE mount failed", "attempt", attempt+1)
+		sup.setHealth("ReattachFailed", err.Error())
+	}
+}

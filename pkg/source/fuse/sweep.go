@@ -1,0 +1,110 @@
+package fuse
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+)
+
+// Run sweeps orphans at once and then every interval until ctx ends; then
+// it stops supervising (the daemons keep running, for the next plugin to
+// adopt). The driver's reconcile adopts the volumes that have records.
+func (s *Source) Run(ctx context.Context, interval time.Duration) {
+	defer s.stop()
+	if err := s.Sweep(ctx); err != nil {
+		klog.FromContext(ctx).Error(err, "FUSE orphan sweep left errors")
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if err := s.Sweep(ctx); err != nil {
+				klog.FromContext(ctx).Error(err, "FUSE orphan sweep left errors")
+			}
+		}
+	}
+}
+
+// Sweep tears down what lies under <state-dir>/fuse without a staged fuse
+// record in the journal: its FUSE connections are aborted, its mounts
+// lazily unmounted, its daemon (from daemon.json) killed, its files
+// removed. A volume busy with an operation is left for the next sweep.
+func (s *Source) Sweep(ctx context.Context) error {
+	root, err := s.root()
+	if err != nil {
+		return err
+	}
+	ids := map[string]bool{}
+	ents, err := os.ReadDir(root)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	for _, e := range ents {
+		ids[e.Name()] = true
+	}
+	// A mount whose directory entry is somehow gone from the listing
+	// still names its volume.
+	mounts, err := mountsUnder(root)
+	if err != nil {
+		return err
+	}
+	for _, m := range mounts {
+		if rel, ok := strings.CutPrefix(m.Mountpoint, root+"/"); ok {
+			ids[strings.SplitN(rel, "/", 2)[0]] = true
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	store, err := journal.Open(s.stateDir)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for id := range ids {
+		if journal.ValidID(id) != nil {
+			klog.FromContext(ctx).Info("Leaving alone an entry that is not a volume's", "path", filepath.Join(root, id))
+			continue
+		}
+		unlock, err := s.locks.TryLock(id, "sweep")
+		if err != nil {
+			continue
+		}
+		errs = append(errs, s.sweepOne(ctx, store, id))
+		unlock()
+	}
+	return errors.Join(errs...)
+}
+
+func (s *Source) sweepOne(ctx context.Context, store *journal.Store, id string) error {
+	v, err := store.Get(id)
+	switch {
+	case err == nil && v.Type == Type && v.Stage != nil:
+		return nil // staged, or a step in flight: Adopt and Unstage own it
+	case err != nil && !errors.Is(err, errdefs.ErrNotFound):
+		return err // cannot tell: leave it
+	}
+	l, err := s.layout(id)
+	if err != nil {
+		return err
+	}
+	d, _ := l.readDaemon()
+	klog.FromContext(ctx).Info("Tearing down an orphaned FUSE volume", "volume", id, "pid", d.PID)
+	// Orphans are cut off first: aborting the connection also ends a daemon
+	// that is not recorded anywhere.
+	if err := s.unmountUnder(l.dir); err != nil {
+		return err
+	}
+	return s.teardown(ctx, id, Daemon{})
+}
