@@ -21,6 +21,8 @@ import (
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/fuse"
 )
 
 type flags struct {
@@ -69,8 +71,13 @@ func run(f flags) error {
 	if f.metricsAddress != "" {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
+	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles})
+	if err != nil {
+		return err
+	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
-		StateDir: f.stateDir, Config: cfg, Mounter: m, Metrics: mx})
+		StateDir: f.stateDir, Config: cfg, Mounter: m, Metrics: mx,
+		Sources: map[string]source.Source{fuse.Type: fuseSource}})
 	if err != nil {
 		return err
 	}
@@ -87,6 +94,7 @@ func run(f flags) error {
 	}
 	srv := grpc.NewServer(grpc.UnaryInterceptor(d.Interceptor))
 	d.Register(srv)
+	go fuseSource.Run(ctx, f.reconcileInterval) // FUSE orphans; daemons outlive the plugin
 	go func() {
 		// Serve at once so Probe can answer "not ready" while this runs.
 		if err := d.Reconcile(ctx); err != nil {
