@@ -45,10 +45,38 @@ func unmountIfOurs(ns *mountns.Namespace, target string, m plan.Mount, id hostID
 		return detach(target)
 	}
 	info, err := topMountAt(ns, target)
-	if err != nil || info == nil || !matches(info, m, id) {
+	if err != nil || info == nil {
 		return err
 	}
-	return detach(target)
+	if matches(info, m, id) {
+		return detach(target)
+	}
+	if deadFuseBind(info, m, target) {
+		// The bind of a FUSE mount whose daemon died and was restarted: the
+		// plan's source is now the new daemon's mount, so the device
+		// differs, but what sits here is its dead predecessor. It may be
+		// busy (a shell in it), and must go all the same.
+		if err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW|unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+			return &mountns.OpError{Op: "umount2 (detach)", Path: target, Err: err}
+		}
+	}
+	return nil
+}
+
+// deadFuseBind reports whether info, on top at target, is the root of a
+// FUSE mount where plan m binds one, and its connection is gone: asked
+// for fresh attributes, it answers ENOTCONN (the daemon died, or its
+// connection was aborted). A live FUSE mount is never taken for dead.
+// Run inside the namespace.
+func deadFuseBind(info *mountinfo.Info, m plan.Mount, target string) bool {
+	if m.Type != plan.TypeBind || !strings.HasPrefix(info.FSType, "fuse") || strings.TrimSuffix(info.Root, "//deleted") != "/" {
+		return false
+	}
+	// FORCE_SYNC: the answer must come from the connection, not from
+	// attributes cached before the daemon died.
+	var st unix.Statx_t
+	err := unix.Statx(unix.AT_FDCWD, target, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_FORCE_SYNC, unix.STATX_TYPE, &st)
+	return errors.Is(err, unix.ENOTCONN) || errors.Is(err, unix.ECONNABORTED)
 }
 
 // matches reports whether a mount is the one m describes. It reads only the
