@@ -8,6 +8,7 @@ pkgs=(
   squashfs-tools erofs-utils            # read-only images for chains
   containerd runc busybox-static        # real containers in end-to-end tests
   protobuf-compiler                     # make verify regenerates the protos
+  fuse3 sshfs rclone squashfuse openssh-server openssh-client  # FUSE volumes: the daemons, and an sshd for their tests
 )
 missing=()
 for p in "${pkgs[@]}"; do
