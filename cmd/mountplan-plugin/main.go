@@ -28,6 +28,7 @@ import (
 type flags struct {
 	endpoint, nodeID, stateDir, driverName, configPath, mounterEndpoint, metricsAddress string
 	reconcileInterval                                                                   time.Duration
+	fuseProbeInterval, fuseProbeTimeout                                                 time.Duration
 }
 
 func main() {
@@ -40,6 +41,8 @@ func main() {
 	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket; empty: perform plans in process")
 	flag.StringVar(&f.metricsAddress, "metrics-address", "", "serve Prometheus metrics on this address (host:port); empty: off")
 	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
+	flag.DurationVar(&f.fuseProbeInterval, "fuse-probe-interval", 2*time.Second, "how often each FUSE daemon is checked")
+	flag.DurationVar(&f.fuseProbeTimeout, "fuse-probe-timeout", 5*time.Second, "a FUSE daemon that leaves a statfs unanswered this long is restarted")
 	klog.InitFlags(nil)
 	flag.Parse()
 	if err := run(f); err != nil {
@@ -71,7 +74,8 @@ func run(f flags) error {
 	if f.metricsAddress != "" {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
-	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles})
+	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles,
+		ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
 	if err != nil {
 		return err
 	}
