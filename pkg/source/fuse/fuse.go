@@ -25,6 +25,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/config"
@@ -332,18 +333,21 @@ func (s *Source) start(ctx context.Context, l layout, st State, gen int, red red
 		return d, err
 	}
 	conn, err := s.waitReady(ctx, l.mnt(), proc, st.ReadyTimeout, w)
+	d.Conn = conn
 	if err != nil {
 		if tail := logTail(st.Command.Log, 2048, red); tail != "" {
 			err = fmt.Errorf("%w; the daemon's log ends with:\n%s", err, tail)
 		}
 		return d, err
 	}
-	d.Conn = conn
 	return d, l.writeDaemon(d)
 }
 
 // waitReady waits until a FUSE mount sits on top of mnt, reading the mount
-// table whenever it changes; it never stats mnt.
+// table whenever it changes (mnt itself is not looked at before a FUSE
+// mount is there), and then until the daemon answers a statfs through it:
+// some daemons mount before they have reached their backend (sshfs
+// mounts, then finds the host key refused, then exits).
 func (s *Source) waitReady(ctx context.Context, mnt string, p Proc, timeout time.Duration, w *mountWatch) (uint64, error) {
 	exited, stopWatch := watchExit(p)
 	defer stopWatch()
@@ -354,7 +358,7 @@ func (s *Source) waitReady(ctx context.Context, mnt string, p Proc, timeout time
 			return 0, err
 		}
 		if info != nil {
-			return connOf(info), nil
+			return connOf(info), s.waitServing(ctx, mnt, p, deadline, exited)
 		}
 		select {
 		case <-exited:
@@ -369,6 +373,32 @@ func (s *Source) waitReady(ctx context.Context, mnt string, p Proc, timeout time
 			return 0, fmt.Errorf("fuse daemon %s did not mount %s within %v: %w", p, mnt, timeout, errdefs.ErrUnavailable)
 		}
 		w.wait(-1, min(left, 50*time.Millisecond))
+	}
+}
+
+// waitServing runs a statfs through the new mount in a goroutine and waits
+// for its answer, the daemon's exit or the deadline. A statfs left behind
+// returns when the caller's rollback aborts the connection.
+func (s *Source) waitServing(ctx context.Context, mnt string, p Proc, deadline time.Time, exited <-chan struct{}) error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := fsutil.Stats(mnt)
+		done <- err
+	}()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("fuse daemon %s mounted %s but does not serve it: %w: %w", p, mnt, err, errdefs.ErrUnavailable)
+		}
+		return nil
+	case <-exited:
+		return fmt.Errorf("fuse daemon %s exited after it mounted %s: %w", p, mnt, errdefs.ErrUnavailable)
+	case <-t.C:
+		return fmt.Errorf("fuse daemon %s mounted %s but did not answer a statfs in time: %w", p, mnt, errdefs.ErrUnavailable)
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for the fuse daemon to serve %s: %w", mnt, ctx.Err())
 	}
 }
 
@@ -578,6 +608,9 @@ func (s *Source) Stats(ctx context.Context, v *journal.Volume, _ string) (fsutil
 	}()
 	select {
 	case r := <-done:
+		if errors.Is(r.err, unix.ENOTCONN) || errors.Is(r.err, unix.ECONNABORTED) {
+			return fsutil.Usage{}, fmt.Errorf("volume %s: the fuse daemon's connection is gone: %w: %w", v.ID, r.err, errdefs.ErrUnavailable)
+		}
 		return r.u, r.err
 	case <-time.After(statsTimeout):
 		return fsutil.Usage{}, fmt.Errorf("volume %s: the fuse daemon did not answer statfs within %v: %w", v.ID, statsTimeout, errdefs.ErrUnavailable)

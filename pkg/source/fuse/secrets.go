@@ -137,6 +137,7 @@ func logTail(path string, n int64, r redactor) string {
 			s = s[i+1:]
 		}
 	}
+	s = strings.ReplaceAll(s, "\r\n", "\n")
 	s = strings.Map(func(c rune) rune {
 		if c == '\n' || c == '\t' || c >= ' ' && c != 0x7f {
 			return c
