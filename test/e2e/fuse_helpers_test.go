@@ -47,6 +47,9 @@ type fuseEnv struct {
 	dir     string // staging paths, config
 	// roots replace the example config's /srv/rclone and /srv/squashfs.
 	rcloneRoot, squashRoot string
+	// serveLog is the log of the `mountplan-sidecar serve` the plugin
+	// uses as its mounter ("" when it performs plans in process).
+	serveLog string
 }
 
 // fuseProfilesPath is the example config that README documents.
@@ -473,4 +476,56 @@ func fuseCheckNoSecretInProcs(t *testing.T, when string, pieces []string) {
 	if checked == 0 {
 		t.Errorf("%s: could not read any /proc/*/cmdline or environ", when)
 	}
+}
+
+// startFuseEnvServe starts `mountplan-sidecar serve` and the plugin with it
+// as its mounter (--mounter-endpoint): kubelet's publishes and the
+// re-attach of healed consumers then go through the sidecar's process.
+func startFuseEnvServe(t *testing.T, args ...string) *fuseEnv {
+	t.Helper()
+	_, sidecarBin := testutil.BuildBinaries(t)
+	dir, err := os.MkdirTemp("", "mpfsrv-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	testutil.RegisterLeakMarker(dir)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	state, sock := filepath.Join(dir, "state"), filepath.Join(dir, "mounter.sock")
+	cmd := exec.Command(sidecarBin, "serve", "--endpoint", "unix://"+sock, "--allowed-root", state, "--v=2")
+	logf, err := os.Create(filepath.Join(dir, "serve.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); logf.Close(); close(done) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+		if t.Failed() {
+			b, _ := os.ReadFile(filepath.Join(dir, "serve.log"))
+			t.Logf("mountplan-sidecar serve log:\n%s", b)
+		}
+	})
+	if !fusePoll(10*time.Second, 10*time.Millisecond, func() bool {
+		c, err := net.Dial("unix", sock)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	}) {
+		t.Fatal("mountplan-sidecar serve did not listen within 10s")
+	}
+	e := startFuseEnv(t, append([]string{"--state-dir", state, "--mounter-endpoint", "unix://" + sock}, args...)...)
+	e.serveLog = filepath.Join(dir, "serve.log")
+	return e
 }

@@ -32,6 +32,9 @@ type fuseCase struct {
 	// the backend is read-only).
 	setup    func(t *testing.T, e *fuseEnv) (vctx, secrets map[string]string, backend func(name string) string)
 	readOnly bool
+	// viaServe makes the plugin use `mountplan-sidecar serve` as its
+	// mounter, so that the heal's re-attach runs in the sidecar.
+	viaServe bool
 	// seeded is a file the backend holds from the start, with its content.
 	seeded, seededContent string
 }
@@ -51,7 +54,7 @@ func fuseCases() []fuseCase {
 			},
 		},
 		{
-			name: "rclone", command: "rclone", seeded: "seed.txt", seededContent: "local dir\n",
+			name: "rclone", command: "rclone", seeded: "seed.txt", seededContent: "local dir\n", viaServe: true,
 			setup: func(t *testing.T, e *fuseEnv) (map[string]string, map[string]string, func(string) string) {
 				dir := filepath.Join(e.rcloneRoot, "share")
 				if err := os.Mkdir(dir, 0o755); err != nil {
@@ -111,7 +114,12 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	step := func(what string) { t.Logf("== %s (at %v)", what, time.Since(start).Round(time.Millisecond)) }
 	ctrd := testutil.StartContainerd(t)
 	ctr := ctrd.Run(t, "consumer", testutil.BusyboxRootfs(t), "sleep", "3600")
-	e := startFuseEnv(t)
+	var e *fuseEnv
+	if c.viaServe {
+		e = startFuseEnvServe(t)
+	} else {
+		e = startFuseEnv(t)
+	}
 	vctx, secrets, backend := c.setup(t, e)
 	step("containerd, consumer container, plugin and backend running")
 
@@ -230,6 +238,16 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	}
 	if c.name == "sshfs" {
 		fuseCheckNoSecretInProcs(t, "after the restart", canary)
+	}
+	if e.serveLog != "" {
+		b, _ := os.ReadFile(e.serveLog)
+		performed := false
+		for _, line := range strings.Split(string(b), "\n") {
+			performed = performed || strings.Contains(line, `"Mounted plan"`) && strings.Contains(line, fmt.Sprintf(`mountPoint="%s" pid=%d `, target, ctr.PID()))
+		}
+		if !performed {
+			t.Errorf("mountplan-sidecar serve did not perform the re-attach in the container; its log:\n%s", b)
+		}
 	}
 	step("daemon killed and healed")
 
