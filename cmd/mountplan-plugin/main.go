@@ -75,7 +75,7 @@ func run(f flags) error {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
 	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles,
-		ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
+		Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
 	if err != nil {
 		return err
 	}

@@ -33,6 +33,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/keylock"
+	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -66,6 +67,8 @@ type Options struct {
 	Profiles []config.FuseProfile
 	// Spawner starts daemons; nil means LocalSpawner.
 	Spawner Spawner
+	// Metrics times daemon starts and counts restarts (nil: not recorded).
+	Metrics *metrics.Metrics
 	// ProbeInterval is how often a supervisor checks that its daemon
 	// answers (default 2s); ProbeTimeout is how long a statfs may take
 	// before the daemon counts as hung (default 5s).
@@ -78,6 +81,7 @@ type Source struct {
 	stateDir string
 	profiles []config.FuseProfile
 	spawner  Spawner
+	metrics  *metrics.Metrics
 	probe    time.Duration
 	deadline time.Duration
 	grace    time.Duration
@@ -112,6 +116,7 @@ func New(o Options) (*Source, error) {
 		stateDir: dir,
 		profiles: o.Profiles,
 		spawner:  o.Spawner,
+		metrics:  o.Metrics,
 		probe:    o.ProbeInterval,
 		deadline: o.ProbeTimeout,
 		grace:    5 * time.Second,
@@ -340,6 +345,7 @@ func (s *Source) start(ctx context.Context, l layout, st State, gen int, red red
 		}
 		return d, err
 	}
+	s.metrics.ObserveStep("daemon_start", time.Since(d.Started))
 	return d, l.writeDaemon(d)
 }
 

@@ -271,6 +271,7 @@ func (sup *supervisor) restart(ctx context.Context) error {
 		return err
 	}
 	sup.setDaemon(d)
+	sup.src.metrics.DaemonRestarted(st.Profile)
 	return nil
 }
 
