@@ -23,6 +23,8 @@ import (
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/fuse"
+	"github.com/mountplan/mountplan/pkg/source/iscsi"
+	"github.com/mountplan/mountplan/pkg/source/nbd"
 )
 
 type flags struct {
@@ -81,7 +83,8 @@ func run(f flags) error {
 	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
 		StateDir: f.stateDir, Config: cfg, Mounter: m, Metrics: mx,
-		Sources: map[string]source.Source{fuse.Type: fuseSource}})
+		Sources: map[string]source.Source{fuse.Type: fuseSource,
+			nbd.Type: nbd.New(cfg.NBD, mx), iscsi.Type: iscsi.New(cfg.ISCSI, f.stateDir, mx)}})
 	if err != nil {
 		return err
 	}

@@ -85,9 +85,10 @@ type Source struct {
 	// SysDir and DevDir are /sys and /dev (tests may point elsewhere).
 	SysDir, DevDir string
 
-	rules   []config.EndpointRule
-	mu      sync.Mutex // guards claimed only
-	claimed map[string]bool
+	rules    []config.EndpointRule
+	rulesErr error      // a config that bypassed config.Load: every volume is refused
+	mu       sync.Mutex // guards claimed only
+	claimed  map[string]bool
 }
 
 var (
@@ -95,13 +96,12 @@ var (
 	_ source.HealthChecker = (*Source)(nil)
 )
 
-// New returns an NBD source with the admin's policy.
-func New(cfg config.NBDConfig) (*Source, error) {
+// New returns an NBD source with the admin's policy (checked by
+// config.Load), timing its steps in m (nil: not recorded).
+func New(cfg config.NBDConfig, m *metrics.Metrics) *Source {
 	rules, err := cfg.ServerRules()
-	if err != nil {
-		return nil, err
-	}
-	return &Source{Config: cfg, Client: "nbd-client", SysDir: "/sys", DevDir: "/dev", rules: rules, claimed: map[string]bool{}}, nil
+	return &Source{Config: cfg, Metrics: m, Client: "nbd-client", SysDir: "/sys", DevDir: "/dev",
+		rules: rules, rulesErr: err, claimed: map[string]bool{}}
 }
 
 func (s *Source) timeout() time.Duration {
@@ -121,6 +121,9 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, 
 		default:
 			return nil, fmt.Errorf("unknown nbd volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}
+	}
+	if s.rulesErr != nil {
+		return nil, s.rulesErr
 	}
 	addr := vctx[CtxAddress]
 	if addr == "" {

@@ -28,11 +28,7 @@ import (
 
 func newSource(t *testing.T, cfg config.NBDConfig) *Source {
 	t.Helper()
-	s, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
+	return New(cfg, nil)
 }
 
 func TestNewVolume(t *testing.T) {

@@ -1,0 +1,356 @@
+// Package iscsi is the iSCSI volume source: stage logs in to a target with
+// open-iscsi (iscsiadm and iscsid), waits for the LUN's SCSI disk, formats
+// it on demand and records the session; the plan mounts the disk.
+//
+// CHAP credentials come from the node-stage secret and never reach a
+// command line, an environment, a log line or an error: the plugin writes
+// them into the target's node record itself (a 0600 file, replaced
+// atomically) and iscsiadm --login reads them from there and hands them to
+// iscsid over its socket. iscsiadm's -o update -v SECRET, which would show
+// the password in /proc/PID/cmdline, is never used.
+//
+// Several volumes may be LUNs of one target and share its session. The
+// plugin keeps, under <state-dir>/iscsi/sessions/<key>/, a marker per
+// volume using the session and an owner record when the plugin itself
+// logged the session in; unstage logs out only a session the plugin
+// created and no volume uses any more.
+package iscsi
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
+)
+
+// Type is the volume_context type of this source.
+const Type = "iscsi"
+
+// Volume context keys.
+const (
+	CtxPortals = "portals"
+	CtxIQN     = "iqn"
+	CtxLUN     = "lun"
+	CtxFsType  = "fsType"
+)
+
+// Node-stage secret keys, as open-iscsi names the record fields.
+const (
+	SecretUsername   = "node.session.auth.username"
+	SecretPassword   = "node.session.auth.password"
+	SecretUsernameIn = "node.session.auth.username_in"
+	SecretPasswordIn = "node.session.auth.password_in"
+)
+
+const reservedPrefix = "csi.storage.k8s.io/"
+
+// State is what the journal keeps of a staged iSCSI volume.
+type State struct {
+	Target string `json:"target"`
+	Portal string `json:"portal"`
+	TPGT   int    `json:"tpgt"`
+	LUN    int    `json:"lun"`
+	// Session names the session's directory under the state dir.
+	Session string `json:"session"`
+	SID     int    `json:"sid"`
+	// Device is /dev/sdX; DevNum its major:minor, HCTL its SCSI address.
+	Device string `json:"device"`
+	DevNum string `json:"devNum"`
+	HCTL   string `json:"hctl"`
+	FsType string `json:"fsType,omitempty"`
+}
+
+// Source logs in to iSCSI targets.
+type Source struct {
+	Config  config.ISCSIConfig
+	Metrics *metrics.Metrics
+	// Iscsiadm is the iscsiadm binary (default "iscsiadm" from PATH).
+	Iscsiadm string
+	// SysDir and DevDir are /sys and /dev.
+	SysDir, DevDir string
+	// StateDir holds the session registry (<StateDir>/iscsi/sessions).
+	StateDir string
+
+	rules    []config.EndpointRule
+	rulesErr error // a config that bypassed config.Load: every volume is refused
+	locks    keyedMutex
+}
+
+var (
+	_ source.Source        = (*Source)(nil)
+	_ source.HealthChecker = (*Source)(nil)
+)
+
+// New returns an iSCSI source with the admin's policy (checked by
+// config.Load), keeping its session registry under stateDir and timing its
+// steps in m (nil: not recorded).
+func New(cfg config.ISCSIConfig, stateDir string, m *metrics.Metrics) *Source {
+	rules, err := cfg.PortalRules()
+	if abs, aerr := filepath.Abs(stateDir); aerr == nil {
+		stateDir = abs
+	}
+	if cfg.NodeDBDir == "" {
+		cfg.NodeDBDir = "/etc/iscsi/nodes"
+	}
+	if cfg.InitiatorNameFile == "" {
+		cfg.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
+	}
+	return &Source{Config: cfg, Metrics: m, Iscsiadm: "iscsiadm", SysDir: "/sys", DevDir: "/dev", StateDir: stateDir,
+		rules: rules, rulesErr: err}
+}
+
+func (s *Source) timeout() time.Duration {
+	if s.Config.DeviceTimeoutSeconds > 0 {
+		return time.Duration(s.Config.DeviceTimeoutSeconds) * time.Second
+	}
+	return 30 * time.Second
+}
+
+// iqnPattern accepts iqn., eui. and naa. names (RFC 3720 3.2.6.3) in
+// iSCSI's character set.
+var iqnPattern = regexp.MustCompile(`^(iqn\.\d{4}-\d{2}\.[a-z0-9.\-]+(:[a-z0-9.\-:]+)?|eui\.[0-9A-Fa-f]{16}|naa\.[0-9A-Fa-f]{16,32})$`)
+
+// NewVolume checks a static iSCSI volume's context: portals the admin
+// allows, a target name, a LUN and an optional fsType.
+func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
+	if s.rulesErr != nil {
+		return nil, s.rulesErr
+	}
+	for k := range vctx {
+		switch {
+		case k == "type", k == CtxPortals, k == CtxIQN, k == CtxLUN, k == CtxFsType, strings.HasPrefix(k, reservedPrefix):
+		default:
+			return nil, fmt.Errorf("unknown iscsi volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
+		}
+	}
+	iqn := vctx[CtxIQN]
+	if len(iqn) > 223 || !iqnPattern.MatchString(iqn) {
+		return nil, fmt.Errorf("iscsi volume %s: %q is not a valid target name (iqn., eui. or naa.): %w", id, iqn, errdefs.ErrInvalidArgument)
+	}
+	lun, err := strconv.Atoi(vctx[CtxLUN])
+	if err != nil || lun < 0 || lun > 16383 {
+		return nil, fmt.Errorf("iscsi volume %s: lun %q must be a number from 0 to 16383: %w", id, vctx[CtxLUN], errdefs.ErrInvalidArgument)
+	}
+	var portals []string
+	for _, p := range strings.Split(vctx[CtxPortals], ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		ep, err := config.ParseEndpoint(p, config.ISCSIDefaultPort)
+		if err != nil {
+			return nil, err
+		}
+		if err := config.AllowEndpoint(s.rules, ep, "iscsi.allowedPortals"); err != nil {
+			return nil, err
+		}
+		portals = append(portals, ep.String())
+	}
+	if len(portals) == 0 {
+		return nil, fmt.Errorf("iscsi volume %s: attribute %q names no portal: %w", id, CtxPortals, errdefs.ErrInvalidArgument)
+	}
+	params := map[string]string{CtxPortals: strings.Join(portals, ","), CtxIQN: iqn, CtxLUN: strconv.Itoa(lun)}
+	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: Type, FsType: vctx[CtxFsType], Parameters: params}, nil
+}
+
+// credentials are the CHAP secrets of a stage. Their String hides them.
+type credentials struct {
+	user, password, userIn, passwordIn string
+}
+
+func (c credentials) String() string { return "credentials{redacted}" }
+
+func (c credentials) secrets() []string {
+	var out []string
+	for _, s := range []string{c.password, c.passwordIn, c.user, c.userIn} {
+		if s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func credentialsFrom(secrets map[string]string) (credentials, error) {
+	c := credentials{user: secrets[SecretUsername], password: secrets[SecretPassword],
+		userIn: secrets[SecretUsernameIn], passwordIn: secrets[SecretPasswordIn]}
+	for k := range secrets {
+		switch k {
+		case SecretUsername, SecretPassword, SecretUsernameIn, SecretPasswordIn:
+		default:
+			return c, fmt.Errorf("unknown iscsi secret key %q (want %s, %s and optionally %s, %s): %w",
+				k, SecretUsername, SecretPassword, SecretUsernameIn, SecretPasswordIn, errdefs.ErrInvalidArgument)
+		}
+	}
+	if (c.user == "") != (c.password == "") || (c.userIn == "") != (c.passwordIn == "") {
+		return c, fmt.Errorf("iscsi CHAP needs both a user name and a password: %w", errdefs.ErrInvalidArgument)
+	}
+	if c.userIn != "" && c.user == "" {
+		return c, fmt.Errorf("iscsi mutual CHAP (%s) needs one-way CHAP too: %w", SecretUsernameIn, errdefs.ErrInvalidArgument)
+	}
+	for _, v := range []string{c.user, c.password, c.userIn, c.passwordIn} {
+		if len(v) > 255 || strings.ContainsAny(v, "\n\r\x00") {
+			return c, fmt.Errorf("an iscsi CHAP secret is longer than 255 bytes or holds a line break: %w", errdefs.ErrInvalidArgument)
+		}
+	}
+	return c, nil
+}
+
+// target is what a volume logs in to.
+type target struct {
+	portals []string
+	iqn     string
+	lun     int
+}
+
+func targetOf(v *journal.Volume) target {
+	lun, _ := strconv.Atoi(v.Parameters[CtxLUN])
+	return target{portals: strings.Split(v.Parameters[CtxPortals], ","), iqn: v.Parameters[CtxIQN], lun: lun}
+}
+
+// Stage discovers the target, logs in (or joins a session the target
+// already has), waits for the LUN's disk and, for mount access, makes sure
+// it holds a filesystem. The disk is not mounted.
+func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
+	creds, err := credentialsFrom(req.Secrets)
+	if err != nil {
+		return nil, err
+	}
+	t := targetOf(v)
+	ctx, cancel := context.WithTimeout(ctx, s.timeout())
+	defer cancel()
+	portal, err := s.discover(ctx, t)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.kernelReady(); err != nil {
+		return nil, err
+	}
+	st, err := s.join(ctx, v.ID, t, portal, creds)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			if rerr := s.release(context.WithoutCancel(ctx), v.ID); rerr != nil {
+				klog.FromContext(ctx).Error(rerr, "Rollback: leaving the iSCSI session failed", "target", t.iqn)
+			}
+		}
+	}()
+	if err := s.waitDisk(ctx, &st); err != nil {
+		return nil, err
+	}
+	if !req.Block {
+		what := fmt.Sprintf("LUN %d of %s", t.lun, t.iqn)
+		if st.FsType, err = blockdev.EnsureFilesystem(ctx, v, st.Device, req, blockdev.Filesystem{What: what, Metrics: s.Metrics}); err != nil {
+			return nil, err
+		}
+	}
+	return json.Marshal(st)
+}
+
+// discover asks the volume's portals, in order, for the target and returns
+// the portal to log in to.
+func (s *Source) discover(ctx context.Context, t target) (Portal, error) {
+	initiator := s.initiatorName()
+	var errs []string
+	notFound := false
+	for _, p := range t.portals {
+		targets, err := Discoverer{Portal: p, InitiatorName: initiator, Timeout: min(s.timeout(), 10*time.Second)}.SendTargets(ctx)
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		for _, tg := range targets {
+			if tg.Name != t.iqn {
+				continue
+			}
+			for _, tp := range tg.Portals {
+				if tp.Address == p {
+					return tp, nil
+				}
+			}
+			return Portal{Address: p, TPGT: tg.Portals[0].TPGT}, nil
+		}
+		notFound = true
+		errs = append(errs, fmt.Sprintf("portal %s does not offer %s", p, t.iqn))
+	}
+	if notFound {
+		return Portal{}, fmt.Errorf("iSCSI target %s not found: %s: %w", t.iqn, strings.Join(errs, "; "), errdefs.ErrNotFound)
+	}
+	return Portal{}, fmt.Errorf("no portal of %s answered: %s: %w", t.iqn, strings.Join(errs, "; "), errdefs.ErrUnavailable)
+}
+
+// initiatorName reads this node's InitiatorName, or makes up a discovery-only one.
+func (s *Source) initiatorName() string {
+	b, err := os.ReadFile(s.Config.InitiatorNameFile)
+	if err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "InitiatorName="); ok && v != "" {
+				return v
+			}
+		}
+	}
+	return "iqn.2024-01.io.mountplan:discovery"
+}
+
+// Plan mounts the disk (mount access) or binds its node (block access).
+func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+	st, err := decode(v)
+	if err != nil {
+		return nil, err
+	}
+	return blockdev.Plan(v.ID, st.Device, st.FsType, false, req)
+}
+
+// Unstage leaves the volume's session, logging it out when the plugin
+// created it and no other volume uses it. It works from the session
+// registry, so a stage a crash interrupted is undone too.
+func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
+	return s.release(ctx, v.ID)
+}
+
+// Adopt checks that a staged volume's session and disk are still there.
+func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
+	st, err := decode(v)
+	if err != nil {
+		return nil, err
+	}
+	if h := s.check(st); h.Abnormal {
+		return nil, fmt.Errorf("volume %s: %s; unstage and stage it again: %w", v.ID, h.Message, errdefs.ErrFailedPrecondition)
+	}
+	return v.Stage.Source, nil
+}
+
+// Health reports a session that is gone or failed, or a disk that vanished.
+func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
+	st, err := decode(v)
+	if err != nil {
+		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
+	}
+	return s.check(st)
+}
+
+func decode(v *journal.Volume) (State, error) {
+	var st State
+	if v.Stage == nil || len(v.Stage.Source) == 0 {
+		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
+		return st, fmt.Errorf("volume %s: corrupt iscsi state: %w", v.ID, err)
+	}
+	return st, nil
+}

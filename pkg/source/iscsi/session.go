@@ -1,0 +1,510 @@
+package iscsi
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// kernelReady fails with ErrFailedPrecondition, naming the module, when the
+// kernel has no iSCSI TCP transport.
+func (s *Source) kernelReady() error {
+	if _, err := os.Stat(filepath.Join(s.SysDir, "module", "iscsi_tcp")); err != nil {
+		return fmt.Errorf("this node's kernel has no iSCSI TCP transport (%s/module/iscsi_tcp is missing): load the kernel module iscsi_tcp (modprobe iscsi_tcp) on the node: %w",
+			s.SysDir, errdefs.ErrFailedPrecondition)
+	}
+	return nil
+}
+
+// owner is the registry's record of a session the plugin logged in.
+type owner struct {
+	Target string `json:"target"`
+	Portal string `json:"portal"`
+	TPGT   int    `json:"tpgt"`
+	// SID is 0 between the intent and the login's completion.
+	SID int `json:"sid"`
+	// CreatedRecord: the node record did not exist before; logout deletes it.
+	CreatedRecord bool `json:"createdRecord,omitempty"`
+}
+
+func sessionKey(iqn, portal string) string {
+	sum := sha256.Sum256([]byte(iqn + "\x00" + portal))
+	return hex.EncodeToString(sum[:12])
+}
+
+func (s *Source) sessionDir(key string) string {
+	return filepath.Join(s.StateDir, "iscsi", "sessions", key)
+}
+
+// join marks volume id as a user of the session to t at p, logging in
+// when there is no session yet, and returns the state without the disk.
+func (s *Source) join(ctx context.Context, id string, t target, p Portal, c credentials) (State, error) {
+	key := sessionKey(t.iqn, p.Address)
+	unlock := s.locks.lock(key)
+	defer unlock()
+	dir := s.sessionDir(key)
+	if err := os.MkdirAll(filepath.Join(dir, "users"), 0o700); err != nil {
+		return State{}, err
+	}
+	// Intent first: a crash from here on leaves a marker unstage finds.
+	if err := writeFileAtomic(filepath.Join(dir, "users", id), []byte(t.iqn+" "+p.Address+"\n"), 0o600); err != nil {
+		return State{}, err
+	}
+	st := State{Target: t.iqn, Portal: p.Address, TPGT: p.TPGT, LUN: t.lun, Session: key}
+	sid, err := s.findSession(t.iqn, p.Address)
+	if err == nil && sid == 0 {
+		sid, err = s.login(ctx, dir, t.iqn, p, c)
+	}
+	if err != nil {
+		if rerr := s.leave(context.WithoutCancel(ctx), key, id); rerr != nil {
+			klog.FromContext(ctx).Error(rerr, "Rollback: leaving the iSCSI session failed", "target", t.iqn)
+		}
+		return State{}, err
+	}
+	st.SID = sid
+	return st, nil
+}
+
+// login writes the node record with the credentials, logs in and records
+// the new session as the plugin's own.
+func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c credentials) (int, error) {
+	own := owner{Target: iqn, Portal: p.Address, TPGT: p.TPGT}
+	rec, existed, err := s.recordPath(iqn, p)
+	if err != nil {
+		return 0, err
+	}
+	own.CreatedRecord = !existed
+	if err := writeJSON(filepath.Join(dir, "owner.json"), own); err != nil {
+		return 0, err
+	}
+	if !existed {
+		if _, err := s.adm(ctx, c, "-m", "node", "-o", "new", "-T", iqn, "-p", fmt.Sprintf("%s,%d", p.Address, p.TPGT)); err != nil {
+			return 0, err
+		}
+		if rec, existed, err = s.recordPath(iqn, p); err != nil {
+			return 0, err
+		} else if !existed {
+			return 0, fmt.Errorf("iscsiadm created no node record for %s at %s under %s (check iscsi.nodeDBDir): %w", iqn, p.Address, s.Config.NodeDBDir, errdefs.ErrFailedPrecondition)
+		}
+	}
+	if err := writeAuth(rec, c); err != nil {
+		return 0, err
+	}
+	err = s.Metrics.Step("iscsi_login", func() error {
+		_, err := s.adm(ctx, c, "-m", "node", "-T", iqn, "-p", p.Address, "--login")
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("login to %s at %s: %w", iqn, p.Address, err)
+	}
+	sid, err := s.findSession(iqn, p.Address)
+	if err == nil && sid == 0 {
+		err = fmt.Errorf("iscsiadm logged in to %s but no session shows in sysfs: %w", iqn, errdefs.ErrUnavailable)
+	}
+	if err != nil {
+		return 0, err
+	}
+	own.SID = sid
+	return sid, writeJSON(filepath.Join(dir, "owner.json"), own)
+}
+
+// release removes volume id from every session it uses (normally one).
+func (s *Source) release(ctx context.Context, id string) error {
+	markers, err := filepath.Glob(filepath.Join(s.StateDir, "iscsi", "sessions", "*", "users", id))
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, m := range markers {
+		key := filepath.Base(filepath.Dir(filepath.Dir(m)))
+		unlock := s.locks.lock(key)
+		errs = append(errs, s.leave(ctx, key, id))
+		unlock()
+	}
+	return errors.Join(errs...)
+}
+
+// leave drops id's marker and, when nobody uses the session any more and
+// the plugin created it, logs it out and forgets it. Called with key locked.
+func (s *Source) leave(ctx context.Context, key, id string) error {
+	dir := s.sessionDir(key)
+	if err := os.Remove(filepath.Join(dir, "users", id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	users, err := os.ReadDir(filepath.Join(dir, "users"))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	if len(users) > 0 {
+		return nil
+	}
+	var own owner
+	b, err := os.ReadFile(filepath.Join(dir, "owner.json"))
+	switch {
+	case err == nil:
+		if err := json.Unmarshal(b, &own); err != nil {
+			return fmt.Errorf("%s/owner.json: %w", dir, err)
+		}
+		if err := s.logout(ctx, own); err != nil {
+			return err
+		}
+		if err := os.Remove(filepath.Join(dir, "owner.json")); err != nil {
+			return err
+		}
+	case !errors.Is(err, fs.ErrNotExist):
+		return err
+	}
+	_ = os.Remove(filepath.Join(dir, "users"))
+	_ = os.Remove(dir)
+	return nil
+}
+
+// logout ends the session own describes, if sysfs still shows it for the
+// same target and portal, and deletes the node record if the plugin made it.
+func (s *Source) logout(ctx context.Context, own owner) error {
+	sid, err := s.findSession(own.Target, own.Portal)
+	if err != nil {
+		return err
+	}
+	if sid != 0 && (own.SID == 0 || own.SID == sid) {
+		err := s.Metrics.Step("iscsi_logout", func() error {
+			_, err := s.adm(ctx, credentials{}, "-m", "session", "-r", strconv.Itoa(sid), "--logout")
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("logout of session %d (%s): %w", sid, own.Target, err)
+		}
+	} else if sid != 0 {
+		klog.FromContext(ctx).Info("iSCSI session to the target is not the one the plugin made; leaving it", "target", own.Target, "sid", sid, "recorded", own.SID)
+	}
+	if own.CreatedRecord {
+		_, err := s.adm(ctx, credentials{}, "-m", "node", "-o", "delete", "-T", own.Target, "-p", own.Portal)
+		if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			return fmt.Errorf("deleting the node record of %s: %w", own.Target, err)
+		}
+	}
+	return nil
+}
+
+// recordPath returns the node record file of iqn at p and whether it exists.
+func (s *Source) recordPath(iqn string, p Portal) (string, bool, error) {
+	host, port, ok := strings.Cut(p.Address, "]:")
+	if ok {
+		host = strings.TrimPrefix(host, "[")
+	} else {
+		i := strings.LastIndexByte(p.Address, ':')
+		host, port = p.Address[:i], p.Address[i+1:]
+	}
+	dir := filepath.Join(s.Config.NodeDBDir, iqn, fmt.Sprintf("%s,%s,%d", host, port, p.TPGT))
+	fi, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return filepath.Join(dir, "default"), false, nil
+	case err != nil:
+		return "", false, err
+	case !fi.IsDir():
+		return dir, true, nil // the old layout: the record is the file itself
+	}
+	_, err = os.Stat(filepath.Join(dir, "default"))
+	return filepath.Join(dir, "default"), err == nil, nil
+}
+
+// authKeys are the record fields writeAuth owns.
+var authKeys = []string{"node.session.auth.authmethod", "node.session.auth.username", "node.session.auth.password",
+	"node.session.auth.username_in", "node.session.auth.password_in"}
+
+// writeAuth replaces the record's CHAP fields with c's, through a 0600
+// temp file renamed over the record: the secret exists only in that file
+// (and in iscsid's memory), never in argv.
+func writeAuth(rec string, c credentials) error {
+	old, err := os.ReadFile(rec)
+	if err != nil {
+		return fmt.Errorf("reading node record: %w", err)
+	}
+	var b bytes.Buffer
+	sc := bufio.NewScanner(bytes.NewReader(old))
+	for sc.Scan() {
+		line := sc.Text()
+		k, _, _ := strings.Cut(line, "=")
+		if isAuthKey(strings.TrimSpace(k)) {
+			continue
+		}
+		b.WriteString(line + "\n")
+	}
+	if c.user == "" {
+		b.WriteString("node.session.auth.authmethod = None\n")
+	} else {
+		fmt.Fprintf(&b, "node.session.auth.authmethod = CHAP\nnode.session.auth.username = %s\nnode.session.auth.password = %s\n", c.user, c.password)
+		if c.userIn != "" {
+			fmt.Fprintf(&b, "node.session.auth.username_in = %s\nnode.session.auth.password_in = %s\n", c.userIn, c.passwordIn)
+		}
+	}
+	if err := writeFileAtomic(rec, b.Bytes(), 0o600); err != nil {
+		return fmt.Errorf("writing node record: %w", err)
+	}
+	return nil
+}
+
+func isAuthKey(k string) bool {
+	for _, a := range authKeys {
+		if k == a {
+			return true
+		}
+	}
+	return false
+}
+
+// adm runs iscsiadm. Its output is kept in errors with c's secrets blotted
+// out, in case a future iscsiadm echoes a record.
+func (s *Source) adm(ctx context.Context, c credentials, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, s.Iscsiadm, args...)
+	out, err := cmd.CombinedOutput()
+	text := redact(strings.TrimSpace(string(out)), c.secrets())
+	if len(text) > 1024 {
+		text = text[:1024] + " …(truncated)"
+	}
+	if err == nil {
+		return text, nil
+	}
+	var ee *exec.ExitError
+	switch {
+	case errors.Is(err, exec.ErrNotFound):
+		return text, fmt.Errorf("%s is not installed (Debian package open-iscsi): %w", s.Iscsiadm, errdefs.ErrFailedPrecondition)
+	case ctx.Err() != nil:
+		return text, fmt.Errorf("iscsiadm %s: %w (%v): %s", args[1], ctx.Err(), err, text)
+	case errors.As(err, &ee):
+		return text, fmt.Errorf("iscsiadm %s: exit %d: %s: %w", args[1], ee.ExitCode(), text, exitSentinel(ee.ExitCode()))
+	}
+	return text, fmt.Errorf("iscsiadm %s: %v: %s", args[1], err, text)
+}
+
+// exitSentinel maps iscsiadm's exit codes (iscsiadm(8), EXIT STATUS).
+func exitSentinel(code int) error {
+	switch code {
+	case 24: // ISCSI_ERR_LOGIN_AUTH_FAILED
+		return errdefs.ErrPermissionDenied
+	case 2, 21: // session not found, no objects found
+		return errdefs.ErrNotFound
+	case 12: // transport module not loaded
+		return errdefs.ErrFailedPrecondition
+	case 4, 8, 11, 20, 29: // connect problem, timeouts, iscsid unreachable, try again
+		return errdefs.ErrUnavailable
+	case 15: // session exists
+		return errdefs.ErrAlreadyExists
+	}
+	return errdefs.ErrFailedPrecondition
+}
+
+func redact(s string, secrets []string) string {
+	for _, sec := range secrets {
+		if sec != "" {
+			s = strings.ReplaceAll(s, sec, "[redacted]")
+		}
+	}
+	return s
+}
+
+// findSession returns the SID of a session to iqn through portal, or 0.
+func (s *Source) findSession(iqn, portal string) (int, error) {
+	dirs, err := filepath.Glob(filepath.Join(s.SysDir, "class", "iscsi_session", "session*"))
+	if err != nil {
+		return 0, err
+	}
+	for _, d := range dirs {
+		sid, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(d), "session"))
+		if err != nil || readTrim(filepath.Join(d, "targetname")) != iqn {
+			continue
+		}
+		conn := filepath.Join(s.SysDir, "class", "iscsi_connection", fmt.Sprintf("connection%d:0", sid))
+		addr := readTrim(filepath.Join(conn, "persistent_address"))
+		port := readTrim(filepath.Join(conn, "persistent_port"))
+		if addr == "" {
+			addr, port = readTrim(filepath.Join(conn, "address")), readTrim(filepath.Join(conn, "port"))
+		}
+		if joinHostPort(addr, port) == portal {
+			return sid, nil
+		}
+	}
+	return 0, nil
+}
+
+func joinHostPort(host, port string) string {
+	if strings.Contains(host, ":") {
+		return "[" + host + "]:" + port
+	}
+	return host + ":" + port
+}
+
+func readTrim(p string) string {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+var hostPattern = regexp.MustCompile(`/host(\d+)/session\d+$`)
+
+// waitDisk scans the session's SCSI host for st.LUN and waits for its disk.
+// A LUN the target does not have is ErrNotFound.
+func (s *Source) waitDisk(ctx context.Context, st *State) error {
+	sess := filepath.Join(s.SysDir, "class", "iscsi_session", fmt.Sprintf("session%d", st.SID))
+	link, err := filepath.EvalSymlinks(filepath.Join(sess, "device"))
+	if err != nil {
+		return fmt.Errorf("session %d has no SCSI host in sysfs: %w: %w", st.SID, err, errdefs.ErrUnavailable)
+	}
+	m := hostPattern.FindStringSubmatch(link)
+	if m == nil {
+		return fmt.Errorf("session %d: cannot tell its SCSI host from %s: %w", st.SID, link, errdefs.ErrUnavailable)
+	}
+	host := m[1]
+	pattern := filepath.Join(sess, "device", "target"+host+":*", host+":*:*:"+strconv.Itoa(st.LUN))
+	var scsiDev string
+	for attempt := 0; scsiDev == "" && attempt < 5; attempt++ {
+		if matches, _ := filepath.Glob(pattern); len(matches) > 0 {
+			scsiDev = matches[0]
+			break
+		}
+		// A scan of the one LUN; the write returns when the scan is done.
+		scan := filepath.Join(s.SysDir, "class", "scsi_host", "host"+host, "scan")
+		if err := os.WriteFile(scan, []byte("- - "+strconv.Itoa(st.LUN)), 0); err != nil {
+			return fmt.Errorf("scanning SCSI host %s: %w", host, err)
+		}
+		if err := sleep(ctx, 100*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	if scsiDev == "" {
+		return fmt.Errorf("LUN %d does not exist on target %s: %w", st.LUN, st.Target, errdefs.ErrNotFound)
+	}
+	st.HCTL = filepath.Base(scsiDev)
+	for {
+		if blocks, _ := filepath.Glob(filepath.Join(scsiDev, "block", "*")); len(blocks) > 0 {
+			name := filepath.Base(blocks[0])
+			st.Device = filepath.Join(s.DevDir, name)
+			st.DevNum = readTrim(filepath.Join(blocks[0], "dev"))
+			if _, err := os.Stat(st.Device); err == nil && st.DevNum != "" {
+				return nil
+			}
+		}
+		if err := sleep(ctx, 50*time.Millisecond); err != nil {
+			return fmt.Errorf("waiting for the disk of LUN %d (%s): %w", st.LUN, st.HCTL, err)
+		}
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
+		return nil
+	}
+}
+
+// check tells whether st's session is logged in and its disk is the same.
+func (s *Source) check(st State) source.Health {
+	sess := filepath.Join(s.SysDir, "class", "iscsi_session", fmt.Sprintf("session%d", st.SID))
+	if readTrim(filepath.Join(sess, "targetname")) != st.Target {
+		return source.Health{Abnormal: true, Reason: "SessionGone", Message: fmt.Sprintf("iSCSI session %d to %s is gone", st.SID, st.Target)}
+	}
+	if state := readTrim(filepath.Join(sess, "state")); state != "" && state != "LOGGED_IN" {
+		return source.Health{Abnormal: true, Reason: "SessionFailed", Message: fmt.Sprintf("iSCSI session %d to %s is %s", st.SID, st.Target, state)}
+	}
+	if readTrim(filepath.Join(s.SysDir, "class", "block", filepath.Base(st.Device), "dev")) != st.DevNum {
+		return source.Health{Abnormal: true, Reason: "DeviceGone", Message: fmt.Sprintf("%s is no longer LUN %d of %s", st.Device, st.LUN, st.Target)}
+	}
+	return source.Health{}
+}
+
+func writeJSON(path string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(path, b, 0o600)
+}
+
+// keyedMutex serialises logins and logouts per session key; entries are
+// dropped when released.
+type keyedMutex struct {
+	mu    sync.Mutex
+	locks map[string]*keyEntry
+}
+
+type keyEntry struct {
+	mu   sync.Mutex
+	refs int
+}
+
+func (k *keyedMutex) lock(key string) func() {
+	k.mu.Lock()
+	if k.locks == nil {
+		k.locks = map[string]*keyEntry{}
+	}
+	e := k.locks[key]
+	if e == nil {
+		e = &keyEntry{}
+		k.locks[key] = e
+	}
+	e.refs++
+	k.mu.Unlock()
+	e.mu.Lock()
+	return func() {
+		e.mu.Unlock()
+		k.mu.Lock()
+		if e.refs--; e.refs == 0 {
+			delete(k.locks, key)
+		}
+		k.mu.Unlock()
+	}
+}
+
+// writeFileAtomic writes data through a temp file of mode perm in the same
+// directory, synced and renamed over path: readers (iscsiadm, a restarted
+// plugin) see the old or the new content, and the temp file is never
+// readable by others, even for a moment.
+func writeFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(f.Name())
+		}
+	}()
+	if err = f.Chmod(perm); err != nil {
+		return err
+	}
+	if _, err = f.Write(data); err != nil {
+		return err
+	}
+	if err = f.Sync(); err != nil {
+		return err
+	}
+	if err = f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(f.Name(), path)
+}
