@@ -232,6 +232,9 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 		return nil, err
 	}
 	defer unlock()
+	if sup := s.takeSupervisor(v.ID); sup != nil {
+		sup.halt() // of an earlier incarnation of this volume
+	}
 	if _, err := os.Lstat(l.dir); err == nil {
 		// Left by a stage that died unrecorded: clear it first.
 		if err := s.teardown(ctx, v.ID, Daemon{}); err != nil {

@@ -188,13 +188,3 @@ func (c *fusectl) waiting(conn uint64) (int, error) {
 	}
 	return strconv.Atoi(strings.TrimSpace(string(b[:n])))
 }
-
-// exists reports whether conn is a live FUSE connection.
-func (c *fusectl) exists(conn uint64) bool {
-	f, err := c.file(conn, "waiting", unix.O_RDONLY)
-	if err != nil {
-		return false
-	}
-	f.Close()
-	return true
-}
