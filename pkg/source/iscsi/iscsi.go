@@ -174,9 +174,11 @@ type credentials struct {
 
 func (c credentials) String() string { return "credentials{redacted}" }
 
+// secrets are the values to blot out of tool output (the passwords; user
+// names are not secret and often part of IQNs).
 func (c credentials) secrets() []string {
 	var out []string
-	for _, s := range []string{c.password, c.passwordIn, c.user, c.userIn} {
+	for _, s := range []string{c.password, c.passwordIn} {
 		if s != "" {
 			out = append(out, s)
 		}

@@ -1,0 +1,424 @@
+// Package guest runs inside the VM that test/vm boots (Debian's kernel,
+// which has nbd and iscsi_tcp): the whole flow of each network block kind
+// through the plugin's own driver, with the servers on the guest's
+// loopback. Outside the VM every test skips.
+package guest
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/driver"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/iscsi"
+	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
+	"github.com/mountplan/mountplan/pkg/source/nbd"
+	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
+)
+
+// logs collects klog's output, to prove no secret reaches a log line.
+var logs safeBuffer
+
+type safeBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *safeBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	os.Stderr.Write(p)
+	return s.b.Write(p)
+}
+
+func (s *safeBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func TestMain(m *testing.M) {
+	fs := flag.NewFlagSet("klog", flag.ExitOnError)
+	klog.InitFlags(fs)
+	_ = fs.Set("v", "5")
+	_ = fs.Set("logtostderr", "false")
+	_ = fs.Set("alsologtostderr", "false")
+	klog.SetOutput(&logs)
+	os.Exit(m.Run())
+}
+
+func requireGuest(t *testing.T) {
+	t.Helper()
+	if os.Getenv("MOUNTPLAN_VM_GUEST") != "1" {
+		t.Skip("skipping: runs only inside the VM that `make test-vm` boots")
+	}
+}
+
+// newDriver builds the plugin's driver with an in-process executor, as
+// mountplan-plugin does without a sidecar.
+func newDriver(t *testing.T, cfg *config.Config, sources map[string]source.Source) (*driver.Driver, string) {
+	t.Helper()
+	stateDir := t.TempDir()
+	cfg.DefaultFsType = "ext4"
+	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, Config: cfg,
+		Mounter: &mounter.Executor{Policy: driver.PolicyFor(cfg, stateDir), RemoveMountPoint: true}, Sources: sources})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return d, stateDir
+}
+
+func mountCap() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+type flow struct {
+	t        *testing.T
+	d        *driver.Driver
+	stateDir string
+	id       string
+	vctx     map[string]string
+	secrets  map[string]string
+}
+
+func (f *flow) stage() error {
+	_, err := f.d.NodeStageVolume(context.Background(), &csi.NodeStageVolumeRequest{VolumeId: f.id,
+		StagingTargetPath: filepath.Join(f.stateDir, "staging", f.id), VolumeCapability: mountCap(),
+		VolumeContext: f.vctx, Secrets: f.secrets})
+	return err
+}
+
+func (f *flow) unstage() error {
+	_, err := f.d.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: f.id,
+		StagingTargetPath: filepath.Join(f.stateDir, "staging", f.id)})
+	return err
+}
+
+func (f *flow) target() string { return filepath.Join(f.stateDir, "pods", f.id, "mount") }
+
+func (f *flow) publish() {
+	f.t.Helper()
+	if err := os.MkdirAll(filepath.Dir(f.target()), 0o755); err != nil {
+		f.t.Fatal(err)
+	}
+	_, err := f.d.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: f.id,
+		StagingTargetPath: filepath.Join(f.stateDir, "staging", f.id), TargetPath: f.target(),
+		VolumeCapability: mountCap(), VolumeContext: f.vctx})
+	if err != nil {
+		f.t.Fatalf("NodePublishVolume: %v", err)
+	}
+}
+
+func (f *flow) unpublish() {
+	f.t.Helper()
+	if _, err := f.d.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: f.id, TargetPath: f.target()}); err != nil {
+		f.t.Fatalf("NodeUnpublishVolume: %v", err)
+	}
+}
+
+// writeRemountRead writes through one publish and reads back through a
+// second one: the data went to the device, not to a page cache.
+func (f *flow) writeRemountRead() {
+	f.t.Helper()
+	f.publish()
+	want := []byte("written through the plan at " + time.Now().String() + "\n")
+	if err := os.WriteFile(filepath.Join(f.target(), "hello.txt"), want, 0o644); err != nil {
+		f.t.Fatal(err)
+	}
+	f.unpublish()
+	if _, err := os.Stat(f.target()); !os.IsNotExist(err) {
+		f.t.Fatalf("target still there after unpublish: %v", err)
+	}
+	f.publish()
+	got, err := os.ReadFile(filepath.Join(f.target(), "hello.txt"))
+	if err != nil || !bytes.Equal(got, want) {
+		f.t.Fatalf("read back after remount: %q, %v; want %q", got, err, want)
+	}
+	f.unpublish()
+}
+
+func (f *flow) state() json {
+	f.t.Helper()
+	st, err := journal.Open(f.stateDir)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	v, err := st.Get(f.id)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if v.Stage == nil {
+		f.t.Fatal("volume not staged")
+	}
+	return json(v.Stage.Source)
+}
+
+type json []byte
+
+func (j json) has(s string) bool { return bytes.Contains(j, []byte(s)) }
+
+func wantCode(t *testing.T, what string, err error, code codes.Code) {
+	t.Helper()
+	if got := errdefs.Code(err); got != code {
+		t.Fatalf("%s: code %v (%v), want %v", what, got, err, code)
+	}
+	t.Logf("%s: %v: %v", what, code, err)
+}
+
+// connectedNBD lists connected NBD devices.
+func connectedNBD() []string {
+	pids, _ := filepath.Glob("/sys/block/nbd*/pid")
+	return pids
+}
+
+func TestNBD(t *testing.T) {
+	requireGuest(t)
+	dir := t.TempDir()
+	nbdtest.AddExport(t, dir, "vol", 64<<20)
+	srv := nbdtest.StartNbdkit(t, dir, nbdtest.Options{})
+	cfg := &config.Config{NBD: config.NBDConfig{AllowedServers: []string{"127.0.0.1:*"}, TimeoutSeconds: 10}}
+	d, stateDir := newDriver(t, cfg, map[string]source.Source{nbd.Type: nbd.New(cfg.NBD, nil)})
+	f := &flow{t: t, d: d, stateDir: stateDir, id: "nbd-vol", vctx: map[string]string{"type": "nbd", "address": srv.Address, "export": "vol"}}
+
+	start := time.Now()
+	if err := f.stage(); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	st := f.state()
+	if !st.has(`"fsType":"ext4"`) || !st.has(`"device":"/dev/nbd`) {
+		t.Fatalf("state %s", st)
+	}
+	t.Logf("stage with format: %v, state %s", time.Since(start), st)
+	if len(connectedNBD()) != 1 {
+		t.Fatalf("connected devices %v, want 1", connectedNBD())
+	}
+	f.writeRemountRead()
+	if err := f.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
+	}
+	if c := connectedNBD(); len(c) != 0 {
+		t.Fatalf("NBD devices still connected after unstage: %v", c)
+	}
+
+	// Stage again: the filesystem is found, not made again, and the data is there.
+	if err := f.stage(); err != nil {
+		t.Fatalf("second NodeStageVolume: %v", err)
+	}
+	f.publish()
+	if _, err := os.Stat(filepath.Join(f.target(), "hello.txt")); err != nil {
+		t.Fatalf("data lost across stages: %v", err)
+	}
+	f.unpublish()
+
+	// The server goes away: health says so, unstage still cleans up.
+	srv.Stop()
+	resp, err := d.NodeGetVolumeHealth(context.Background(), &csi.NodeGetVolumeHealthRequest{VolumeId: f.id})
+	if err != nil || len(resp.GetVolumeHealth().GetHealthStatuses()) == 0 {
+		t.Fatalf("health with the server gone: %v %v, want abnormal", resp, err)
+	}
+	t.Logf("health with the server gone: %v", resp.GetVolumeHealth().GetHealthStatuses()[0])
+	if err := f.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume with the server gone: %v", err)
+	}
+	if c := connectedNBD(); len(c) != 0 {
+		t.Fatalf("NBD devices still connected after unstage: %v", c)
+	}
+}
+
+func TestNBDBadInput(t *testing.T) {
+	requireGuest(t)
+	dir := t.TempDir()
+	nbdtest.AddExport(t, dir, "vol", 16<<20)
+	srv := nbdtest.StartNbdkit(t, dir, nbdtest.Options{})
+	cfg := &config.Config{NBD: config.NBDConfig{AllowedServers: []string{"127.0.0.1:*"}, TimeoutSeconds: 10}}
+	d, stateDir := newDriver(t, cfg, map[string]source.Source{nbd.Type: nbd.New(cfg.NBD, nil)})
+	for _, tc := range []struct {
+		name string
+		vctx map[string]string
+		code codes.Code
+	}{
+		{"address not allowed", map[string]string{"type": "nbd", "address": "127.0.0.2:" + fmt.Sprint(srv.Port), "export": "vol"}, codes.InvalidArgument},
+		{"missing export", map[string]string{"type": "nbd", "address": srv.Address, "export": "nope"}, codes.NotFound},
+		{"nobody listening", map[string]string{"type": "nbd", "address": fmt.Sprintf("127.0.0.1:%d", nbdtest.FreePort(t)), "export": "vol"}, codes.Unavailable},
+	} {
+		f := &flow{t: t, d: d, stateDir: stateDir, id: "bad", vctx: tc.vctx}
+		wantCode(t, tc.name, f.stage(), tc.code)
+		if c := connectedNBD(); len(c) != 0 {
+			t.Fatalf("%s: devices left connected: %v", tc.name, c)
+		}
+	}
+}
+
+// startIscsid runs iscsid for the test (the guest has no init system).
+func startIscsid(t *testing.T) {
+	t.Helper()
+	cmd := exec.Command("/usr/sbin/iscsid", "-f")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	time.Sleep(200 * time.Millisecond)
+}
+
+// sessions lists the kernel's iSCSI sessions.
+func sessions() []string {
+	s, _ := filepath.Glob("/sys/class/iscsi_session/session*")
+	return s
+}
+
+// secretWatch scans every process's command line and environment for
+// secret until stopped, and counts the hits.
+type secretWatch struct {
+	stop  chan struct{}
+	done  chan struct{}
+	hits  atomic.Int64
+	scans atomic.Int64
+}
+
+func watchSecret(secret string) *secretWatch {
+	w := &secretWatch{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		for {
+			select {
+			case <-w.stop:
+				return
+			default:
+			}
+			files, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+			for _, c := range files {
+				for _, p := range []string{c, strings.TrimSuffix(c, "cmdline") + "environ"} {
+					if b, err := os.ReadFile(p); err == nil && bytes.Contains(b, []byte(secret)) {
+						w.hits.Add(1)
+					}
+				}
+			}
+			w.scans.Add(1)
+		}
+	}()
+	return w
+}
+
+func (w *secretWatch) finish() (hits, scans int64) {
+	close(w.stop)
+	<-w.done
+	return w.hits.Load(), w.scans.Load()
+}
+
+const chapUser, chapPassword = "mountplan", "canary-Pw-7d1e2f"
+
+func TestISCSI(t *testing.T) {
+	requireGuest(t)
+	startIscsid(t)
+	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{64 << 20}, CHAPUser: chapUser, CHAPPassword: chapPassword})
+	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
+	shimDir := t.TempDir()
+	argvLog := filepath.Join(shimDir, "argv.log")
+	shim := filepath.Join(shimDir, "iscsiadm")
+	script := "#!/bin/sh\necho \"$0 $*\" >> " + argvLog + "\nexec /usr/sbin/iscsiadm \"$@\"\n"
+	if err := os.WriteFile(shim, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	stateDir := t.TempDir()
+	src := iscsi.New(cfg.ISCSI, filepath.Join(stateDir, "iscsi-src"), nil)
+	src.Iscsiadm = shim
+	d, stateDir := newDriver(t, cfg, map[string]source.Source{iscsi.Type: src})
+	secrets := map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword}
+	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-vol", secrets: secrets,
+		vctx: map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": "1"}}
+
+	w := watchSecret(chapPassword)
+	start := time.Now()
+	err := f.stage()
+	hits, scans := w.finish()
+	if err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	st := f.state()
+	t.Logf("stage with login and format: %v, state %s", time.Since(start), st)
+	if !st.has(`"fsType":"ext4"`) || !st.has(`"device":"/dev/sd`) {
+		t.Fatalf("state %s", st)
+	}
+	if hits != 0 || scans < 2 {
+		t.Fatalf("the CHAP password was seen in /proc/*/cmdline or environ %d times (%d scans)", hits, scans)
+	}
+	t.Logf("CHAP password in no command line or environment: %d scans of /proc during stage", scans)
+	if len(sessions()) != 1 {
+		t.Fatalf("sessions %v, want 1", sessions())
+	}
+	f.writeRemountRead()
+	if err := f.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
+	}
+	if s := sessions(); len(s) != 0 {
+		t.Fatalf("sessions left after unstage: %v", s)
+	}
+	if recs, _ := filepath.Glob("/etc/iscsi/nodes/*"); len(recs) != 0 {
+		t.Fatalf("node records left after unstage: %v", recs)
+	}
+
+	// Bad input: each leaves no session behind.
+	for _, tc := range []struct {
+		name    string
+		vctx    map[string]string
+		secrets map[string]string
+		code    codes.Code
+	}{
+		{"wrong CHAP password", f.vctx, map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword + "-wrong"}, codes.PermissionDenied},
+		{"LUN that does not exist", map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": "5"}, secrets, codes.NotFound},
+		{"target that does not exist", map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN + "x", "lun": "1"}, secrets, codes.NotFound},
+		{"portal not allowed", map[string]string{"type": "iscsi", "portals": "127.0.0.2:" + strings.Split(tg.Portal, ":")[1], "iqn": tg.IQN, "lun": "1"}, secrets, codes.InvalidArgument},
+	} {
+		bad := &flow{t: t, d: d, stateDir: stateDir, id: "bad", vctx: tc.vctx, secrets: tc.secrets}
+		err := bad.stage()
+		wantCode(t, tc.name, err, tc.code)
+		if err != nil && strings.Contains(err.Error(), chapPassword) {
+			t.Fatalf("%s: the error shows the password", tc.name)
+		}
+		if s := sessions(); len(s) != 0 {
+			t.Fatalf("%s: sessions left: %v", tc.name, s)
+		}
+		if recs, _ := filepath.Glob("/etc/iscsi/nodes/*"); len(recs) != 0 {
+			t.Fatalf("%s: node records left: %v", tc.name, recs)
+		}
+	}
+
+	argv, err := os.ReadFile(argvLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(argv, []byte(chapPassword)) || bytes.Contains(argv, []byte(" -v ")) {
+		t.Fatalf("iscsiadm was given the password or a -v value:\n%s", argv)
+	}
+	t.Logf("iscsiadm calls (recorded by a shim):\n%s", argv)
+	if strings.Contains(logs.String(), chapPassword) {
+		t.Fatal("a log line shows the CHAP password")
+	}
+}
