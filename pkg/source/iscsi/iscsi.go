@@ -79,8 +79,6 @@ type State struct {
 type Source struct {
 	Config  config.ISCSIConfig
 	Metrics *metrics.Metrics
-	// Iscsiadm is the iscsiadm binary (default "iscsiadm" from PATH).
-	Iscsiadm string
 	// SysDir and DevDir are /sys and /dev.
 	SysDir, DevDir string
 	// StateDir holds the session registry (<StateDir>/iscsi/sessions).
@@ -110,7 +108,7 @@ func New(cfg config.ISCSIConfig, stateDir string, m *metrics.Metrics) *Source {
 	if cfg.InitiatorNameFile == "" {
 		cfg.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
 	}
-	return &Source{Config: cfg, Metrics: m, Iscsiadm: "iscsiadm", SysDir: "/sys", DevDir: "/dev", StateDir: stateDir,
+	return &Source{Config: cfg, Metrics: m, SysDir: "/sys", DevDir: "/dev", StateDir: stateDir,
 		rules: rules, rulesErr: err}
 }
 

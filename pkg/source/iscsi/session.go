@@ -273,10 +273,13 @@ func isAuthKey(k string) bool {
 	return false
 }
 
+// iscsiadm is open-iscsi's admin tool, from PATH.
+const iscsiadm = "iscsiadm"
+
 // adm runs iscsiadm. Its output is kept in errors with c's secrets blotted
 // out, in case a future iscsiadm echoes a record.
 func (s *Source) adm(ctx context.Context, c credentials, args ...string) (string, error) {
-	cmd := exec.CommandContext(ctx, s.Iscsiadm, args...)
+	cmd := exec.CommandContext(ctx, iscsiadm, args...)
 	out, err := cmd.CombinedOutput()
 	text := redact(strings.TrimSpace(string(out)), c.secrets())
 	if len(text) > 1024 {
@@ -288,7 +291,7 @@ func (s *Source) adm(ctx context.Context, c credentials, args ...string) (string
 	var ee *exec.ExitError
 	switch {
 	case errors.Is(err, exec.ErrNotFound):
-		return text, fmt.Errorf("%s is not installed (Debian package open-iscsi): %w", s.Iscsiadm, errdefs.ErrFailedPrecondition)
+		return text, fmt.Errorf("%s is not installed (Debian package open-iscsi): %w", iscsiadm, errdefs.ErrFailedPrecondition)
 	case ctx.Err() != nil:
 		return text, fmt.Errorf("iscsiadm %s: %w (%v): %s", args[1], ctx.Err(), err, text)
 	case errors.As(err, &ee):

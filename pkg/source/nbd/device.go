@@ -165,6 +165,9 @@ func (s *Source) connectArgs(t target, dev string, exp Export, readOnly bool) ([
 	return args, nil
 }
 
+// nbdClient is the program that connects devices, from PATH.
+const nbdClient = "nbd-client"
+
 // run runs nbd-client with args and returns its (bounded) output.
 func (s *Source) run(ctx context.Context, args ...string) (string, error) {
 	f, err := os.CreateTemp("", "mountplan-nbd-client-")
@@ -173,7 +176,7 @@ func (s *Source) run(ctx context.Context, args ...string) (string, error) {
 	}
 	defer os.Remove(f.Name())
 	defer f.Close()
-	cmd := exec.CommandContext(ctx, s.Client, args...)
+	cmd := exec.CommandContext(ctx, nbdClient, args...)
 	cmd.Stdout, cmd.Stderr = f, f
 	runErr := cmd.Run()
 	b, _ := os.ReadFile(f.Name())
@@ -185,7 +188,7 @@ func (s *Source) run(ctx context.Context, args ...string) (string, error) {
 	case runErr == nil:
 		return out, nil
 	case errors.Is(runErr, exec.ErrNotFound):
-		return out, fmt.Errorf("%s is not installed (Debian package nbd-client): %w", s.Client, errdefs.ErrFailedPrecondition)
+		return out, fmt.Errorf("%s is not installed (Debian package nbd-client): %w", nbdClient, errdefs.ErrFailedPrecondition)
 	case ctx.Err() != nil:
 		return out, fmt.Errorf("nbd-client: %w (%v): %s", ctx.Err(), runErr, out)
 	}

@@ -80,8 +80,6 @@ type State struct {
 type Source struct {
 	Config  config.NBDConfig
 	Metrics *metrics.Metrics
-	// Client is the nbd-client binary (default "nbd-client" from PATH).
-	Client string
 	// SysDir and DevDir are /sys and /dev (tests may point elsewhere).
 	SysDir, DevDir string
 
@@ -100,7 +98,7 @@ var (
 // config.Load), timing its steps in m (nil: not recorded).
 func New(cfg config.NBDConfig, m *metrics.Metrics) *Source {
 	rules, err := cfg.ServerRules()
-	return &Source{Config: cfg, Metrics: m, Client: "nbd-client", SysDir: "/sys", DevDir: "/dev",
+	return &Source{Config: cfg, Metrics: m, SysDir: "/sys", DevDir: "/dev",
 		rules: rules, rulesErr: err, claimed: map[string]bool{}}
 }
 

@@ -348,7 +348,7 @@ func TestISCSI(t *testing.T) {
 	}
 	stateDir := t.TempDir()
 	src := iscsi.New(cfg.ISCSI, filepath.Join(stateDir, "iscsi-src"), nil)
-	src.Iscsiadm = shim
+	t.Setenv("PATH", shimDir+":"+os.Getenv("PATH")) // the plugin runs "iscsiadm" from PATH: the shim
 	d, stateDir := newDriver(t, cfg, map[string]source.Source{iscsi.Type: src})
 	secrets := map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword}
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-vol", secrets: secrets,
