@@ -54,7 +54,6 @@ type Driver struct {
 	opts    Options
 	store   *journal.Store
 	locks   keylock.Locks
-	loop    *loop.Source
 	sources map[string]source.Source
 	policy  plan.Policy
 	ready   atomic.Bool
@@ -87,7 +86,6 @@ func New(opts Options) (*Driver, error) {
 	d := &Driver{
 		opts:    opts,
 		store:   store,
-		loop:    ls,
 		sources: sources,
 		policy:  PolicyFor(opts.Config, stateDir),
 	}

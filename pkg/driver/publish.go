@@ -10,6 +10,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
@@ -155,6 +156,21 @@ func (d *Driver) isMountPoint(p string) bool {
 	return mounted || err != nil
 }
 
+// blockDeviceSize reads the size of the block device at p (a published
+// device-node bind), whatever kind of volume it belongs to.
+func blockDeviceSize(p string) (int64, error) {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return 0, fmt.Errorf("open %s: %w", p, err)
+	}
+	defer unix.Close(fd)
+	size, err := unix.IoctlGetUint64(fd, unix.BLKGETSIZE64)
+	if err != nil {
+		return 0, fmt.Errorf("BLKGETSIZE64 %s: %w", p, err)
+	}
+	return int64(size), nil
+}
+
 func accessName(block bool) string {
 	if block {
 		return "block"
@@ -165,11 +181,7 @@ func accessName(block bool) string {
 // statsOf reports usage of a published volume.
 func (d *Driver) statsOf(ctx context.Context, v *journal.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	if v.Stage != nil && v.Stage.Block {
-		dev, err := d.loop.Device(v)
-		if err != nil {
-			return nil, err
-		}
-		size, err := dev.Size()
+		size, err := blockDeviceSize(path)
 		if err != nil {
 			return nil, err
 		}
