@@ -79,7 +79,11 @@ func fetchKernel(t *testing.T, timings *timings) kernel {
 	debs, _ := filepath.Glob(filepath.Join(dir, pkg+"_*.deb"))
 	if len(debs) == 0 {
 		stop := timings.start("download " + pkg)
-		run(t, dir, "apt-get", "download", "-q", pkg)
+		if out, err := exec.Command("sh", "-c", "cd \"$1\" && apt-get download -q \"$2\"", "sh", dir, pkg).CombinedOutput(); err != nil {
+			t.Logf("apt-get download %s: %v: %s; updating the package lists and trying again", pkg, err, out)
+			run(t, "", "apt-get", "update", "-qq")
+			run(t, dir, "apt-get", "download", "-q", pkg)
+		}
 		stop()
 		debs, _ = filepath.Glob(filepath.Join(dir, pkg+"_*.deb"))
 		if len(debs) == 0 {
