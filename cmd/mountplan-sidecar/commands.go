@@ -76,8 +76,11 @@ func runServe(ctx context.Context, args []string) error {
 	fs := newFlagSet("serve")
 	ep := fs.String("endpoint", "", "where to serve the Mounter service, unix:///path (required)")
 	ef := executorFlags(fs)
-	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", true,
-		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive), as CSI's NodeUnpublishVolume must")
+	// Off by default: the plugin removes kubelet's target_path itself after
+	// an unpublish, and a re-attach that heals a container must not delete
+	// and recreate the container's own mount-point directory.
+	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", false,
+		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive)")
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err
 	}
