@@ -1,6 +1,8 @@
-# mountplan build and test entry points. Root is needed for `test` (real
-# loop devices, mounts, namespaces and containers); `make ci` is what
-# .ci/run calls after installing packages.
+# mountplan build and test entry points. Root is needed for `test` and
+# `test-vm` (real loop devices, mounts, namespaces, containers, qemu);
+# .ci/run installs the packages (hack/install-deps.sh), then runs
+# `make verify test test-vm`.
+export PATH := /usr/local/go/bin:$(PATH)
 GO        ?= go
 BIN       := bin
 PKGS      := ./...
