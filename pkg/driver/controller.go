@@ -13,6 +13,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/loop"
 )
 
@@ -30,7 +31,6 @@ const (
 	paramType       = "type"
 	paramFsType     = "fsType"
 	paramCSIFsType  = "csi.storage.k8s.io/fstype"
-	reservedPrefix  = "csi.storage.k8s.io/" // metadata added by external-provisioner
 	formattableHint = "ext4, xfs"
 )
 
@@ -75,7 +75,7 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 			}
 		case k == paramFsType || k == paramCSIFsType:
 			p.fsType = v
-		case strings.HasPrefix(k, reservedPrefix):
+		case strings.HasPrefix(k, source.ReservedPrefix):
 		default:
 			return p, invalid("unknown parameter %q (known: %s, %s, %s)", k, paramType, paramFsType, paramCSIFsType)
 		}

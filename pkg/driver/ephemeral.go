@@ -13,6 +13,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/loop"
 )
 
@@ -77,7 +78,7 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 			}
 		case k == ctxFsType:
 			fsType = val
-		case strings.HasPrefix(k, reservedPrefix):
+		case strings.HasPrefix(k, source.ReservedPrefix):
 		default:
 			return 0, "", invalid("unknown inline volume attribute %q", k)
 		}

@@ -101,3 +101,8 @@ type Host interface {
 type HostUser interface {
 	SetHost(Host)
 }
+
+// ReservedPrefix starts the volume attributes that kubelet and
+// external-provisioner add (pod info, PVC name, ephemeral); every source
+// accepts and ignores them.
+const ReservedPrefix = "csi.storage.k8s.io/"

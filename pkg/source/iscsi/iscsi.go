@@ -57,8 +57,6 @@ const (
 	SecretPasswordIn = "node.session.auth.password_in"
 )
 
-const reservedPrefix = "csi.storage.k8s.io/"
-
 // State is what the journal keeps of a staged iSCSI volume.
 type State struct {
 	Target string `json:"target"`
@@ -131,7 +129,7 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, 
 	}
 	for k := range vctx {
 		switch {
-		case k == "type", k == CtxPortals, k == CtxIQN, k == CtxLUN, k == CtxFsType, strings.HasPrefix(k, reservedPrefix):
+		case k == "type", k == CtxPortals, k == CtxIQN, k == CtxLUN, k == CtxFsType, strings.HasPrefix(k, source.ReservedPrefix):
 		default:
 			return nil, fmt.Errorf("unknown iscsi volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}

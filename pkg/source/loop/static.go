@@ -6,6 +6,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
 )
 
 // Volume context keys of a static loop volume.
@@ -13,9 +14,6 @@ const (
 	CtxImage  = "image"
 	CtxFsType = "fsType"
 )
-
-// reservedPrefix marks attributes kubelet and external-provisioner add.
-const reservedPrefix = "csi.storage.k8s.io/"
 
 // NewVolume checks a static loop volume's context: an image under one of
 // the admin's roots, an optional fsType, and optional overlay settings.
@@ -34,7 +32,7 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, 
 			params[k] = val
 		case k == ParamUpperSize:
 			params[k] = val
-		case k == CtxImage || k == CtxFsType || strings.HasPrefix(k, reservedPrefix):
+		case k == CtxImage || k == CtxFsType || strings.HasPrefix(k, source.ReservedPrefix):
 		default:
 			return nil, fmt.Errorf("unknown loop volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}

@@ -57,8 +57,6 @@ const (
 	CtxTLS     = "tls"
 )
 
-const reservedPrefix = "csi.storage.k8s.io/"
-
 // State is what the journal keeps of a staged NBD volume.
 type State struct {
 	Device string `json:"device"`
@@ -115,7 +113,7 @@ func (s *Source) timeout() time.Duration {
 func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
 	for k := range vctx {
 		switch {
-		case k == "type", k == CtxAddress, k == CtxExport, k == CtxFsType, k == CtxTLS, strings.HasPrefix(k, reservedPrefix):
+		case k == "type", k == CtxAddress, k == CtxExport, k == CtxFsType, k == CtxTLS, strings.HasPrefix(k, source.ReservedPrefix):
 		default:
 			return nil, fmt.Errorf("unknown nbd volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}
