@@ -29,6 +29,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
@@ -46,8 +47,8 @@ const Type = "fuse"
 // volume's directory may hold a newer one (a restart by the supervisor),
 // which Adopt folds back in.
 type State struct {
-	Profile string  `json:"profile"`
-	Command Command `json:"command"`
+	Profile string         `json:"profile"`
+	Command daemon.Command `json:"command"`
 	// MountPoint is where the daemon mounts (state dir symlinks resolved,
 	// as the mount table shows it); BindSource is the same directory as
 	// the plan names it.
@@ -65,8 +66,9 @@ type Options struct {
 	StateDir string
 	// Profiles are the admin's FUSE profiles.
 	Profiles []config.FuseProfile
-	// Spawner starts daemons; nil means LocalSpawner.
-	Spawner Spawner
+	// Spawner starts daemons; nil means daemon.LocalSpawner (daemons in
+	// the plugin's own cgroup).
+	Spawner daemon.Spawner
 	// Metrics times daemon starts and counts restarts (nil: not recorded).
 	Metrics *metrics.Metrics
 	// ProbeInterval is how often a supervisor checks that its daemon
@@ -80,7 +82,7 @@ type Options struct {
 type Source struct {
 	stateDir string
 	profiles []config.FuseProfile
-	spawner  Spawner
+	spawner  daemon.Spawner
 	metrics  *metrics.Metrics
 	probe    time.Duration
 	deadline time.Duration
@@ -125,7 +127,7 @@ func New(o Options) (*Source, error) {
 		statting: map[string]bool{},
 	}
 	if s.spawner == nil {
-		s.spawner = LocalSpawner{}
+		s.spawner = daemon.LocalSpawner{}
 	}
 	if s.probe <= 0 {
 		s.probe = 2 * time.Second
@@ -313,7 +315,7 @@ func (s *Source) prepare(l layout, p *config.FuseProfile, params map[string]stri
 	if err != nil {
 		return State{}, nil, err
 	}
-	st.Command = Command{Path: p.Binary, Args: args, Env: env(p), Stdin: stdin, Log: l.log(), RunAs: p.RunAs}
+	st.Command = daemon.Command{Path: p.Binary, Args: args, Env: env(p), Stdin: stdin, Log: l.log(), RunAs: runAs(p.RunAs)}
 	return st, redactorOf(values), nil
 }
 
@@ -357,7 +359,7 @@ func (s *Source) start(ctx context.Context, l layout, st State, gen int, red red
 // mount is there), and then until the daemon answers a statfs through it:
 // some daemons mount before they have reached their backend (sshfs
 // mounts, then finds the host key refused, then exits).
-func (s *Source) waitReady(ctx context.Context, mnt string, p Proc, timeout time.Duration, w *mountWatch) (uint64, error) {
+func (s *Source) waitReady(ctx context.Context, mnt string, p daemon.Proc, timeout time.Duration, w *mountWatch) (uint64, error) {
 	exited, stopWatch := watchExit(p)
 	defer stopWatch()
 	deadline := time.Now().Add(timeout)
@@ -388,7 +390,7 @@ func (s *Source) waitReady(ctx context.Context, mnt string, p Proc, timeout time
 // waitServing runs a statfs through the new mount in a goroutine and waits
 // for its answer, the daemon's exit or the deadline. A statfs left behind
 // returns when the caller's rollback aborts the connection.
-func (s *Source) waitServing(ctx context.Context, mnt string, p Proc, deadline time.Time, exited <-chan struct{}) error {
+func (s *Source) waitServing(ctx context.Context, mnt string, p daemon.Proc, deadline time.Time, exited <-chan struct{}) error {
 	done := make(chan error, 1)
 	go func() {
 		_, err := fsutil.Stats(mnt)

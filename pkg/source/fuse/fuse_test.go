@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -186,7 +187,7 @@ func TestDaemonRecordRoundTrip(t *testing.T) {
 	if d, err := l.readDaemon(); err != nil || d.Generation != 0 {
 		t.Fatalf("missing record: %+v %v", d, err)
 	}
-	want := Daemon{Generation: 3, Proc: Proc{PID: 42, StartTime: 7}, Conn: 51, Started: time.Unix(1, 0).UTC()}
+	want := Daemon{Generation: 3, Proc: daemon.Proc{PID: 42, StartTime: 7}, Conn: 51, Started: time.Unix(1, 0).UTC()}
 	if err := l.writeDaemon(want); err != nil {
 		t.Fatal(err)
 	}
@@ -226,18 +227,5 @@ func TestRemoveFilesStaysInside(t *testing.T) {
 	}
 	if _, err := os.Stat(l.dir); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("%s left: %v", l.dir, err)
-	}
-}
-
-func TestProcIdentity(t *testing.T) {
-	self, err := identify(os.Getpid())
-	if err != nil || !self.Alive() {
-		t.Fatalf("self %+v %v", self, err)
-	}
-	if (Proc{PID: self.PID, StartTime: self.StartTime + 1}).Alive() {
-		t.Error("a PID with another start time counts as alive")
-	}
-	if (Proc{}).Alive() {
-		t.Error("the zero Proc counts as alive")
 	}
 }

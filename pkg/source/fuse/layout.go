@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/mountplan/mountplan/pkg/daemon"
 )
 
 // layout is a volume's directory, <state-dir>/fuse/<volume-id>/, which
@@ -31,7 +33,7 @@ func (l layout) log() string        { return filepath.Join(l.dir, "daemon.log") 
 type Daemon struct {
 	// Generation counts starts: 1 at stage, +1 on every restart.
 	Generation int `json:"generation"`
-	Proc
+	daemon.Proc
 	// Conn is the FUSE connection ID (the mount's device number) once the
 	// mount appeared; 0 before.
 	Conn    uint64    `json:"conn,omitempty"`

@@ -1,80 +1,23 @@
 package fuse
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/daemon"
 )
-
-// Proc identifies a daemon process across PID reuse: its PID and its start
-// time in clock ticks after boot (/proc/PID/stat field 22).
-type Proc struct {
-	PID       int    `json:"pid"`
-	StartTime uint64 `json:"startTime"`
-}
-
-func (p Proc) String() string { return fmt.Sprintf("pid %d (start %d)", p.PID, p.StartTime) }
-
-// procStat is the part of /proc/PID/stat the supervisor needs.
-type procStat struct {
-	state     byte
-	session   int
-	startTime uint64
-}
-
-// readStat reads /proc/PID/stat. ok is false when the process is gone.
-func readStat(pid int) (procStat, bool) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return procStat{}, false
-	}
-	// The command name is in parentheses and may hold spaces or ')': the
-	// fields resume after the last ')'.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return procStat{}, false
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return procStat{}, false
-	}
-	st := procStat{state: f[0][0]}
-	st.session, _ = strconv.Atoi(f[3])
-	st.startTime, _ = strconv.ParseUint(f[19], 10, 64)
-	return st, true
-}
-
-// identify returns the identity of a running pid.
-func identify(pid int) (Proc, error) {
-	st, ok := readStat(pid)
-	if !ok {
-		return Proc{}, fmt.Errorf("process %d exited at once", pid)
-	}
-	return Proc{PID: pid, StartTime: st.startTime}, nil
-}
-
-// Alive reports whether p still runs: same PID and start time, and not a
-// zombie (a zombie has exited).
-func (p Proc) Alive() bool {
-	if p.PID <= 0 {
-		return false
-	}
-	st, ok := readStat(p.PID)
-	return ok && st.startTime == p.StartTime && st.state != 'Z' && st.state != 'X'
-}
 
 // watchExit returns a channel that is closed when p exits (or is found
 // gone). It polls a pidfd, which works for processes that are not this
 // one's children (daemons adopted after a restart); stop ends the watch.
-func watchExit(p Proc) (exited <-chan struct{}, stop func()) {
+func watchExit(p daemon.Proc) (exited <-chan struct{}, stop func()) {
 	ch := make(chan struct{})
 	pidfd, err := unix.PidfdOpen(p.PID, 0)
 	if err != nil || !p.Alive() {
@@ -126,7 +69,7 @@ func watchExit(p Proc) (exited <-chan struct{}, stop func()) {
 }
 
 // pollExit is watchExit without an eventfd: it checks every 100ms.
-func pollExit(p Proc) (<-chan struct{}, func()) {
+func pollExit(p daemon.Proc) (<-chan struct{}, func()) {
 	ch := make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
@@ -153,11 +96,11 @@ func pollExit(p Proc) (<-chan struct{}, func()) {
 // while any process still has it as its session or group ID, so while
 // members remain they are the daemon's; when the leader itself has been
 // replaced by an unrelated process with the same PID, nothing is sent.
-func signalSession(p Proc, sig unix.Signal) (sent int) {
+func signalSession(p daemon.Proc, sig unix.Signal) (sent int) {
 	if p.PID <= 1 {
 		return 0
 	}
-	if st, ok := readStat(p.PID); ok && st.startTime != p.StartTime {
+	if st, ok := daemon.ReadStat(p.PID); ok && st.StartTime != p.StartTime {
 		return 0 // the PID names another process now
 	}
 	ents, err := os.ReadDir("/proc")
@@ -169,11 +112,11 @@ func signalSession(p Proc, sig unix.Signal) (sent int) {
 		if err != nil {
 			continue
 		}
-		st, ok := readStat(pid)
-		if !ok || st.session != p.PID || st.state == 'Z' {
+		st, ok := daemon.ReadStat(pid)
+		if !ok || st.Session != p.PID || st.State == 'Z' {
 			continue
 		}
-		if pid == p.PID && st.startTime != p.StartTime {
+		if pid == p.PID && st.StartTime != p.StartTime {
 			continue
 		}
 		if unix.Kill(pid, sig) == nil {
@@ -184,11 +127,11 @@ func signalSession(p Proc, sig unix.Signal) (sent int) {
 }
 
 // sessionAlive reports whether any live process remains in p's session.
-func sessionAlive(p Proc) bool {
+func sessionAlive(p daemon.Proc) bool {
 	if p.Alive() {
 		return true
 	}
-	if st, ok := readStat(p.PID); ok && st.startTime != p.StartTime {
+	if st, ok := daemon.ReadStat(p.PID); ok && st.StartTime != p.StartTime {
 		return false
 	}
 	ents, err := os.ReadDir("/proc")
@@ -200,7 +143,7 @@ func sessionAlive(p Proc) bool {
 		if err != nil {
 			continue
 		}
-		if st, ok := readStat(pid); ok && st.session == p.PID && st.state != 'Z' {
+		if st, ok := daemon.ReadStat(pid); ok && st.Session == p.PID && st.State != 'Z' {
 			return true
 		}
 	}
@@ -210,7 +153,7 @@ func sessionAlive(p Proc) bool {
 // terminate stops p's session: SIGTERM, then SIGKILL after grace. It
 // returns once no process of the session is left, or an error after a
 // further grace period.
-func terminate(ctx context.Context, p Proc, grace time.Duration) error {
+func terminate(ctx context.Context, p daemon.Proc, grace time.Duration) error {
 	if p.PID <= 0 || !sessionAlive(p) {
 		return nil
 	}
@@ -225,7 +168,7 @@ func terminate(ctx context.Context, p Proc, grace time.Duration) error {
 	return fmt.Errorf("daemon %s did not exit after SIGKILL", p)
 }
 
-func waitGone(ctx context.Context, p Proc, d time.Duration) bool {
+func waitGone(ctx context.Context, p daemon.Proc, d time.Duration) bool {
 	deadline := time.Now().Add(d)
 	for sessionAlive(p) {
 		if time.Now().After(deadline) || ctx.Err() != nil {

@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -247,4 +248,12 @@ func env(p *config.FuseProfile) []string {
 		out = append(out, k+"="+p.Env[k])
 	}
 	return out
+}
+
+// runAs is the daemon's user of a profile (nil: root).
+func runAs(u *config.FuseUser) *daemon.User {
+	if u == nil {
+		return nil
+	}
+	return &daemon.User{UID: u.UID, GID: u.GID}
 }
