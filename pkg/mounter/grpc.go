@@ -13,12 +13,26 @@ import (
 )
 
 // NewServer serves m as the Mounter gRPC service. Errors become status codes
-// here, once, with errdefs.ToGRPC.
-func NewServer(m Interface) api.MounterServer { return &server{m: m} }
+// here, once, with errdefs.ToGRPC. SpawnDaemon is refused unless an option
+// gives it a policy (WithDaemons).
+func NewServer(m Interface, opts ...ServerOption) api.MounterServer {
+	s := &server{m: m}
+	for _, o := range opts {
+		o(s)
+	}
+	return s
+}
+
+// ServerOption configures NewServer and Serve.
+type ServerOption func(*server)
+
+// WithDaemons has SpawnDaemon start the daemons p allows.
+func WithDaemons(p *DaemonPolicy) ServerOption { return func(s *server) { s.daemons = p } }
 
 type server struct {
 	api.UnimplementedMounterServer
-	m Interface
+	m       Interface
+	daemons *DaemonPolicy
 }
 
 func (s *server) Mount(ctx context.Context, req *api.MountRequest) (*api.MountResponse, error) {

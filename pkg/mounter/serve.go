@@ -13,9 +13,9 @@ import (
 
 // Serve serves m as the Mounter service on l until ctx is done, then lets
 // calls in flight finish. Closing l removes its socket.
-func Serve(ctx context.Context, l net.Listener, m Interface) error {
+func Serve(ctx context.Context, l net.Listener, m Interface, opts ...ServerOption) error {
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(LogInterceptor(klog.FromContext(ctx))))
-	api.RegisterMounterServer(srv, NewServer(m))
+	api.RegisterMounterServer(srv, NewServer(m, opts...))
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
 	select {

@@ -579,6 +579,204 @@ func (*UnmountResponse) Descriptor() ([]byte, []int) {
 	return file_mountplan_proto_rawDescGZIP(), []int{9}
 }
 
+type SpawnDaemonRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Absolute path of the binary.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// Arguments after argv[0] (which is path). They name secret files, never
+	// hold secrets.
+	Args []string `protobuf:"bytes,2,rep,name=args,proto3" json:"args,omitempty"`
+	// The whole environment, KEY=VALUE; never secrets.
+	Env []string `protobuf:"bytes,3,rep,name=env,proto3" json:"env,omitempty"`
+	// A file that becomes standard input; empty means /dev/null.
+	StdinPath string `protobuf:"bytes,4,opt,name=stdin_path,json=stdinPath,proto3" json:"stdin_path,omitempty"`
+	// The file that receives standard output and error (created, appended to).
+	LogPath string `protobuf:"bytes,5,opt,name=log_path,json=logPath,proto3" json:"log_path,omitempty"`
+	// Run as this user and group; unset means the mounter's own.
+	RunAs         *DaemonUser `protobuf:"bytes,6,opt,name=run_as,json=runAs,proto3" json:"run_as,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SpawnDaemonRequest) Reset() {
+	*x = SpawnDaemonRequest{}
+	mi := &file_mountplan_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SpawnDaemonRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SpawnDaemonRequest) ProtoMessage() {}
+
+func (x *SpawnDaemonRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SpawnDaemonRequest.ProtoReflect.Descriptor instead.
+func (*SpawnDaemonRequest) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *SpawnDaemonRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *SpawnDaemonRequest) GetArgs() []string {
+	if x != nil {
+		return x.Args
+	}
+	return nil
+}
+
+func (x *SpawnDaemonRequest) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *SpawnDaemonRequest) GetStdinPath() string {
+	if x != nil {
+		return x.StdinPath
+	}
+	return ""
+}
+
+func (x *SpawnDaemonRequest) GetLogPath() string {
+	if x != nil {
+		return x.LogPath
+	}
+	return ""
+}
+
+func (x *SpawnDaemonRequest) GetRunAs() *DaemonUser {
+	if x != nil {
+		return x.RunAs
+	}
+	return nil
+}
+
+type DaemonUser struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Uid           uint32                 `protobuf:"varint,1,opt,name=uid,proto3" json:"uid,omitempty"`
+	Gid           uint32                 `protobuf:"varint,2,opt,name=gid,proto3" json:"gid,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DaemonUser) Reset() {
+	*x = DaemonUser{}
+	mi := &file_mountplan_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DaemonUser) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DaemonUser) ProtoMessage() {}
+
+func (x *DaemonUser) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DaemonUser.ProtoReflect.Descriptor instead.
+func (*DaemonUser) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *DaemonUser) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *DaemonUser) GetGid() uint32 {
+	if x != nil {
+		return x.Gid
+	}
+	return 0
+}
+
+// SpawnDaemonResponse identifies the started process across PID reuse.
+type SpawnDaemonResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// PID in the mounter's PID namespace (the host's, where the plugin runs too).
+	Pid int64 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	// Start time in clock ticks after boot (/proc/PID/stat field 22).
+	StartTime     uint64 `protobuf:"varint,2,opt,name=start_time,json=startTime,proto3" json:"start_time,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SpawnDaemonResponse) Reset() {
+	*x = SpawnDaemonResponse{}
+	mi := &file_mountplan_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SpawnDaemonResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SpawnDaemonResponse) ProtoMessage() {}
+
+func (x *SpawnDaemonResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SpawnDaemonResponse.ProtoReflect.Descriptor instead.
+func (*SpawnDaemonResponse) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *SpawnDaemonResponse) GetPid() int64 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *SpawnDaemonResponse) GetStartTime() uint64 {
+	if x != nil {
+		return x.StartTime
+	}
+	return 0
+}
+
 var File_mountplan_proto protoreflect.FileDescriptor
 
 const file_mountplan_proto_rawDesc = "" +
@@ -623,13 +821,30 @@ const file_mountplan_proto_rawDesc = "" +
 	"\x0eUnmountRequest\x121\n" +
 	"\x06mounts\x18\x01 \x03(\v2\x19.mountplan.v1alpha1.MountR\x06mounts\x128\n" +
 	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\"\x11\n" +
-	"\x0fUnmountResponse2\xfb\x01\n" +
+	"\x0fUnmountResponse\"\xbf\x01\n" +
+	"\x12SpawnDaemonRequest\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
+	"\x04args\x18\x02 \x03(\tR\x04args\x12\x10\n" +
+	"\x03env\x18\x03 \x03(\tR\x03env\x12\x1d\n" +
+	"\n" +
+	"stdin_path\x18\x04 \x01(\tR\tstdinPath\x12\x19\n" +
+	"\blog_path\x18\x05 \x01(\tR\alogPath\x125\n" +
+	"\x06run_as\x18\x06 \x01(\v2\x1e.mountplan.v1alpha1.DaemonUserR\x05runAs\"0\n" +
+	"\n" +
+	"DaemonUser\x12\x10\n" +
+	"\x03uid\x18\x01 \x01(\rR\x03uid\x12\x10\n" +
+	"\x03gid\x18\x02 \x01(\rR\x03gid\"F\n" +
+	"\x13SpawnDaemonResponse\x12\x10\n" +
+	"\x03pid\x18\x01 \x01(\x03R\x03pid\x12\x1d\n" +
+	"\n" +
+	"start_time\x18\x02 \x01(\x04R\tstartTime2\xfb\x01\n" +
 	"\vNodePrepare\x12r\n" +
 	"\x11NodePrepareVolume\x12,.mountplan.v1alpha1.NodePrepareVolumeRequest\x1a-.mountplan.v1alpha1.NodePrepareVolumeResponse\"\x00\x12x\n" +
-	"\x13NodeUnprepareVolume\x12..mountplan.v1alpha1.NodeUnprepareVolumeRequest\x1a/.mountplan.v1alpha1.NodeUnprepareVolumeResponse\"\x002\xaf\x01\n" +
+	"\x13NodeUnprepareVolume\x12..mountplan.v1alpha1.NodeUnprepareVolumeRequest\x1a/.mountplan.v1alpha1.NodeUnprepareVolumeResponse\"\x002\x91\x02\n" +
 	"\aMounter\x12N\n" +
 	"\x05Mount\x12 .mountplan.v1alpha1.MountRequest\x1a!.mountplan.v1alpha1.MountResponse\"\x00\x12T\n" +
-	"\aUnmount\x12\".mountplan.v1alpha1.UnmountRequest\x1a#.mountplan.v1alpha1.UnmountResponse\"\x00B:Z8github.com/mountplan/mountplan/pkg/api/v1alpha1;v1alpha1b\x06proto3"
+	"\aUnmount\x12\".mountplan.v1alpha1.UnmountRequest\x1a#.mountplan.v1alpha1.UnmountResponse\"\x00\x12`\n" +
+	"\vSpawnDaemon\x12&.mountplan.v1alpha1.SpawnDaemonRequest\x1a'.mountplan.v1alpha1.SpawnDaemonResponse\"\x00B:Z8github.com/mountplan/mountplan/pkg/api/v1alpha1;v1alpha1b\x06proto3"
 
 var (
 	file_mountplan_proto_rawDescOnce sync.Once
@@ -643,7 +858,7 @@ func file_mountplan_proto_rawDescGZIP() []byte {
 	return file_mountplan_proto_rawDescData
 }
 
-var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_mountplan_proto_goTypes = []any{
 	(*Consumer)(nil),                    // 0: mountplan.v1alpha1.Consumer
 	(*Mount)(nil),                       // 1: mountplan.v1alpha1.Mount
@@ -655,14 +870,17 @@ var file_mountplan_proto_goTypes = []any{
 	(*MountResponse)(nil),               // 7: mountplan.v1alpha1.MountResponse
 	(*UnmountRequest)(nil),              // 8: mountplan.v1alpha1.UnmountRequest
 	(*UnmountResponse)(nil),             // 9: mountplan.v1alpha1.UnmountResponse
-	nil,                                 // 10: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	nil,                                 // 11: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
-	(*csi.VolumeCapability)(nil),        // 12: csi.v1.VolumeCapability
+	(*SpawnDaemonRequest)(nil),          // 10: mountplan.v1alpha1.SpawnDaemonRequest
+	(*DaemonUser)(nil),                  // 11: mountplan.v1alpha1.DaemonUser
+	(*SpawnDaemonResponse)(nil),         // 12: mountplan.v1alpha1.SpawnDaemonResponse
+	nil,                                 // 13: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	nil,                                 // 14: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	(*csi.VolumeCapability)(nil),        // 15: csi.v1.VolumeCapability
 }
 var file_mountplan_proto_depIdxs = []int32{
-	12, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
-	10, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	11, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	15, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
+	13, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	14, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
 	0,  // 3: mountplan.v1alpha1.NodePrepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
 	1,  // 4: mountplan.v1alpha1.NodePrepareVolumeResponse.mounts:type_name -> mountplan.v1alpha1.Mount
 	0,  // 5: mountplan.v1alpha1.NodePrepareVolumeResponse.consumer:type_name -> mountplan.v1alpha1.Consumer
@@ -671,19 +889,22 @@ var file_mountplan_proto_depIdxs = []int32{
 	0,  // 8: mountplan.v1alpha1.MountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
 	1,  // 9: mountplan.v1alpha1.UnmountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
 	0,  // 10: mountplan.v1alpha1.UnmountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	2,  // 11: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
-	4,  // 12: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	6,  // 13: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
-	8,  // 14: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
-	3,  // 15: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
-	5,  // 16: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	7,  // 17: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
-	9,  // 18: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
-	15, // [15:19] is the sub-list for method output_type
-	11, // [11:15] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	11, // 11: mountplan.v1alpha1.SpawnDaemonRequest.run_as:type_name -> mountplan.v1alpha1.DaemonUser
+	2,  // 12: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
+	4,  // 13: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	6,  // 14: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
+	8,  // 15: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
+	10, // 16: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
+	3,  // 17: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
+	5,  // 18: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	7,  // 19: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
+	9,  // 20: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
+	12, // 21: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
+	17, // [17:22] is the sub-list for method output_type
+	12, // [12:17] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_mountplan_proto_init() }
@@ -697,7 +918,7 @@ func file_mountplan_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_mountplan_proto_rawDesc), len(file_mountplan_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   12,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

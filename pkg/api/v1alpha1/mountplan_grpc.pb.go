@@ -170,8 +170,9 @@ var NodePrepare_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Mounter_Mount_FullMethodName   = "/mountplan.v1alpha1.Mounter/Mount"
-	Mounter_Unmount_FullMethodName = "/mountplan.v1alpha1.Mounter/Unmount"
+	Mounter_Mount_FullMethodName       = "/mountplan.v1alpha1.Mounter/Mount"
+	Mounter_Unmount_FullMethodName     = "/mountplan.v1alpha1.Mounter/Unmount"
+	Mounter_SpawnDaemon_FullMethodName = "/mountplan.v1alpha1.Mounter/SpawnDaemon"
 )
 
 // MounterClient is the client API for Mounter service.
@@ -187,6 +188,13 @@ type MounterClient interface {
 	Mount(ctx context.Context, in *MountRequest, opts ...grpc.CallOption) (*MountResponse, error)
 	// Unmount removes the mounts in reverse order. Idempotent.
 	Unmount(ctx context.Context, in *UnmountRequest, opts ...grpc.CallOption) (*UnmountResponse, error)
+	// SpawnDaemon starts a daemon (a FUSE daemon of a volume) as a child of the
+	// mounter, in a session of its own, so that it lives in the mounter's
+	// container and survives a restart of the plugin's. The mounter starts only
+	// the binaries its own policy allows (the binary of a FUSE profile of its
+	// config): FailedPrecondition when it has no such policy, InvalidArgument
+	// for anything it refuses.
+	SpawnDaemon(ctx context.Context, in *SpawnDaemonRequest, opts ...grpc.CallOption) (*SpawnDaemonResponse, error)
 }
 
 type mounterClient struct {
@@ -217,6 +225,16 @@ func (c *mounterClient) Unmount(ctx context.Context, in *UnmountRequest, opts ..
 	return out, nil
 }
 
+func (c *mounterClient) SpawnDaemon(ctx context.Context, in *SpawnDaemonRequest, opts ...grpc.CallOption) (*SpawnDaemonResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SpawnDaemonResponse)
+	err := c.cc.Invoke(ctx, Mounter_SpawnDaemon_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MounterServer is the server API for Mounter service.
 // All implementations must embed UnimplementedMounterServer
 // for forward compatibility.
@@ -230,6 +248,13 @@ type MounterServer interface {
 	Mount(context.Context, *MountRequest) (*MountResponse, error)
 	// Unmount removes the mounts in reverse order. Idempotent.
 	Unmount(context.Context, *UnmountRequest) (*UnmountResponse, error)
+	// SpawnDaemon starts a daemon (a FUSE daemon of a volume) as a child of the
+	// mounter, in a session of its own, so that it lives in the mounter's
+	// container and survives a restart of the plugin's. The mounter starts only
+	// the binaries its own policy allows (the binary of a FUSE profile of its
+	// config): FailedPrecondition when it has no such policy, InvalidArgument
+	// for anything it refuses.
+	SpawnDaemon(context.Context, *SpawnDaemonRequest) (*SpawnDaemonResponse, error)
 	mustEmbedUnimplementedMounterServer()
 }
 
@@ -245,6 +270,9 @@ func (UnimplementedMounterServer) Mount(context.Context, *MountRequest) (*MountR
 }
 func (UnimplementedMounterServer) Unmount(context.Context, *UnmountRequest) (*UnmountResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Unmount not implemented")
+}
+func (UnimplementedMounterServer) SpawnDaemon(context.Context, *SpawnDaemonRequest) (*SpawnDaemonResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method SpawnDaemon not implemented")
 }
 func (UnimplementedMounterServer) mustEmbedUnimplementedMounterServer() {}
 func (UnimplementedMounterServer) testEmbeddedByValue()                 {}
@@ -303,6 +331,24 @@ func _Mounter_Unmount_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Mounter_SpawnDaemon_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SpawnDaemonRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MounterServer).SpawnDaemon(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Mounter_SpawnDaemon_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MounterServer).SpawnDaemon(ctx, req.(*SpawnDaemonRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Mounter_ServiceDesc is the grpc.ServiceDesc for Mounter service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -317,6 +363,10 @@ var Mounter_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Unmount",
 			Handler:    _Mounter_Unmount_Handler,
+		},
+		{
+			MethodName: "SpawnDaemon",
+			Handler:    _Mounter_SpawnDaemon_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
