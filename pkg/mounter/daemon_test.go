@@ -197,7 +197,6 @@ func TestSpawnDaemonLocal(t *testing.T) {
 	}
 }
 
-
 func killProc(p daemon.Proc) error {
 	proc, err := os.FindProcess(p.PID)
 	if err != nil {
