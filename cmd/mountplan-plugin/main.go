@@ -17,6 +17,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/driver"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/metrics"
@@ -66,7 +67,7 @@ func run(f flags) error {
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background())
 
-	m, closeMounter, err := newMounter(f, cfg)
+	m, spawner, closeMounter, err := newMounter(f, cfg)
 	if err != nil {
 		return err
 	}
@@ -77,7 +78,7 @@ func run(f flags) error {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
 	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles,
-		Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
+		Spawner: spawner, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
 	if err != nil {
 		return err
 	}
@@ -120,21 +121,23 @@ func run(f flags) error {
 }
 
 // newMounter returns the sidecar's Mounter service when configured, else an
-// in-process executor with the same policy.
-func newMounter(f flags, cfg *config.Config) (mounter.Interface, func(), error) {
+// in-process executor with the same policy; and who starts FUSE daemons:
+// the sidecar (in its container, which a restart of the plugin's container
+// leaves alone) when configured, else the plugin itself.
+func newMounter(f flags, cfg *config.Config) (mounter.Interface, daemon.Spawner, func(), error) {
 	stateDir, err := filepath.Abs(f.stateDir)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	policy := driver.PolicyFor(cfg, stateDir)
 	if f.mounterEndpoint == "" {
-		return &mounter.Executor{Policy: policy}, func() {}, nil
+		return &mounter.Executor{Policy: policy}, daemon.LocalSpawner{}, func() {}, nil
 	}
 	conn, err := endpoint.Dial(f.mounterEndpoint)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return mounter.NewClient(conn), func() { _ = conn.Close() }, nil
+	return mounter.NewClient(conn), mounter.NewSpawner(conn), func() { _ = conn.Close() }, nil
 }
 
 func version() string {

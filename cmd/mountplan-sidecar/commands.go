@@ -10,6 +10,7 @@ import (
 	"k8s.io/klog/v2"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns"
@@ -81,8 +82,16 @@ func runServe(ctx context.Context, args []string) error {
 	// and recreate the container's own mount-point directory.
 	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", false,
 		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive)")
+	configPath := fs.String("config", "", "the plugin's admin config (YAML): SpawnDaemon starts only the binaries of its fuseProfiles; empty: no daemons")
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err
+	}
+	var cfg *config.Config
+	if *configPath != "" {
+		var err error
+		if cfg, err = config.Load(*configPath); err != nil {
+			return err
+		}
 	}
 	if err := mountns.Supported(); err != nil {
 		return err
@@ -91,9 +100,10 @@ func runServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	daemons := mounter.DaemonPolicyFor(cfg, ef.roots.values())
 	logger := klog.Background().WithName("mounter")
-	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values())
-	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor())
+	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "daemonBinaries", daemons.Binaries())
+	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor(), mounter.WithDaemons(daemons))
 	logger.Info("Stopped", "err", err)
 	return err
 }

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter"
@@ -151,6 +152,55 @@ func TestServeCommand(t *testing.T) {
 	}
 	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket left behind: %v", err)
+	}
+}
+
+// TestServeConfig: serve --config allows SpawnDaemon the binaries of the
+// config's FUSE profiles only; without --config it starts nothing; a bad
+// config stops serve at once.
+func TestServeConfig(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	dir := mountnstest.Scratch(t)
+	bad := filepath.Join(dir, "bad.yaml")
+	if err := os.WriteFile(bad, []byte("fuseProfiles: [{name: x}]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run(context.Background(), "serve", []string{"--endpoint", "unix://" + filepath.Join(dir, "bad.sock"), "--config", bad}); err == nil {
+		t.Error("serve accepted an invalid config")
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want error
+	}{
+		{"with the example profiles", []string{"--config", filepath.Join("..", "..", "pkg", "source", "fuse", "testdata", "profiles.yaml")}, errdefs.ErrInvalidArgument},
+		{"without a config", nil, errdefs.ErrFailedPrecondition},
+	} {
+		sock := filepath.Join(dir, "mounter.sock")
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() {
+			done <- run(ctx, "serve", append([]string{"--endpoint", "unix://" + sock, "--allowed-root", dir}, tc.args...))
+		}()
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			if _, err := os.Lstat(sock); err == nil {
+				break
+			}
+		}
+		conn, err := endpoint.Dial("unix://" + sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// /bin/sh is the binary of no profile: never started.
+		_, err = mounter.NewSpawner(conn).Spawn(context.Background(), daemon.Command{Path: "/bin/sh", Log: filepath.Join(dir, "log")})
+		if !errors.Is(err, tc.want) {
+			t.Errorf("%s: SpawnDaemon of /bin/sh: %v, want %v", tc.name, err, tc.want)
+		}
+		conn.Close()
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("%s: serve: %v", tc.name, err)
+		}
 	}
 }
 

@@ -45,11 +45,14 @@ type fuseEnv struct {
 	ids     csi.IdentityClient
 	np      api.NodePrepareClient
 	dir     string // staging paths, config
+	config  string // the admin config, for the plugin and the sidecar
 	// roots replace the example config's /srv/rclone and /srv/squashfs.
 	rcloneRoot, squashRoot string
 	// serveLog is the log of the `mountplan-sidecar serve` the plugin
-	// uses as its mounter ("" when it performs plans in process).
+	// uses as its mounter ("" when it performs plans in process), servePID
+	// its process.
 	serveLog string
+	servePID int
 }
 
 // fuseProfilesPath is the example config that README documents.
@@ -73,7 +76,17 @@ func startFuseEnv(t *testing.T, args ...string) *fuseEnv {
 // appended to the example config.
 func startFuseEnvWith(t *testing.T, moreProfiles string, args ...string) *fuseEnv {
 	t.Helper()
-	pluginBin, sidecarBin := testutil.BuildBinaries(t)
+	e := newFuseEnv(t, moreProfiles)
+	e.startPlugin("", args...)
+	return e
+}
+
+// newFuseEnv builds the binaries and writes the example config (with more
+// profiles appended) with the roots pointed at test directories; it starts
+// nothing.
+func newFuseEnv(t *testing.T, moreProfiles string) *fuseEnv {
+	t.Helper()
+	_, sidecarBin := testutil.BuildBinaries(t)
 	e := &fuseEnv{t: t, sidecar: sidecarBin, dir: t.TempDir()}
 	e.rcloneRoot = filepath.Join(e.dir, "rclone-root")
 	e.squashRoot = filepath.Join(e.dir, "squash-root")
@@ -87,11 +100,21 @@ func startFuseEnvWith(t *testing.T, moreProfiles string, args ...string) *fuseEn
 		t.Fatal(err)
 	}
 	cfg := strings.NewReplacer("/srv/rclone", e.rcloneRoot, "/srv/squashfs", e.squashRoot).Replace(string(b)) + moreProfiles
-	cfgPath := filepath.Join(e.dir, "config.yaml")
-	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+	e.config = filepath.Join(e.dir, "config.yaml")
+	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	e.plugin = testutil.StartPlugin(t, pluginBin, append([]string{"--config", cfgPath, "--v=5"}, args...)...)
+	return e
+}
+
+// startPlugin starts the plugin with the config, --v=5 and args, in
+// cgroup ("" for the test's own), connects its clients and waits until it
+// is ready.
+func (e *fuseEnv) startPlugin(cgroup string, args ...string) {
+	t := e.t
+	t.Helper()
+	pluginBin, _ := testutil.BuildBinaries(t)
+	e.plugin = testutil.StartPluginInCgroup(t, pluginBin, cgroup, append([]string{"--config", e.config, "--v=5"}, args...)...)
 	conn, err := endpoint.Dial(e.plugin.Endpoint)
 	if err != nil {
 		t.Fatal(err)
@@ -101,7 +124,6 @@ func startFuseEnvWith(t *testing.T, moreProfiles string, args ...string) *fuseEn
 	e.ids = csi.NewIdentityClient(conn)
 	e.np = api.NewNodePrepareClient(conn)
 	e.waitReady()
-	return e
 }
 
 func (e *fuseEnv) waitReady() {
@@ -479,20 +501,34 @@ func fuseCheckNoSecretInProcs(t *testing.T, when string, pieces []string) {
 }
 
 // startFuseEnvServe starts `mountplan-sidecar serve` and the plugin with it
-// as its mounter (--mounter-endpoint): kubelet's publishes and the
-// re-attach of healed consumers then go through the sidecar's process.
+// as its mounter (--mounter-endpoint): kubelet's publishes, the re-attach
+// of healed consumers and the FUSE daemons go through the sidecar's
+// process.
 func startFuseEnvServe(t *testing.T, args ...string) *fuseEnv {
 	t.Helper()
-	_, sidecarBin := testutil.BuildBinaries(t)
+	e := newFuseEnv(t, "")
+	state, sock := e.startServe("")
+	e.startPlugin("", append([]string{"--state-dir", state, "--mounter-endpoint", "unix://" + sock}, args...)...)
+	return e
+}
+
+// startServe starts `mountplan-sidecar serve --config` with the env's
+// config and a fresh state dir as its allowed root, in cgroup ("" for the
+// test's own); it returns the state dir and the socket. A cleanup stops
+// it; its log is e.serveLog.
+func (e *fuseEnv) startServe(cgroup string) (state, sock string) {
+	t := e.t
+	t.Helper()
 	dir, err := os.MkdirTemp("", "mpfsrv-")
 	if err != nil {
 		t.Fatal(err)
 	}
 	testutil.RegisterLeakMarker(dir)
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	state, sock := filepath.Join(dir, "state"), filepath.Join(dir, "mounter.sock")
-	cmd := exec.Command(sidecarBin, "serve", "--endpoint", "unix://"+sock, "--allowed-root", state, "--v=2")
-	logf, err := os.Create(filepath.Join(dir, "serve.log"))
+	state, sock = filepath.Join(dir, "state"), filepath.Join(dir, "mounter.sock")
+	e.serveLog = filepath.Join(dir, "serve.log")
+	cmd := exec.Command(e.sidecar, "serve", "--endpoint", "unix://"+sock, "--allowed-root", state, "--config", e.config, "--v=2")
+	logf, err := os.Create(e.serveLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -501,6 +537,13 @@ func startFuseEnvServe(t *testing.T, args ...string) *fuseEnv {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	if cgroup != "" {
+		if err := testutil.JoinCgroup(cgroup, cmd.Process.Pid); err != nil {
+			_ = cmd.Process.Kill()
+			t.Fatalf("moving the sidecar into %s: %v", cgroup, err)
+		}
+	}
+	e.servePID = cmd.Process.Pid
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); logf.Close(); close(done) }()
 	t.Cleanup(func() {
@@ -525,7 +568,5 @@ func startFuseEnvServe(t *testing.T, args ...string) *fuseEnv {
 	}) {
 		t.Fatal("mountplan-sidecar serve did not listen within 10s")
 	}
-	e := startFuseEnv(t, append([]string{"--state-dir", state, "--mounter-endpoint", "unix://" + sock}, args...)...)
-	e.serveLog = filepath.Join(dir, "serve.log")
-	return e
+	return state, sock
 }

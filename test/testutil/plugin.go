@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,6 +24,10 @@ type Plugin struct {
 	StateDir string
 	Dir      string // a short temporary directory holding the socket, the state dir and the log
 	LogPath  string // its stdout and stderr, across restarts
+	// Cgroup, when set, is a cgroup directory (cgroup v1 or v2) that every
+	// start moves the process into, right after starting it and before it
+	// listens: a "container" of its own (see StartPluginInCgroup).
+	Cgroup string
 
 	t       testing.TB
 	mu      sync.Mutex
@@ -44,6 +49,14 @@ type Plugin struct {
 // cleanly, and removes DIR.
 func StartPlugin(t testing.TB, binary string, args ...string) *Plugin {
 	t.Helper()
+	return StartPluginInCgroup(t, binary, "", args...)
+}
+
+// StartPluginInCgroup is StartPlugin with the process (and every restart
+// of it) moved into cgroup, a cgroup directory the caller made, right
+// after it starts. "" means the test's own cgroup.
+func StartPluginInCgroup(t testing.TB, binary, cgroup string, args ...string) *Plugin {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "mpplug-")
 	if err != nil {
 		t.Fatal(err)
@@ -53,6 +66,7 @@ func StartPlugin(t testing.TB, binary string, args ...string) *Plugin {
 		Binary:  binary,
 		Dir:     dir,
 		LogPath: filepath.Join(dir, "plugin.log"),
+		Cgroup:  cgroup,
 		t:       t,
 	}
 	var full []string
@@ -120,6 +134,13 @@ func (p *Plugin) start() {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		p.t.Fatalf("starting plugin: %v", err)
+	}
+	if p.Cgroup != "" {
+		if err := JoinCgroup(p.Cgroup, cmd.Process.Pid); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			p.t.Fatalf("moving the plugin into %s: %v", p.Cgroup, err)
+		}
 	}
 	done := make(chan struct{})
 	p.cmd, p.done = cmd, done
@@ -228,4 +249,9 @@ func (p *Plugin) Restart() {
 func (p *Plugin) Log() string {
 	b, _ := os.ReadFile(p.LogPath)
 	return string(b)
+}
+
+// JoinCgroup moves pid into the cgroup directory cg (cgroup.procs).
+func JoinCgroup(cg string, pid int) error {
+	return os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644)
 }
