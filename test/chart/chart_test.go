@@ -684,8 +684,22 @@ func TestMounter(t *testing.T) {
 		}
 		checkHostMount(t, r, c, "pods-dir", r.kubeletDir(t)+"/pods", corev1.MountPropagationBidirectional)
 		checkHostMount(t, r, c, "kubelet-csi-dir", r.kubeletDir(t)+"/plugins/kubernetes.io/csi", corev1.MountPropagationBidirectional)
-		checkHostMount(t, r, c, "state-dir", r.stateDir(t), corev1.MountPropagationHostToContainer)
+		// FUSE daemons run in the mounter's container and mount under the
+		// state dir: their mounts must reach the host and the plugin.
+		checkHostMount(t, r, c, "state-dir", r.stateDir(t), corev1.MountPropagationBidirectional)
 		checkHostMount(t, r, c, "dev", "/dev", "")
+		// SpawnDaemon's policy is the plugin's config: the same file.
+		wantArg(t, c, "--config", configPath)
+		m, cv := r.mountAt(t, c, filepath.Dir(configPath))
+		_, pcv := r.mountAt(t, r.container(t, "plugin"), filepath.Dir(configPath))
+		if cv.ConfigMap == nil || !m.ReadOnly || cv.Name != pcv.Name {
+			t.Errorf("%s in the mounter is not the plugin's read-only ConfigMap mount", filepath.Dir(configPath))
+		}
+		// The daemons live in the mounter's cgroup: an OOM kill must not
+		// take their mounts down.
+		if _, ok := c.Resources.Limits[corev1.ResourceMemory]; ok {
+			t.Errorf("the mounter has a memory limit (%v): the FUSE daemons run in its cgroup", c.Resources.Limits.Memory())
+		}
 	})
 }
 
