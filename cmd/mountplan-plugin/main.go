@@ -41,7 +41,7 @@ func main() {
 	flag.StringVar(&f.stateDir, "state-dir", "/var/lib/mountplan", "directory for the journal, images and private mounts")
 	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
-	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket; empty: perform plans in process")
+	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket, which performs plans and runs FUSE daemons; empty: both in process")
 	flag.StringVar(&f.metricsAddress, "metrics-address", "", "serve Prometheus metrics on this address (host:port); empty: off")
 	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
 	flag.DurationVar(&f.fuseProbeInterval, "fuse-probe-interval", 2*time.Second, "how often each FUSE daemon is checked")
