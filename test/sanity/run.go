@@ -99,6 +99,9 @@ func startPlugin(t *testing.T, bin, ep, stateDir, logPath string) func() {
 	}
 	cmd := exec.Command(bin, "--endpoint", ep, "--node-id", "sanity-node", "--state-dir", stateDir, "--v=4", "--logtostderr")
 	cmd.Stdout, cmd.Stderr = logf, logf
+	// If this test process is killed (a timeout, ^C), the plugin goes too
+	// instead of living on as an orphan holding its socket.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
