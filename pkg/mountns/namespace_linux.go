@@ -24,7 +24,17 @@ type Namespace struct {
 }
 
 // Self opens the caller's own mount namespace.
-func Self() (*Namespace, error) { return open("thread-self", 0) }
+//
+// It holds no file: the caller's namespace needs no handle to be entered
+// (Do runs fn in place) and cannot go away under it. Only its identity is
+// read, with one stat, since kubelet's flow opens it twice per publish.
+func Self() (*Namespace, error) {
+	var st unix.Stat_t
+	if err := unix.Stat("/proc/thread-self/ns/mnt", &st); err != nil {
+		return nil, &os.PathError{Op: "stat", Path: "/proc/thread-self/ns/mnt", Err: err}
+	}
+	return &Namespace{inode: st.Ino, self: true}, nil
+}
 
 // OpenPID opens the mount namespace of process pid (as the caller's /proc
 // sees it). It fails with errdefs.ErrNotFound when the process does not
@@ -152,7 +162,12 @@ func (n *Namespace) enterAndRun(fn func() error, errc chan<- error) {
 // namespace's own /proc (if any) belongs to another PID namespace where this
 // thread does not exist.
 func (n *Namespace) MountInfo(filter mountinfo.FilterFunc) ([]*mountinfo.Info, error) {
-	fd, err := unix.Openat(int(n.proc.Fd()), "thread-self/mountinfo", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	dirfd := unix.AT_FDCWD
+	path := "/proc/thread-self/mountinfo"
+	if n.proc != nil {
+		dirfd, path = int(n.proc.Fd()), "thread-self/mountinfo"
+	}
+	fd, err := unix.Openat(dirfd, path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, &os.PathError{Op: "open", Path: "/proc/thread-self/mountinfo", Err: err}
 	}
