@@ -46,7 +46,7 @@ ctl probe
 step "provision and stage a 64 MiB ext4 loop volume"
 ctl create "$VOL" $((64 << 20))
 ctl stage "$VOL" "$STAGING"
-DEV=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["stage"]["source"]["device"])' "$TMP/state/volumes/$VOL.json")
+DEV=$(grep -o '"device":"/dev/[a-z0-9]*"' "$TMP/state/volumes/$VOL.json" | head -1 | cut -d'"' -f4)
 echo "staged on $DEV (backed by $(cat /sys/block/${DEV#/dev/}/loop/backing_file)); mounted in the host namespace: $(grep -c " $DEV " /proc/self/mountinfo || true) times"
 
 if command -v containerd >/dev/null && command -v runc >/dev/null && [ -x /bin/busybox ]; then
@@ -99,7 +99,7 @@ echo "$DEV: not in /proc/self/mountinfo"
 
 step "mountplan-sidecar unmount, then tear everything down"
 "$BIN/mountplan-sidecar" unmount --plugin-endpoint "$EP" --volume-id "$VOL" --pid "$PID" --target "$TARGET"
-inside "grep -c ' $TARGET ' /proc/self/mountinfo || echo 'no mount at $TARGET any more'"
+inside "if grep -q ' $TARGET ' /proc/self/mountinfo; then echo 'UNEXPECTED: still mounted at $TARGET'; else echo 'no mount at $TARGET any more'; fi"
 ctl unstage "$VOL" "$STAGING"
 ctl delete "$VOL"
 echo "volume unstaged and deleted"
