@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io/fs"
 	"path/filepath"
-	"slices"
 	"strings"
 
 	"github.com/moby/sys/mountinfo"
@@ -112,13 +111,7 @@ func topMountAt(ns *mountns.Namespace, p string) (*mountinfo.Info, error) {
 	if err != nil {
 		return nil, err
 	}
-	// The top is the one no other mount at p is stacked on.
-	for _, i := range stack {
-		if !slices.ContainsFunc(stack, func(j *mountinfo.Info) bool { return j.Parent == i.ID }) {
-			return i, nil
-		}
-	}
-	return nil, nil
+	return mountns.Top(stack), nil
 }
 
 // canonicalPath resolves symlinks in p's parent, as the mount table shows

@@ -4,11 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/mountplan/mountplan/pkg/mountns"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -46,12 +47,7 @@ func topMountAt(p string) (*mountinfo.Info, error) {
 	if err != nil {
 		return nil, err
 	}
-	for _, i := range stack {
-		if !slices.ContainsFunc(stack, func(j *mountinfo.Info) bool { return j.Parent == i.ID }) {
-			return i, nil
-		}
-	}
-	return nil, nil
+	return mountns.Top(stack), nil
 }
 
 // fuseAt returns the FUSE mount on top at p, or nil when the top is not
