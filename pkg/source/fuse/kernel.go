@@ -9,11 +9,10 @@ import (
 	"sync"
 	"time"
 
-	"github.com/mountplan/mountplan/pkg/mountns"
-
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
