@@ -46,13 +46,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
-		return nil, err
-	}
-	c, err := checkCapability(req.GetVolumeCapability())
+	c, err := checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}

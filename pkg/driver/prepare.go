@@ -20,13 +20,7 @@ import (
 // the consumer's namespace.
 func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolumeRequest) (*api.NodePrepareVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
-		return nil, err
-	}
-	c, err := checkCapability(req.GetVolumeCapability())
+	c, err := checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}

@@ -90,6 +90,18 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 	return out, nil
 }
 
+// checkStaged checks what every request about a staged volume carries:
+// its ID, the staging path and the capability it was staged with.
+func checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
+	if err := requireVolumeID(id); err != nil {
+		return capability{}, err
+	}
+	if err := requirePath("staging_target_path", stagingPath); err != nil {
+		return capability{}, err
+	}
+	return checkCapability(vc)
+}
+
 func checkCapabilities(caps []*csi.VolumeCapability) error {
 	if len(caps) == 0 {
 		return invalid("volume_capabilities are required")
