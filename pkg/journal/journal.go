@@ -142,21 +142,40 @@ func ValidID(id string) error {
 
 func (s *Store) path(id string) string { return filepath.Join(s.dir, id+".json") }
 
+// durableCopy is where the last durable write of a record is kept as
+// well: the fallback when a runtime rewrite in place was torn by a
+// machine crash (see overwriteInPlace).
+func (s *Store) durableCopy(id string) string { return s.path(id) + ".durable" }
+
 // Get returns the record of id, or an error wrapping errdefs.ErrNotFound.
 func (s *Store) Get(id string) (*Volume, error) {
 	if err := ValidID(id); err != nil {
 		return nil, err
 	}
-	b, err := os.ReadFile(s.path(id))
+	v, err := readRecord(s.path(id))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
 	}
+	if err == nil {
+		return v, nil
+	}
+	// A record that does not parse was being rewritten in place when the
+	// machine went down. Its runtime part described devices and mounts
+	// that went down with it; the durable copy holds what is on disk.
+	if dv, derr := readRecord(s.durableCopy(id)); derr == nil {
+		return dv, nil
+	}
+	return nil, fmt.Errorf("journal: record %s: %w", id, err)
+}
+
+func readRecord(path string) (*Volume, error) {
+	b, err := os.ReadFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("journal: %w", err)
+		return nil, err
 	}
 	v := &Volume{}
 	if err := json.Unmarshal(b, v); err != nil {
-		return nil, fmt.Errorf("journal: record %s is corrupt: %w", id, err)
+		return nil, fmt.Errorf("%s is corrupt: %w", filepath.Base(path), err)
 	}
 	return v, nil
 }
@@ -171,12 +190,16 @@ func (s *Store) Put(v *Volume, d Durability) error {
 	if err != nil {
 		return fmt.Errorf("journal: %w", err)
 	}
-	if d == Runtime {
-		if done, err := overwriteInPlace(s.path(v.ID), b); done || err != nil {
+	if d == Durable {
+		if err := writeFileAtomic(s.path(v.ID), b, 0o600, true); err != nil {
 			return err
 		}
+		return writeFileAtomic(s.durableCopy(v.ID), b, 0o600, true)
 	}
-	return writeFileAtomic(s.path(v.ID), b, 0o600, d == Durable)
+	if done, err := overwriteInPlace(s.path(v.ID), b); done || err != nil {
+		return err
+	}
+	return writeFileAtomic(s.path(v.ID), b, 0o600, false)
 }
 
 // pageSize bounds what one write(2) puts into the page cache in one piece:
@@ -223,8 +246,12 @@ func (s *Store) Delete(id string, d Durability) error {
 	if err := ValidID(id); err != nil {
 		return err
 	}
-	if err := os.Remove(s.path(id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("journal: %w", err)
+	// The record first, so that a crash in between leaves no record
+	// whose only trace is an old durable copy.
+	for _, p := range []string{s.path(id), s.durableCopy(id)} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("journal: %w", err)
+		}
 	}
 	if d == Durable {
 		return syncDir(s.dir)

@@ -93,7 +93,7 @@ func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
 	_ = os.Chmod(s.dir, 0o700)
 	entries, _ := os.ReadDir(filepath.Join(dir, "volumes"))
 	for _, e := range entries {
-		if e.Name() != "v.json" {
+		if e.Name() != "v.json" && e.Name() != "v.json.durable" {
 			t.Errorf("stray file %s left in the journal dir", e.Name())
 		}
 	}
@@ -138,5 +138,52 @@ func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
 		if got.Kind != v.Kind || got.Image != v.Image {
 			t.Fatalf("put %d: read back %s/%d bytes of image, want %s/%d", i, got.Kind, len(got.Image), v.Kind, len(v.Image))
 		}
+	}
+}
+
+// A runtime rewrite in place torn by a machine crash must not lose the
+// record: the durable copy (what is on disk) takes over.
+func TestTornRuntimeRecordFallsBackToDurableCopy(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := &Volume{ID: "v", Kind: KindProvisioned, Image: "/img", Format: &Format{FsType: "ext4", Done: true}}
+	if err := s.Put(v, Durable); err != nil {
+		t.Fatal(err)
+	}
+	v.Stage = &Stage{Phase: PhaseStaged, StagingPath: "/s"}
+	if err := s.Put(v, Runtime); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := s.Get("v"); err != nil || !got.Staged() {
+		t.Fatalf("runtime write not read back: %+v %v", got, err)
+	}
+	b, err := os.ReadFile(s.path("v"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(s.path("v"), b[:len(b)/2], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Get("v")
+	if err != nil {
+		t.Fatalf("torn record: %v", err)
+	}
+	if got.Stage != nil || got.Format == nil || !got.Format.Done || got.Image != "/img" {
+		t.Fatalf("fallback is not the durable copy: %+v", got)
+	}
+	list, err := s.List()
+	if err != nil || len(list) != 1 {
+		t.Fatalf("List = %v, %v", list, err)
+	}
+	if err := s.Delete("v", Durable); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Get("v"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("after Delete: %v", err)
+	}
+	if _, err := os.Stat(s.durableCopy("v")); !os.IsNotExist(err) {
+		t.Fatalf("durable copy left after Delete: %v", err)
 	}
 }
