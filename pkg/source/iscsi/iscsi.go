@@ -85,6 +85,9 @@ type Source struct {
 	rules    []config.EndpointRule
 	rulesErr error // a config that bypassed config.Load: every volume is refused
 	locks    keyedMutex
+	// run runs iscsiadm with args and returns its combined output; nil
+	// runs the real one from PATH (tests put a fake here).
+	run func(ctx context.Context, args ...string) ([]byte, error)
 }
 
 var (
@@ -237,7 +240,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	if err := s.kernelReady(); err != nil {
 		return nil, err
 	}
-	st, err := s.join(ctx, v.ID, t, portal, creds)
+	st, err := s.join(ctx, v.ID, t, portal, &creds)
 	if err != nil {
 		return nil, err
 	}
@@ -321,16 +324,46 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 	return s.release(ctx, v.ID)
 }
 
-// Adopt checks that a staged volume's session and disk are still there.
+// Adopt checks that a staged volume's session and disk are still there and
+// repairs what a reboot (or a logout behind the plugin's back) took: when
+// no session to the recorded target and portal is left, it logs in again
+// from the node record the stage wrote (the CHAP secrets are in that 0600
+// file only; a missing record is FailedPrecondition), rescans for the LUN
+// and returns the state with the new session and disk. The session is
+// registered as Stage registers it, the plugin's own when it logged in.
+// A session that shows but is not logged in is iscsid's to recover.
 func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
 	st, err := decode(v)
 	if err != nil {
 		return nil, err
 	}
-	if h := s.check(st); h.Abnormal {
-		return nil, fmt.Errorf("volume %s: %s; unstage and stage it again: %w", v.ID, h.Message, errdefs.ErrFailedPrecondition)
+	switch h := s.check(st); h.Reason {
+	case "":
+		return v.Stage.Source, nil
+	case "SessionFailed":
+		return nil, fmt.Errorf("volume %s: %s; iscsid is recovering it: %w", v.ID, h.Message, errdefs.ErrUnavailable)
+	default:
+		klog.FromContext(ctx).Info("iSCSI volume lost its session or disk; logging in again from the node record",
+			"volume", v.ID, "reason", h.Reason, "target", st.Target, "portal", st.Portal, "sid", st.SID)
 	}
-	return v.Stage.Source, nil
+	if err := s.kernelReady(); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout())
+	defer cancel()
+	t := target{portals: []string{st.Portal}, iqn: st.Target, lun: st.LUN}
+	fresh, err := s.join(ctx, v.ID, t, Portal{Address: st.Portal, TPGT: st.TPGT}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("volume %s: %w", v.ID, err)
+	}
+	// A disk that does not show leaves the session: the volume is still
+	// staged, and the next Adopt (or unstage) finds the session.
+	if err := s.waitDisk(ctx, &fresh); err != nil {
+		return nil, fmt.Errorf("volume %s: %w", v.ID, err)
+	}
+	fresh.FsType = st.FsType
+	klog.FromContext(ctx).Info("iSCSI volume reattached", "volume", v.ID, "sid", fresh.SID, "device", fresh.Device)
+	return json.Marshal(fresh)
 }
 
 // Health reports a session that is gone or failed, or a disk that vanished.

@@ -57,7 +57,14 @@ func (s *Source) sessionDir(key string) string {
 
 // join marks volume id as a user of the session to t at p, logging in
 // when there is no session yet, and returns the state without the disk.
-func (s *Source) join(ctx context.Context, id string, t target, p Portal, c credentials) (State, error) {
+//
+// With c (a stage), a login writes c into the node record first, and a
+// failure leaves the session as it was before. With c nil (Adopt of a
+// staged volume whose session was lost), a login uses the node record as
+// the stage left it, which still holds the CHAP fields, so the secrets
+// never pass through the plugin again; a failure keeps the volume's
+// marker, since the volume is still staged, and the next Adopt tries again.
+func (s *Source) join(ctx context.Context, id string, t target, p Portal, c *credentials) (State, error) {
 	key := sessionKey(t.iqn, p.Address)
 	unlock := s.locks.lock(key)
 	defer unlock()
@@ -75,8 +82,10 @@ func (s *Source) join(ctx context.Context, id string, t target, p Portal, c cred
 		sid, err = s.login(ctx, dir, t.iqn, p, c)
 	}
 	if err != nil {
-		if rerr := s.leave(context.WithoutCancel(ctx), key, id); rerr != nil {
-			klog.FromContext(ctx).Error(rerr, "Rollback: leaving the iSCSI session failed", "target", t.iqn)
+		if c != nil {
+			if rerr := s.leave(context.WithoutCancel(ctx), key, id); rerr != nil {
+				klog.FromContext(ctx).Error(rerr, "Rollback: leaving the iSCSI session failed", "target", t.iqn)
+			}
 		}
 		return State{}, err
 	}
@@ -84,33 +93,39 @@ func (s *Source) join(ctx context.Context, id string, t target, p Portal, c cred
 	return st, nil
 }
 
-// login writes the node record with the credentials, logs in and records
-// the new session as the plugin's own.
-func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c credentials) (int, error) {
+// login logs in to iqn at p and records the new session as the plugin's
+// own. With c it first creates the node record if there is none and writes
+// c's CHAP fields into it; with c nil it logs in with the record as it is,
+// and a missing record is ErrFailedPrecondition: the secrets went with it.
+func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c *credentials) (int, error) {
 	own := owner{Target: iqn, Portal: p.Address, TPGT: p.TPGT}
 	rec, existed, err := s.recordPath(iqn, p)
 	if err != nil {
 		return 0, err
 	}
-	own.CreatedRecord = !existed
+	if c == nil && !existed {
+		return 0, fmt.Errorf("the iSCSI session to %s at %s is gone and so is its node record %s, which held the CHAP credentials (the plugin keeps them nowhere else): unstage the volume and stage it again: %w",
+			iqn, p.Address, filepath.Dir(rec), errdefs.ErrFailedPrecondition)
+	}
+	// A record the plugin made for an earlier session to the same target
+	// stays the plugin's to delete, whoever made the session that ended.
+	prev, err := readOwner(dir)
+	if err != nil {
+		return 0, err
+	}
+	own.CreatedRecord = !existed || (prev != nil && prev.CreatedRecord && prev.Target == iqn && prev.Portal == p.Address)
 	if err := writeJSON(filepath.Join(dir, "owner.json"), own); err != nil {
 		return 0, err
 	}
-	if !existed {
-		if _, err := s.adm(ctx, c, "-m", "node", "-o", "new", "-T", iqn, "-p", fmt.Sprintf("%s,%d", p.Address, p.TPGT)); err != nil {
+	var redact credentials
+	if c != nil {
+		redact = *c
+		if err := s.writeRecord(ctx, iqn, p, rec, existed, *c); err != nil {
 			return 0, err
 		}
-		if rec, existed, err = s.recordPath(iqn, p); err != nil {
-			return 0, err
-		} else if !existed {
-			return 0, fmt.Errorf("iscsiadm created no node record for %s at %s under %s (check iscsi.nodeDBDir): %w", iqn, p.Address, s.Config.NodeDBDir, errdefs.ErrFailedPrecondition)
-		}
-	}
-	if err := writeAuth(rec, c); err != nil {
-		return 0, err
 	}
 	err = s.Metrics.Step("iscsi_login", func() error {
-		_, err := s.adm(ctx, c, "-m", "node", "-T", iqn, "-p", p.Address, "--login")
+		_, err := s.adm(ctx, redact, "-m", "node", "-T", iqn, "-p", p.Address, "--login")
 		return err
 	})
 	if err != nil {
@@ -125,6 +140,39 @@ func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c credent
 	}
 	own.SID = sid
 	return sid, writeJSON(filepath.Join(dir, "owner.json"), own)
+}
+
+// writeRecord creates iqn's node record at p unless it exists and writes
+// c's CHAP fields into it (the record at rec).
+func (s *Source) writeRecord(ctx context.Context, iqn string, p Portal, rec string, existed bool, c credentials) error {
+	if !existed {
+		if _, err := s.adm(ctx, c, "-m", "node", "-o", "new", "-T", iqn, "-p", fmt.Sprintf("%s,%d", p.Address, p.TPGT)); err != nil {
+			return err
+		}
+		var err error
+		if rec, existed, err = s.recordPath(iqn, p); err != nil {
+			return err
+		} else if !existed {
+			return fmt.Errorf("iscsiadm created no node record for %s at %s under %s (check iscsi.nodeDBDir): %w", iqn, p.Address, s.Config.NodeDBDir, errdefs.ErrFailedPrecondition)
+		}
+	}
+	return writeAuth(rec, c)
+}
+
+// readOwner reads dir's owner record; nil when there is none.
+func readOwner(dir string) (*owner, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "owner.json"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var own owner
+	if err := json.Unmarshal(b, &own); err != nil {
+		return nil, fmt.Errorf("%s/owner.json: %w", dir, err)
+	}
+	return &own, nil
 }
 
 // release removes volume id from every session it uses (normally one).
@@ -157,21 +205,17 @@ func (s *Source) leave(ctx context.Context, key, id string) error {
 	if len(users) > 0 {
 		return nil
 	}
-	var own owner
-	b, err := os.ReadFile(filepath.Join(dir, "owner.json"))
-	switch {
-	case err == nil:
-		if err := json.Unmarshal(b, &own); err != nil {
-			return fmt.Errorf("%s/owner.json: %w", dir, err)
-		}
-		if err := s.logout(ctx, own); err != nil {
+	own, err := readOwner(dir)
+	if err != nil {
+		return err
+	}
+	if own != nil {
+		if err := s.logout(ctx, *own); err != nil {
 			return err
 		}
 		if err := os.Remove(filepath.Join(dir, "owner.json")); err != nil {
 			return err
 		}
-	case !errors.Is(err, fs.ErrNotExist):
-		return err
 	}
 	_ = os.Remove(filepath.Join(dir, "users"))
 	_ = os.Remove(dir)
@@ -279,8 +323,13 @@ const iscsiadm = "iscsiadm"
 // adm runs iscsiadm. Its output is kept in errors with c's secrets blotted
 // out, in case a future iscsiadm echoes a record.
 func (s *Source) adm(ctx context.Context, c credentials, args ...string) (string, error) {
-	cmd := exec.CommandContext(ctx, iscsiadm, args...)
-	out, err := cmd.CombinedOutput()
+	var out []byte
+	var err error
+	if s.run != nil {
+		out, err = s.run(ctx, args...)
+	} else {
+		out, err = exec.CommandContext(ctx, iscsiadm, args...).CombinedOutput()
+	}
 	text := redact(strings.TrimSpace(string(out)), c.secrets())
 	if len(text) > 1024 {
 		text = text[:1024] + " …(truncated)"
@@ -317,13 +366,19 @@ func exitSentinel(code int) error {
 	return errdefs.ErrFailedPrecondition
 }
 
+// passwordField is a CHAP password field as a node record (or iscsiadm
+// printing one) shows it.
+var passwordField = regexp.MustCompile(`(?m)(auth\.password(?:_in)?[ \t]*=[ \t]*)[^\n]*`)
+
+// redact blots out secrets, and the value of any password field, which
+// covers a re-login whose secrets the plugin never reads.
 func redact(s string, secrets []string) string {
 	for _, sec := range secrets {
 		if sec != "" {
 			s = strings.ReplaceAll(s, sec, "[redacted]")
 		}
 	}
-	return s
+	return passwordField.ReplaceAllString(s, "${1}[redacted]")
 }
 
 // findSession returns the SID of a session to iqn through portal, or 0.
@@ -428,7 +483,7 @@ func sleep(ctx context.Context, d time.Duration) error {
 func (s *Source) check(st State) source.Health {
 	sess := filepath.Join(s.SysDir, "class", "iscsi_session", fmt.Sprintf("session%d", st.SID))
 	if readTrim(filepath.Join(sess, "targetname")) != st.Target {
-		return source.Health{Abnormal: true, Reason: "SessionGone", Message: fmt.Sprintf("iSCSI session %d to %s is gone", st.SID, st.Target)}
+		return source.Health{Abnormal: true, Reason: "SessionGone", Message: fmt.Sprintf("iSCSI session %d to %s at %s is gone; the plugin logs in again from the node record when it next reconciles", st.SID, st.Target, st.Portal)}
 	}
 	if state := readTrim(filepath.Join(sess, "state")); state != "" && state != "LOGGED_IN" {
 		return source.Health{Abnormal: true, Reason: "SessionFailed", Message: fmt.Sprintf("iSCSI session %d to %s is %s", st.SID, st.Target, state)}
