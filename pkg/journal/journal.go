@@ -2,9 +2,15 @@
 //
 // The driver writes a record's intent before each side effect (a phase such
 // as "staging") and its completion after it, so that after a crash the
-// reconciler knows what may be half done and how to undo it. Every write is
-// atomic: a temp file in the same directory, fsync, rename, fsync of the
-// directory. The layout explains itself: volumes/<id>.json, readable with cat.
+// reconciler knows what may be half done and how to undo it.
+//
+// Writes come in two durabilities. A durable write (an image was created, a
+// format is under way) goes through a temp file, fsync, rename and fsync of
+// the directory, and is kept twice: volumes/<id>.json and <id>.json.durable.
+// A runtime write (devices, mounts, consumers: state a reboot erases anyway)
+// rewrites <id>.json in place with one write and no fsync, which survives a
+// crash of the plugin; if a machine crash tears it, Get falls back to the
+// durable copy. The layout explains itself and reads with cat.
 package journal
 
 import (
