@@ -77,7 +77,13 @@ func requireGuest(t *testing.T) {
 // mountplan-plugin does without a sidecar.
 func newDriver(t *testing.T, cfg *config.Config, sources map[string]source.Source) (*driver.Driver, string) {
 	t.Helper()
-	stateDir := t.TempDir()
+	return newDriverAt(t, cfg, sources, t.TempDir())
+}
+
+// newDriverAt builds the driver over stateDir and reconciles, as a
+// (re)started plugin does.
+func newDriverAt(t *testing.T, cfg *config.Config, sources map[string]source.Source, stateDir string) (*driver.Driver, string) {
+	t.Helper()
 	cfg.DefaultFsType = "ext4"
 	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, Config: cfg,
 		Mounter: &mounter.Executor{Policy: driver.PolicyFor(cfg, stateDir), RemoveMountPoint: true}, Sources: sources})
@@ -339,16 +345,8 @@ func TestISCSI(t *testing.T) {
 	startIscsid(t)
 	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{64 << 20}, CHAPUser: chapUser, CHAPPassword: chapPassword})
 	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
-	shimDir := t.TempDir()
-	argvLog := filepath.Join(shimDir, "argv.log")
-	shim := filepath.Join(shimDir, "iscsiadm")
-	script := "#!/bin/sh\necho \"$0 $*\" >> " + argvLog + "\nexec /usr/sbin/iscsiadm \"$@\"\n"
-	if err := os.WriteFile(shim, []byte(script), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	stateDir := t.TempDir()
-	src := iscsi.New(cfg.ISCSI, filepath.Join(stateDir, "iscsi-src"), nil)
-	t.Setenv("PATH", shimDir+":"+os.Getenv("PATH")) // the plugin runs "iscsiadm" from PATH: the shim
+	argvLog := iscsiadmShim(t)
+	src := iscsi.New(cfg.ISCSI, filepath.Join(t.TempDir(), "iscsi-src"), nil)
 	d, stateDir := newDriver(t, cfg, map[string]source.Source{iscsi.Type: src})
 	secrets := map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword}
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-vol", secrets: secrets,
@@ -416,6 +414,148 @@ func TestISCSI(t *testing.T) {
 	}
 	if bytes.Contains(argv, []byte(chapPassword)) || bytes.Contains(argv, []byte(" -v ")) {
 		t.Fatalf("iscsiadm was given the password or a -v value:\n%s", argv)
+	}
+	t.Logf("iscsiadm calls (recorded by a shim):\n%s", argv)
+	if strings.Contains(logs.String(), chapPassword) {
+		t.Fatal("a log line shows the CHAP password")
+	}
+}
+
+// iscsiadmShim puts a recording iscsiadm first on PATH (the plugin runs
+// "iscsiadm" from PATH) and returns the file its argv lines go to.
+func iscsiadmShim(t *testing.T) string {
+	t.Helper()
+	shimDir := t.TempDir()
+	argvLog := filepath.Join(shimDir, "argv.log")
+	script := "#!/bin/sh\necho \"$0 $*\" >> " + argvLog + "\nexec /usr/sbin/iscsiadm \"$@\"\n"
+	if err := os.WriteFile(filepath.Join(shimDir, "iscsiadm"), []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", shimDir+":"+os.Getenv("PATH"))
+	return argvLog
+}
+
+// health returns the volume's abnormal health entry, or nil.
+func health(t *testing.T, d *driver.Driver, id string) *csi.VolumeHealth_VolumeHealthEntry {
+	t.Helper()
+	resp, err := d.NodeGetVolumeHealth(context.Background(), &csi.NodeGetVolumeHealthRequest{VolumeId: id})
+	if err != nil {
+		t.Fatalf("NodeGetVolumeHealth: %v", err)
+	}
+	if h := resp.GetVolumeHealth().GetHealthStatuses(); len(h) > 0 {
+		return h[0]
+	}
+	return nil
+}
+
+// TestISCSIReattach: a staged, published CHAP volume whose session is
+// logged out behind the plugin's back reports abnormal health; a new
+// driver over the same state dir (a restarted plugin) logs in again from
+// the node record in its Reconcile, the data reads back through a new
+// mount, and unstage logs out and removes the record. The password is in
+// no argv, environment or log line during the re-login either.
+func TestISCSIReattach(t *testing.T) {
+	requireGuest(t)
+	startIscsid(t)
+	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{64 << 20}, CHAPUser: chapUser, CHAPPassword: chapPassword})
+	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
+	argvLog := iscsiadmShim(t)
+	srcState := filepath.Join(t.TempDir(), "iscsi-src")
+	d, stateDir := newDriver(t, cfg, map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, nil)})
+	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-re", secrets: map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword},
+		vctx: map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": "1"}}
+	if err := f.stage(); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	before := f.state()
+	f.publish()
+	want := []byte("written before the session was lost\n")
+	file, err := os.Create(filepath.Join(f.target(), "kept.txt"))
+	if err == nil {
+		_, err = file.Write(want)
+	}
+	if err == nil {
+		err = file.Sync()
+	}
+	if err == nil {
+		err = file.Close()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := health(t, d, f.id); h != nil {
+		t.Fatalf("health after stage: %v", h)
+	}
+
+	// Behind the plugin's back: the session ends (as a reboot ends it).
+	ss := sessions()
+	if len(ss) != 1 {
+		t.Fatalf("sessions %v, want 1", ss)
+	}
+	oldSID := strings.TrimPrefix(filepath.Base(ss[0]), "session")
+	if out, err := exec.Command("/usr/sbin/iscsiadm", "-m", "session", "-r", oldSID, "-u").CombinedOutput(); err != nil {
+		t.Fatalf("iscsiadm logout: %v\n%s", err, out)
+	}
+	if s := sessions(); len(s) != 0 {
+		t.Fatalf("sessions after the logout: %v", s)
+	}
+	h := health(t, d, f.id)
+	if h == nil || h.GetReason() != "SessionGone" {
+		t.Fatalf("health with the session gone: %v, want SessionGone", h)
+	}
+	t.Logf("health with the session gone: %v", h)
+
+	// A restarted plugin: a new source and driver over the same state.
+	w := watchSecret(chapPassword)
+	start := time.Now()
+	d2, _ := newDriverAt(t, cfg, map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, nil)}, stateDir)
+	hits, scans := w.finish()
+	t.Logf("reconcile with re-login: %v", time.Since(start))
+	if hits != 0 || scans < 2 {
+		t.Fatalf("the CHAP password was seen in /proc/*/cmdline or environ %d times (%d scans) during the re-login", hits, scans)
+	}
+	ss = sessions()
+	if len(ss) != 1 || strings.TrimPrefix(filepath.Base(ss[0]), "session") == oldSID {
+		t.Fatalf("sessions after reconcile: %v (old session %s), want one new session", ss, oldSID)
+	}
+	after := f.state()
+	newSID := strings.TrimPrefix(filepath.Base(ss[0]), "session")
+	if !after.has(`"sid":`+newSID+`,`) || !after.has(`"fsType":"ext4"`) {
+		t.Fatalf("state after reconcile %s, want sid %s (before: %s)", after, newSID, before)
+	}
+	t.Logf("state before %s\nstate after reconcile %s", before, after)
+	if h := health(t, d2, f.id); h != nil {
+		t.Fatalf("health after reconcile: %v", h)
+	}
+
+	// The old publish still shows the dead disk: unmount and mount again.
+	f.d = d2
+	f.unpublish()
+	f.publish()
+	got, err := os.ReadFile(filepath.Join(f.target(), "kept.txt"))
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read back after the re-login: %q, %v; want %q", got, err, want)
+	}
+	f.unpublish()
+	if err := f.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
+	}
+	if s := sessions(); len(s) != 0 {
+		t.Fatalf("sessions left after unstage: %v", s)
+	}
+	if recs, _ := filepath.Glob("/etc/iscsi/nodes/*"); len(recs) != 0 {
+		t.Fatalf("node records left after unstage: %v", recs)
+	}
+
+	argv, err := os.ReadFile(argvLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(argv, []byte(chapPassword)) || bytes.Contains(argv, []byte(" -v ")) {
+		t.Fatalf("iscsiadm was given the password or a -v value:\n%s", argv)
+	}
+	if n := bytes.Count(argv, []byte(" --login")); n != 2 {
+		t.Fatalf("iscsiadm logins %d, want 2 (stage, re-login):\n%s", n, argv)
 	}
 	t.Logf("iscsiadm calls (recorded by a shim):\n%s", argv)
 	if strings.Contains(logs.String(), chapPassword) {
