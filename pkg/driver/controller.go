@@ -227,6 +227,14 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if v.Kind != journal.KindProvisioned {
 		return nil, fmt.Errorf("volume %s is %s, not provisioned: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
 	}
+	// Deleting an image a loop device still reads would leave that device
+	// serving a file nobody can see or clean up: refuse until it is gone.
+	if devs, err := loop.AttachedDevices(v.Image); err != nil || len(devs) > 0 {
+		if err != nil {
+			return nil, err
+		}
+		return nil, fmt.Errorf("volume %s: image %s is still attached to %s: %w", id, v.Image, strings.Join(devs, ", "), errdefs.ErrFailedPrecondition)
+	}
 	if err := loop.RemoveImage(v.Image); err != nil {
 		return nil, err
 	}

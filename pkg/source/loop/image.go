@@ -9,6 +9,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -100,4 +101,23 @@ func ResolveStaticImage(image string, roots []string) (string, error) {
 // ImagePath is where a provisioned or ephemeral volume's image lives.
 func ImagePath(stateDir string, kind journal.Kind, id string) string {
 	return filepath.Join(stateDir, "images", string(kind), id+".img")
+}
+
+// AttachedDevices lists the loop devices still backed by image, whoever
+// attached them (a leaked mount elsewhere, an admin's losetup). An image
+// that does not exist has none.
+func AttachedDevices(image string) ([]string, error) {
+	devs, err := loopdev.FindByBacking(image)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	paths := make([]string, 0, len(devs))
+	for _, d := range devs {
+		paths = append(paths, d.Path)
+		_ = d.Close()
+	}
+	return paths, nil
 }
