@@ -77,7 +77,7 @@ func TestFuseBadInput(t *testing.T) {
 				return '-'
 			}, id)
 			err := e.tryStage(id, c.vctx, c.secrets)
-			fuseWantCode(t, "NodeStageVolume", err, codes.InvalidArgument)
+			testutil.WantCode(t, "NodeStageVolume", err, codes.InvalidArgument)
 			if err != nil && strings.Contains(err.Error(), canary) {
 				t.Errorf("the error names a secret's value: %v", err)
 			}
@@ -100,7 +100,7 @@ func TestFuseBadInput(t *testing.T) {
 		VolumeCapability: &csi.VolumeCapability{AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
 			AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}},
 		VolumeContext: map[string]string{"type": "fuse", "profile": "rclone", "source": inRoot}})
-	fuseWantCode(t, "NodeStageVolume for block access", err, codes.InvalidArgument)
+	testutil.WantCode(t, "NodeStageVolume for block access", err, codes.InvalidArgument)
 	if ps := fuseChildrenOf(e.plugin.PID()); len(ps) > 0 {
 		t.Errorf("refused stages started processes: %v", ps)
 	}

@@ -99,7 +99,7 @@ func fuseContainerRestart(t *testing.T) {
 	e.plugin.Restart()
 	e.waitReady()
 	fuseWantInCgroup(t, "the restarted plugin", e.plugin.PID(), plugCg, sideCg)
-	if !fusePoll(10*time.Second, 20*time.Millisecond, func() bool { return e.state(id).Daemon.PID == d.PID }) {
+	if !testutil.Poll(10*time.Second, 20*time.Millisecond, func() bool { return e.state(id).Daemon.PID == d.PID }) {
 		t.Errorf("after the restart the journal records daemon %+v, want pid %d", e.state(id).Daemon, d.PID)
 	}
 	if got := e.daemon(id); got.PID != d.PID || got.Generation != 1 {
@@ -190,7 +190,7 @@ func fuseCgroups(t *testing.T) (a, b string) {
 				t.Errorf("processes left in %s: %v", cg, killed)
 			}
 			var err error
-			fusePoll(5*time.Second, 10*time.Millisecond, func() bool {
+			testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool {
 				err = os.Remove(cg)
 				return err == nil || errors.Is(err, os.ErrNotExist)
 			})
@@ -227,7 +227,7 @@ func fuseCgroupProcs(cg string) []int {
 // when a container stops: SIGKILL to each, again, until none is left.
 func fuseKillCgroup(t *testing.T, cg string) (killed []int) {
 	t.Helper()
-	ok := fusePoll(10*time.Second, 10*time.Millisecond, func() bool {
+	ok := testutil.Poll(10*time.Second, 10*time.Millisecond, func() bool {
 		ps := fuseCgroupProcs(cg)
 		for _, pid := range ps {
 			if syscall.Kill(pid, syscall.SIGKILL) == nil && !slices.Contains(killed, pid) {

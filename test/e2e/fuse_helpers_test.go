@@ -23,8 +23,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/endpoint"
@@ -128,7 +126,7 @@ func (e *fuseEnv) startPlugin(cgroup string, args ...string) {
 
 func (e *fuseEnv) waitReady() {
 	e.t.Helper()
-	ok := fusePoll(30*time.Second, 20*time.Millisecond, func() bool {
+	ok := testutil.Poll(30*time.Second, 20*time.Millisecond, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		resp, err := e.ids.Probe(ctx, &csi.ProbeRequest{})
@@ -297,26 +295,6 @@ func fuseProcsMentioning(s string) map[int]string {
 // fuseAlive reports whether d's process still runs (same start time).
 func fuseAlive(d fuse.Daemon) bool { return d.Alive() }
 
-func fusePoll(timeout, interval time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(interval)
-	}
-}
-
-func fuseWantCode(t *testing.T, what string, err error, want codes.Code) {
-	t.Helper()
-	if got := status.Code(err); got != want {
-		t.Errorf("%s: got %v (%v), want %v", what, got, err, want)
-	}
-}
-
 // fuseFreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 func fuseFreePort(t *testing.T) int {
 	t.Helper()
@@ -417,7 +395,7 @@ LogLevel ERROR
 		}
 		s.done = make(chan struct{})
 		go func(c *exec.Cmd, done chan struct{}) { _ = c.Wait(); close(done) }(s.cmd, s.done)
-		up := fusePoll(5*time.Second, 10*time.Millisecond, func() bool {
+		up := testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool {
 			select {
 			case <-s.done:
 				return true
@@ -559,7 +537,7 @@ func (e *fuseEnv) startServe(cgroup string) (state, sock string) {
 			t.Logf("mountplan-sidecar serve log:\n%s", b)
 		}
 	})
-	if !fusePoll(10*time.Second, 10*time.Millisecond, func() bool {
+	if !testutil.Poll(10*time.Second, 10*time.Millisecond, func() bool {
 		c, err := net.Dial("unix", sock)
 		if err == nil {
 			c.Close()

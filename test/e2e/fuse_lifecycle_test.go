@@ -207,7 +207,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 		sawAbnormal.Store(h)
 	}
 	var healErr error
-	healed := fusePoll(5*time.Second, 10*time.Millisecond, func() bool {
+	healed := testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool {
 		healErr = readWrite("healed")
 		return healErr == nil
 	})
@@ -219,7 +219,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	}
 	t.Logf("heal time after kill -9 of the %s daemon: %v (kill to the first successful read and write inside the container)", c.name, heal.Round(time.Millisecond))
 	// Health turns normal once the consumers are re-attached.
-	if !fusePoll(5*time.Second, 10*time.Millisecond, func() bool { h, err := e.health(id); return err == nil && h == "" }) {
+	if !testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool { h, err := e.health(id); return err == nil && h == "" }) {
 		h, err := e.health(id)
 		t.Errorf("health after the heal: %q, %v", h, err)
 	}
@@ -271,7 +271,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	e.plugin.Restart()
 	e.waitReady()
 	// The startup reconcile adopts the same process and records it.
-	if !fusePoll(10*time.Second, 20*time.Millisecond, func() bool { return e.state(id).Daemon.PID == second.PID }) {
+	if !testutil.Poll(10*time.Second, 20*time.Millisecond, func() bool { return e.state(id).Daemon.PID == second.PID }) {
 		t.Errorf("after the plugin's restart the journal records daemon %+v, want pid %d", e.state(id).Daemon, second.PID)
 	}
 	if !fuseAlive(second) {
@@ -347,5 +347,5 @@ func fuseCheckBind(t *testing.T, pid int, mountPoint string, conn uint64) {
 // fuseBackendHolds waits a little for a write made through the mount to
 // reach the backend: sshfs sends writes to the server asynchronously.
 func fuseBackendHolds(backend func(string) string, name, want string) bool {
-	return fusePoll(2*time.Second, 10*time.Millisecond, func() bool { return backend(name) == want })
+	return testutil.Poll(2*time.Second, 10*time.Millisecond, func() bool { return backend(name) == want })
 }

@@ -105,7 +105,7 @@ func TestFuseHungDaemon(t *testing.T) {
 	}
 
 	var abnormal string
-	healed := fusePoll(10*time.Second, 20*time.Millisecond, func() bool {
+	healed := testutil.Poll(10*time.Second, 20*time.Millisecond, func() bool {
 		if h, err := e.health(id); err == nil && h != "" && abnormal == "" {
 			abnormal = h
 		}
@@ -123,10 +123,10 @@ func TestFuseHungDaemon(t *testing.T) {
 	if second.PID == first.PID || second.Generation != 2 || !fuseAlive(second) {
 		t.Errorf("after the hang daemon.json records %+v", second)
 	}
-	if fusePoll(5*time.Second, 20*time.Millisecond, func() bool { return !fuseAlive(first) }) == false {
+	if testutil.Poll(5*time.Second, 20*time.Millisecond, func() bool { return !fuseAlive(first) }) == false {
 		t.Errorf("the hung daemon %d still runs", first.PID)
 	}
-	if !fusePoll(5*time.Second, 20*time.Millisecond, func() bool { h, err := e.health(id); return err == nil && h == "" }) {
+	if !testutil.Poll(5*time.Second, 20*time.Millisecond, func() bool { h, err := e.health(id); return err == nil && h == "" }) {
 		t.Error("health did not return to normal")
 	}
 	if _, err := e.node.NodeGetVolumeStats(e.ctx(), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target}); err != nil {
@@ -171,7 +171,7 @@ func TestFuseRepairAndOrphans(t *testing.T) {
 	if err := os.Remove(filepath.Join(e.plugin.StateDir, "volumes", orphan+".json")); err != nil {
 		t.Fatal(err)
 	}
-	if !fusePoll(5*time.Second, 10*time.Millisecond, func() bool { return !fuseAlive(dead) }) {
+	if !testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool { return !fuseAlive(dead) }) {
 		t.Fatal("the killed daemon did not exit")
 	}
 	if _, err := ns.Exec(t, "cat", filepath.Join(mp, "hello.txt")); err == nil {
@@ -181,7 +181,7 @@ func TestFuseRepairAndOrphans(t *testing.T) {
 	e.waitReady()
 
 	// The orphan: gone without anyone asking.
-	if !fusePoll(10*time.Second, 20*time.Millisecond, func() bool {
+	if !testutil.Poll(10*time.Second, 20*time.Millisecond, func() bool {
 		_, err := os.Lstat(e.volDir(orphan))
 		return os.IsNotExist(err) && !fuseAlive(lost)
 	}) {
@@ -190,7 +190,7 @@ func TestFuseRepairAndOrphans(t *testing.T) {
 	e.checkClean(orphan)
 
 	// The repaired volume: a new daemon, and the consumer reads again.
-	if !fusePoll(10*time.Second, 20*time.Millisecond, func() bool {
+	if !testutil.Poll(10*time.Second, 20*time.Millisecond, func() bool {
 		out, err := ns.Exec(t, "cat", filepath.Join(mp, "hello.txt"))
 		return err == nil && out == "from squashfs\n"
 	}) {
@@ -200,7 +200,7 @@ func TestFuseRepairAndOrphans(t *testing.T) {
 	if d.PID == dead.PID || d.Generation != 2 || !fuseAlive(d) {
 		t.Errorf("repaired volume's daemon: %+v", d)
 	}
-	if !fusePoll(5*time.Second, 20*time.Millisecond, func() bool { h, err := e.health(repaired); return err == nil && h == "" }) {
+	if !testutil.Poll(5*time.Second, 20*time.Millisecond, func() bool { h, err := e.health(repaired); return err == nil && h == "" }) {
 		h, err := e.health(repaired)
 		t.Errorf("health of the repaired volume: %q, %v", h, err)
 	}

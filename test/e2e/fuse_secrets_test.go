@@ -54,7 +54,7 @@ func TestFuseSecrets(t *testing.T) {
 	wrongHost := "[127.0.0.1]:1 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE4AcDPJMrbvdEYdmQ2LqG1oD2CQ1Q2Y8UR1VtIDX0Y1\n"
 	err := e.tryStage(id, vctx, map[string]string{"sshKey": s.UserKey, "knownHosts": wrongHost})
 	t.Logf("stage with a wrong host key: %v", err)
-	fuseWantCode(t, "NodeStageVolume with a wrong host key", err, codes.Unavailable)
+	testutil.WantCode(t, "NodeStageVolume with a wrong host key", err, codes.Unavailable)
 	if err != nil {
 		noSecret("the stage error", err.Error())
 		if !strings.Contains(err.Error(), "log ends with") {

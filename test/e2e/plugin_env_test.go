@@ -22,8 +22,6 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/journal"
@@ -424,12 +422,12 @@ func plugOneLoop(t *testing.T, image string) plugLoop {
 func plugWaitNoLoop(t *testing.T, image string) {
 	t.Helper()
 	var ls []plugLoop
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if ls = plugLoopsBackedBy(t, image); len(ls) == 0 {
-			return
-		}
+	if !testutil.Poll(5*time.Second, 20*time.Millisecond, func() bool {
+		ls = plugLoopsBackedBy(t, image)
+		return len(ls) == 0
+	}) {
+		t.Fatalf("loop devices still backed by %s: %+v", image, ls)
 	}
-	t.Fatalf("loop devices still backed by %s: %+v", image, ls)
 }
 
 // checkStagedLoop checks the record of a staged volume against sysfs: the
@@ -542,14 +540,6 @@ func plugReadFile(t *testing.T, p string) string {
 		t.Fatalf("read %s: %v", p, err)
 	}
 	return string(b)
-}
-
-// plugWantCode fails unless err carries code.
-func plugWantCode(t *testing.T, what string, err error, code codes.Code) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Errorf("%s: got %v (%v), want %v", what, status.Code(err), err, code)
-	}
 }
 
 func plugRun(t *testing.T, name string, args ...string) {

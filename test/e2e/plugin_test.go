@@ -63,7 +63,7 @@ func TestPluginProvisionedLifecycle(t *testing.T) {
 				t.Errorf("repeated stage: device %+v, was %+v", again, l)
 			}
 			_, err := e.ctl.DeleteVolume(plugCtx(t), &csi.DeleteVolumeRequest{VolumeId: id})
-			plugWantCode(t, "DeleteVolume while staged", err, codes.FailedPrecondition)
+			testutil.WantCode(t, "DeleteVolume while staged", err, codes.FailedPrecondition)
 
 			target := e.target(id, "mnt")
 			e.publish(id, target, c, false, nil)
@@ -256,7 +256,7 @@ func TestPluginStaticImage(t *testing.T) {
 			e := e.with(t)
 			id := "static-bad-" + strconv.Itoa(i)
 			err := e.tryStage(id, plugMountCap("", plugRWO), tc.vctx, nil)
-			plugWantCode(t, "NodeStageVolume", err, tc.code)
+			testutil.WantCode(t, "NodeStageVolume", err, tc.code)
 			if ids := e.records(); len(ids) != 0 {
 				t.Errorf("records left under %s/volumes: %v", e.state, ids)
 			}
@@ -332,7 +332,7 @@ func TestPluginEphemeral(t *testing.T) {
 	} {
 		_, err := e.node.NodePublishVolume(plugCtx(t), &csi.NodePublishVolumeRequest{
 			VolumeId: id, TargetPath: target, VolumeCapability: plugMountCap("", plugRWO), VolumeContext: bad})
-		plugWantCode(t, "inline publish with context "+strings.Join(plugKeys(bad), ","), err, codes.InvalidArgument)
+		testutil.WantCode(t, "inline publish with context "+strings.Join(plugKeys(bad), ","), err, codes.InvalidArgument)
 		e.noRecord(id)
 		if _, err := os.Stat(img); !errors.Is(err, fs.ErrNotExist) {
 			t.Errorf("failed inline publish left its image: %v", err)
@@ -414,7 +414,7 @@ func TestPluginStatsAndExpand(t *testing.T) {
 			{"an unknown volume", "vol-unknown", target},
 		} {
 			_, err := e.node.NodeGetVolumeStats(plugCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: tc.id, VolumePath: tc.path})
-			plugWantCode(t, "NodeGetVolumeStats on "+tc.name, err, codes.NotFound)
+			testutil.WantCode(t, "NodeGetVolumeStats on "+tc.name, err, codes.NotFound)
 		}
 		e.unpublish(id, target)
 		e.unstage(id)
@@ -451,7 +451,7 @@ func TestPluginStatsAndExpand(t *testing.T) {
 				VolumeId: id, VolumePath: target, StagingTargetPath: e.staging(id),
 				CapacityRange: &csi.CapacityRange{RequiredBytes: tc.grow}, VolumeCapability: c})
 			if tc.needsSysRsrc && !plugCapEff(t, e.p.PID(), unix.CAP_SYS_RESOURCE) {
-				plugWantCode(t, "NodeExpandVolume of a mounted ext4 without CAP_SYS_RESOURCE", err, codes.FailedPrecondition)
+				testutil.WantCode(t, "NodeExpandVolume of a mounted ext4 without CAP_SYS_RESOURCE", err, codes.FailedPrecondition)
 				if !strings.Contains(status.Convert(err).Message(), "CAP_SYS_RESOURCE") {
 					t.Errorf("message %q does not name CAP_SYS_RESOURCE", status.Convert(err).Message())
 				}

@@ -87,7 +87,7 @@ func TestPrepareBadInput(t *testing.T) {
 				c = prepBlockCap()
 			}
 			_, err := e.prepare(tc.volume, c, tc.pid, tc.target)
-			prepWantCode(t, "NodePrepareVolume", err, tc.code)
+			testutil.WantCode(t, "NodePrepareVolume", err, tc.code)
 			for _, id := range []string{staged, unstaged} {
 				e.wantNoConsumer(id)
 			}
@@ -106,7 +106,7 @@ func TestPrepareBadInput(t *testing.T) {
 	}
 	_, err = e.np.NodePrepareVolume(e.ctx(), &api.NodePrepareVolumeRequest{VolumeId: staged, StagingTargetPath: e.staging(staged),
 		VolumeCapability: prepMountCap(), Consumer: &api.Consumer{Pid: int64(ns.PID), MountPoint: target, MntNsInode: hostNS}})
-	prepWantCode(t, "NodePrepareVolume with a stale mnt_ns_inode", err, codes.FailedPrecondition)
+	testutil.WantCode(t, "NodePrepareVolume with a stale mnt_ns_inode", err, codes.FailedPrecondition)
 
 	// --pid 0 is documented by the sidecar as "the sidecar's own
 	// namespace", but the plugin requires a positive PID.

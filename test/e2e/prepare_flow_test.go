@@ -97,7 +97,7 @@ func TestPrepareInContainers(t *testing.T) {
 
 	// A live consumer keeps the volume staged.
 	err = e.tryUnstage(id)
-	prepWantCode(t, "NodeUnstageVolume while A uses the volume", err, codes.FailedPrecondition, fmt.Sprintf("pid %d", a.PID()))
+	testutil.WantCode(t, "NodeUnstageVolume while A uses the volume", err, codes.FailedPrecondition, fmt.Sprintf("pid %d", a.PID()))
 	if e.stagedDevice(id, image) != dev {
 		t.Fatal("the refused unstage changed the device")
 	}
@@ -131,7 +131,7 @@ func TestPrepareInContainers(t *testing.T) {
 	// Kill B without unmounting: its namespace, and the mount in it, die with it.
 	pidB := b.PID()
 	b.Kill(t)
-	if !prepPoll(5*time.Second, 10*time.Millisecond, func() bool { return len(prepNamespacesShowing(dev)) == 0 }) {
+	if !testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool { return len(prepNamespacesShowing(dev)) == 0 }) {
 		t.Errorf("after B was killed, mount namespaces still show %s: %v", dev, prepNamespacesShowing(dev))
 	}
 	// The device itself stays: the plugin holds it while the volume is staged.
@@ -222,7 +222,7 @@ func TestPrepareUnshare(t *testing.T) {
 
 	// The live consumer blocks unstage, by name; the journal keeps it.
 	err := e.tryUnstage(id)
-	prepWantCode(t, "NodeUnstageVolume while the namespace uses the volume", err, codes.FailedPrecondition,
+	testutil.WantCode(t, "NodeUnstageVolume while the namespace uses the volume", err, codes.FailedPrecondition,
 		fmt.Sprintf("pid %d", ns.PID), fmt.Sprint(cons.NSInode), target)
 	e.wantConsumer(id, ns.PID, target)
 	if got := prepBackingFile(dev.name()); got != image {
@@ -251,7 +251,7 @@ func TestPrepareUnshare(t *testing.T) {
 	busyDone := make(chan struct{})
 	go func() { _ = busy.Wait(); close(busyDone) }()
 	t.Cleanup(func() { _ = busy.Process.Kill(); <-busyDone })
-	if !prepPoll(5*time.Second, 5*time.Millisecond, func() bool {
+	if !testutil.Poll(5*time.Second, 5*time.Millisecond, func() bool {
 		// Its working directory is on the volume's filesystem.
 		var st unix.Stat_t
 		return unix.Stat(fmt.Sprintf("/proc/%d/cwd", busy.Process.Pid), &st) == nil &&

@@ -28,8 +28,6 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/endpoint"
@@ -101,7 +99,7 @@ func startPrepEnv(t *testing.T, o prepOptions) *prepEnv {
 func (e *prepEnv) waitReady() {
 	e.t.Helper()
 	var last error
-	ok := prepPoll(30*time.Second, 20*time.Millisecond, func() bool {
+	ok := testutil.Poll(30*time.Second, 20*time.Millisecond, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		resp, err := e.ids.Probe(ctx, &csi.ProbeRequest{})
@@ -402,7 +400,7 @@ func prepLoopsBackedBy(image string) []string {
 func prepWaitNoLoop(t *testing.T, image string) {
 	t.Helper()
 	var left []string
-	if !prepPoll(5*time.Second, 10*time.Millisecond, func() bool {
+	if !testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool {
 		left = prepLoopsBackedBy(image)
 		return len(left) == 0
 	}) {
@@ -570,34 +568,6 @@ func prepDevWatch(t *testing.T, d prepDev) *prepWatch {
 }
 
 // --- small things ---
-
-func prepPoll(timeout, interval time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(interval)
-	}
-}
-
-// prepWantCode checks a gRPC error's code and that its message contains
-// each of subs.
-func prepWantCode(t *testing.T, what string, err error, code codes.Code, subs ...string) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Errorf("%s: got %v (code %v), want code %v", what, err, status.Code(err), code)
-		return
-	}
-	for _, s := range subs {
-		if !strings.Contains(status.Convert(err).Message(), s) {
-			t.Errorf("%s: message %q does not mention %q", what, status.Convert(err).Message(), s)
-		}
-	}
-}
 
 // prepNoPID returns a PID that no process has.
 func prepNoPID(t *testing.T) int {

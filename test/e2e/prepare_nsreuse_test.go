@@ -42,7 +42,7 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 
 	// The consumer dies without unmounting; its mount goes with it.
 	ns.Kill()
-	if !prepPoll(5*time.Second, 10*time.Millisecond, func() bool { return len(prepNamespacesShowing(dev)) == 0 }) {
+	if !testutil.Poll(5*time.Second, 10*time.Millisecond, func() bool { return len(prepNamespacesShowing(dev)) == 0 }) {
 		t.Fatalf("the dead consumer's mount of %s did not go away", dev)
 	}
 

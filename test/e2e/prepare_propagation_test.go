@@ -43,7 +43,7 @@ func prepStartUnshare(t *testing.T, propagation string) int {
 		t.Fatal(err)
 	}
 	pid := cmd.Process.Pid
-	if !prepPoll(5*time.Second, 5*time.Millisecond, func() bool {
+	if !testutil.Poll(5*time.Second, 5*time.Millisecond, func() bool {
 		ns, _ := testutil.MountNamespaceOf(pid)
 		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 		return ns != "" && ns != self && strings.TrimSpace(string(comm)) == "sleep"

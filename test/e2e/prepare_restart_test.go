@@ -190,7 +190,7 @@ func prepRestartCase(t *testing.T, e *prepEnv, id, image string, onHost func(*mo
 		afterRestart(target)
 	}
 	err := e.tryUnstage(id)
-	prepWantCode(t, "NodeUnstageVolume after the restart, consumer alive", err, codes.FailedPrecondition,
+	testutil.WantCode(t, "NodeUnstageVolume after the restart, consumer alive", err, codes.FailedPrecondition,
 		fmt.Sprintf("pid %d", ns.PID))
 	if got := prepBackingFile(dev.name()); got != image {
 		t.Errorf("after the refused unstage %s is backed by %q, want %q", dev, got, image)

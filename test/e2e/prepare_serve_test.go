@@ -59,7 +59,7 @@ func startPrepServe(t *testing.T, sidecar, ep string, args ...string) *prepServe
 			t.Logf("sidecar log:\n%s", s.log())
 		}
 	})
-	if !prepPoll(10*time.Second, 10*time.Millisecond, func() bool {
+	if !testutil.Poll(10*time.Second, 10*time.Millisecond, func() bool {
 		select {
 		case <-s.done:
 			return true
@@ -196,7 +196,7 @@ func TestPublishThroughSidecarServe(t *testing.T) {
 	}
 	// With the mounter gone, a publish fails cleanly and records nothing.
 	err = publish()
-	prepWantCode(t, "NodePublishVolume with the mounter stopped", err, codes.Unavailable)
+	testutil.WantCode(t, "NodePublishVolume with the mounter stopped", err, codes.Unavailable)
 	if mi := prepHostMountAt(t, target); mi != nil {
 		t.Errorf("something is mounted at %s: %s", target, mi.FSType)
 	}

@@ -138,7 +138,7 @@ func StartContainerd(t testing.TB) *Containerd {
 	})
 
 	var lastErr error
-	up := poll(30*time.Second, 20*time.Millisecond, func() bool {
+	up := Poll(30*time.Second, 20*time.Millisecond, func() bool {
 		select {
 		case <-c.done:
 			return true
@@ -278,7 +278,7 @@ func (ct *Container) doKill() error {
 			if _, err := c.Ctr("task", "kill", "--all", "--signal", "SIGKILL", ct.ID); err != nil {
 				return err
 			}
-			if !poll(10*time.Second, 10*time.Millisecond, func() bool {
+			if !Poll(10*time.Second, 10*time.Millisecond, func() bool {
 				status, err = c.taskStatus(ct.ID)
 				return err != nil || status == "STOPPED" || status == ""
 			}) {
@@ -299,7 +299,7 @@ func (ct *Container) doKill() error {
 			return err
 		}
 	}
-	if ct.pid != 0 && !poll(5*time.Second, 10*time.Millisecond, func() bool { return !alive(ct.pid, ct.start) }) {
+	if ct.pid != 0 && !Poll(5*time.Second, 10*time.Millisecond, func() bool { return !alive(ct.pid, ct.start) }) {
 		return fmt.Errorf("process %d still alive after the task was deleted", ct.pid)
 	}
 	return nil
@@ -373,7 +373,7 @@ func (c *Containerd) stop() error {
 		}
 		return out
 	}
-	if !poll(2*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
+	if !Poll(2*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
 		procs := readProcs()
 		for pid, p := range shims() {
 			errs = append(errs, fmt.Errorf("stray shim killed: %s", p))
@@ -382,7 +382,7 @@ func (c *Containerd) stop() error {
 			}
 			_ = unix.Kill(pid, unix.SIGKILL)
 		}
-		if !poll(5*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
+		if !Poll(5*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
 			errs = append(errs, errors.New("shims survived SIGKILL"))
 		}
 	}

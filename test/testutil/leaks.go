@@ -335,7 +335,7 @@ func detachLoop(l LoopDevice) error {
 // FindLeaks), for at most wait, and returns the leaks of the last one.
 func WaitNoLeaks(before Snapshot, wait time.Duration, markers ...string) []Leak {
 	var leaks []Leak
-	poll(wait, 50*time.Millisecond, func() bool {
+	Poll(wait, 50*time.Millisecond, func() bool {
 		leaks = FindLeaks(before, TakeSnapshot(), markers...)
 		return len(leaks) == 0
 	})
@@ -379,7 +379,7 @@ func CheckNoLeaks(t testing.TB, before Snapshot, markers ...string) {
 	// Killed children of the test stay zombies until the test waits for
 	// them: they are dead, which is all that cleaning up can do.
 	var rest []Leak
-	poll(DefaultLeakWait, 50*time.Millisecond, func() bool {
+	Poll(DefaultLeakWait, 50*time.Millisecond, func() bool {
 		rest = rest[:0]
 		for _, l := range FindLeaks(before, TakeSnapshot(), markers...) {
 			if !l.zombie {

@@ -50,7 +50,7 @@ func StartUnshare(t testing.TB) *Proc {
 	// unshare(1) execs sleep in the same process once the namespace is set
 	// up: wait until the process's namespace differs from ours.
 	var ns string
-	ok := poll(5*time.Second, 5*time.Millisecond, func() bool {
+	ok := Poll(5*time.Second, 5*time.Millisecond, func() bool {
 		select {
 		case <-p.done:
 			return true

@@ -153,7 +153,7 @@ func (p *Plugin) start() {
 	}()
 
 	var lastErr error
-	up := poll(30*time.Second, 10*time.Millisecond, func() bool {
+	up := Poll(30*time.Second, 10*time.Millisecond, func() bool {
 		select {
 		case <-done:
 			return true

@@ -1,11 +1,18 @@
 package testutil
 
-import "time"
+import (
+	"strings"
+	"testing"
+	"time"
 
-// poll calls cond every interval until it returns true or timeout passes,
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Poll calls cond every interval until it returns true or timeout passes,
 // and reports whether cond returned true. cond is always called at least
 // once, and once more at the deadline.
-func poll(timeout, interval time.Duration, cond func() bool) bool {
+func Poll(timeout, interval time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)
 	for {
 		if cond() {
@@ -15,5 +22,20 @@ func poll(timeout, interval time.Duration, cond func() bool) bool {
 			return false
 		}
 		time.Sleep(interval)
+	}
+}
+
+// WantCode fails the test (without stopping it) unless err carries the
+// gRPC code, and, when subs are given, unless its message mentions each.
+func WantCode(t testing.TB, what string, err error, code codes.Code, subs ...string) {
+	t.Helper()
+	if got := status.Code(err); got != code {
+		t.Errorf("%s: got %v (%v), want %v", what, got, err, code)
+		return
+	}
+	for _, s := range subs {
+		if msg := status.Convert(err).Message(); !strings.Contains(msg, s) {
+			t.Errorf("%s: message %q does not mention %q", what, msg, s)
+		}
 	}
 }
