@@ -17,7 +17,6 @@ import (
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
-	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter"
 )
@@ -40,26 +39,7 @@ func (f *fakeSpawner) Spawn(_ context.Context, c daemon.Command) (daemon.Proc, e
 // serveDaemons runs the Mounter service with a daemon policy and returns
 // the client spawner and the raw client.
 func serveDaemons(t *testing.T, p *mounter.DaemonPolicy) (daemon.Spawner, api.MounterClient) {
-	t.Helper()
-	ep := "unix://" + filepath.Join(t.TempDir(), "mounter.sock")
-	l, err := endpoint.Listen(ep)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- mounter.Serve(ctx, l, &recorder{}, mounter.WithDaemons(p)) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	})
-	conn, err := endpoint.Dial(ep)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
+	conn := serveConn(t, &recorder{}, mounter.WithDaemons(p))
 	return mounter.NewSpawner(conn), api.NewMounterClient(conn)
 }
 

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
@@ -46,6 +47,12 @@ func (r *recorder) record(m []plan.Mount, c mounter.Consumer) error {
 // serve runs the Mounter service for m on a socket in a temp dir and
 // returns a client connection to it.
 func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterClient) {
+	conn := serveConn(t, m)
+	return mounter.NewClient(conn), api.NewMounterClient(conn)
+}
+
+// serveConn serves m with opts until the test ends and dials it.
+func serveConn(t *testing.T, m mounter.Interface, opts ...mounter.ServerOption) *grpc.ClientConn {
 	t.Helper()
 	ep := "unix://" + filepath.Join(t.TempDir(), "mounter.sock")
 	l, err := endpoint.Listen(ep)
@@ -54,7 +61,7 @@ func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterCli
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- mounter.Serve(ctx, l, m) }()
+	go func() { done <- mounter.Serve(ctx, l, m, opts...) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
@@ -66,7 +73,7 @@ func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterCli
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return mounter.NewClient(conn), api.NewMounterClient(conn)
+	return conn
 }
 
 func TestGRPCRoundTrip(t *testing.T) {
