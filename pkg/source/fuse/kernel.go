@@ -125,7 +125,8 @@ func openFusectl() (int, error) {
 	if err == nil {
 		defer unix.Close(fsfd)
 		if err = unix.FsconfigCreate(fsfd); err == nil {
-			mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
+			var mfd int
+			mfd, err = unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
 			if err == nil {
 				return mfd, nil
 			}

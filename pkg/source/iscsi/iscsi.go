@@ -231,16 +231,18 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 		return nil, err
 	}
 	t := targetOf(v)
-	ctx, cancel := context.WithTimeout(ctx, s.timeout())
+	// The device timeout bounds discovery, login and the wait for the
+	// disk; mkfs of a large LUN gets the request's whole deadline.
+	devCtx, cancel := context.WithTimeout(ctx, s.timeout())
 	defer cancel()
-	portal, err := s.discover(ctx, t)
+	portal, err := s.discover(devCtx, t)
 	if err != nil {
 		return nil, err
 	}
 	if err := s.kernelReady(); err != nil {
 		return nil, err
 	}
-	st, err := s.join(ctx, v.ID, t, portal, &creds)
+	st, err := s.join(devCtx, v.ID, t, portal, &creds)
 	if err != nil {
 		return nil, err
 	}
@@ -251,7 +253,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 			}
 		}
 	}()
-	if err := s.waitDisk(ctx, &st); err != nil {
+	if err := s.waitDisk(devCtx, &st); err != nil {
 		return nil, err
 	}
 	if !req.Block {

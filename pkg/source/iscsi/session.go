@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -191,19 +192,19 @@ func (s *Source) release(ctx context.Context, id string) error {
 	return errors.Join(errs...)
 }
 
-// leave drops id's marker and, when nobody uses the session any more and
-// the plugin created it, logs it out and forgets it. Called with key locked.
+// leave, when nobody else uses the session and the plugin created it, logs
+// it out and forgets it, then drops id's marker. The marker goes last: if
+// the logout fails, the retry still finds the session as id's to release.
+// Called with key locked.
 func (s *Source) leave(ctx context.Context, key, id string) error {
 	dir := s.sessionDir(key)
-	if err := os.Remove(filepath.Join(dir, "users", id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
+	marker := filepath.Join(dir, "users", id)
 	users, err := os.ReadDir(filepath.Join(dir, "users"))
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
-	if len(users) > 0 {
-		return nil
+	if slices.ContainsFunc(users, func(e fs.DirEntry) bool { return e.Name() != id }) {
+		return removeMarker(marker)
 	}
 	own, err := readOwner(dir)
 	if err != nil {
@@ -217,8 +218,18 @@ func (s *Source) leave(ctx context.Context, key, id string) error {
 			return err
 		}
 	}
+	if err := removeMarker(marker); err != nil {
+		return err
+	}
 	_ = os.Remove(filepath.Join(dir, "users"))
 	_ = os.Remove(dir)
+	return nil
+}
+
+func removeMarker(p string) error {
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
 	return nil
 }
 

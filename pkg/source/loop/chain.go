@@ -96,12 +96,12 @@ func (s *Source) mountUpper(ctx context.Context, v *journal.Volume, c *Chain) er
 	if err := CreateImage(img, n); err != nil {
 		return err
 	}
-	c.Scratch = &Scratch{Image: img}
 	dev, err := loopdev.Attach(ctx, img, loopdev.Options{DirectIO: true, Autoclear: true})
 	if err != nil {
-		return err
+		return errors.Join(err, RemoveImage(img))
 	}
-	c.Scratch.Device, c.Scratch.Identity = dev.Path, dev.Identity
+	// Recorded only once attached: the rollback detaches by this identity.
+	c.Scratch = &Scratch{Image: img, Device: dev.Path, Identity: dev.Identity}
 	s.hold(scratchKey(v.ID), dev)
 	if err := fsutil.Format(ctx, dev.Path, "ext4"); err != nil {
 		return err

@@ -281,7 +281,9 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	}
 	defer func() {
 		if err != nil {
-			if derr := s.disconnect(ctx, st); derr != nil {
+			// Not the request's context: if it expired, that is why the
+			// stage failed, and the rollback must still run.
+			if derr := s.disconnect(context.WithoutCancel(ctx), st); derr != nil {
 				klog.FromContext(ctx).Error(derr, "Rollback: disconnect failed", "device", st.Device)
 			}
 		}
