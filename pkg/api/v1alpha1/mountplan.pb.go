@@ -39,7 +39,13 @@ type Consumer struct {
 	// Identity of the mount namespace (the inode of /proc/PID/ns/mnt). Filled in
 	// by the plugin when empty; when set, the plugin checks that PID still lives
 	// in that namespace.
-	MntNsInode    uint64 `protobuf:"varint,3,opt,name=mnt_ns_inode,json=mntNsInode,proto3" json:"mnt_ns_inode,omitempty"`
+	MntNsInode uint64 `protobuf:"varint,3,opt,name=mnt_ns_inode,json=mntNsInode,proto3" json:"mnt_ns_inode,omitempty"`
+	// The kernel's never-reused ID of that namespace (NS_GET_MNTNS_ID, Linux
+	// 6.9+); 0 means unknown. The inode is reused as soon as the namespace dies;
+	// the ID tells the namespace apart from a later one with the same inode and
+	// lets it be found through any process still in it once PID has exited.
+	// Filled in by the plugin like mnt_ns_inode; when set, it is checked too.
+	MntNsId       uint64 `protobuf:"varint,4,opt,name=mnt_ns_id,json=mntNsId,proto3" json:"mnt_ns_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -91,6 +97,13 @@ func (x *Consumer) GetMountPoint() string {
 func (x *Consumer) GetMntNsInode() uint64 {
 	if x != nil {
 		return x.MntNsInode
+	}
+	return 0
+}
+
+func (x *Consumer) GetMntNsId() uint64 {
+	if x != nil {
+		return x.MntNsId
 	}
 	return 0
 }
@@ -263,7 +276,7 @@ func (x *NodePrepareVolumeRequest) GetConsumer() *Consumer {
 type NodePrepareVolumeResponse struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Mounts []*Mount               `protobuf:"bytes,1,rep,name=mounts,proto3" json:"mounts,omitempty"`
-	// The consumer as recorded (mnt_ns_inode filled in); pass it back to
+	// The consumer as recorded (mnt_ns_inode and mnt_ns_id filled in); pass it back to
 	// NodeUnprepareVolume.
 	Consumer      *Consumer `protobuf:"bytes,2,opt,name=consumer,proto3" json:"consumer,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -781,13 +794,14 @@ var File_mountplan_proto protoreflect.FileDescriptor
 
 const file_mountplan_proto_rawDesc = "" +
 	"\n" +
-	"\x0fmountplan.proto\x12\x12mountplan.v1alpha1\x1a\tcsi.proto\"_\n" +
+	"\x0fmountplan.proto\x12\x12mountplan.v1alpha1\x1a\tcsi.proto\"{\n" +
 	"\bConsumer\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x03R\x03pid\x12\x1f\n" +
 	"\vmount_point\x18\x02 \x01(\tR\n" +
 	"mountPoint\x12 \n" +
 	"\fmnt_ns_inode\x18\x03 \x01(\x04R\n" +
-	"mntNsInode\"e\n" +
+	"mntNsInode\x12\x1a\n" +
+	"\tmnt_ns_id\x18\x04 \x01(\x04R\amntNsId\"e\n" +
 	"\x05Mount\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x16\n" +
 	"\x06source\x18\x02 \x01(\tR\x06source\x12\x16\n" +
