@@ -284,6 +284,11 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
+	if v.Kind != journal.KindProvisioned {
+		// The image of a static volume is the admin's, and other kinds
+		// have no image here: only what CreateVolume made can grow.
+		return nil, fmt.Errorf("volume %s is %s, not provisioned by this plugin: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
+	}
 	size, err := capacityFor(req.GetCapacityRange(), v.FsType)
 	if err != nil {
 		return nil, err

@@ -100,7 +100,9 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		return err
 	}
-	fsType := firstNonEmpty(c.fsType, v.FsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
+	// The recorded type first: CreateVolume and inline volumes sized the
+	// image for it (xfs needs 300 MiB).
+	fsType := firstNonEmpty(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
 	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.saveDurable})
 	if err != nil {
 		v.Stage = nil

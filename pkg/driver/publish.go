@@ -84,6 +84,12 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if err := d.opts.Metrics.Step("mount", func() error {
 		return d.opts.Mounter.Mount(ctx, mounts, mounter.Consumer{MountPoint: target})
 	}); err != nil {
+		// A mounter that timed out or went away may still have mounted:
+		// keep the record of a target that is mounted now, so the
+		// unpublish kubelet sends next can remove it.
+		if d.isMountPoint(target) {
+			return err
+		}
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
 		return errors.Join(err, d.store.Put(v, journal.Runtime))
 	}
