@@ -129,7 +129,7 @@ func newMounter(f flags, cfg *config.Config) (mounter.Interface, daemon.Spawner,
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	policy := driver.PolicyFor(cfg, stateDir)
+	policy := cfg.PlanPolicy(stateDir)
 	if f.mounterEndpoint == "" {
 		return &mounter.Executor{Policy: policy}, daemon.LocalSpawner{}, func() {}, nil
 	}

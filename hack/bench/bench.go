@@ -16,7 +16,6 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/driver"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
 )
@@ -94,7 +93,7 @@ func newBench(o options) (*bench, error) {
 			return b, err
 		}
 	}
-	b.exec = &mounter.Executor{Policy: driver.PolicyFor(&config.Config{DefaultFsType: "ext4"}, b.stateDir)}
+	b.exec = &mounter.Executor{Policy: (&config.Config{DefaultFsType: "ext4"}).PlanPolicy(b.stateDir)}
 	return b, nil
 }
 

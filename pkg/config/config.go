@@ -11,6 +11,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // Config is the plugin's admin policy.
@@ -67,4 +68,12 @@ func Load(path string) (*Config, error) {
 		}
 	}
 	return c, nil
+}
+
+// PlanPolicy is the plan policy of this config for plans whose host paths
+// lie under roots (the state dir). The plugin applies it when it builds a
+// plan and the sidecar, loading the same file, checks plans against it
+// again: one source for both.
+func (c *Config) PlanPolicy(roots ...string) plan.Policy {
+	return plan.Policy{Types: c.MountPolicy.Types, Roots: roots, AllowSuidDev: c.MountPolicy.AllowSuidDev}
 }

@@ -87,7 +87,7 @@ func New(opts Options) (*Driver, error) {
 		opts:    opts,
 		store:   store,
 		sources: sources,
-		policy:  PolicyFor(opts.Config, stateDir),
+		policy:  opts.Config.PlanPolicy(stateDir),
 	}
 	for _, s := range sources {
 		if hu, ok := s.(source.HostUser); ok {
@@ -95,12 +95,6 @@ func New(opts Options) (*Driver, error) {
 		}
 	}
 	return d, nil
-}
-
-// PolicyFor is the plan policy of a plugin with this config and state dir;
-// the sidecar is started with the same roots so it checks the same rules.
-func PolicyFor(c *config.Config, stateDir string) plan.Policy {
-	return plan.Policy{Types: c.MountPolicy.Types, Roots: []string{stateDir}, AllowSuidDev: c.MountPolicy.AllowSuidDev}
 }
 
 // Register adds every service to s.

@@ -86,7 +86,7 @@ func newDriverAt(t *testing.T, cfg *config.Config, sources map[string]source.Sou
 	t.Helper()
 	cfg.DefaultFsType = "ext4"
 	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, Config: cfg,
-		Mounter: &mounter.Executor{Policy: driver.PolicyFor(cfg, stateDir), RemoveMountPoint: true}, Sources: sources})
+		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), RemoveMountPoint: true}, Sources: sources})
 	if err != nil {
 		t.Fatal(err)
 	}
