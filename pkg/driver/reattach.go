@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -19,7 +17,8 @@ import (
 // volume's backing mount (a restarted FUSE daemon), so running containers
 // heal in place without any action from the pod.
 func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
-	unlock, err := d.lockWait(ctx, volumeID, "reattach")
+	// Background work waits for a request instead of failing it with Aborted.
+	unlock, err := d.locks.Lock(ctx, volumeID, "reattach")
 	if err != nil {
 		return err
 	}
@@ -53,20 +52,4 @@ func (d *Driver) replace(ctx context.Context, mounts []plan.Mount, c mounter.Con
 	}
 	klog.FromContext(ctx).Info("Reattached", "mountPoint", c.MountPoint, "pid", c.PID)
 	return nil
-}
-
-// lockWait takes the volume's lock, waiting while a request holds it:
-// background work yields to requests instead of failing them with Aborted.
-func (d *Driver) lockWait(ctx context.Context, id, op string) (func(), error) {
-	for {
-		unlock, err := d.lock(id, op)
-		if err == nil || !errors.Is(err, errdefs.ErrAborted) {
-			return unlock, err
-		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
 }

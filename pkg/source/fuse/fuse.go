@@ -89,7 +89,7 @@ type Source struct {
 	grace    time.Duration
 
 	ctl   fusectl
-	locks keylock.Locks // per volume: stage, unstage, adopt and sweep
+	locks keylock.Locks // per volume: stage, unstage and adopt wait (Lock); a sweep skips a busy one (TryLock)
 	log   klog.Logger
 
 	mu       sync.Mutex
@@ -178,21 +178,6 @@ func (s *Source) layout(id string) (layout, error) {
 	return layout{dir: filepath.Join(root, id)}, nil
 }
 
-// lock takes a volume's lock, waiting for a sweep or supervisor step.
-func (s *Source) lock(ctx context.Context, id, op string) (func(), error) {
-	for {
-		unlock, err := s.locks.TryLock(id, op)
-		if err == nil {
-			return unlock, nil
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("volume %s: %w", id, ctx.Err())
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
-}
-
 // NewVolume checks a static FUSE volume's context: a profile of the
 // admin's, a source that profile accepts, and only options it allows.
 func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
@@ -229,7 +214,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := s.lock(ctx, v.ID, "stage")
+	unlock, err := s.locks.Lock(ctx, v.ID, "stage")
 	if err != nil {
 		return nil, err
 	}
@@ -478,7 +463,7 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 // secrets and files. It works from the disk alone when the record has no
 // state (a stage interrupted by a crash). Idempotent.
 func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
-	unlock, err := s.lock(ctx, v.ID, "unstage")
+	unlock, err := s.locks.Lock(ctx, v.ID, "unstage")
 	if err != nil {
 		return err
 	}
@@ -543,7 +528,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := s.lock(ctx, v.ID, "adopt")
+	unlock, err := s.locks.Lock(ctx, v.ID, "adopt")
 	if err != nil {
 		return nil, err
 	}

@@ -32,6 +32,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/keylock"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -83,8 +84,8 @@ type Source struct {
 	StateDir string
 
 	rules    []config.EndpointRule
-	rulesErr error // a config that bypassed config.Load: every volume is refused
-	locks    keyedMutex
+	rulesErr error         // a config that bypassed config.Load: every volume is refused
+	locks    keylock.Locks // per session key: logins and logouts wait for each other
 	// run runs iscsiadm with args and returns its combined output; nil
 	// runs the real one from PATH (tests put a fake here).
 	run func(ctx context.Context, args ...string) ([]byte, error)

@@ -17,7 +17,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -67,7 +66,10 @@ func (s *Source) sessionDir(key string) string {
 // marker, since the volume is still staged, and the next Adopt tries again.
 func (s *Source) join(ctx context.Context, id string, t target, p Portal, c *credentials) (State, error) {
 	key := sessionKey(t.iqn, p.Address)
-	unlock := s.locks.lock(key)
+	unlock, err := s.locks.Lock(ctx, key, "login")
+	if err != nil {
+		return State{}, err
+	}
 	defer unlock()
 	dir := s.sessionDir(key)
 	if err := os.MkdirAll(filepath.Join(dir, "users"), 0o700); err != nil {
@@ -185,7 +187,11 @@ func (s *Source) release(ctx context.Context, id string) error {
 	var errs []error
 	for _, m := range markers {
 		key := filepath.Base(filepath.Dir(filepath.Dir(m)))
-		unlock := s.locks.lock(key)
+		unlock, err := s.locks.Lock(ctx, key, "logout")
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
 		errs = append(errs, s.leave(ctx, key, id))
 		unlock()
 	}
@@ -511,41 +517,6 @@ func writeJSON(path string, v any) error {
 		return err
 	}
 	return writeFileAtomic(path, b, 0o600)
-}
-
-// keyedMutex serialises logins and logouts per session key; entries are
-// dropped when released.
-type keyedMutex struct {
-	mu    sync.Mutex
-	locks map[string]*keyEntry
-}
-
-type keyEntry struct {
-	mu   sync.Mutex
-	refs int
-}
-
-func (k *keyedMutex) lock(key string) func() {
-	k.mu.Lock()
-	if k.locks == nil {
-		k.locks = map[string]*keyEntry{}
-	}
-	e := k.locks[key]
-	if e == nil {
-		e = &keyEntry{}
-		k.locks[key] = e
-	}
-	e.refs++
-	k.mu.Unlock()
-	e.mu.Lock()
-	return func() {
-		e.mu.Unlock()
-		k.mu.Lock()
-		if e.refs--; e.refs == 0 {
-			delete(k.locks, key)
-		}
-		k.mu.Unlock()
-	}
 }
 
 // writeFileAtomic writes data through a temp file of mode perm in the same
