@@ -6,6 +6,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -90,8 +91,14 @@ func run(f flags) error {
 		return err
 	}
 	if mx != nil {
+		// Listen here, not in the goroutine: a bad --metrics-address must
+		// stop the plugin, not be a log line nobody reads.
+		mlis, err := net.Listen("tcp", f.metricsAddress)
+		if err != nil {
+			return fmt.Errorf("--metrics-address: %w", err)
+		}
 		go func() {
-			if err := mx.Serve(ctx, f.metricsAddress); err != nil {
+			if err := mx.Serve(ctx, mlis); err != nil {
 				klog.ErrorS(err, "Metrics server failed", "address", f.metricsAddress)
 			}
 		}()
@@ -129,9 +136,8 @@ func newMounter(f flags, cfg *config.Config) (mounter.Interface, daemon.Spawner,
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	policy := cfg.PlanPolicy(stateDir)
 	if f.mounterEndpoint == "" {
-		return &mounter.Executor{Policy: policy}, daemon.LocalSpawner{}, func() {}, nil
+		return &mounter.Executor{Policy: cfg.PlanPolicy(stateDir)}, daemon.LocalSpawner{}, func() {}, nil
 	}
 	conn, err := endpoint.Dial(f.mounterEndpoint)
 	if err != nil {

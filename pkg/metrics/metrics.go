@@ -105,17 +105,8 @@ func (m *Metrics) Reconciled(err error) {
 	m.reconciles.WithLabelValues(result).Inc()
 }
 
-// Serve serves /metrics on addr until ctx ends.
-func (m *Metrics) Serve(ctx context.Context, addr string) error {
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		return err
-	}
-	return m.ServeListener(ctx, lis)
-}
-
-// ServeListener serves /metrics on lis until ctx ends.
-func (m *Metrics) ServeListener(ctx context.Context, lis net.Listener) error {
+// Serve serves /metrics on lis until ctx ends.
+func (m *Metrics) Serve(ctx context.Context, lis net.Listener) error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}

@@ -40,7 +40,7 @@ func TestScrape(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- m.ServeListener(ctx, lis) }()
+	go func() { done <- m.Serve(ctx, lis) }()
 	resp, err := http.Get("http://" + lis.Addr().String() + "/metrics")
 	if err != nil {
 		t.Fatal(err)
