@@ -105,7 +105,8 @@ func checkBacking(f *os.File, path string) error {
 		f.Close()
 		return sysErr("fstat", path, err)
 	}
-	if !fi.Mode().IsRegular() && fi.Mode()&os.ModeDevice == 0 {
+	blockDev := fi.Mode()&os.ModeDevice != 0 && fi.Mode()&os.ModeCharDevice == 0
+	if !fi.Mode().IsRegular() && !blockDev {
 		f.Close()
 		return fmt.Errorf("loopdev: %s is not a regular file or block device (%s): %w",
 			path, fi.Mode().Type(), errdefs.ErrInvalidArgument)

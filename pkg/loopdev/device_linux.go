@@ -99,19 +99,16 @@ func Adopt(path string, want Identity) (*Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	ok, err := matches(f, want)
-	if err != nil || !ok {
+	// One status query both builds the Device and proves its identity.
+	d, err := newDevice(f, path)
+	if err != nil || d.Identity != want {
 		f.Close()
-		if err != nil && !errors.Is(err, unix.ENOTTY) {
-			return nil, sysErr("LOOP_GET_STATUS64", path, err)
+		// ENXIO: unbound; ENOTTY: not a loop device.
+		if err != nil && !errors.Is(err, unix.ENXIO) && !errors.Is(err, unix.ENOTTY) {
+			return nil, err
 		}
 		return nil, fmt.Errorf("loopdev: adopt %s: not bound to %d:%d: %w",
 			path, want.BackingDev, want.BackingIno, errdefs.ErrNotFound)
-	}
-	d, err := newDevice(f, path)
-	if err != nil {
-		f.Close()
-		return nil, err
 	}
 	return d, nil
 }
