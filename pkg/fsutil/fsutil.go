@@ -5,6 +5,10 @@
 // plugin can format an image before it attaches it. Tool output goes into
 // errors (bounded); arguments do not, since extra arguments come from
 // configuration and are not this package's to reveal.
+//
+// It also holds the one way the plugin replaces a file atomically
+// (WriteFileAtomic, CreateAtomic): the journal, the sources' state files
+// and new images all go through it.
 package fsutil
 
 import (

@@ -24,6 +24,7 @@ import (
 	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -197,15 +198,15 @@ func (s *Store) Put(v *Volume, d Durability) error {
 		return fmt.Errorf("journal: %w", err)
 	}
 	if d == Durable {
-		if err := writeFileAtomic(s.path(v.ID), b, 0o600, true); err != nil {
+		if err := writeRecord(s.path(v.ID), b, true); err != nil {
 			return err
 		}
-		return writeFileAtomic(s.durableCopy(v.ID), b, 0o600, true)
+		return writeRecord(s.durableCopy(v.ID), b, true)
 	}
 	if done, err := overwriteInPlace(s.path(v.ID), b); done || err != nil {
 		return err
 	}
-	return writeFileAtomic(s.path(v.ID), b, 0o600, false)
+	return writeRecord(s.path(v.ID), b, false)
 }
 
 // pageSize bounds what one write(2) puts into the page cache in one piece:
@@ -292,54 +293,22 @@ func (s *Store) List() ([]*Volume, error) {
 
 // CheckWritable proves the journal can still be written (for Probe).
 func (s *Store) CheckWritable() error {
-	return writeFileAtomic(filepath.Join(s.dir, ".probe"), []byte("ok\n"), 0o600, true)
+	return writeRecord(filepath.Join(s.dir, ".probe"), []byte("ok\n"), true)
 }
 
-// writeFileAtomic writes data to path through a temp file and a rename.
-// When durable, the temp file is synced before the rename and the
-// directory after it, so the rename itself survives a machine crash.
-func writeFileAtomic(path string, data []byte, perm fs.FileMode, durable bool) (err error) {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
+// writeRecord writes data to path through a temp file and a rename
+// (fsutil.WriteFileAtomic). When durable, the temp file is synced before
+// the rename and the directory after it, so the rename itself survives a
+// machine crash.
+func writeRecord(path string, data []byte, durable bool) error {
+	if err := fsutil.WriteFileAtomic(path, data, 0o600, durable); err != nil {
 		return fmt.Errorf("journal: %w", err)
 	}
-	defer func() {
-		if err != nil {
-			_ = f.Close()
-			_ = os.Remove(f.Name())
-		}
-	}()
-	if err = f.Chmod(perm); err != nil {
-		return fmt.Errorf("journal: %w", err)
-	}
-	if _, err = f.Write(data); err != nil {
-		return fmt.Errorf("journal: write %s: %w", f.Name(), err)
-	}
-	if durable {
-		if err = f.Sync(); err != nil {
-			return fmt.Errorf("journal: fsync %s: %w", f.Name(), err)
-		}
-	}
-	if err = f.Close(); err != nil {
-		return fmt.Errorf("journal: %w", err)
-	}
-	if err = os.Rename(f.Name(), path); err != nil {
-		return fmt.Errorf("journal: %w", err)
-	}
-	if !durable {
-		return nil
-	}
-	return syncDir(dir)
+	return nil
 }
 
 func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("journal: %w", err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
+	if err := fsutil.SyncDir(dir); err != nil {
 		return fmt.Errorf("journal: fsync %s: %w", dir, err)
 	}
 	return nil

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 )
 
 // layout is a volume's directory, <state-dir>/fuse/<volume-id>/, which
@@ -63,19 +64,7 @@ func (l layout) writeDaemon(d Daemon) error {
 	if err != nil {
 		return err
 	}
-	f, err := os.CreateTemp(l.dir, ".daemon.json.tmp-*")
-	if err != nil {
-		return err
-	}
-	_, err = f.Write(b)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(f.Name(), l.daemonFile())
-	}
-	if err != nil {
-		_ = os.Remove(f.Name())
+	if err := fsutil.WriteFileAtomic(l.daemonFile(), b, 0o600, false); err != nil {
 		return fmt.Errorf("record daemon of %s: %w", l.dir, err)
 	}
 	return nil

@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/source"
 )
 
@@ -76,7 +77,7 @@ func (s *Source) join(ctx context.Context, id string, t target, p Portal, c *cre
 		return State{}, err
 	}
 	// Intent first: a crash from here on leaves a marker unstage finds.
-	if err := writeFileAtomic(filepath.Join(dir, "users", id), []byte(t.iqn+" "+p.Address+"\n"), 0o600); err != nil {
+	if err := fsutil.WriteFileAtomic(filepath.Join(dir, "users", id), []byte(t.iqn+" "+p.Address+"\n"), 0o600, true); err != nil {
 		return State{}, err
 	}
 	st := State{Target: t.iqn, Portal: p.Address, TPGT: p.TPGT, LUN: t.lun, Session: key}
@@ -319,7 +320,7 @@ func writeAuth(rec string, c credentials) error {
 			fmt.Fprintf(&b, "node.session.auth.username_in = %s\nnode.session.auth.password_in = %s\n", c.userIn, c.passwordIn)
 		}
 	}
-	if err := writeFileAtomic(rec, b.Bytes(), 0o600); err != nil {
+	if err := fsutil.WriteFileAtomic(rec, b.Bytes(), 0o600, true); err != nil {
 		return fmt.Errorf("writing node record: %w", err)
 	}
 	return nil
@@ -516,35 +517,5 @@ func writeJSON(path string, v any) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(path, b, 0o600)
-}
-
-// writeFileAtomic writes data through a temp file of mode perm in the same
-// directory, synced and renamed over path: readers (iscsiadm, a restarted
-// plugin) see the old or the new content, and the temp file is never
-// readable by others, even for a moment.
-func writeFileAtomic(path string, data []byte, perm os.FileMode) (err error) {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(f.Name())
-		}
-	}()
-	if err = f.Chmod(perm); err != nil {
-		return err
-	}
-	if _, err = f.Write(data); err != nil {
-		return err
-	}
-	if err = f.Sync(); err != nil {
-		return err
-	}
-	if err = f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(f.Name(), path)
+	return fsutil.WriteFileAtomic(path, b, 0o600, true)
 }

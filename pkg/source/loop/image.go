@@ -8,53 +8,55 @@ import (
 	"path/filepath"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// CreateImage makes a sparse image of size bytes at path. It is written
-// under a temp name and renamed, so a crash never leaves a short image
-// under the final name. An existing image is left as it is.
-func CreateImage(path string, size int64) (err error) {
+// CreateImage makes a sparse image of size bytes at path. It is created
+// under a temp name, synced, renamed and the directory synced, so a crash
+// never leaves a short image under the final name and a created image
+// survives a machine crash before the caller records it. An existing image
+// is left as it is.
+func CreateImage(path string, size int64) error {
 	if _, err := os.Stat(path); err == nil {
 		return nil
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return err
 	}
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	return fsutil.CreateAtomic(path, 0o600, true, func(f *os.File) error {
+		if err := f.Truncate(size); err != nil {
+			return fmt.Errorf("size image %s: %w", path, err)
+		}
+		return nil
+	})
+}
+
+// GrowImage extends the image to size; it never shrinks one. The new size
+// is synced before it returns, so the caller may record it durably.
+func GrowImage(path string, size int64) (err error) {
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
 	if err != nil {
 		return err
 	}
 	defer func() {
-		if err != nil {
-			_ = f.Close()
-			_ = os.Remove(f.Name())
+		if cerr := f.Close(); err == nil {
+			err = cerr
 		}
 	}()
-	if err = f.Truncate(size); err != nil {
-		return fmt.Errorf("size image %s: %w", path, err)
-	}
-	if err = f.Sync(); err != nil {
-		return err
-	}
-	if err = f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(f.Name(), path)
-}
-
-// GrowImage extends the image to size; it never shrinks one.
-func GrowImage(path string, size int64) error {
-	fi, err := os.Stat(path)
+	fi, err := f.Stat()
 	if err != nil {
 		return err
 	}
 	if fi.Size() >= size {
 		return nil
 	}
-	return os.Truncate(path, size)
+	if err := f.Truncate(size); err != nil {
+		return fmt.Errorf("grow image %s: %w", path, err)
+	}
+	return f.Sync()
 }
 
 // RemoveImage deletes an image; a missing one is not an error.
