@@ -7,7 +7,9 @@ package source
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -106,3 +108,18 @@ type HostUser interface {
 // external-provisioner add (pod info, PVC name, ephemeral); every source
 // accepts and ignores them.
 const ReservedPrefix = "csi.storage.k8s.io/"
+
+// DecodeState reads the state a source's Stage returned, as the journal
+// keeps it in v.Stage.Source. A volume without one is not staged: an error
+// wrapping errdefs.ErrFailedPrecondition. State that does not decode into T
+// is corrupt: an error naming the volume.
+func DecodeState[T any](v *journal.Volume) (T, error) {
+	var st T
+	if v.Stage == nil || len(v.Stage.Source) == 0 {
+		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
+		return st, fmt.Errorf("volume %s: corrupt %T: %w", v.ID, st, err)
+	}
+	return st, nil
+}

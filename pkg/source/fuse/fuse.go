@@ -436,7 +436,7 @@ func (s *Source) unmountUnder(dir string) error {
 
 // Plan binds the daemon's mount, nosuid and nodev always.
 func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -473,7 +473,7 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 		sup.halt()
 		known = sup.daemon()
 	}
-	if st, err := decode(v); err == nil && st.Daemon.Generation > known.Generation {
+	if st, err := source.DecodeState[State](v); err == nil && st.Daemon.Generation > known.Generation {
 		known = st.Daemon
 	}
 	return s.teardown(ctx, v.ID, known)
@@ -517,7 +517,7 @@ func (s *Source) teardown(ctx context.Context, id string, known Daemon) error {
 // PID); one that is gone is restarted by the supervisor, which then
 // re-attaches the consumers. It returns the state with the newest daemon.
 func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -551,7 +551,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 // Health answers from the supervisor's view and the process table; it
 // never touches the mount.
 func (s *Source) Health(_ context.Context, v *journal.Volume) source.Health {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
 	}
@@ -576,7 +576,7 @@ const statsTimeout = 2 * time.Second
 // not answer gives Unavailable, never a hung call. One statfs at most is
 // in flight per volume.
 func (s *Source) Stats(ctx context.Context, v *journal.Volume, _ string) (fsutil.Usage, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return fsutil.Usage{}, err
 	}
@@ -613,15 +613,4 @@ func (s *Source) Stats(ctx context.Context, v *journal.Volume, _ string) (fsutil
 	case <-ctx.Done():
 		return fsutil.Usage{}, ctx.Err()
 	}
-}
-
-func decode(v *journal.Volume) (State, error) {
-	var st State
-	if v.Stage == nil || len(v.Stage.Source) == 0 {
-		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
-	}
-	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
-		return st, fmt.Errorf("volume %s: corrupt fuse state: %w", v.ID, err)
-	}
-	return st, nil
 }

@@ -313,7 +313,7 @@ func (s *Source) initiatorName() string {
 
 // Plan mounts the disk (mount access) or binds its node (block access).
 func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -336,7 +336,7 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 // registered as Stage registers it, the plugin's own when it logged in.
 // A session that shows but is not logged in is iscsid's to recover.
 func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -371,20 +371,9 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 
 // Health reports a session that is gone or failed, or a disk that vanished.
 func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
 	}
 	return s.check(st)
-}
-
-func decode(v *journal.Volume) (State, error) {
-	var st State
-	if v.Stage == nil || len(v.Stage.Source) == 0 {
-		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
-	}
-	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
-		return st, fmt.Errorf("volume %s: corrupt iscsi state: %w", v.ID, err)
-	}
-	return st, nil
 }

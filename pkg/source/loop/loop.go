@@ -162,7 +162,7 @@ func (s *Source) ensureFilesystem(ctx context.Context, v *journal.Volume, device
 
 // Plan mounts the device (mount access) or binds its node (block access).
 func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -177,7 +177,7 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 	if v.Stage != nil && len(v.Stage.Source) == 0 {
 		return s.undoUnrecorded(ctx, v)
 	}
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return err
 	}
@@ -226,7 +226,7 @@ func (s *Source) detach(ctx context.Context, key, device string, id loopdev.Iden
 // Adopt reopens the device of a staged volume, or attaches the image again
 // when the kernel cleared it after the plugin died (autoclear).
 func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -273,17 +273,6 @@ func (s *Source) Device(v *journal.Volume) (*loopdev.Device, error) {
 	return nil, fmt.Errorf("volume %s has no attached loop device: %w", v.ID, errdefs.ErrFailedPrecondition)
 }
 
-func decode(v *journal.Volume) (State, error) {
-	var st State
-	if v.Stage == nil || len(v.Stage.Source) == 0 {
-		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
-	}
-	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
-		return st, fmt.Errorf("volume %s: corrupt loop state: %w", v.ID, err)
-	}
-	return st, nil
-}
-
 // Expand makes the loop device see its grown image and grows the
 // filesystem. Filesystems are grown online: at mountPath when the volume is
 // mounted there, else through a private mount at scratch, because an
@@ -297,7 +286,7 @@ func (s *Source) Expand(ctx context.Context, v *journal.Volume, mountPath, scrat
 	if err := dev.SetCapacity(); err != nil {
 		return 0, err
 	}
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return 0, err
 	}
@@ -330,7 +319,7 @@ func growMounted(ctx context.Context, device, fsType, mountPath, scratch string)
 // Health reports a staged volume whose loop device is no longer backed by
 // its image (detached behind the plugin's back).
 func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
 	}

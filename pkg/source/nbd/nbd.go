@@ -358,7 +358,7 @@ func recordState(v *journal.Volume, st State, save func(*journal.Volume) error) 
 
 // Plan mounts the device (mount access) or binds its node (block access).
 func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -374,7 +374,7 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 	if v.Stage == nil || len(v.Stage.Source) == 0 {
 		return nil // a crash before the intent: nothing was connected
 	}
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return err
 	}
@@ -384,7 +384,7 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 // Adopt checks that a staged volume's device is still connected, and
 // connects it again when it is not (a node reboot).
 func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
@@ -408,7 +408,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 // Health reports a device that was disconnected behind the plugin's back,
 // and a server that no longer answers.
 func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
-	st, err := decode(v)
+	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
 	}
@@ -424,17 +424,6 @@ func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
 		return source.Health{Abnormal: true, Reason: "ServerUnreachable", Message: err.Error()}
 	}
 	return source.Health{}
-}
-
-func decode(v *journal.Volume) (State, error) {
-	var st State
-	if v.Stage == nil || len(v.Stage.Source) == 0 {
-		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
-	}
-	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
-		return st, fmt.Errorf("volume %s: corrupt nbd state: %w", v.ID, err)
-	}
-	return st, nil
 }
 
 func splitHostPort(server string) (string, int, error) {
