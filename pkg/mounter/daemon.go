@@ -75,7 +75,7 @@ func (p *DaemonPolicy) Check(c daemon.Command) error {
 	if p == nil || len(p.Allowed) == 0 {
 		return fmt.Errorf("this mounter starts no daemons: it has no FUSE profiles (--config): %w", errdefs.ErrFailedPrecondition)
 	}
-	if !cleanAbs(c.Path) {
+	if !plan.IsCleanAbs(c.Path) {
 		return fmt.Errorf("daemon binary %q must be a clean absolute path: %w", c.Path, errdefs.ErrInvalidArgument)
 	}
 	binary, user := false, false
@@ -116,10 +116,10 @@ func (p *DaemonPolicy) Check(c daemon.Command) error {
 // symlinks of its directory are resolved (the file itself is opened with
 // O_NOFOLLOW).
 func (p *DaemonPolicy) checkFile(what, path string) error {
-	if !cleanAbs(path) {
+	if !plan.IsCleanAbs(path) {
 		return fmt.Errorf("daemon %s %q must be a clean absolute path: %w", what, path, errdefs.ErrInvalidArgument)
 	}
-	if !withinAny(p.Roots, path) {
+	if !within(p.Roots, path) {
 		return fmt.Errorf("daemon %s %s is outside the allowed roots: %w", what, path, errdefs.ErrInvalidArgument)
 	}
 	dir, err := filepath.EvalSymlinks(filepath.Dir(path))
@@ -135,23 +135,10 @@ func (p *DaemonPolicy) checkFile(what, path string) error {
 			real = append(real, rr)
 		}
 	}
-	if !withinAny(real, filepath.Join(dir, filepath.Base(path))) {
+	if !within(real, filepath.Join(dir, filepath.Base(path))) {
 		return fmt.Errorf("daemon %s %s leads outside the allowed roots through a symlink: %w", what, path, errdefs.ErrInvalidArgument)
 	}
 	return nil
-}
-
-func cleanAbs(p string) bool {
-	return strings.HasPrefix(p, "/") && filepath.Clean(p) == p && !strings.ContainsRune(p, 0)
-}
-
-func withinAny(roots []string, p string) bool {
-	for _, r := range roots {
-		if plan.Within(r, p) {
-			return true
-		}
-	}
-	return false
 }
 
 func sameUser(a, b *daemon.User) bool {

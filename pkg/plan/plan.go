@@ -142,7 +142,7 @@ func (p Policy) validateSource(m Mount) error {
 		}
 		return nil
 	default:
-		if !isClean(m.Source) || !strings.HasPrefix(m.Source, "/dev/") {
+		if !IsCleanAbs(m.Source) || !strings.HasPrefix(m.Source, "/dev/") {
 			return fmt.Errorf("%s source %q must be a device under /dev: %w", m.Type, m.Source, errdefs.ErrInvalidArgument)
 		}
 		return nil
@@ -179,7 +179,7 @@ func (p Policy) validateOption(o string) error {
 }
 
 func (p Policy) checkHostPath(what, pth string) error {
-	if !isClean(pth) {
+	if !IsCleanAbs(pth) {
 		return fmt.Errorf("%s %q must be a clean absolute path: %w", what, pth, errdefs.ErrInvalidArgument)
 	}
 	if strings.HasPrefix(pth, "/dev/") {
@@ -217,7 +217,10 @@ func Within(root, p string) bool {
 	return strings.HasPrefix(p, root+"/")
 }
 
-func isClean(p string) bool {
+// IsCleanAbs reports whether p is an absolute path in the form
+// filepath.Clean gives it, with no NUL byte: the only form a path from a
+// request or a config is accepted in.
+func IsCleanAbs(p string) bool {
 	return strings.HasPrefix(p, "/") && filepath.Clean(p) == p && !strings.ContainsRune(p, 0)
 }
 
