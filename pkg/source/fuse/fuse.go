@@ -35,6 +35,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/keylock"
 	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -416,7 +417,8 @@ func (s *Source) stopDaemon(ctx context.Context, l layout, d Daemon) {
 }
 
 // unmountUnder aborts every FUSE connection mounted at or below dir and
-// lazily unmounts everything there, newest first.
+// lazily unmounts everything there, newest first: a dead FUSE mount may be
+// busy (a shell in it) and must still leave the table now.
 func (s *Source) unmountUnder(dir string) error {
 	infos, err := mountsUnder(dir)
 	if err != nil {
@@ -429,7 +431,7 @@ func (s *Source) unmountUnder(dir string) error {
 				errs = append(errs, err)
 			}
 		}
-		errs = append(errs, unmountDetach(infos[i].Mountpoint))
+		errs = append(errs, mountns.Unmount(infos[i].Mountpoint, true))
 	}
 	return errors.Join(errs...)
 }

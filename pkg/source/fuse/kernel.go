@@ -90,17 +90,6 @@ func (w *mountWatch) wait(extra int, d time.Duration) bool {
 
 func (w *mountWatch) close() { w.f.Close() }
 
-// unmountDetach lazily unmounts p: a dead FUSE mount may be busy (a shell
-// in it) and must still leave the table now. A path that is no mount point
-// (any more) is not an error.
-func unmountDetach(p string) error {
-	err := unix.Unmount(p, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW)
-	if err == nil || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT) {
-		return nil
-	}
-	return fmt.Errorf("umount2 %s (detach): %w", p, err)
-}
-
 // fusectl reaches /sys/fs/fuse/connections. When it is not mounted there
 // (CI machines, containers), a private, detached instance is made with
 // fsopen/fsmount: it appears in no mount table, needs no namespace, and

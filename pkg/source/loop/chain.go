@@ -16,6 +16,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -111,7 +112,7 @@ func (s *Source) mountUpper(ctx context.Context, v *journal.Volume, c *Chain) er
 
 // teardownChain undoes buildChain in reverse order. Idempotent.
 func (s *Source) teardownChain(ctx context.Context, id string, c *Chain) error {
-	if err := unmountIfMounted(c.Upper); err != nil {
+	if err := mountns.Unmount(c.Upper, false); err != nil {
 		return err
 	}
 	if c.Scratch != nil {
@@ -122,7 +123,7 @@ func (s *Source) teardownChain(ctx context.Context, id string, c *Chain) error {
 			return err
 		}
 	}
-	if err := unmountIfMounted(c.Lower); err != nil {
+	if err := mountns.Unmount(c.Lower, false); err != nil {
 		return err
 	}
 	for _, d := range []string{c.Upper, c.Lower, c.Dir} {
@@ -167,17 +168,6 @@ func (s *Source) scratchImage(id string) string {
 func mountAt(source, target, fsType string, flags uintptr, data string) error {
 	if err := unix.Mount(source, target, fsType, flags|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
 		return fmt.Errorf("mount %s (%s) at %s: %w", source, fsType, target, err)
-	}
-	return nil
-}
-
-func unmountIfMounted(p string) error {
-	ok, err := mountinfo.Mounted(p)
-	if errors.Is(err, os.ErrNotExist) || (err == nil && !ok) {
-		return nil
-	}
-	if err := unix.Unmount(p, unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) {
-		return fmt.Errorf("unmount %s: %w", p, err)
 	}
 	return nil
 }
