@@ -306,7 +306,7 @@ func (b *bench) prepareFloorCycle(ctx context.Context, s *sample) (err error) {
 		return err
 	}
 	if err := st.do("OpenPID + Do{setns + move_mount} (mountns.Attach)", func() (err error) {
-		if ns, err = mountns.OpenPID(b.consumer.pid(), 0); err != nil {
+		if ns, err = mountns.OpenPID(b.consumer.pid(), mountns.Identity{}); err != nil {
 			return err
 		}
 		return ns.Do(func() error {

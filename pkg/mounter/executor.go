@@ -134,8 +134,9 @@ func within(dirs []string, p string) bool {
 }
 
 // gone reports whether an error from opening a consumer's namespace means
-// the namespace no longer exists: its process exited, or its PID now names
-// a process in another namespace.
+// the namespace no longer exists. With its ID known, no process is left in
+// it (see openNamespace); without, its process exited or its PID now names
+// a process in another namespace, which is all that can be told.
 func gone(c Consumer, err error) bool {
 	return c.PID != 0 && (errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrFailedPrecondition))
 }

@@ -33,7 +33,7 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) e
 	if err != nil {
 		return err
 	}
-	ns, err := openNamespace(c)
+	ns, err := openNamespace(ctx, c)
 	if err != nil {
 		return err
 	}
@@ -52,7 +52,7 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) e
 		return err
 	}
 	klog.FromContext(ctx).V(2).Info("Mounted plan", "mountPoint", c.MountPoint, "pid", c.PID,
-		"mntNS", ns.Inode(), "mounts", len(mounts), "attached", len(a.attached))
+		"mntNS", ns.Identity(), "mounts", len(mounts), "attached", len(a.attached))
 	return nil
 }
 
@@ -107,7 +107,7 @@ func enterForUnmount(ctx context.Context, c Consumer) (*mountns.Namespace, error
 	if err := checkConsumer(c); err != nil {
 		return nil, err
 	}
-	ns, err := openNamespace(c)
+	ns, err := openNamespace(ctx, c)
 	if gone(c, err) {
 		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
 		return nil, nil
@@ -115,16 +115,37 @@ func enterForUnmount(ctx context.Context, c Consumer) (*mountns.Namespace, error
 	return ns, err
 }
 
-func openNamespace(c Consumer) (*mountns.Namespace, error) {
-	if c.PID != 0 {
-		return mountns.OpenPID(c.PID, c.NSInode)
+// openNamespace opens the consumer's namespace. Its PID may no longer name
+// it: the process exited (a container's first process, while others live
+// on) or the PID was reused. When the namespace's never-reused ID is known,
+// it is then found and entered through any process still in it, and only
+// when none is left does this fail with errdefs.ErrNotFound. With no ID
+// (an older kernel, a caller that did not keep it) the PID is all there is,
+// and an inode alone could name an unrelated namespace that got it after
+// the consumer's died.
+func openNamespace(ctx context.Context, c Consumer) (*mountns.Namespace, error) {
+	want := mountns.Identity{Inode: c.NSInode, ID: c.NSID}
+	if c.PID == 0 {
+		ns, err := mountns.Self()
+		if err == nil && !want.Matches(ns.Identity()) {
+			ns.Close()
+			return nil, fmt.Errorf("mounter runs in mount namespace %s, not %s: %w", ns.Identity(), want, errdefs.ErrFailedPrecondition)
+		}
+		return ns, err
 	}
-	ns, err := mountns.Self()
-	if err == nil && c.NSInode != 0 && ns.Inode() != c.NSInode {
-		ns.Close()
-		return nil, fmt.Errorf("mounter runs in mount namespace %d, not %d: %w", ns.Inode(), c.NSInode, errdefs.ErrFailedPrecondition)
+	ns, err := mountns.OpenPID(c.PID, want)
+	if err == nil || want.ID == 0 || !(errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrFailedPrecondition)) {
+		return ns, err
 	}
-	return ns, err
+	ns, ferr := mountns.OpenIdentity(want)
+	if ferr != nil {
+		// Only ferr is wrapped: err says nothing of whether the namespace
+		// lives, and gone() must not take an unreadable /proc for "gone".
+		return nil, fmt.Errorf("%v; %w", err, ferr)
+	}
+	klog.FromContext(ctx).V(2).Info("Consumer's process no longer names its mount namespace; entered it through another process",
+		"pid", c.PID, "reason", err, "mntNS", want)
+	return ns, nil
 }
 
 // removeMountPoint removes the mount point if so configured. Run inside the

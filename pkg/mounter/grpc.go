@@ -76,7 +76,7 @@ func (c *client) Unmount(ctx context.Context, mounts []plan.Mount, consumer Cons
 
 // ConsumerToProto converts a consumer to its wire form.
 func ConsumerToProto(c Consumer) *api.Consumer {
-	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.NSInode}
+	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.NSInode, MntNsId: c.NSID}
 }
 
 // ConsumerFromProto converts a consumer from its wire form; a missing one or
@@ -88,5 +88,5 @@ func ConsumerFromProto(c *api.Consumer) (Consumer, error) {
 	if c.GetPid() < 0 || c.GetPid() > math.MaxInt32 {
 		return Consumer{}, fmt.Errorf("consumer pid %d is out of range: %w", c.GetPid(), errdefs.ErrInvalidArgument)
 	}
-	return Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode()}, nil
+	return Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode(), NSID: c.GetMntNsId()}, nil
 }

@@ -21,6 +21,11 @@ type Consumer struct {
 	// NSInode, when non-zero, is the inode of the namespace that PID must
 	// still be in: a PID that was reused by a process elsewhere fails.
 	NSInode uint64
+	// NSID, when non-zero, is the kernel's never-reused ID of that namespace
+	// (NS_GET_MNTNS_ID): PID must be in that very namespace, and once PID no
+	// longer names it, the namespace is entered through any process still
+	// in it. 0 means unknown.
+	NSID uint64
 }
 
 // Interface performs and undoes plans. The in-process Executor and the gRPC

@@ -35,7 +35,7 @@ func attachInto(t *testing.T, pid int, m plan.Mount, target string) {
 		t.Fatalf("Build %s: %v", m, err)
 	}
 	defer fd.Close()
-	ns, err := mountns.OpenPID(pid, 0)
+	ns, err := mountns.OpenPID(pid, mountns.Identity{})
 	if err != nil {
 		t.Fatalf("OpenPID: %v", err)
 	}
@@ -131,27 +131,29 @@ func TestOpenPID(t *testing.T) {
 	}
 	defer self.Close()
 	tests := []struct {
-		name  string
-		pid   int
-		inode uint64
-		want  error
+		name string
+		pid  int
+		id   mountns.Identity
+		want error
 	}{
-		{"own pid", os.Getpid(), 0, nil},
-		{"own pid, right inode", os.Getpid(), self.Inode(), nil},
-		{"no such pid", 1<<22 + 1, 0, errdefs.ErrNotFound}, // above the largest pid_max
-		{"zero pid", 0, 0, errdefs.ErrInvalidArgument},
-		{"namespace replaced", os.Getpid(), self.Inode() + 1, errdefs.ErrFailedPrecondition},
+		{"own pid", os.Getpid(), mountns.Identity{}, nil},
+		{"own pid, right inode", os.Getpid(), mountns.Identity{Inode: self.Inode()}, nil},
+		{"own pid, right identity", os.Getpid(), self.Identity(), nil},
+		{"no such pid", 1<<22 + 1, mountns.Identity{}, errdefs.ErrNotFound}, // above the largest pid_max
+		{"zero pid", 0, mountns.Identity{}, errdefs.ErrInvalidArgument},
+		{"namespace replaced", os.Getpid(), mountns.Identity{Inode: self.Inode() + 1}, errdefs.ErrFailedPrecondition},
+		{"same inode, another namespace", os.Getpid(), mountns.Identity{Inode: self.Inode(), ID: self.Identity().ID + 1}, errdefs.ErrFailedPrecondition},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			ns, err := mountns.OpenPID(tt.pid, tt.inode)
+			ns, err := mountns.OpenPID(tt.pid, tt.id)
 			if !errors.Is(err, tt.want) {
-				t.Fatalf("OpenPID(%d, %d) = %v, want %v", tt.pid, tt.inode, err, tt.want)
+				t.Fatalf("OpenPID(%d, %+v) = %v, want %v", tt.pid, tt.id, err, tt.want)
 			}
 			if err == nil {
 				defer ns.Close()
-				if !ns.IsSelf() || ns.Inode() != self.Inode() {
-					t.Fatalf("own namespace: self=%v inode=%d, want %d", ns.IsSelf(), ns.Inode(), self.Inode())
+				if !ns.IsSelf() || ns.Identity() != self.Identity() {
+					t.Fatalf("own namespace: self=%v identity=%+v, want %+v", ns.IsSelf(), ns.Identity(), self.Identity())
 				}
 			}
 		})
@@ -162,7 +164,7 @@ func TestOpenPIDOfOtherNamespace(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	pid := mountnstest.Namespace(t, "private")
 	want := mountnstest.NamespaceInode(t, pid)
-	ns, err := mountns.OpenPID(pid, want)
+	ns, err := mountns.OpenPID(pid, mountns.Identity{Inode: want})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -170,7 +172,7 @@ func TestOpenPIDOfOtherNamespace(t *testing.T) {
 	if ns.IsSelf() || ns.Inode() != want {
 		t.Fatalf("self=%v inode=%d, want other namespace %d", ns.IsSelf(), ns.Inode(), want)
 	}
-	if _, err := mountns.OpenPID(pid, want+1); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+	if _, err := mountns.OpenPID(pid, mountns.Identity{Inode: want + 1}); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Fatalf("wrong inode: %v, want FailedPrecondition", err)
 	}
 }
@@ -230,7 +232,7 @@ func TestBuildErrors(t *testing.T) {
 func TestDoLeavesMainThreadAlone(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	pid := mountnstest.Namespace(t, "private")
-	ns, err := mountns.OpenPID(pid, 0)
+	ns, err := mountns.OpenPID(pid, mountns.Identity{})
 	if err != nil {
 		t.Fatal(err)
 	}

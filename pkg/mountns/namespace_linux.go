@@ -17,63 +17,68 @@ import (
 // namespace alive, so a PID that exits or is reused after OpenPID cannot
 // redirect the mounts elsewhere.
 type Namespace struct {
-	ns    *os.File // /proc/PID/ns/mnt
-	proc  *os.File // the caller's /proc, still reachable after setns
-	inode uint64
-	self  bool // the caller's own namespace: Do needs no setns
+	ns   *os.File // /proc/PID/ns/mnt
+	proc *os.File // the caller's /proc, still reachable after setns
+	id   Identity
+	self bool // the caller's own namespace: Do needs no setns
 }
 
 // Self opens the caller's own mount namespace.
 //
 // It holds no file: the caller's namespace needs no handle to be entered
 // (Do runs fn in place) and cannot go away under it. Only its identity is
-// read, with one stat, since kubelet's flow opens it twice per publish.
+// read (thread-self, not self: /proc/self names the main thread, and only
+// the calling thread is sure to be in the process's own namespace).
 func Self() (*Namespace, error) {
-	var st unix.Stat_t
-	if err := unix.Stat("/proc/thread-self/ns/mnt", &st); err != nil {
-		return nil, &os.PathError{Op: "stat", Path: "/proc/thread-self/ns/mnt", Err: err}
+	f, err := openNS("thread-self")
+	if err != nil {
+		return nil, err
 	}
-	return &Namespace{inode: st.Ino, self: true}, nil
+	defer f.Close()
+	id, err := identityOf(f)
+	if err != nil {
+		return nil, err
+	}
+	return &Namespace{id: id, self: true}, nil
 }
 
 // OpenPID opens the mount namespace of process pid (as the caller's /proc
 // sees it). It fails with errdefs.ErrNotFound when the process does not
-// exist and with errdefs.ErrFailedPrecondition when wantInode is non-zero
-// and the process lives in another namespace (a reused PID).
-func OpenPID(pid int, wantInode uint64) (*Namespace, error) {
+// exist and with errdefs.ErrFailedPrecondition when want is not zero and
+// the process lives in another namespace (a reused PID, or a namespace that
+// got the inode of a dead one): see Identity.Matches.
+func OpenPID(pid int, want Identity) (*Namespace, error) {
 	if pid <= 0 {
 		return nil, fmt.Errorf("pid %d: %w", pid, errdefs.ErrInvalidArgument)
 	}
-	return open(strconv.Itoa(pid), wantInode)
+	return open(strconv.Itoa(pid), want)
 }
 
-func open(pid string, wantInode uint64) (_ *Namespace, err error) {
+func open(pid string, want Identity) (_ *Namespace, err error) {
 	n := &Namespace{}
 	defer func() {
 		if err != nil {
 			n.Close()
 		}
 	}()
-	if n.ns, err = openFile("/proc/"+pid+"/ns/mnt", unix.O_RDONLY); err != nil {
-		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) {
-			return nil, fmt.Errorf("mount namespace of pid %s: %w", pid, errdefs.ErrNotFound)
-		}
-		return nil, fmt.Errorf("mount namespace of pid %s: %w", pid, err)
-	}
-	if n.inode, err = inodeOf(n.ns); err != nil {
+	if n.ns, err = openNS(pid); err != nil {
 		return nil, err
 	}
-	if wantInode != 0 && n.inode != wantInode {
-		return nil, fmt.Errorf("pid %s is in mount namespace %d, not %d (the process was replaced): %w",
-			pid, n.inode, wantInode, errdefs.ErrFailedPrecondition)
+	if n.id, err = identityOf(n.ns); err != nil {
+		return nil, err
+	}
+	if !want.Matches(n.id) {
+		return nil, fmt.Errorf("pid %s is in mount namespace %s, not %s (the process was replaced): %w",
+			pid, n.id, want, errdefs.ErrFailedPrecondition)
 	}
 	var own unix.Stat_t
 	// thread-self, not self: /proc/self names the main thread, and only
 	// the calling thread is sure to be in the process's own namespace.
+	// Inodes of live namespaces are unique, and n holds its namespace.
 	if err := unix.Stat("/proc/thread-self/ns/mnt", &own); err != nil {
 		return nil, &os.PathError{Op: "stat", Path: "/proc/thread-self/ns/mnt", Err: err}
 	}
-	n.self = own.Ino == n.inode
+	n.self = own.Ino == n.id.Inode
 	if n.proc, err = openFile("/proc", unix.O_PATH|unix.O_DIRECTORY); err != nil {
 		return nil, err
 	}
@@ -88,16 +93,11 @@ func openFile(path string, flags int) (*os.File, error) {
 	return os.NewFile(uintptr(fd), path), nil
 }
 
-func inodeOf(f *os.File) (uint64, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return 0, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
-	}
-	return st.Ino, nil
-}
+// Identity identifies the namespace.
+func (n *Namespace) Identity() Identity { return n.id }
 
-// Inode identifies the namespace (the inode of /proc/PID/ns/mnt).
-func (n *Namespace) Inode() uint64 { return n.inode }
+// Inode is the inode of the namespace (of /proc/PID/ns/mnt): Identity().Inode.
+func (n *Namespace) Inode() uint64 { return n.id.Inode }
 
 // IsSelf reports whether this is the caller's own mount namespace.
 func (n *Namespace) IsSelf() bool { return n.self }
@@ -150,7 +150,7 @@ func (n *Namespace) enterAndRun(fn func() error, errc chan<- error) {
 		return
 	}
 	if err := unix.Setns(int(n.ns.Fd()), unix.CLONE_NEWNS); err != nil {
-		errc <- fmt.Errorf("setns into mount namespace %d: %w", n.inode, err)
+		errc <- fmt.Errorf("setns into mount namespace %s: %w", n.id, err)
 		return
 	}
 	errc <- fn()

@@ -1,0 +1,164 @@
+package mountns
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// Identity names a mount namespace. The inode (of /proc/PID/ns/mnt) is what
+// the API has always carried, but the kernel hands it out again as soon as
+// the namespace dies (the next `unshare -m` often gets the same number). The
+// 64-bit namespace ID (NS_GET_MNTNS_ID, Linux 6.9+) is never reused, so it is
+// what tells a namespace apart from a later one with the same inode. ID is 0
+// where the kernel lacks it.
+type Identity struct {
+	Inode uint64
+	ID    uint64
+}
+
+// IsZero reports whether nothing is known of the namespace.
+func (i Identity) IsZero() bool { return i == Identity{} }
+
+// Matches reports whether got, the identity of a namespace at hand, is the
+// namespace i names. A zero field of i is not checked, so the zero Identity
+// matches any namespace; the ID is compared only when i knows it.
+func (i Identity) Matches(got Identity) bool {
+	return (i.Inode == 0 || got.Inode == i.Inode) && (i.ID == 0 || got.ID == i.ID)
+}
+
+func (i Identity) String() string {
+	if i.ID == 0 {
+		return strconv.FormatUint(i.Inode, 10)
+	}
+	return fmt.Sprintf("%d (id %d)", i.Inode, i.ID)
+}
+
+func nsPath(pid string) string { return "/proc/" + pid + "/ns/mnt" }
+
+// IdentityOf returns the identity of process pid's mount namespace (as the
+// caller's /proc sees it). It fails with errdefs.ErrNotFound when the
+// process does not exist.
+func IdentityOf(pid int) (Identity, error) {
+	if pid <= 0 {
+		return Identity{}, fmt.Errorf("pid %d: %w", pid, errdefs.ErrInvalidArgument)
+	}
+	f, err := openNS(strconv.Itoa(pid))
+	if err != nil {
+		return Identity{}, err
+	}
+	defer f.Close()
+	return identityOf(f)
+}
+
+// openNS opens /proc/PID/ns/mnt; a process that does not exist (or has
+// exited and dropped its namespaces) is errdefs.ErrNotFound.
+func openNS(pid string) (*os.File, error) {
+	f, err := openFile(nsPath(pid), unix.O_RDONLY)
+	if err != nil {
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) {
+			return nil, fmt.Errorf("mount namespace of pid %s: %w", pid, errdefs.ErrNotFound)
+		}
+		return nil, fmt.Errorf("mount namespace of pid %s: %w", pid, err)
+	}
+	return f, nil
+}
+
+// identityOf reads the identity of the namespace f (an nsfs file) refers to.
+func identityOf(f *os.File) (Identity, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return Identity{}, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
+	}
+	id, err := unix.IoctlGetUint64(int(f.Fd()), unix.NS_GET_MNTNS_ID)
+	if err != nil {
+		id = 0 // an older kernel: the inode is all there is
+	}
+	return Identity{Inode: st.Ino, ID: id}, nil
+}
+
+// Find returns a process that is in the namespace id names, searching all
+// of /proc: a container's namespace outlives any one of its processes.
+// Candidates are picked by inode with a cheap stat and confirmed by
+// namespace ID when id knows it (without it, any namespace that now has the
+// inode is taken). ok is false when no process is in it: the namespace is
+// gone. An error means /proc could not be read, and nothing can be told.
+// The process may exit at any time; open it with OpenPID(pid, id), which
+// checks again, and search again if that fails.
+func Find(id Identity) (pid int, ok bool, err error) {
+	if id.IsZero() {
+		return 0, false, nil
+	}
+	d, err := os.Open("/proc")
+	if err != nil {
+		return 0, false, err
+	}
+	defer d.Close()
+	for {
+		names, err := d.Readdirnames(256)
+		for _, name := range names {
+			if pid, ok := candidate(name, id); ok {
+				return pid, true, nil
+			}
+		}
+		if errors.Is(err, io.EOF) {
+			return 0, false, nil
+		}
+		if err != nil {
+			return 0, false, fmt.Errorf("find mount namespace %s: %w", id, err)
+		}
+	}
+}
+
+// candidate reports whether /proc/name is a process in namespace id.
+func candidate(name string, id Identity) (int, bool) {
+	pid, err := strconv.Atoi(name)
+	if err != nil || pid <= 0 {
+		return 0, false
+	}
+	if id.Inode != 0 {
+		var st unix.Stat_t
+		if unix.Stat(nsPath(name), &st) != nil || st.Ino != id.Inode {
+			return 0, false
+		}
+	}
+	got, err := IdentityOf(pid)
+	return pid, err == nil && id.Matches(got)
+}
+
+// OpenIdentity opens the namespace id names through any process still in it
+// (see Find). It fails with errdefs.ErrNotFound when no process is left in
+// it: the namespace is gone and the kernel dropped its mounts with it.
+func OpenIdentity(id Identity) (*Namespace, error) {
+	if id.IsZero() {
+		return nil, fmt.Errorf("open a mount namespace of unknown identity: %w", errdefs.ErrInvalidArgument)
+	}
+	// Each try fails only when the process found exited (or was replaced)
+	// between the search and the open; the next search skips it.
+	const tries = 5
+	var last error // not wrapped: it may be ErrNotFound, and the namespace lives
+	for range tries {
+		pid, ok, err := Find(id)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, fmt.Errorf("no process is left in mount namespace %s: %w", id, errdefs.ErrNotFound)
+		}
+		ns, err := OpenPID(pid, id)
+		if err == nil {
+			return ns, nil
+		}
+		if !errors.Is(err, errdefs.ErrNotFound) && !errors.Is(err, errdefs.ErrFailedPrecondition) {
+			return nil, err
+		}
+		last = err
+	}
+	return nil, fmt.Errorf("mount namespace %s: its processes kept exiting while it was opened (%v): %w", id, last, errdefs.ErrUnavailable)
+}
