@@ -6,11 +6,9 @@ package config
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 
 	"sigs.k8s.io/yaml"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -62,10 +60,8 @@ func Load(path string) (*Config, error) {
 			return nil, fmt.Errorf("config %s: %w", path, err)
 		}
 	}
-	for i, r := range c.ImageRoots {
-		if !filepath.IsAbs(r) || filepath.Clean(r) != r || r == "/" {
-			return nil, fmt.Errorf("config: imageRoots[%d] %q must be a clean absolute path other than /: %w", i, r, errdefs.ErrInvalidArgument)
-		}
+	if err := checkRoots("imageRoots", c.ImageRoots); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
 	}
 	return c, nil
 }

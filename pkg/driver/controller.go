@@ -28,10 +28,9 @@ var minCapacity = map[string]int64{"ext4": 16 << 20, "xfs": 300 << 20}
 
 // Parameter keys of a StorageClass.
 const (
-	paramType       = "type"
-	paramFsType     = "fsType"
-	paramCSIFsType  = "csi.storage.k8s.io/fstype"
-	formattableHint = "ext4, xfs"
+	paramType      = "type"
+	paramFsType    = "fsType"
+	paramCSIFsType = source.ReservedPrefix + "fstype"
 )
 
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
@@ -90,12 +89,26 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	if p.fsType == "" {
 		p.fsType = d.opts.Config.DefaultFsType
 	}
-	if _, ok := minCapacity[p.fsType]; !ok {
-		return p, invalid("fsType %q cannot be provisioned (supported: %s)", p.fsType, formattableHint)
+	if err := checkFormattable(p.fsType); err != nil {
+		return p, err
 	}
 	var err error
 	p.size, err = capacityFor(req.GetCapacityRange(), p.fsType)
 	return p, err
+}
+
+// checkFormattable accepts the filesystems this plugin can make.
+func checkFormattable(fsType string) error {
+	if _, ok := minCapacity[fsType]; !ok {
+		return invalid("fsType %q cannot be made (supported: %s)", fsType, strings.Join(slices.Sorted(maps.Keys(minCapacity)), ", "))
+	}
+	return nil
+}
+
+// roundCapacity raises size to the filesystem's minimum and whole MiB.
+func roundCapacity(size int64, fsType string) int64 {
+	size = max(size, minCapacity[fsType])
+	return (size + CapacityUnit - 1) / CapacityUnit * CapacityUnit
 }
 
 // capacityFor rounds the requested size up to whole MiB and to the
@@ -115,8 +128,7 @@ func capacityFor(r *csi.CapacityRange, fsType string) (int64, error) {
 			size = limit
 		}
 	}
-	size = max(size, minCapacity[fsType])
-	size = (size + CapacityUnit - 1) / CapacityUnit * CapacityUnit
+	size = roundCapacity(size, fsType)
 	if limit > 0 && size > limit {
 		return 0, fmt.Errorf("the smallest %s volume in whole MiB (%d bytes) exceeds limit_bytes %d: %w", fsType, size, limit, errdefs.ErrOutOfRange)
 	}

@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -65,7 +66,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 
 func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int64, fsType string, err error) {
 	size = DefaultEphemeralSize
-	fsType = firstNonEmpty(c.fsType, d.opts.Config.DefaultFsType)
+	fsType = cmp.Or(c.fsType, d.opts.Config.DefaultFsType)
 	for k, val := range vctx {
 		switch {
 		case k == ctxType:
@@ -83,11 +84,10 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 			return 0, "", invalid("unknown inline volume attribute %q", k)
 		}
 	}
-	if _, ok := minCapacity[fsType]; !ok {
-		return 0, "", invalid("fsType %q cannot be made (supported: %s)", fsType, formattableHint)
+	if err := checkFormattable(fsType); err != nil {
+		return 0, "", err
 	}
-	size = max(size, minCapacity[fsType])
-	return (size + CapacityUnit - 1) / CapacityUnit * CapacityUnit, fsType, nil
+	return roundCapacity(size, fsType), fsType, nil
 }
 
 // destroyEphemeral tears down an inline volume: unstage, image, record.

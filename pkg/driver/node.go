@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -22,7 +23,7 @@ import (
 const (
 	ctxType      = "type"
 	ctxFsType    = "fsType"
-	ctxEphemeral = "csi.storage.k8s.io/ephemeral"
+	ctxEphemeral = source.ReservedPrefix + "ephemeral"
 	ctxSize      = "size"
 )
 
@@ -69,7 +70,7 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Vol
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
 	}
-	typ := firstNonEmpty(vctx[ctxType], loop.Type)
+	typ := cmp.Or(vctx[ctxType], loop.Type)
 	src, ok := d.sources[typ]
 	if !ok {
 		return nil, invalid("volume type %q is not supported (supported: %s)", typ, strings.Join(slices.Sorted(maps.Keys(d.sources)), ", "))
@@ -102,7 +103,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 	}
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
-	fsType := firstNonEmpty(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
+	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
 	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.saveDurable})
 	if err != nil {
 		v.Stage = nil
@@ -221,15 +222,6 @@ func describeConsumers(cs []journal.Consumer) string {
 		parts = append(parts, fmt.Sprintf("pid %d (mnt ns %d) at %s", c.PID, c.NSInode, c.MountPoint))
 	}
 	return strings.Join(parts, ", ")
-}
-
-func firstNonEmpty(vals ...string) string {
-	for _, v := range vals {
-		if v != "" {
-			return v
-		}
-	}
-	return ""
 }
 
 // removeMountPoint deletes a target path the plugin created, never
