@@ -16,6 +16,7 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
 )
@@ -346,29 +347,13 @@ func (b *bench) measureNoopRPC(ctx context.Context) *sample {
 // pluginCPU is the CPU time (user + system) the plugin has used so far,
 // from /proc/PID/stat, which includes its exited threads.
 func (b *bench) pluginCPU() (time.Duration, error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", b.plugin.pid()))
-	if err != nil {
-		return 0, err
-	}
-	// Fields after the parenthesised command: state is field 3, utime 14, stime 15.
-	s := string(data)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("unexpected /proc/PID/stat: %q", s)
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 13 {
-		return 0, fmt.Errorf("unexpected /proc/PID/stat: %q", s)
-	}
-	var ut, st int64
-	if _, err := fmt.Sscan(f[11], &ut); err != nil {
-		return 0, err
-	}
-	if _, err := fmt.Sscan(f[12], &st); err != nil {
-		return 0, err
+	pid := b.plugin.pid()
+	st, ok := daemon.ReadStat(pid)
+	if !ok {
+		return 0, fmt.Errorf("cannot read /proc/%d/stat: has the plugin exited?", pid)
 	}
 	const clkTck = 100 // USER_HZ: the unit of /proc times on every Linux architecture Go supports
-	return time.Duration(ut+st) * time.Second / clkTck, nil
+	return time.Duration(st.UTime+st.STime) * time.Second / clkTck, nil
 }
 
 // inflateMounts adds o.mounts small tmpfs mounts under dir/inflate. Only

@@ -103,3 +103,24 @@ func TestLocalSpawnerErrors(t *testing.T) {
 		t.Error("a cancelled context started a daemon")
 	}
 }
+
+func TestReadStatSelf(t *testing.T) {
+	st, ok := ReadStat(os.Getpid())
+	if !ok {
+		t.Fatal("ReadStat of this process: not found")
+	}
+	if st.PPID != os.Getppid() {
+		t.Errorf("PPID = %d, want %d", st.PPID, os.Getppid())
+	}
+	if st.State != 'R' && st.State != 'S' {
+		t.Errorf("State = %q, want R or S", st.State)
+	}
+	if st.StartTime == 0 {
+		t.Error("StartTime = 0")
+	}
+	for start := time.Now(); time.Since(start) < 50*time.Millisecond; {
+	}
+	if again, _ := ReadStat(os.Getpid()); again.UTime+again.STime == 0 {
+		t.Error("no CPU time after 50ms of spinning")
+	}
+}

@@ -18,11 +18,14 @@ type Proc struct {
 func (p Proc) String() string { return fmt.Sprintf("pid %d (start %d)", p.PID, p.StartTime) }
 
 // Stat is the part of /proc/PID/stat that identifies and classifies a
-// process.
+// process, and the CPU time it has used.
 type Stat struct {
 	State     byte // R, S, D, Z, X, ...
+	PPID      int
 	Session   int
-	StartTime uint64
+	UTime     uint64 // user CPU time in clock ticks (USER_HZ), exited threads included
+	STime     uint64 // system CPU time in clock ticks (USER_HZ), exited threads included
+	StartTime uint64 // clock ticks after boot: with the PID, identifies a process across PID reuse
 }
 
 // ReadStat reads /proc/PID/stat. ok is false when the process is gone.
@@ -41,8 +44,12 @@ func ReadStat(pid int) (st Stat, ok bool) {
 	if len(f) < 20 {
 		return Stat{}, false
 	}
+	// f[i] is field i+3 of proc_pid_stat(5).
 	st = Stat{State: f[0][0]}
+	st.PPID, _ = strconv.Atoi(f[1])
 	st.Session, _ = strconv.Atoi(f[3])
+	st.UTime, _ = strconv.ParseUint(f[11], 10, 64)
+	st.STime, _ = strconv.ParseUint(f[12], 10, 64)
 	st.StartTime, _ = strconv.ParseUint(f[19], 10, 64)
 	return st, true
 }

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/mountplan/mountplan/pkg/daemon"
 )
 
 // ProcInfo is one process as /proc shows it.
@@ -35,23 +37,11 @@ func (p ProcInfo) String() string {
 // readProc reads /proc/PID/stat and /proc/PID/cmdline. ok is false when the
 // process is gone.
 func readProc(pid int) (ProcInfo, bool) {
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
+	st, ok := daemon.ReadStat(pid)
+	if !ok {
 		return ProcInfo{}, false
 	}
-	// The command name is in parentheses and may itself contain spaces or
-	// parentheses: the fields resume after the last ')'.
-	i := bytes.LastIndexByte(stat, ')')
-	if i < 0 {
-		return ProcInfo{}, false
-	}
-	f := strings.Fields(string(stat[i+1:]))
-	if len(f) < 20 {
-		return ProcInfo{}, false
-	}
-	p := ProcInfo{PID: pid, State: f[0][0]}
-	p.PPID, _ = strconv.Atoi(f[1])
-	p.StartTime, _ = strconv.ParseUint(f[19], 10, 64)
+	p := ProcInfo{PID: pid, PPID: st.PPID, State: st.State, StartTime: st.StartTime}
 	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil {
 		p.Cmdline = strings.TrimSpace(string(bytes.ReplaceAll(cmd, []byte{0}, []byte{' '})))
 	}
