@@ -159,7 +159,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return d.createResponse(v), nil
 	case err == nil: // a create interrupted after its intent: finish it
 	case errors.Is(err, errdefs.ErrNotFound):
-		v = &journal.Volume{ID: id, Name: req.GetName(), Kind: journal.KindProvisioned, Type: loop.Type,
+		v = &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
 			Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
 			FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
 		if err := d.store.Put(v, journal.Durable); err != nil {

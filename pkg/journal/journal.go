@@ -50,7 +50,6 @@ const (
 // Volume is the record of one volume.
 type Volume struct {
 	ID            string            `json:"id"`
-	Name          string            `json:"name,omitempty"`
 	Kind          Kind              `json:"kind"`
 	Type          string            `json:"type"`
 	Image         string            `json:"image,omitempty"`
