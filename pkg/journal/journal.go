@@ -110,9 +110,12 @@ type Durability int
 const (
 	// Runtime records describe kernel state (attached devices, mounts,
 	// namespaces) that a reboot erases too. Their writes survive a crash
-	// of the plugin (temp file and rename: the page cache outlives the
-	// process) but skip fsync: after a machine crash the reconciler finds
-	// the devices and mounts gone whatever the record says.
+	// of the plugin (the page cache outlives the process) but skip fsync:
+	// an existing record of up to a page is rewritten in place with one
+	// write, a new or larger one goes through a temp file and a rename.
+	// After a machine crash the reconciler finds the devices and mounts
+	// gone whatever the record says, and Get falls back to the durable
+	// copy if the record is torn.
 	Runtime Durability = iota
 	// Durable records describe what is on disk (an image exists, a format
 	// is under way) and survive a machine crash: fsync of the file and its

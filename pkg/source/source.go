@@ -1,7 +1,7 @@
-// Package source defines how a kind of volume (loop, and later nbd, iscsi,
-// fuse) is activated at stage time and turned into a mount plan. Each kind
-// lives in its own package and is registered with the driver by its type
-// name: a new kind is a new package, not a new case in a switch.
+// Package source defines how a kind of volume (loop, nbd, iscsi, fuse) is
+// activated at stage time and turned into a mount plan. Each kind lives in
+// its own package and is registered with the driver by its type name: a new
+// kind is a new package, not a new case in a switch.
 package source
 
 import (
