@@ -11,6 +11,7 @@ import (
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -38,7 +39,7 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 		return nil, err
 	}
 	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(mounts), Consumer: &api.Consumer{
-		Pid: int64(cons.PID), MountPoint: cons.MountPoint, MntNsInode: cons.NSInode}}, nil
+		Pid: int64(cons.PID), MountPoint: cons.MountPoint, MntNsInode: cons.NSInode, MntNsId: cons.NSID}}, nil
 }
 
 func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.Consumer, c capability, readOnly bool) ([]plan.Mount, error) {
@@ -52,11 +53,11 @@ func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.C
 	if err != nil {
 		return nil, err
 	}
-	if cons.NSInode != 0 && cons.NSInode != ns.inode {
-		return nil, fmt.Errorf("process %d is no longer in mount namespace %d: %w", cons.PID, cons.NSInode, errdefs.ErrFailedPrecondition)
+	if want := namespaceIdentity(*cons); !want.Matches(ns) {
+		return nil, fmt.Errorf("process %d is no longer in mount namespace %s: %w", cons.PID, want, errdefs.ErrFailedPrecondition)
 	}
-	cons.NSInode, cons.NSID = ns.inode, ns.id
-	inode := ns.inode
+	cons.NSInode, cons.NSID = ns.Inode, ns.ID
+	inode := ns.Inode
 	if i := slices.IndexFunc(v.Consumers, sameConsumer(*cons)); i >= 0 {
 		return v.Consumers[i].Mounts, nil // a repeated prepare: same answer
 	}
@@ -93,7 +94,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 		// The caller did not keep the namespace identity: the PID still
 		// names it if the process lives.
 		if ns, err := namespaceOf(cons.PID); err == nil {
-			cons.NSInode = ns.inode
+			cons.NSInode, cons.NSID = ns.Inode, ns.ID
 		}
 	}
 	n := len(v.Consumers)
@@ -114,7 +115,37 @@ func checkConsumer(c *api.Consumer, needPID bool) (journal.Consumer, error) {
 	if err := requirePath("consumer.mount_point", c.GetMountPoint()); err != nil {
 		return journal.Consumer{}, err
 	}
-	return journal.Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode()}, nil
+	return journal.Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode(), NSID: c.GetMntNsId()}, nil
+}
+
+// namespaceIdentity is the mount namespace a consumer was recorded (or asked) with.
+func namespaceIdentity(c journal.Consumer) mountns.Identity {
+	return mountns.Identity{Inode: c.NSInode, ID: c.NSID}
+}
+
+// namespaceOf returns the identity of pid's mount namespace.
+func namespaceOf(pid int) (mountns.Identity, error) {
+	ns, err := mountns.IdentityOf(pid)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return ns, fmt.Errorf("process %d does not exist: %w", pid, errdefs.ErrNotFound)
+	}
+	return ns, err
+}
+
+// namespaceAlive reports whether any process is still in c's mount
+// namespace: the recorded PID, or when it has gone any other (a
+// container's namespace outlives any one of its processes). A record
+// without identity (none is written) names no namespace.
+func namespaceAlive(c journal.Consumer) bool {
+	if c.NSInode == 0 {
+		return false
+	}
+	want := namespaceIdentity(c)
+	if ns, err := mountns.IdentityOf(c.PID); err == nil && want.Matches(ns) {
+		return true
+	}
+	_, ok, err := mountns.Find(want)
+	return ok || err != nil // cannot tell: keep the consumer
 }
 
 // dropDeadConsumers forgets consumers whose namespace is gone: the kernel
@@ -139,14 +170,15 @@ func sameConsumer(a journal.Consumer) func(journal.Consumer) bool {
 }
 
 // releasedBy matches the records an unprepare request names: by namespace
-// identity when the caller knows it, else by PID.
+// identity when the caller knows it (the ID where both sides know it), else
+// by PID.
 func releasedBy(req journal.Consumer) func(journal.Consumer) bool {
 	return func(c journal.Consumer) bool {
 		if c.MountPoint != req.MountPoint {
 			return false
 		}
 		if req.NSInode != 0 {
-			return c.NSInode == req.NSInode
+			return c.NSInode == req.NSInode && (req.NSID == 0 || c.NSID == 0 || c.NSID == req.NSID)
 		}
 		return c.PID == req.PID
 	}

@@ -135,7 +135,7 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	}
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.inode, NSID: ns.id, MountPoint: "/data"}}}
+		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.Inode, NSID: ns.ID, MountPoint: "/data"}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
@@ -158,7 +158,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v", Options: []string{"nosuid", "nodev"}}}
 	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.inode, NSID: ns.id, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
+		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.Inode, NSID: ns.ID, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
 		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
