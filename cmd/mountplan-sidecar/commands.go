@@ -46,7 +46,10 @@ func runMount(ctx context.Context, args []string) error {
 		return err
 	}
 	fmt.Printf("mounted volume %s at %s for pid %d\n", r.VolumeID, c.MountPoint, c.PID)
-	if c.NSInode != 0 {
+	switch {
+	case c.NSID != 0:
+		fmt.Printf("mount namespace %d, id %d (pass --mnt-ns-inode %d --mnt-ns-id %d to unmount)\n", c.NSInode, c.NSID, c.NSInode, c.NSID)
+	case c.NSInode != 0:
 		fmt.Printf("mount namespace %d (pass --mnt-ns-inode %d to unmount)\n", c.NSInode, c.NSInode)
 	}
 	return nil

@@ -73,6 +73,7 @@ type consumerFlag struct {
 	pid    int
 	target string
 	inode  uint64
+	id     uint64
 }
 
 func consumerFlags(fs *flag.FlagSet) *consumerFlag {
@@ -80,9 +81,11 @@ func consumerFlags(fs *flag.FlagSet) *consumerFlag {
 	fs.IntVar(&f.pid, "pid", 0, "a process in the consumer's mount namespace, as the host sees it (required, positive)")
 	fs.StringVar(&f.target, "target", "", "mount point, absolute, as the consumer sees it (required)")
 	fs.Uint64Var(&f.inode, "mnt-ns-inode", 0, "inode of the consumer's mount namespace; when set, a PID now in another namespace is refused")
+	fs.Uint64Var(&f.id, "mnt-ns-id", 0, "the kernel's never-reused ID of the consumer's mount namespace (as mount printed it); "+
+		"when set, a PID now in another namespace is refused, and a PID that exited is looked past to any process left in the namespace")
 	return f
 }
 
 func (f *consumerFlag) consumer() mounter.Consumer {
-	return mounter.Consumer{PID: f.pid, MountPoint: f.target, NSInode: f.inode}
+	return mounter.Consumer{PID: f.pid, MountPoint: f.target, NSInode: f.inode, NSID: f.id}
 }

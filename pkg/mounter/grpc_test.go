@@ -83,7 +83,7 @@ func TestGRPCRoundTrip(t *testing.T) {
 		{Type: "ext4", Source: "/dev/loop7", Options: []string{"ro", "nosuid", "nodev"}},
 		{Type: "bind", Source: "/var/lib/mountplan/x", Target: "data"},
 	}
-	c := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026531840}
+	c := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026531840, NSID: 7}
 	for name, call := range map[string]func(context.Context, []plan.Mount, mounter.Consumer) error{
 		"Mount": client.Mount, "Unmount": client.Unmount,
 	} {

@@ -36,7 +36,7 @@ func Prepare(ctx context.Context, np api.NodePrepareClient, m Interface, r Prepa
 		return Consumer{}, fmt.Errorf("NodePrepareVolume %s: %w", r.VolumeID, errdefs.FromGRPC(err))
 	}
 	c := r.Consumer
-	c.NSInode = resp.GetConsumer().GetMntNsInode()
+	c.NSInode, c.NSID = resp.GetConsumer().GetMntNsInode(), resp.GetConsumer().GetMntNsId()
 	mounts := plan.FromProto(resp.GetMounts())
 	if err = checkReadOnly(r, mounts); err == nil {
 		err = m.Mount(ctx, mounts, c)

@@ -19,7 +19,7 @@ import (
 // the requests it gets.
 type plugin struct {
 	mounts     []plan.Mount
-	inode      uint64
+	inode, id  uint64
 	prepared   *api.NodePrepareVolumeRequest
 	unprepared []*api.NodeUnprepareVolumeRequest
 }
@@ -27,7 +27,7 @@ type plugin struct {
 func (p *plugin) NodePrepareVolume(_ context.Context, req *api.NodePrepareVolumeRequest, _ ...grpc.CallOption) (*api.NodePrepareVolumeResponse, error) {
 	p.prepared = req
 	c := *req.GetConsumer()
-	c.MntNsInode = p.inode
+	c.MntNsInode, c.MntNsId = p.inode, p.id
 	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(p.mounts), Consumer: &c}, nil
 }
 
@@ -66,7 +66,7 @@ func TestPrepare(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p := &plugin{mounts: tt.plan, inode: 4026532000}
+			p := &plugin{mounts: tt.plan, inode: 4026532000, id: 9}
 			m := &recorder{err: tt.mountErr}
 			r := mounter.PrepareRequest{VolumeID: "vol-1", StagingPath: "/var/lib/mountplan/staging/vol-1",
 				ReadOnly: tt.readOnly, Block: tt.block, Consumer: mounter.Consumer{PID: 42, MountPoint: "/data"}}
@@ -74,15 +74,18 @@ func TestPrepare(t *testing.T) {
 			if !errors.Is(err, tt.want) {
 				t.Fatalf("Prepare = %v, want %v", err, tt.want)
 			}
-			want := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026532000}
+			want := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026532000, NSID: 9}
 			if c != want {
 				t.Fatalf("consumer = %+v, want %+v", c, want)
+			}
+			if tt.plan != nil && tt.mountErr == nil && !tt.released && m.consumer != want {
+				t.Fatalf("plan performed at %+v, want the consumer the plugin recorded %+v", m.consumer, want)
 			}
 			checkPrepareRequest(t, p.prepared, tt.readOnly, tt.block)
 			if got := len(p.unprepared) == 1; got != tt.released {
 				t.Fatalf("claim released: %v, want %v", got, tt.released)
 			}
-			if tt.released && p.unprepared[0].GetConsumer().GetMntNsInode() != want.NSInode {
+			if tt.released && (p.unprepared[0].GetConsumer().GetMntNsInode() != want.NSInode || p.unprepared[0].GetConsumer().GetMntNsId() != want.NSID) {
 				t.Fatalf("released consumer %v, want the recorded one", p.unprepared[0].GetConsumer())
 			}
 		})
