@@ -30,7 +30,7 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 	changed := d.dropDeadConsumers(ctx, v)
 	var errs []error
 	for _, c := range v.Consumers {
-		errs = append(errs, d.replace(ctx, c.Mounts, mounter.Consumer{PID: c.PID, MountPoint: c.MountPoint, NSInode: c.NSInode}))
+		errs = append(errs, d.replace(ctx, c.Mounts, mounter.Consumer{PID: c.PID, MountPoint: c.MountPoint, NSInode: c.NSInode, NSID: c.NSID}))
 	}
 	for _, p := range v.Publishes {
 		errs = append(errs, d.replace(ctx, p.Mounts, mounter.Consumer{MountPoint: p.TargetPath}))

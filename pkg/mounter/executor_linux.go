@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -51,8 +50,10 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) e
 	if err := ns.Do(a.attachAll); err != nil {
 		return err
 	}
-	klog.FromContext(ctx).V(2).Info("Mounted plan", "mountPoint", c.MountPoint, "pid", c.PID,
-		"mntNS", ns.Identity(), "mounts", len(mounts), "attached", len(a.attached))
+	if logger := klog.FromContext(ctx).V(2); logger.Enabled() {
+		logger.Info("Mounted plan", "mountPoint", c.MountPoint, "pid", c.PID,
+			"mntNS", ns.Identity(), "mounts", len(mounts), "attached", len(a.attached))
+	}
 	return nil
 }
 
@@ -127,7 +128,7 @@ func openNamespace(ctx context.Context, c Consumer) (*mountns.Namespace, error) 
 	want := mountns.Identity{Inode: c.NSInode, ID: c.NSID}
 	if c.PID == 0 {
 		ns, err := mountns.Self()
-		if err == nil && !want.Matches(ns.Identity()) {
+		if err == nil && !want.IsZero() && !want.Matches(ns.Identity()) {
 			ns.Close()
 			return nil, fmt.Errorf("mounter runs in mount namespace %s, not %s: %w", ns.Identity(), want, errdefs.ErrFailedPrecondition)
 		}
@@ -163,9 +164,5 @@ func (e *Executor) removeMountPoint(p string) error {
 // detach unmounts target; a target that is not (or no longer) a mount point
 // or does not exist is not an error.
 func detach(target string) error {
-	err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW)
-	if err == nil || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT) {
-		return nil
-	}
-	return &mountns.OpError{Op: "umount2", Path: target, Err: err}
+	return mountns.Unmount(target, false)
 }

@@ -21,25 +21,34 @@ type Namespace struct {
 	proc *os.File // the caller's /proc, still reachable after setns
 	id   Identity
 	self bool // the caller's own namespace: Do needs no setns
+	// idRead: Self's namespace ID was looked up (it may be 0 on old kernels).
+	idRead bool
 }
 
 // Self opens the caller's own mount namespace.
 //
 // It holds no file: the caller's namespace needs no handle to be entered
-// (Do runs fn in place) and cannot go away under it. Only its identity is
-// read (thread-self, not self: /proc/self names the main thread, and only
-// the calling thread is sure to be in the process's own namespace).
+// (Do runs fn in place) and cannot go away under it. It reads only the
+// inode, with one stat, since kubelet's publishes open it twice per cycle;
+// Identity reads the namespace ID on first use.
+// (thread-self, not self: /proc/self names the main thread, and only the
+// calling thread is sure to be in the process's own namespace.)
 func Self() (*Namespace, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(nsPath("thread-self"), &st); err != nil {
+		return nil, &os.PathError{Op: "stat", Path: nsPath("thread-self"), Err: err}
+	}
+	return &Namespace{id: Identity{Inode: st.Ino}, self: true}, nil
+}
+
+// SelfIdentity returns the full identity of the caller's own namespace.
+func SelfIdentity() (Identity, error) {
 	f, err := openNS("thread-self")
 	if err != nil {
-		return nil, err
+		return Identity{}, err
 	}
 	defer f.Close()
-	id, err := identityOf(f)
-	if err != nil {
-		return nil, err
-	}
-	return &Namespace{id: id, self: true}, nil
+	return identityOf(f)
 }
 
 // OpenPID opens the mount namespace of process pid (as the caller's /proc
@@ -94,7 +103,17 @@ func openFile(path string, flags int) (*os.File, error) {
 }
 
 // Identity identifies the namespace.
-func (n *Namespace) Identity() Identity { return n.id }
+//
+// For Self it is read on first use: the publish path never asks for it.
+func (n *Namespace) Identity() Identity {
+	if n.self && n.id.ID == 0 && !n.idRead {
+		if id, err := SelfIdentity(); err == nil {
+			n.id = id
+		}
+		n.idRead = true
+	}
+	return n.id
+}
 
 // Inode is the inode of the namespace (of /proc/PID/ns/mnt): Identity().Inode.
 func (n *Namespace) Inode() uint64 { return n.id.Inode }
