@@ -41,7 +41,7 @@ func runMount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeConn()
-	c, err := mounter.Prepare(ctx, np, ef.executor(), r)
+	c, err := mounter.Prepare(ctx, np, ef.executor(nil), r)
 	if err != nil {
 		return err
 	}
@@ -106,7 +106,7 @@ func runServe(ctx context.Context, args []string) error {
 	daemons := mounter.DaemonPolicyFor(cfg, ef.roots.values())
 	logger := klog.Background().WithName("mounter")
 	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "daemonBinaries", daemons.Binaries())
-	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor(), mounter.WithDaemons(daemons))
+	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor(cfg), mounter.WithDaemons(daemons))
 	logger.Info("Stopped", "err", err)
 	return err
 }

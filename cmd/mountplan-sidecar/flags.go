@@ -9,8 +9,8 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // defaultRoot is the allowed root when no --allowed-root is given: the
@@ -61,9 +61,17 @@ func executorFlags(fs *flag.FlagSet) *execFlags {
 	return f
 }
 
-func (f *execFlags) executor() *mounter.Executor {
+// executor checks plans against the plugin's own policy when its config is
+// given (types, suid/dev), under this mounter's roots; --allow-suid-dev can
+// only widen it.
+func (f *execFlags) executor(cfg *config.Config) *mounter.Executor {
+	if cfg == nil {
+		cfg = &config.Config{}
+	}
+	policy := cfg.PlanPolicy(f.roots.values()...)
+	policy.AllowSuidDev = policy.AllowSuidDev || f.allowSuidDev
 	return &mounter.Executor{
-		Policy:           plan.Policy{Roots: f.roots.values(), AllowSuidDev: f.allowSuidDev},
+		Policy:           policy,
 		RemoveMountPoint: f.removeMountPoint,
 		AllowPropagation: f.allowPropagation,
 	}

@@ -158,7 +158,7 @@ func userString(u *daemon.User) string {
 func (s *server) SpawnDaemon(ctx context.Context, req *api.SpawnDaemonRequest) (*api.SpawnDaemonResponse, error) {
 	c := CommandFromProto(req)
 	if err := s.daemons.Check(c); err != nil {
-		return nil, errdefs.ToGRPC(err)
+		return nil, err
 	}
 	sp := s.daemons.Spawner
 	if sp == nil {
@@ -168,7 +168,7 @@ func (s *server) SpawnDaemon(ctx context.Context, req *api.SpawnDaemonRequest) (
 	logger.V(5).Info("Starting daemon", "path", c.Path, "args", c.Args, "env", c.Env, "stdin", c.Stdin, "log", c.Log)
 	p, err := sp.Spawn(ctx, c)
 	if err != nil {
-		return nil, errdefs.ToGRPC(err)
+		return nil, err
 	}
 	logger.V(2).Info("Started daemon", "path", c.Path, "pid", p.PID, "startTime", p.StartTime, "log", c.Log)
 	return &api.SpawnDaemonResponse{Pid: int64(p.PID), StartTime: p.StartTime}, nil

@@ -12,9 +12,9 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// NewServer serves m as the Mounter gRPC service. Errors become status codes
-// here, once, with errdefs.ToGRPC. SpawnDaemon is refused unless an option
-// gives it a policy (WithDaemons).
+// NewServer serves m as the Mounter gRPC service; its errors become status
+// codes in Interceptor, which Serve installs. SpawnDaemon is refused unless
+// an option gives it a policy (WithDaemons).
 func NewServer(m Interface, opts ...ServerOption) api.MounterServer {
 	s := &server{m: m}
 	for _, o := range opts {
@@ -41,7 +41,7 @@ func (s *server) Mount(ctx context.Context, req *api.MountRequest) (*api.MountRe
 		err = s.m.Mount(ctx, plan.FromProto(req.GetMounts()), c)
 	}
 	if err != nil {
-		return nil, errdefs.ToGRPC(err)
+		return nil, err
 	}
 	return &api.MountResponse{}, nil
 }
@@ -52,7 +52,7 @@ func (s *server) Unmount(ctx context.Context, req *api.UnmountRequest) (*api.Unm
 		err = s.m.Unmount(ctx, plan.FromProto(req.GetMounts()), c)
 	}
 	if err != nil {
-		return nil, errdefs.ToGRPC(err)
+		return nil, err
 	}
 	return &api.UnmountResponse{}, nil
 }

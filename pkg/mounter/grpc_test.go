@@ -137,3 +137,22 @@ func TestGRPCWithoutConsumer(t *testing.T) {
 		t.Fatalf("Unmount with pid out of range = %v, want InvalidArgument", err)
 	}
 }
+
+// panicker panics on Mount: a bug in a handler must not kill the mounter.
+type panicker struct{ recorder }
+
+func (p *panicker) Mount(context.Context, []plan.Mount, mounter.Consumer) error {
+	panic("boom")
+}
+
+func TestServerRecoversFromPanics(t *testing.T) {
+	client, _ := serve(t, &panicker{})
+	c := mounter.Consumer{PID: 1, MountPoint: "/data"}
+	mounts := []plan.Mount{{Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev"}}}
+	if err := client.Mount(context.Background(), mounts, c); errdefs.Code(err) != codes.Internal {
+		t.Fatalf("Mount with a panicking handler: %v, want Internal", err)
+	}
+	if err := client.Unmount(context.Background(), mounts, c); err != nil {
+		t.Fatalf("the server did not survive the panic: %v", err)
+	}
+}

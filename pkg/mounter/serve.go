@@ -3,18 +3,21 @@ package mounter
 import (
 	"context"
 	"net"
+	"runtime/debug"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
 // Serve serves m as the Mounter service on l until ctx is done, then lets
 // calls in flight finish. Closing l removes its socket.
 func Serve(ctx context.Context, l net.Listener, m Interface, opts ...ServerOption) error {
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(LogInterceptor(klog.FromContext(ctx))))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(Interceptor(klog.FromContext(ctx))))
 	api.RegisterMounterServer(srv, NewServer(m, opts...))
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
@@ -27,18 +30,27 @@ func Serve(ctx context.Context, l net.Listener, m Interface, opts ...ServerOptio
 	}
 }
 
-// LogInterceptor gives every call a logger that names its method (reach it
-// with klog.FromContext) and logs how the call ended. It logs no request or
-// response: a plan's options may hold secrets.
-func LogInterceptor(logger klog.Logger) grpc.UnaryServerInterceptor {
-	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+// Interceptor is the one place where the Mounter service's errors become
+// status codes (errdefs.ToGRPC). It gives every call a logger that names
+// its method (reach it with klog.FromContext), logs how the call ended, and
+// turns a panic into Internal instead of a dead mounter. It logs no request
+// or response: a plan's options may hold secrets.
+func Interceptor(logger klog.Logger) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
 		l := klog.LoggerWithValues(logger, "method", info.FullMethod)
-		resp, err := handler(klog.NewContext(ctx, l), req)
+		defer func() {
+			if r := recover(); r != nil {
+				l.Error(nil, "Panic in handler", "panic", r, "stack", string(debug.Stack()))
+				resp, err = nil, status.Errorf(codes.Internal, "internal error in %s", info.FullMethod)
+			}
+		}()
+		resp, err = handler(klog.NewContext(ctx, l), req)
 		if err != nil {
+			err = errdefs.ToGRPC(err)
 			l.Error(err, "Call failed", "code", status.Code(err))
-		} else {
-			l.V(4).Info("Call succeeded")
+			return nil, err
 		}
-		return resp, err
+		l.V(4).Info("Call succeeded")
+		return resp, nil
 	}
 }
