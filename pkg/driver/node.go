@@ -104,7 +104,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.saveDurable})
+	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.store.Put})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
@@ -125,10 +125,6 @@ func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source
 	}
 	return nil
 }
-
-// saveDurable is the sources' Save: what they record before a side effect
-// (a pending format) describes the disk, so it must survive a machine crash.
-func (d *Driver) saveDurable(v *journal.Volume) error { return d.store.Put(v, journal.Durable) }
 
 // saveOrForget keeps the record of a volume that outlives its stage and
 // drops the record of a static one, which exists only while staged.

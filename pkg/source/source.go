@@ -26,8 +26,10 @@ type StageRequest struct {
 	// FsType to create when the device holds no filesystem yet.
 	FsType string
 	// Save persists v (with an intent such as a pending format) before the
-	// source performs the side effect the intent names.
-	Save func(v *journal.Volume) error
+	// source performs the side effect the intent names. Durable for what
+	// describes the disk (a format), Runtime for what a reboot erases too
+	// (a device being connected).
+	Save func(v *journal.Volume, d journal.Durability) error
 }
 
 // PlanRequest is what a publish or prepare asks for.

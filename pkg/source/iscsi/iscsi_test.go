@@ -130,7 +130,7 @@ func TestStageWithoutKernelSupport(t *testing.T) {
 	s.SysDir = t.TempDir()
 	ctx := context.Background()
 	req := source.StageRequest{FsType: "ext4", Secrets: map[string]string{SecretUsername: "u", SecretPassword: "canary-pw"},
-		Save: func(*journal.Volume) error { return nil }}
+		Save: func(*journal.Volume, journal.Durability) error { return nil }}
 	stage := func(iqn, portal string) error {
 		v, err := s.NewVolume("v1", map[string]string{"portals": portal, "iqn": iqn, "lun": "1"})
 		if err != nil {

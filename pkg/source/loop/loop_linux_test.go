@@ -62,7 +62,7 @@ func TestOverlayChain(t *testing.T) {
 			if tc.upperSize == "" {
 				delete(v.Parameters, ParamUpperSize)
 			}
-			raw, err := s.Stage(ctx, v, source.StageRequest{FsType: "ext4", Save: func(*journal.Volume) error { return nil }})
+			raw, err := s.Stage(ctx, v, source.StageRequest{FsType: "ext4", Save: func(*journal.Volume, journal.Durability) error { return nil }})
 			if err != nil {
 				t.Fatalf("Stage: %v", err)
 			}
@@ -136,7 +136,7 @@ func TestOverlayRefusesWritableImage(t *testing.T) {
 	}
 	s := New(filepath.Join(dir, "state"))
 	v := &journal.Volume{ID: "rw", Type: Type, Image: img, Parameters: map[string]string{ParamOverlay: "true"}}
-	if _, err := s.Stage(context.Background(), v, source.StageRequest{Save: func(*journal.Volume) error { return nil }}); err == nil {
+	if _, err := s.Stage(context.Background(), v, source.StageRequest{Save: func(*journal.Volume, journal.Durability) error { return nil }}); err == nil {
 		t.Fatal("overlay over an ext4 image was accepted")
 	}
 }

@@ -307,7 +307,7 @@ func (s *Source) probe(ctx context.Context, t target, timeout time.Duration) (Ex
 
 // connect claims a free device, records it as an intent, runs nbd-client
 // and records the kernel's pid of the connection.
-func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp Export, readOnly bool, save func(*journal.Volume) error) (State, error) {
+func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp Export, readOnly bool, save func(*journal.Volume, journal.Durability) error) (State, error) {
 	if err := s.kernelReady(); err != nil {
 		return State{}, err
 	}
@@ -344,7 +344,7 @@ func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp E
 
 // recordState keeps st in v's stage record and saves it, so that a crash
 // leaves a record that names the device.
-func recordState(v *journal.Volume, st State, save func(*journal.Volume) error) error {
+func recordState(v *journal.Volume, st State, save func(*journal.Volume, journal.Durability) error) error {
 	if v.Stage == nil || save == nil {
 		return nil
 	}
@@ -353,7 +353,7 @@ func recordState(v *journal.Volume, st State, save func(*journal.Volume) error) 
 		return err
 	}
 	v.Stage.Source = raw
-	return save(v)
+	return save(v, journal.Runtime) // a connection does not outlive a reboot
 }
 
 // Plan mounts the device (mount access) or binds its node (block access).

@@ -191,7 +191,7 @@ func TestStageWithoutKernelSupport(t *testing.T) {
 	s.SysDir = t.TempDir() // a kernel without the module, whatever this one has
 	ctx := context.Background()
 	saves := 0
-	req := source.StageRequest{FsType: "ext4", Save: func(*journal.Volume) error { saves++; return nil }}
+	req := source.StageRequest{FsType: "ext4", Save: func(*journal.Volume, journal.Durability) error { saves++; return nil }}
 
 	v, err := s.NewVolume("v1", map[string]string{"address": srv.Address, "export": "disk1"})
 	if err != nil {

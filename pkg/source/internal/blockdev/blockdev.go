@@ -54,8 +54,10 @@ func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req
 			if !slices.Contains(mountable, found) {
 				return "", fmt.Errorf("%s holds %q, which is not a mountable filesystem; it is left untouched: %w", f.What, found, errdefs.ErrFailedPrecondition)
 			}
+			// Recorded with the stage's own final write: finding a
+			// filesystem changes nothing on disk, so no durable write.
 			v.Format = &journal.Format{FsType: found, Done: true}
-			return found, req.Save(v)
+			return found, nil
 		}
 	}
 	if req.ReadOnly {
@@ -66,14 +68,14 @@ func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req
 		fsType = v.Format.FsType
 	}
 	v.Format = &journal.Format{FsType: fsType}
-	if err := req.Save(v); err != nil {
+	if err := req.Save(v, journal.Durable); err != nil {
 		return "", err
 	}
 	if err := f.Metrics.Step("format", func() error { return fsutil.Format(ctx, device, fsType) }); err != nil {
 		return "", err
 	}
 	v.Format.Done = true
-	return fsType, req.Save(v)
+	return fsType, req.Save(v, journal.Durable)
 }
 
 // Plan mounts device with fsType (mount access) or binds the device node
