@@ -7,7 +7,9 @@
 package plan
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"path"
 	"path/filepath"
 	"slices"
@@ -231,4 +233,26 @@ func sortedKeys(m map[string]bool) []string {
 	}
 	slices.Sort(keys)
 	return keys
+}
+
+// ResolveUnder resolves the symlinks of p, which must exist, and reports
+// whether the result lies strictly below one of roots (each resolved as
+// well; a root that does not exist is skipped). Resolving first matters: a
+// symlink inside a root may point anywhere. An error wraps
+// errdefs.ErrNotFound when p does not exist, ErrInvalidArgument otherwise.
+func ResolveUnder(p string, roots []string) (resolved string, inside bool, err error) {
+	real, err := filepath.EvalSymlinks(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", false, fmt.Errorf("%s: %w", p, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("%s: %v: %w", p, err, errdefs.ErrInvalidArgument)
+	}
+	for _, r := range roots {
+		rr, err := filepath.EvalSymlinks(r)
+		if err == nil && Within(rr, real) && real != rr {
+			return real, true, nil
+		}
+	}
+	return real, false, nil
 }

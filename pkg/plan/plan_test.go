@@ -2,6 +2,8 @@ package plan
 
 import (
 	"errors"
+	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -96,4 +98,37 @@ func FuzzValidateTarget(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestResolveUnder(t *testing.T) {
+	dir := t.TempDir()
+	root, outside := filepath.Join(dir, "root"), filepath.Join(dir, "outside")
+	for _, d := range []string{root, outside} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inFile, outFile := filepath.Join(root, "f"), filepath.Join(outside, "f")
+	for _, f := range []string{inFile, outFile} {
+		if err := os.WriteFile(f, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	escape := filepath.Join(root, "escape")
+	if err := os.Symlink(outFile, escape); err != nil {
+		t.Fatal(err)
+	}
+	roots := []string{root, filepath.Join(dir, "missing-root")}
+	if got, in, err := ResolveUnder(inFile, roots); err != nil || !in || got != inFile {
+		t.Errorf("file under the root: %q %v %v", got, in, err)
+	}
+	if _, in, err := ResolveUnder(escape, roots); err != nil || in {
+		t.Errorf("symlink out of the root counted as inside: %v %v", in, err)
+	}
+	if _, in, err := ResolveUnder(root, roots); err != nil || in {
+		t.Errorf("the root itself counted as inside: %v %v", in, err)
+	}
+	if _, _, err := ResolveUnder(filepath.Join(root, "nope"), roots); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("missing path: %v, want ErrNotFound", err)
+	}
 }

@@ -1,9 +1,7 @@
 package fuse
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
 	"maps"
 	"path/filepath"
 	"slices"
@@ -127,23 +125,14 @@ func resolveSource(p *config.FuseProfile, src string) (string, error) {
 	if len(p.Source.Roots) == 0 {
 		return src, nil
 	}
-	real, err := filepath.EvalSymlinks(src)
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", fmt.Errorf("source %s: %w", src, errdefs.ErrNotFound)
-	}
+	real, inside, err := plan.ResolveUnder(src, p.Source.Roots)
 	if err != nil {
-		return "", invalid("source %s: %v", src, err)
+		return "", fmt.Errorf("source %w", err)
 	}
-	for _, r := range p.Source.Roots {
-		rr, err := filepath.EvalSymlinks(r)
-		if err != nil {
-			continue
-		}
-		if plan.Within(rr, real) && real != rr {
-			return real, nil
-		}
+	if !inside {
+		return "", invalid("source %s is outside the roots of fuse profile %s", src, p.Name)
 	}
-	return "", invalid("source %s is outside the roots of fuse profile %s", src, p.Name)
+	return real, nil
 }
 
 // paths are where a volume's daemon works.

@@ -77,27 +77,17 @@ func ResolveStaticImage(image string, roots []string) (string, error) {
 	if !filepath.IsAbs(image) || filepath.Clean(image) != image {
 		return "", fmt.Errorf("image %q must be a clean absolute path: %w", image, errdefs.ErrInvalidArgument)
 	}
-	real, err := filepath.EvalSymlinks(image)
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", fmt.Errorf("image %s: %w", image, errdefs.ErrNotFound)
-	}
+	real, inside, err := plan.ResolveUnder(image, roots)
 	if err != nil {
-		return "", fmt.Errorf("image %s: %w", image, errdefs.ErrInvalidArgument)
+		return "", fmt.Errorf("image %w", err)
 	}
-	for _, r := range roots {
-		rr, err := filepath.EvalSymlinks(r)
-		if err != nil {
-			continue
-		}
-		if plan.Within(rr, real) && real != rr {
-			fi, err := os.Stat(real)
-			if err != nil || !fi.Mode().IsRegular() {
-				return "", fmt.Errorf("image %s is not a regular file: %w", image, errdefs.ErrInvalidArgument)
-			}
-			return real, nil
-		}
+	if !inside {
+		return "", fmt.Errorf("image %s is outside the allowed image roots: %w", image, errdefs.ErrInvalidArgument)
 	}
-	return "", fmt.Errorf("image %s is outside the allowed image roots: %w", image, errdefs.ErrInvalidArgument)
+	if fi, err := os.Stat(real); err != nil || !fi.Mode().IsRegular() {
+		return "", fmt.Errorf("image %s is not a regular file: %w", image, errdefs.ErrInvalidArgument)
+	}
+	return real, nil
 }
 
 // ImagePath is where a provisioned or ephemeral volume's image lives.
