@@ -106,6 +106,11 @@ func (p Policy) validateMount(m Mount) error {
 	if err := p.validateSource(m); err != nil {
 		return err
 	}
+	if m.Type == TypeBind {
+		if err := CheckBindOptions(m.Options); err != nil {
+			return err
+		}
+	}
 	for _, o := range m.Options {
 		if err := p.validateOption(o); err != nil {
 			return err
@@ -255,4 +260,30 @@ func ResolveUnder(p string, roots []string) (resolved string, inside bool, err e
 		}
 	}
 	return real, false, nil
+}
+
+// CheckBindOptions refuses data options on a bind: it clones a mount and
+// has no filesystem to pass them to; only mount flags apply.
+func CheckBindOptions(opts []string) error {
+	for _, o := range opts {
+		if !IsFlag(o) {
+			return fmt.Errorf("option %q does not apply to a bind: %w", o, errdefs.ErrInvalidArgument)
+		}
+	}
+	return nil
+}
+
+// Options builds a mount's options: base (nosuid, nodev, ...), ro when
+// readOnly, then each of extra (the CO's mount flags) not already there.
+func Options(base []string, readOnly bool, extra ...string) []string {
+	opts := slices.Clone(base)
+	if readOnly {
+		opts = append(opts, "ro")
+	}
+	for _, f := range extra {
+		if !slices.Contains(opts, f) {
+			opts = append(opts, f)
+		}
+	}
+	return opts
 }

@@ -42,6 +42,7 @@ func TestPolicyValidate(t *testing.T) {
 		{"dotdot target", []Mount{{Type: "tmpfs", Source: "tmpfs", Target: "a/../../etc", Options: safe}}, false},
 		{"unclean target", []Mount{{Type: "tmpfs", Source: "tmpfs", Target: "a//b", Options: safe}}, false},
 		{"duplicate targets", []Mount{{Type: "tmpfs", Source: "tmpfs", Options: safe}, {Type: "tmpfs", Source: "tmpfs", Options: safe}}, false},
+		{"bind with a data option", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan/fuse/v1", Options: []string{"nosuid", "nodev", "uid=0"}}}, false},
 		{"overlay source is a path", []Mount{{Type: "overlay", Source: "/x", Options: safe}}, false},
 	}
 	for _, tt := range tests {

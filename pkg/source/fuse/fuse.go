@@ -21,7 +21,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"time"
 
@@ -445,18 +444,10 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 	if req.Block {
 		return nil, invalid("fuse volume %s has no block access", v.ID)
 	}
-	opts := []string{"nosuid", "nodev"}
-	if req.ReadOnly || st.ReadOnly {
-		opts = append(opts, "ro")
+	if err := plan.CheckBindOptions(req.MountFlags); err != nil {
+		return nil, fmt.Errorf("fuse volume %s: %w", v.ID, err)
 	}
-	for _, f := range req.MountFlags {
-		if !plan.IsFlag(f) {
-			return nil, invalid("mount flag %q does not apply to a bind of a fuse mount", f)
-		}
-		if !slices.Contains(opts, f) {
-			opts = append(opts, f)
-		}
-	}
+	opts := plan.Options([]string{"nosuid", "nodev"}, req.ReadOnly || st.ReadOnly, req.MountFlags...)
 	return []plan.Mount{{Type: plan.TypeBind, Source: st.BindSource, Options: opts}}, nil
 }
 

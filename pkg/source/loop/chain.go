@@ -135,12 +135,13 @@ func (s *Source) teardownChain(ctx context.Context, id string, c *Chain) error {
 }
 
 // chainPlan is one overlay mount; read-only consumers get the lower layer.
-func chainPlan(c *Chain, readOnly bool) []plan.Mount {
+// The CO's mount flags apply to either.
+func chainPlan(c *Chain, readOnly bool, flags []string) []plan.Mount {
 	if readOnly {
-		return []plan.Mount{{Type: plan.TypeBind, Source: c.Lower, Options: []string{"nosuid", "nodev", "ro"}}}
+		return []plan.Mount{{Type: plan.TypeBind, Source: c.Lower, Options: plan.Options([]string{"nosuid", "nodev"}, true, flags...)}}
 	}
-	return []plan.Mount{{Type: "overlay", Source: "overlay", Options: []string{"nosuid", "nodev",
-		"lowerdir=" + c.Lower, "upperdir=" + c.dataDir(), "workdir=" + c.workDir()}}}
+	base := []string{"nosuid", "nodev", "lowerdir=" + c.Lower, "upperdir=" + c.dataDir(), "workdir=" + c.workDir()}
+	return []plan.Mount{{Type: "overlay", Source: "overlay", Options: plan.Options(base, false, flags...)}}
 }
 
 // chainIntact reports whether both layers are still mounted.

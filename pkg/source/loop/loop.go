@@ -167,7 +167,7 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 		return nil, err
 	}
 	if st.Chain != nil {
-		return chainPlan(st.Chain, req.ReadOnly), nil
+		return chainPlan(st.Chain, req.ReadOnly, req.MountFlags), nil
 	}
 	return blockdev.Plan(v.ID, st.Device, st.FsType, st.ReadOnly, req)
 }

@@ -84,23 +84,11 @@ func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req
 func Plan(volumeID, device, fsType string, deviceReadOnly bool, req source.PlanRequest) ([]plan.Mount, error) {
 	ro := req.ReadOnly || deviceReadOnly
 	if req.Block {
-		opts := []string{"nosuid"}
-		if ro {
-			opts = append(opts, "ro")
-		}
-		return []plan.Mount{{Type: plan.TypeBind, Source: device, Options: opts}}, nil
+		return []plan.Mount{{Type: plan.TypeBind, Source: device, Options: plan.Options([]string{"nosuid"}, ro)}}, nil
 	}
 	if fsType == "" {
 		return nil, fmt.Errorf("volume %s was staged for block access: %w", volumeID, errdefs.ErrInvalidArgument)
 	}
-	opts := []string{"nosuid", "nodev"}
-	if ro {
-		opts = append(opts, "ro")
-	}
-	for _, f := range req.MountFlags {
-		if !slices.Contains(opts, f) {
-			opts = append(opts, f)
-		}
-	}
+	opts := plan.Options([]string{"nosuid", "nodev"}, ro, req.MountFlags...)
 	return []plan.Mount{{Type: fsType, Source: device, Options: opts}}, nil
 }
