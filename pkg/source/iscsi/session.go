@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -269,12 +270,9 @@ func (s *Source) logout(ctx context.Context, own owner) error {
 
 // recordPath returns the node record file of iqn at p and whether it exists.
 func (s *Source) recordPath(iqn string, p Portal) (string, bool, error) {
-	host, port, ok := strings.Cut(p.Address, "]:")
-	if ok {
-		host = strings.TrimPrefix(host, "[")
-	} else {
-		i := strings.LastIndexByte(p.Address, ':')
-		host, port = p.Address[:i], p.Address[i+1:]
+	host, port, err := net.SplitHostPort(p.Address)
+	if err != nil {
+		return "", false, fmt.Errorf("portal %q: %v: %w", p.Address, err, errdefs.ErrInvalidArgument)
 	}
 	dir := filepath.Join(s.Config.NodeDBDir, iqn, fmt.Sprintf("%s,%s,%d", host, port, p.TPGT))
 	fi, err := os.Stat(dir)
@@ -416,18 +414,11 @@ func (s *Source) findSession(iqn, portal string) (int, error) {
 		if addr == "" {
 			addr, port = readTrim(filepath.Join(conn, "address")), readTrim(filepath.Join(conn, "port"))
 		}
-		if joinHostPort(addr, port) == portal {
+		if net.JoinHostPort(addr, port) == portal {
 			return sid, nil
 		}
 	}
 	return 0, nil
-}
-
-func joinHostPort(host, port string) string {
-	if strings.Contains(host, ":") {
-		return "[" + host + "]:" + port
-	}
-	return host + ":" + port
 }
 
 func readTrim(p string) string {

@@ -28,6 +28,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -427,13 +428,13 @@ func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
 }
 
 func splitHostPort(server string) (string, int, error) {
-	i := strings.LastIndexByte(server, ':')
-	if i < 0 {
-		return "", 0, fmt.Errorf("server %q has no port: %w", server, errdefs.ErrInvalidArgument)
+	host, p, err := net.SplitHostPort(server)
+	if err != nil {
+		return "", 0, fmt.Errorf("server %q: %v: %w", server, err, errdefs.ErrInvalidArgument)
 	}
-	port, err := strconv.Atoi(server[i+1:])
+	port, err := strconv.Atoi(p)
 	if err != nil {
 		return "", 0, fmt.Errorf("server %q: bad port: %w", server, errdefs.ErrInvalidArgument)
 	}
-	return strings.Trim(server[:i], "[]"), port, nil
+	return host, port, nil
 }
