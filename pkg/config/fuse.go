@@ -154,9 +154,14 @@ func FusePlaceholders(s string) []string { return fusePlaceholder.FindAllString(
 
 // FuseProfileByName returns the profile called name, or nil.
 func (c *Config) FuseProfileByName(name string) *FuseProfile {
-	for i := range c.FuseProfiles {
-		if c.FuseProfiles[i].Name == name {
-			return &c.FuseProfiles[i]
+	return FindFuseProfile(c.FuseProfiles, name)
+}
+
+// FindFuseProfile returns the profile of profiles called name, or nil.
+func FindFuseProfile(profiles []FuseProfile, name string) *FuseProfile {
+	for i := range profiles {
+		if profiles[i].Name == name {
+			return &profiles[i]
 		}
 	}
 	return nil

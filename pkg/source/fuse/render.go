@@ -33,7 +33,7 @@ func checkContext(profiles []config.FuseProfile, vctx map[string]string) (map[st
 	if name == "" {
 		return nil, nil, invalid("a fuse volume needs a %q attribute naming one of the admin's profiles", CtxProfile)
 	}
-	p := profileByName(profiles, name)
+	p := config.FindFuseProfile(profiles, name)
 	if p == nil {
 		return nil, nil, invalid("fuse profile %q is not defined by the admin (defined: %s)", name, strings.Join(profileNames(profiles), ", "))
 	}
@@ -64,15 +64,6 @@ func checkContext(profiles []config.FuseProfile, vctx map[string]string) (map[st
 		return nil, nil, invalid("a fuse volume needs a %q attribute", CtxSource)
 	}
 	return params, p, nil
-}
-
-func profileByName(profiles []config.FuseProfile, name string) *config.FuseProfile {
-	for i := range profiles {
-		if profiles[i].Name == name {
-			return &profiles[i]
-		}
-	}
-	return nil
 }
 
 func profileNames(profiles []config.FuseProfile) []string {
