@@ -39,7 +39,7 @@ func main() {
 	var f flags
 	flag.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///abs/path.sock)")
 	flag.StringVar(&f.nodeID, "node-id", "", "name of this node (required)")
-	flag.StringVar(&f.stateDir, "state-dir", "/var/lib/mountplan", "directory for the journal, images and private mounts")
+	flag.StringVar(&f.stateDir, "state-dir", config.DefaultStateDir, "directory for the journal, images and private mounts")
 	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
 	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket, which performs plans and runs FUSE daemons; empty: both in process")

@@ -15,7 +15,7 @@ import (
 
 // defaultRoot is the allowed root when no --allowed-root is given: the
 // plugin's default state directory.
-const defaultRoot = "/var/lib/mountplan"
+const defaultRoot = config.DefaultStateDir
 
 func newFlagSet(name string) *flag.FlagSet {
 	fs := flag.NewFlagSet("mountplan-sidecar "+name, flag.ContinueOnError)

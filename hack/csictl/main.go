@@ -22,7 +22,7 @@ import (
 )
 
 func main() {
-	ep := flag.String("endpoint", "unix:///run/mountplan/csi.sock", "plugin endpoint")
+	ep := flag.String("endpoint", "unix:///csi/csi.sock", "plugin endpoint (the plugin's default)")
 	timeout := flag.Duration("timeout", 2*time.Minute, "per-call timeout")
 	flag.Parse()
 	if err := run(*ep, *timeout, flag.Args()); err != nil {

@@ -12,6 +12,10 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
+// DefaultStateDir is the plugin's --state-dir default, which is also the
+// sidecar's default allowed root: the two must agree.
+const DefaultStateDir = "/var/lib/mountplan"
+
 // Config is the plugin's admin policy.
 type Config struct {
 	// ImageRoots are the directories under which static loop volumes may

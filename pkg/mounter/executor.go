@@ -23,8 +23,8 @@ type Executor struct {
 	Policy plan.Policy
 	// RemoveMountPoint makes Unmount and UnmountAll remove the mount point
 	// once nothing is mounted on it, with a plain rmdir or unlink, never
-	// recursively. CSI requires it of NodeUnpublishVolume for kubelet's
-	// target_path; a container's own directory should be left alone.
+	// recursively. The plugin removes kubelet's target_path itself, so it
+	// leaves this off; a container's own directory should be left alone.
 	RemoveMountPoint bool
 	// AllowPropagation lets Mount attach in a consumer's namespace under a
 	// shared mount whose propagation reaches the mounter's own or the
