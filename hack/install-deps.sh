@@ -7,7 +7,7 @@ pkgs=(
   e2fsprogs xfsprogs util-linux mount   # mkfs, resize, blkid, losetup
   squashfs-tools erofs-utils            # read-only images for chains
   containerd runc busybox-static        # real containers in end-to-end tests
-  protobuf-compiler                     # make verify regenerates the protos
+  protobuf-compiler libprotobuf-dev     # make verify regenerates the protos (protoc, and the well-known .protos under /usr/include)
   fuse3 sshfs rclone squashfuse openssh-server openssh-client  # FUSE volumes: the daemons, and an sshd for their tests
   nbdkit nbd-client tgt open-iscsi qemu-system-x86 kmod xz-utils  # NBD and iSCSI volumes: servers and initiators on loopback; make test-vm boots Debian's kernel under qemu (modprobe --show-depends, vmlinux from xz)
 )
