@@ -47,10 +47,10 @@ func runMount(ctx context.Context, args []string) error {
 	}
 	fmt.Printf("mounted volume %s at %s for pid %d\n", r.VolumeID, c.MountPoint, c.PID)
 	switch {
-	case c.NSID != 0:
-		fmt.Printf("mount namespace %d, id %d (pass --mnt-ns-inode %d --mnt-ns-id %d to unmount)\n", c.NSInode, c.NSID, c.NSInode, c.NSID)
-	case c.NSInode != 0:
-		fmt.Printf("mount namespace %d (pass --mnt-ns-inode %d to unmount)\n", c.NSInode, c.NSInode)
+	case c.Namespace.ID != 0:
+		fmt.Printf("mount namespace %d, id %d (pass --mnt-ns-inode %d --mnt-ns-id %d to unmount)\n", c.Namespace.Inode, c.Namespace.ID, c.Namespace.Inode, c.Namespace.ID)
+	case c.Namespace.Inode != 0:
+		fmt.Printf("mount namespace %d (pass --mnt-ns-inode %d to unmount)\n", c.Namespace.Inode, c.Namespace.Inode)
 	}
 	return nil
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // defaultRoot is the allowed root when no --allowed-root is given: the
@@ -94,6 +95,6 @@ func consumerFlags(fs *flag.FlagSet) *consumerFlag {
 	return f
 }
 
-func (f *consumerFlag) consumer() mounter.Consumer {
-	return mounter.Consumer{PID: f.pid, MountPoint: f.target, NSInode: f.inode, NSID: f.id}
+func (f *consumerFlag) consumer() plan.Consumer {
+	return plan.Consumer{PID: f.pid, MountPoint: f.target, Namespace: plan.Namespace{Inode: f.inode, ID: f.id}}
 }

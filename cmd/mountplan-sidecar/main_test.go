@@ -133,7 +133,7 @@ func TestServeCommand(t *testing.T) {
 	}
 	defer conn.Close()
 	m := mounter.NewClient(conn)
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	mounts := []plan.Mount{{Type: "tmpfs", Source: "served", Options: []string{"nosuid", "nodev"}}}
 	callCtx, callCancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer callCancel()

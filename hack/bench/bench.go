@@ -19,6 +19,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 const (
@@ -57,7 +58,7 @@ type bench struct {
 
 	// What a cycle left half done, for the teardown.
 	published, prepared, staged bool
-	preparedCons                mounter.Consumer
+	preparedCons                plan.Consumer
 }
 
 func newBench(o options) (*bench, error) {

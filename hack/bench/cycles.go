@@ -14,7 +14,6 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/loopdev"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -220,7 +219,7 @@ func (b *bench) prepareCycle(ctx context.Context, s *sample) error {
 		return err
 	}
 	st := b.steps(s)
-	cons := mounter.Consumer{PID: b.consumer.pid(), MountPoint: b.consMount}
+	cons := plan.Consumer{PID: b.consumer.pid(), MountPoint: b.consMount}
 	var mounts []plan.Mount
 	if err := st.do("NodeStageVolume", func() error { return b.stage(ctx) }); err != nil {
 		return err
@@ -232,7 +231,7 @@ func (b *bench) prepareCycle(ctx context.Context, s *sample) error {
 		if err != nil {
 			return err
 		}
-		cons.NSInode = r.GetConsumer().GetMntNsInode()
+		cons.Namespace.Inode = r.GetConsumer().GetMntNsInode()
 		mounts = plan.FromProto(r.GetMounts())
 		b.prepared, b.preparedCons = true, cons
 		return nil
@@ -248,7 +247,7 @@ func (b *bench) prepareCycle(ctx context.Context, s *sample) error {
 	}
 	err = st.do("NodeUnprepareVolume", func() error {
 		_, err := b.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{
-			VolumeId: b.volumeID, Consumer: mounter.ConsumerToProto(cons)})
+			VolumeId: b.volumeID, Consumer: plan.ConsumerToProto(cons)})
 		if err == nil {
 			b.prepared = false
 		}
@@ -306,7 +305,7 @@ func (b *bench) prepareFloorCycle(ctx context.Context, s *sample) (err error) {
 		return err
 	}
 	if err := st.do("OpenPID + Do{setns + move_mount} (mountns.Attach)", func() (err error) {
-		if ns, err = mountns.OpenPID(b.consumer.pid(), mountns.Identity{}); err != nil {
+		if ns, err = mountns.OpenPID(b.consumer.pid(), plan.Namespace{}); err != nil {
 			return err
 		}
 		return ns.Do(func() error {

@@ -16,7 +16,6 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/loopdev"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -71,7 +70,7 @@ func (b *bench) teardown() leakReport {
 				errf("unmount in consumer: %v", err)
 			}
 			if _, err := b.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{
-				VolumeId: b.volumeID, Consumer: mounter.ConsumerToProto(b.preparedCons)}); err != nil {
+				VolumeId: b.volumeID, Consumer: plan.ConsumerToProto(b.preparedCons)}); err != nil {
 				errf("NodeUnprepareVolume: %v", err)
 			}
 		}

@@ -9,7 +9,6 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -17,12 +16,12 @@ import (
 // these tests must be refused before any side effect.
 type recordingMounter struct{ calls int }
 
-func (m *recordingMounter) Mount(context.Context, []plan.Mount, mounter.Consumer) error {
+func (m *recordingMounter) Mount(context.Context, []plan.Mount, plan.Consumer) error {
 	m.calls++
 	return nil
 }
 
-func (m *recordingMounter) Unmount(context.Context, []plan.Mount, mounter.Consumer) error {
+func (m *recordingMounter) Unmount(context.Context, []plan.Mount, plan.Consumer) error {
 	m.calls++
 	return nil
 }

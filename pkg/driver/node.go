@@ -212,10 +212,10 @@ func findPublish(v *journal.Volume, target string) *journal.Publish {
 	return &v.Publishes[i]
 }
 
-func describeConsumers(cs []journal.Consumer) string {
+func describeConsumers(cs []journal.Claim) string {
 	parts := make([]string, 0, len(cs))
 	for _, c := range cs {
-		parts = append(parts, fmt.Sprintf("pid %d (mnt ns %d) at %s", c.PID, c.NSInode, c.MountPoint))
+		parts = append(parts, c.Consumer.String())
 	}
 	return strings.Join(parts, ", ")
 }

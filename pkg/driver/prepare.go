@@ -25,9 +25,12 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
-	cons, err := checkConsumer(req.GetConsumer(), true)
+	cons, err := plan.ConsumerFromProto(req.GetConsumer())
 	if err != nil {
 		return nil, err
+	}
+	if cons.PID == 0 {
+		return nil, invalid("consumer.pid must be a positive process id")
 	}
 	v, unlock, err := d.locked(id, "NodePrepareVolume")
 	defer unlock()
@@ -38,11 +41,10 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
-	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(mounts), Consumer: &api.Consumer{
-		Pid: int64(cons.PID), MountPoint: cons.MountPoint, MntNsInode: cons.NSInode, MntNsId: cons.NSID}}, nil
+	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(mounts), Consumer: plan.ConsumerToProto(cons)}, nil
 }
 
-func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.Consumer, c capability, readOnly bool) ([]plan.Mount, error) {
+func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *plan.Consumer, c capability, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -53,11 +55,10 @@ func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.C
 	if err != nil {
 		return nil, err
 	}
-	if want := namespaceIdentity(*cons); !want.Matches(ns) {
-		return nil, fmt.Errorf("process %d is no longer in mount namespace %s: %w", cons.PID, want, errdefs.ErrFailedPrecondition)
+	if !cons.Namespace.Matches(ns) {
+		return nil, fmt.Errorf("process %d is no longer in mount namespace %s: %w", cons.PID, cons.Namespace, errdefs.ErrFailedPrecondition)
 	}
-	cons.NSInode, cons.NSID = ns.Inode, ns.ID
-	inode := ns.Inode
+	cons.Namespace = ns
 	if i := slices.IndexFunc(v.Consumers, sameConsumer(*cons)); i >= 0 {
 		return v.Consumers[i].Mounts, nil // a repeated prepare: same answer
 	}
@@ -65,9 +66,8 @@ func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *journal.C
 	if err != nil {
 		return nil, err
 	}
-	cons.Mounts = mounts
-	v.Consumers = append(v.Consumers, *cons)
-	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", inode, "mountPoint", cons.MountPoint)
+	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
+	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
 	return mounts, d.store.Put(v, journal.Runtime)
 }
 
@@ -78,7 +78,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if err := requireVolumeID(id); err != nil {
 		return nil, err
 	}
-	cons, err := checkConsumer(req.GetConsumer(), false)
+	cons, err := plan.ConsumerFromProto(req.GetConsumer())
 	if err != nil {
 		return nil, err
 	}
@@ -90,11 +90,11 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if err != nil {
 		return nil, err
 	}
-	if cons.NSInode == 0 {
+	if cons.Namespace.Inode == 0 && cons.PID > 0 {
 		// The caller did not keep the namespace identity: the PID still
 		// names it if the process lives.
 		if ns, err := namespaceOf(cons.PID); err == nil {
-			cons.NSInode, cons.NSID = ns.Inode, ns.ID
+			cons.Namespace = ns
 		}
 	}
 	n := len(v.Consumers)
@@ -105,26 +105,8 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	return &api.NodeUnprepareVolumeResponse{}, d.store.Put(v, journal.Runtime)
 }
 
-func checkConsumer(c *api.Consumer, needPID bool) (journal.Consumer, error) {
-	if c == nil {
-		return journal.Consumer{}, invalid("consumer is required")
-	}
-	if needPID && c.GetPid() <= 0 {
-		return journal.Consumer{}, invalid("consumer.pid must be a positive process id")
-	}
-	if err := requirePath("consumer.mount_point", c.GetMountPoint()); err != nil {
-		return journal.Consumer{}, err
-	}
-	return journal.Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode(), NSID: c.GetMntNsId()}, nil
-}
-
-// namespaceIdentity is the mount namespace a consumer was recorded (or asked) with.
-func namespaceIdentity(c journal.Consumer) mountns.Identity {
-	return mountns.Identity{Inode: c.NSInode, ID: c.NSID}
-}
-
 // namespaceOf returns the identity of pid's mount namespace.
-func namespaceOf(pid int) (mountns.Identity, error) {
+func namespaceOf(pid int) (plan.Namespace, error) {
 	ns, err := mountns.IdentityOf(pid)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return ns, fmt.Errorf("process %d does not exist: %w", pid, errdefs.ErrNotFound)
@@ -136,15 +118,14 @@ func namespaceOf(pid int) (mountns.Identity, error) {
 // namespace: the recorded PID, or when it has gone any other (a
 // container's namespace outlives any one of its processes). A record
 // without identity (none is written) names no namespace.
-func namespaceAlive(c journal.Consumer) bool {
-	if c.NSInode == 0 {
+func namespaceAlive(c plan.Consumer) bool {
+	if c.Namespace.Inode == 0 {
 		return false
 	}
-	want := namespaceIdentity(c)
-	if ns, err := mountns.IdentityOf(c.PID); err == nil && want.Matches(ns) {
+	if ns, err := mountns.IdentityOf(c.PID); err == nil && c.Namespace.Matches(ns) {
 		return true
 	}
-	_, ok, err := mountns.Find(want)
+	_, ok, err := mountns.Find(c.Namespace)
 	return ok || err != nil // cannot tell: keep the consumer
 }
 
@@ -152,10 +133,10 @@ func namespaceAlive(c journal.Consumer) bool {
 // dropped their mounts with it. The caller persists v.
 func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
 	n := len(v.Consumers)
-	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Consumer) bool {
-		dead := !namespaceAlive(c)
+	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Claim) bool {
+		dead := !namespaceAlive(c.Consumer)
 		if dead {
-			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.NSInode)
+			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.Namespace.Inode)
 		}
 		return dead
 	})
@@ -163,22 +144,22 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 }
 
 // sameConsumer matches the record of the same namespace and mount point.
-func sameConsumer(a journal.Consumer) func(journal.Consumer) bool {
-	return func(b journal.Consumer) bool {
-		return a.NSInode == b.NSInode && a.NSID == b.NSID && a.MountPoint == b.MountPoint
+func sameConsumer(a plan.Consumer) func(journal.Claim) bool {
+	return func(b journal.Claim) bool {
+		return a.Namespace == b.Namespace && a.MountPoint == b.MountPoint
 	}
 }
 
 // releasedBy matches the records an unprepare request names: by namespace
 // identity when the caller knows it (the ID where both sides know it), else
 // by PID.
-func releasedBy(req journal.Consumer) func(journal.Consumer) bool {
-	return func(c journal.Consumer) bool {
+func releasedBy(req plan.Consumer) func(journal.Claim) bool {
+	return func(c journal.Claim) bool {
 		if c.MountPoint != req.MountPoint {
 			return false
 		}
-		if req.NSInode != 0 {
-			return c.NSInode == req.NSInode && (req.NSID == 0 || c.NSID == 0 || c.NSID == req.NSID)
+		if req.Namespace.Inode != 0 {
+			return c.Namespace.Inode == req.Namespace.Inode && (req.Namespace.ID == 0 || c.Namespace.ID == 0 || c.Namespace.ID == req.Namespace.ID)
 		}
 		return c.PID == req.PID
 	}

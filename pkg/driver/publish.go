@@ -15,7 +15,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -82,7 +81,7 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 		return err
 	}
 	if err := d.opts.Metrics.Step("mount", func() error {
-		return d.opts.Mounter.Mount(ctx, mounts, mounter.Consumer{MountPoint: target})
+		return d.opts.Mounter.Mount(ctx, mounts, plan.Consumer{MountPoint: target})
 	}); err != nil {
 		// A mounter that timed out or went away may still have mounted:
 		// keep the record of a target that is mounted now, so the
@@ -138,7 +137,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 
 func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string) error {
 	p := findPublish(v, target)
-	if err := d.opts.Mounter.Unmount(ctx, p.Mounts, mounter.Consumer{MountPoint: target}); err != nil {
+	if err := d.opts.Mounter.Unmount(ctx, p.Mounts, plan.Consumer{MountPoint: target}); err != nil {
 		return err
 	}
 	if err := removeMountPoint(target); err != nil {

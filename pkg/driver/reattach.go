@@ -8,7 +8,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -30,10 +29,10 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 	changed := d.dropDeadConsumers(ctx, v)
 	var errs []error
 	for _, c := range v.Consumers {
-		errs = append(errs, d.replace(ctx, c.Mounts, mounter.Consumer{PID: c.PID, MountPoint: c.MountPoint, NSInode: c.NSInode, NSID: c.NSID}))
+		errs = append(errs, d.replace(ctx, c.Mounts, plan.Consumer{PID: c.PID, MountPoint: c.MountPoint, Namespace: plan.Namespace{Inode: c.Namespace.Inode, ID: c.Namespace.ID}}))
 	}
 	for _, p := range v.Publishes {
-		errs = append(errs, d.replace(ctx, p.Mounts, mounter.Consumer{MountPoint: p.TargetPath}))
+		errs = append(errs, d.replace(ctx, p.Mounts, plan.Consumer{MountPoint: p.TargetPath}))
 	}
 	if changed {
 		errs = append(errs, d.store.Put(v, journal.Runtime))
@@ -43,7 +42,7 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 
 // replace unmounts what a plan left at a consumer (a dead daemon's mount
 // still sits there) and performs the plan again.
-func (d *Driver) replace(ctx context.Context, mounts []plan.Mount, c mounter.Consumer) error {
+func (d *Driver) replace(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
 	if err := d.opts.Mounter.Unmount(ctx, mounts, c); err != nil {
 		return fmt.Errorf("reattach at %s (pid %d): %w", c.MountPoint, c.PID, err)
 	}

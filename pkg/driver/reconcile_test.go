@@ -65,7 +65,7 @@ func TestReconcile(t *testing.T) {
 	interruptedStatic := staged("static-interrupted", journal.PhaseUnstaging)
 	interruptedStatic.Kind = journal.KindStatic
 	healthy := staged("healthy", journal.PhaseStaged)
-	healthy.Consumers = []journal.Consumer{{PID: deadPID(t), NSInode: 1, MountPoint: "/gone"}}
+	healthy.Consumers = []journal.Claim{{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/gone"}}}
 	healthy.Publishes = []journal.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
 	halfMadeInline := &journal.Volume{ID: "inline", Kind: journal.KindEphemeral, Type: "fake", Creating: true}
 	idle := &journal.Volume{ID: "idle", Kind: journal.KindProvisioned, Type: "fake"}
@@ -135,7 +135,7 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	}
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.Inode, NSID: ns.ID, MountPoint: "/data"}}}
+		Consumers: []journal.Claim{{Consumer: plan.Consumer{PID: 1, Namespace: ns, MountPoint: "/data"}}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
@@ -157,8 +157,10 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	}
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v", Options: []string{"nosuid", "nodev"}}}
 	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
-		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Consumer{{PID: 1, NSInode: ns.Inode, NSID: ns.ID, MountPoint: "/data", Mounts: mounts}, {PID: deadPID(t), NSInode: 7, MountPoint: "/gone", Mounts: mounts}},
+		Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []journal.Claim{
+			{Consumer: plan.Consumer{PID: 1, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
+			{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 7}, MountPoint: "/gone"}, Mounts: mounts}},
 		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)

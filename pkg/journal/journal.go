@@ -61,10 +61,10 @@ type Volume struct {
 	// Format tracks mkfs: Pending before it runs, Done after. A pending
 	// format found later was interrupted and is redone from scratch, so an
 	// image is never left with a half-written filesystem that never mounts.
-	Format    *Format    `json:"format,omitempty"`
-	Stage     *Stage     `json:"stage,omitempty"`
-	Publishes []Publish  `json:"publishes,omitempty"`
-	Consumers []Consumer `json:"consumers,omitempty"`
+	Format    *Format   `json:"format,omitempty"`
+	Stage     *Stage    `json:"stage,omitempty"`
+	Publishes []Publish `json:"publishes,omitempty"`
+	Consumers []Claim   `json:"consumers,omitempty"`
 }
 
 // Format records the filesystem made on a volume.
@@ -91,14 +91,11 @@ type Publish struct {
 	Mounts     []plan.Mount `json:"mounts"`
 }
 
-// Consumer records a prepared plan and the namespace that received it.
-type Consumer struct {
-	PID     int    `json:"pid"`
-	NSInode uint64 `json:"nsInode"`
-	// NSID is the kernel's never-reused ID of the namespace (0 if unknown).
-	NSID       uint64       `json:"nsId,omitempty"`
-	MountPoint string       `json:"mountPoint"`
-	Mounts     []plan.Mount `json:"mounts"`
+// Claim records a consumer of a prepared plan (with the identity of its
+// mount namespace) and the plan it received.
+type Claim struct {
+	plan.Consumer
+	Mounts []plan.Mount `json:"mounts"`
 }
 
 // Staged reports whether the volume's stage completed.

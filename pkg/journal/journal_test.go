@@ -25,7 +25,7 @@ func testRoundTrip(t *testing.T, d Durability) {
 	}
 	v := &Volume{ID: "pvc-1", Kind: KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
 		Stage: &Stage{Phase: PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)},
-		Consumers: []Consumer{{PID: 42, NSInode: 7, MountPoint: "/data",
+		Consumers: []Claim{{Consumer: plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 7}},
 			Mounts: []plan.Mount{{Type: "ext4", Source: "/dev/loop1", Options: []string{"nosuid", "nodev"}}}}}}
 	if err := s.Put(v, d); err != nil {
 		t.Fatal(err)
@@ -34,7 +34,7 @@ func testRoundTrip(t *testing.T, d Durability) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !got.Staged() || got.Consumers[0].NSInode != 7 || string(got.Stage.Source) != `{"device":"/dev/loop1"}` ||
+	if !got.Staged() || got.Consumers[0].Namespace.Inode != 7 || string(got.Stage.Source) != `{"device":"/dev/loop1"}` ||
 		got.Consumers[0].Mounts[0].Options[1] != "nodev" {
 		t.Fatalf("round trip lost data: %+v", got)
 	}
@@ -185,5 +185,32 @@ func TestTornRuntimeRecordFallsBackToDurableCopy(t *testing.T) {
 	}
 	if _, err := os.Stat(s.durableCopy("v")); !os.IsNotExist(err) {
 		t.Fatalf("durable copy left after Delete: %v", err)
+	}
+}
+
+// TestClaimJSON: a claim keeps the flat form records have always had, so
+// the claims written before an upgrade are read back with their namespace.
+func TestClaimJSON(t *testing.T) {
+	const old = `{"pid":42,"nsInode":7,"nsId":9,"mountPoint":"/data","mounts":[{"Type":"tmpfs","Source":"t","Target":"","Options":null}]}`
+	var c Claim
+	if err := json.Unmarshal([]byte(old), &c); err != nil {
+		t.Fatal(err)
+	}
+	want := plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 7, ID: 9}}
+	if c.Consumer != want || len(c.Mounts) != 1 {
+		t.Fatalf("decoded %+v, want %+v with one mount", c, want)
+	}
+	b, err := json.Marshal(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back map[string]any
+	if err := json.Unmarshal(b, &back); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"pid", "nsInode", "nsId", "mountPoint", "mounts"} {
+		if _, ok := back[k]; !ok {
+			t.Errorf("encoded claim %s lacks key %q", b, k)
+		}
 	}
 }

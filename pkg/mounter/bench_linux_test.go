@@ -10,7 +10,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -24,7 +23,7 @@ func BenchmarkMountUnmountInNamespace(b *testing.B) {
 	dev := mountnstest.LoopDevice(b, dir, "ext4", 16)
 	pid := mountnstest.Namespace(b, "private")
 	e := executor(dir)
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	mounts := []plan.Mount{{Type: "ext4", Source: dev, Options: opts()}}
 	ctx := context.Background()
 	for b.Loop() {

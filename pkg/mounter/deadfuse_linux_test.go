@@ -14,7 +14,6 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -80,7 +79,7 @@ func TestUnmountReplacesDeadFuseBind(t *testing.T) {
 	}
 	first := startSquashfuse(t, img, src)
 	mounts := []plan.Mount{{Type: "bind", Source: src, Options: opts()}}
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp"), NSInode: mountnstest.NamespaceInode(t, pid)}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp"), Namespace: plan.Namespace{Inode: mountnstest.NamespaceInode(t, pid)}}
 	e := executor(dir)
 	ctx := context.Background()
 	if err := e.Mount(ctx, mounts, c); err != nil {

@@ -38,19 +38,6 @@ type Executor struct {
 
 var _ Interface = (*Executor)(nil)
 
-// checkConsumer accepts a PID of 0 or more and an absolute, clean mount
-// point other than "/".
-func checkConsumer(c Consumer) error {
-	if c.PID < 0 {
-		return fmt.Errorf("consumer pid %d: %w", c.PID, errdefs.ErrInvalidArgument)
-	}
-	if !path.IsAbs(c.MountPoint) || path.Clean(c.MountPoint) != c.MountPoint || c.MountPoint == "/" ||
-		strings.ContainsRune(c.MountPoint, 0) {
-		return fmt.Errorf("mount point %q must be a clean absolute path other than /: %w", c.MountPoint, errdefs.ErrInvalidArgument)
-	}
-	return nil
-}
-
 // checkTargets accepts the targets of a plan that is only to be undone: its
 // sources are never opened, so the policy does not apply.
 func checkTargets(mounts []plan.Mount) error {
@@ -137,7 +124,7 @@ func within(dirs []string, p string) bool {
 // the namespace no longer exists. With its ID known, no process is left in
 // it (see openNamespace); without, its process exited or its PID now names
 // a process in another namespace, which is all that can be told.
-func gone(c Consumer, err error) bool {
+func gone(c plan.Consumer, err error) bool {
 	return c.PID != 0 && (errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrFailedPrecondition))
 }
 

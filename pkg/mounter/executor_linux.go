@@ -18,11 +18,11 @@ import (
 // the consumer's namespace and attaches them in order. Mounts already in
 // place are left as they are; on failure what this call attached is
 // unmounted again and what it created is removed.
-func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) error {
+func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
 	if err := checkContext(ctx); err != nil {
 		return err
 	}
-	if err := checkConsumer(c); err != nil {
+	if err := c.Validate(); err != nil {
 		return err
 	}
 	if err := e.Policy.Validate(mounts); err != nil {
@@ -61,7 +61,7 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c Consumer) e
 // on top of its target is the one the plan describes, so a repeated call
 // never removes what lay underneath. A namespace that is gone is not an
 // error: the kernel dropped its mounts with it.
-func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c Consumer) error {
+func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
 	if err := checkTargets(mounts); err != nil {
 		return err
 	}
@@ -84,7 +84,7 @@ func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c Consumer)
 // UnmountAll removes every mount at or below the consumer's mount point,
 // newest first, whatever it is. It needs no plan, so it works after the
 // plugin lost its state; it also removes whatever else was mounted there.
-func (e *Executor) UnmountAll(ctx context.Context, c Consumer) error {
+func (e *Executor) UnmountAll(ctx context.Context, c plan.Consumer) error {
 	ns, err := enterForUnmount(ctx, c)
 	if ns == nil {
 		return err
@@ -101,11 +101,11 @@ func (e *Executor) UnmountAll(ctx context.Context, c Consumer) error {
 // enterForUnmount checks the request and opens the consumer's namespace.
 // A nil namespace means there is nothing to do: with a nil error, the
 // namespace is gone and the kernel dropped its mounts with it.
-func enterForUnmount(ctx context.Context, c Consumer) (*mountns.Namespace, error) {
+func enterForUnmount(ctx context.Context, c plan.Consumer) (*mountns.Namespace, error) {
 	if err := checkContext(ctx); err != nil {
 		return nil, err
 	}
-	if err := checkConsumer(c); err != nil {
+	if err := c.Validate(); err != nil {
 		return nil, err
 	}
 	ns, err := openNamespace(ctx, c)
@@ -124,11 +124,11 @@ func enterForUnmount(ctx context.Context, c Consumer) (*mountns.Namespace, error
 // (an older kernel, a caller that did not keep it) the PID is all there is,
 // and an inode alone could name an unrelated namespace that got it after
 // the consumer's died.
-func openNamespace(ctx context.Context, c Consumer) (*mountns.Namespace, error) {
-	want := mountns.Identity{Inode: c.NSInode, ID: c.NSID}
+func openNamespace(ctx context.Context, c plan.Consumer) (*mountns.Namespace, error) {
+	want := c.Namespace
 	if c.PID == 0 {
 		ns, err := mountns.Self()
-		if err == nil && !want.IsZero() && !want.Matches(ns.Identity()) {
+		if err == nil && !want.Matches(ns.Identity()) {
 			ns.Close()
 			return nil, fmt.Errorf("mounter runs in mount namespace %s, not %s: %w", ns.Identity(), want, errdefs.ErrFailedPrecondition)
 		}

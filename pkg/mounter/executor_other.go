@@ -13,10 +13,10 @@ import (
 var errNotLinux = fmt.Errorf("mount namespaces need Linux: %w", errdefs.ErrUnimplemented)
 
 // Mount is implemented on Linux only.
-func (e *Executor) Mount(context.Context, []plan.Mount, Consumer) error { return errNotLinux }
+func (e *Executor) Mount(context.Context, []plan.Mount, plan.Consumer) error { return errNotLinux }
 
 // Unmount is implemented on Linux only.
-func (e *Executor) Unmount(context.Context, []plan.Mount, Consumer) error { return errNotLinux }
+func (e *Executor) Unmount(context.Context, []plan.Mount, plan.Consumer) error { return errNotLinux }
 
 // UnmountAll is implemented on Linux only.
-func (e *Executor) UnmountAll(context.Context, Consumer) error { return errNotLinux }
+func (e *Executor) UnmountAll(context.Context, plan.Consumer) error { return errNotLinux }

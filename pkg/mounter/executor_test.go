@@ -38,25 +38,25 @@ func TestMountRejects(t *testing.T) {
 	tests := []struct {
 		name   string
 		mounts []plan.Mount
-		c      mounter.Consumer
+		c      plan.Consumer
 		want   error
 	}{
-		{"target with ..", []plan.Mount{tmpfs("t", "../x")}, mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
-		{"relative mount point", []plan.Mount{tmpfs("t", "")}, mounter.Consumer{MountPoint: "mp"}, errdefs.ErrInvalidArgument},
-		{"root as mount point", []plan.Mount{tmpfs("t", "")}, mounter.Consumer{MountPoint: "/"}, errdefs.ErrInvalidArgument},
-		{"negative pid", []plan.Mount{tmpfs("t", "")}, mounter.Consumer{PID: -1, MountPoint: mp}, errdefs.ErrInvalidArgument},
-		{"no nosuid,nodev", []plan.Mount{{Type: "tmpfs", Source: "t"}}, mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
-		{"type not allowed", []plan.Mount{{Type: "nfs", Source: "/dev/x", Options: safe}}, mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
-		{"bind outside roots", []plan.Mount{{Type: "bind", Source: "/etc", Options: safe}}, mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+		{"target with ..", []plan.Mount{tmpfs("t", "../x")}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+		{"relative mount point", []plan.Mount{tmpfs("t", "")}, plan.Consumer{MountPoint: "mp"}, errdefs.ErrInvalidArgument},
+		{"root as mount point", []plan.Mount{tmpfs("t", "")}, plan.Consumer{MountPoint: "/"}, errdefs.ErrInvalidArgument},
+		{"negative pid", []plan.Mount{tmpfs("t", "")}, plan.Consumer{PID: -1, MountPoint: mp}, errdefs.ErrInvalidArgument},
+		{"no nosuid,nodev", []plan.Mount{{Type: "tmpfs", Source: "t"}}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+		{"type not allowed", []plan.Mount{{Type: "nfs", Source: "/dev/x", Options: safe}}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+		{"bind outside roots", []plan.Mount{{Type: "bind", Source: "/etc", Options: safe}}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
 		{"bind through a symlink out of the root", []plan.Mount{{Type: "bind", Source: filepath.Join(root, "escape"), Options: safe}},
-			mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+			plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
 		{"lowerdir through a symlink out of the root", []plan.Mount{{Type: "overlay", Source: "o",
-			Options: opts("lowerdir=" + filepath.Join(root, "escape"))}}, mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+			Options: opts("lowerdir=" + filepath.Join(root, "escape"))}}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
 		{"missing bind source", []plan.Mount{{Type: "bind", Source: filepath.Join(root, "none"), Options: safe}},
-			mounter.Consumer{MountPoint: mp}, errdefs.ErrNotFound},
-		{"no such pid", []plan.Mount{tmpfs("t", "")}, mounter.Consumer{PID: 1<<22 + 1, MountPoint: mp}, errdefs.ErrNotFound},
-		{"namespace replaced", []plan.Mount{tmpfs("t", "")}, mounter.Consumer{PID: os.Getpid(), NSInode: 1, MountPoint: mp}, errdefs.ErrFailedPrecondition},
-		{"empty plan", nil, mounter.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
+			plan.Consumer{MountPoint: mp}, errdefs.ErrNotFound},
+		{"no such pid", []plan.Mount{tmpfs("t", "")}, plan.Consumer{PID: 1<<22 + 1, MountPoint: mp}, errdefs.ErrNotFound},
+		{"namespace replaced", []plan.Mount{tmpfs("t", "")}, plan.Consumer{PID: os.Getpid(), Namespace: plan.Namespace{Inode: 1}, MountPoint: mp}, errdefs.ErrFailedPrecondition},
+		{"empty plan", nil, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -74,9 +74,9 @@ func TestMountRejects(t *testing.T) {
 // TestUnmountOfGoneNamespace: the kernel dropped the mounts with the
 // namespace, so there is nothing to do and nothing may be done elsewhere.
 func TestUnmountOfGoneNamespace(t *testing.T) {
-	for _, c := range []mounter.Consumer{
+	for _, c := range []plan.Consumer{
 		{PID: 1<<22 + 1, MountPoint: "/mnt/x"},
-		{PID: os.Getpid(), NSInode: 1, MountPoint: "/mnt/x"},
+		{PID: os.Getpid(), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/mnt/x"},
 	} {
 		if err := executor().Unmount(context.Background(), []plan.Mount{tmpfs("t", "")}, c); err != nil {
 			t.Errorf("Unmount(%+v) = %v, want nil", c, err)
@@ -105,7 +105,7 @@ func TestMountRollsBack(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			mp := filepath.Join(dir, "new", "mp")
-			err := executor(dir).Mount(context.Background(), tt.mounts, mounter.Consumer{PID: pid, MountPoint: mp})
+			err := executor(dir).Mount(context.Background(), tt.mounts, plan.Consumer{PID: pid, MountPoint: mp})
 			if !errors.Is(err, tt.want) {
 				t.Fatalf("Mount = %v, want %v", err, tt.want)
 			}
@@ -136,7 +136,7 @@ func TestMountUnmountIdempotent(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(src, "x"), 0o750); err != nil {
 		t.Fatal(err)
 	}
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp"), NSInode: mountnstest.NamespaceInode(t, pid)}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp"), Namespace: plan.Namespace{Inode: mountnstest.NamespaceInode(t, pid)}}
 	e := executor(dir)
 	e.RemoveMountPoint = true
 	for i := range 2 {
@@ -169,7 +169,7 @@ func TestUnmountLeavesWhatLiesUnderneath(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	dir := mountnstest.Scratch(t)
 	pid := mountnstest.Namespace(t, "private")
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	e := executor(dir)
 	e.RemoveMountPoint = true // and must not try while "theirs" is mounted
 	theirs := []plan.Mount{tmpfs("theirs", "")}
@@ -212,7 +212,7 @@ func TestOverlayUnderRoot(t *testing.T) {
 	pid := mountnstest.Namespace(t, "private")
 	mounts := []plan.Mount{{Type: "overlay", Source: "mp-overlay", Options: opts(
 		"lowerdir="+filepath.Join(dir, "lower"), "upperdir="+filepath.Join(dir, "upper"), "workdir="+filepath.Join(dir, "work"))}}
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	e := executor(dir)
 	if err := e.Mount(context.Background(), mounts, c); err != nil {
 		t.Fatal(err)
@@ -244,7 +244,7 @@ func TestBlockBindOntoNewFile(t *testing.T) {
 	// nodev would make the device node unusable.
 	e := &mounter.Executor{Policy: plan.Policy{Roots: []string{dir}, AllowSuidDev: true}, RemoveMountPoint: true}
 	mounts := []plan.Mount{{Type: "bind", Source: dev, Options: []string{"nosuid"}}}
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "dev", "block")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "dev", "block")}
 	if err := e.Mount(context.Background(), mounts, c); err != nil {
 		t.Fatal(err)
 	}
@@ -283,7 +283,7 @@ func TestSharedParent(t *testing.T) {
 		t.Fatal(err)
 	}
 	pid := mountnstest.Namespace(t, "unchanged")
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(shared, "mp")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(shared, "mp")}
 	mounts := []plan.Mount{tmpfs("vol", "")}
 
 	err := executor(dir).Mount(context.Background(), mounts, c)
@@ -317,7 +317,7 @@ func TestOwnNamespace(t *testing.T) {
 	dir := mountnstest.Scratch(t)
 	e := executor(dir)
 	e.RemoveMountPoint = true
-	c := mounter.Consumer{MountPoint: filepath.Join(dir, "target")}
+	c := plan.Consumer{MountPoint: filepath.Join(dir, "target")}
 	mounts := []plan.Mount{tmpfs("kubelet", "")}
 	if err := e.Mount(context.Background(), mounts, c); err != nil {
 		t.Fatal(err)
@@ -340,7 +340,7 @@ func TestNoSecretInErrors(t *testing.T) {
 	dir := mountnstest.Scratch(t)
 	pid := mountnstest.Namespace(t, "private")
 	err := executor(dir).Mount(context.Background(), []plan.Mount{tmpfs("t", "", "nosuchkey="+canary)},
-		mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")})
+		plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")})
 	if err == nil || !errors.Is(err, errdefs.ErrInvalidArgument) || strings.Contains(err.Error(), canary) {
 		t.Fatalf("Mount = %v, want InvalidArgument without the option value", err)
 	}

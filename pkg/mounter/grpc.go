@@ -2,8 +2,6 @@ package mounter
 
 import (
 	"context"
-	"fmt"
-	"math"
 
 	"google.golang.org/grpc"
 
@@ -36,7 +34,7 @@ type server struct {
 }
 
 func (s *server) Mount(ctx context.Context, req *api.MountRequest) (*api.MountResponse, error) {
-	c, err := ConsumerFromProto(req.GetConsumer())
+	c, err := plan.ConsumerFromProto(req.GetConsumer())
 	if err == nil {
 		err = s.m.Mount(ctx, plan.FromProto(req.GetMounts()), c)
 	}
@@ -47,7 +45,7 @@ func (s *server) Mount(ctx context.Context, req *api.MountRequest) (*api.MountRe
 }
 
 func (s *server) Unmount(ctx context.Context, req *api.UnmountRequest) (*api.UnmountResponse, error) {
-	c, err := ConsumerFromProto(req.GetConsumer())
+	c, err := plan.ConsumerFromProto(req.GetConsumer())
 	if err == nil {
 		err = s.m.Unmount(ctx, plan.FromProto(req.GetMounts()), c)
 	}
@@ -64,29 +62,12 @@ func NewClient(cc grpc.ClientConnInterface) Interface { return &client{c: api.Ne
 
 type client struct{ c api.MounterClient }
 
-func (c *client) Mount(ctx context.Context, mounts []plan.Mount, consumer Consumer) error {
-	_, err := c.c.Mount(ctx, &api.MountRequest{Mounts: plan.ToProto(mounts), Consumer: ConsumerToProto(consumer)})
+func (c *client) Mount(ctx context.Context, mounts []plan.Mount, consumer plan.Consumer) error {
+	_, err := c.c.Mount(ctx, &api.MountRequest{Mounts: plan.ToProto(mounts), Consumer: plan.ConsumerToProto(consumer)})
 	return errdefs.FromGRPC(err)
 }
 
-func (c *client) Unmount(ctx context.Context, mounts []plan.Mount, consumer Consumer) error {
-	_, err := c.c.Unmount(ctx, &api.UnmountRequest{Mounts: plan.ToProto(mounts), Consumer: ConsumerToProto(consumer)})
+func (c *client) Unmount(ctx context.Context, mounts []plan.Mount, consumer plan.Consumer) error {
+	_, err := c.c.Unmount(ctx, &api.UnmountRequest{Mounts: plan.ToProto(mounts), Consumer: plan.ConsumerToProto(consumer)})
 	return errdefs.FromGRPC(err)
-}
-
-// ConsumerToProto converts a consumer to its wire form.
-func ConsumerToProto(c Consumer) *api.Consumer {
-	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.NSInode, MntNsId: c.NSID}
-}
-
-// ConsumerFromProto converts a consumer from its wire form; a missing one or
-// a PID out of range is an ErrInvalidArgument.
-func ConsumerFromProto(c *api.Consumer) (Consumer, error) {
-	if c == nil {
-		return Consumer{}, fmt.Errorf("consumer is required: %w", errdefs.ErrInvalidArgument)
-	}
-	if c.GetPid() < 0 || c.GetPid() > math.MaxInt32 {
-		return Consumer{}, fmt.Errorf("consumer pid %d is out of range: %w", c.GetPid(), errdefs.ErrInvalidArgument)
-	}
-	return Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), NSInode: c.GetMntNsInode(), NSID: c.GetMntNsId()}, nil
 }

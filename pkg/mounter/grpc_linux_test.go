@@ -9,7 +9,6 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -21,7 +20,7 @@ func TestGRPCExecutor(t *testing.T) {
 	dir := mountnstest.Scratch(t)
 	pid := mountnstest.Namespace(t, "private")
 	client, _ := serve(t, executor(dir))
-	c := mounter.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
+	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	mounts := []plan.Mount{tmpfs("grpc", ""), tmpfs("grpc-sub", "sub")}
 	if err := client.Mount(context.Background(), mounts, c); err != nil {
 		t.Fatal(err)
@@ -32,7 +31,7 @@ func TestGRPCExecutor(t *testing.T) {
 	if err := client.Mount(context.Background(), []plan.Mount{tmpfs("x", "../escape")}, c); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("target with .. = %v, want InvalidArgument", err)
 	}
-	gone := mounter.Consumer{PID: 1<<22 + 1, MountPoint: c.MountPoint}
+	gone := plan.Consumer{PID: 1<<22 + 1, MountPoint: c.MountPoint}
 	if err := client.Mount(context.Background(), mounts, gone); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("missing pid = %v, want NotFound", err)
 	}

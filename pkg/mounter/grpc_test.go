@@ -25,19 +25,19 @@ import (
 type recorder struct {
 	mu       sync.Mutex
 	mounts   []plan.Mount
-	consumer mounter.Consumer
+	consumer plan.Consumer
 	err      error
 }
 
-func (r *recorder) Mount(_ context.Context, m []plan.Mount, c mounter.Consumer) error {
+func (r *recorder) Mount(_ context.Context, m []plan.Mount, c plan.Consumer) error {
 	return r.record(m, c)
 }
 
-func (r *recorder) Unmount(_ context.Context, m []plan.Mount, c mounter.Consumer) error {
+func (r *recorder) Unmount(_ context.Context, m []plan.Mount, c plan.Consumer) error {
 	return r.record(m, c)
 }
 
-func (r *recorder) record(m []plan.Mount, c mounter.Consumer) error {
+func (r *recorder) record(m []plan.Mount, c plan.Consumer) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.mounts, r.consumer = m, c
@@ -83,8 +83,8 @@ func TestGRPCRoundTrip(t *testing.T) {
 		{Type: "ext4", Source: "/dev/loop7", Options: []string{"ro", "nosuid", "nodev"}},
 		{Type: "bind", Source: "/var/lib/mountplan/x", Target: "data"},
 	}
-	c := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026531840, NSID: 7}
-	for name, call := range map[string]func(context.Context, []plan.Mount, mounter.Consumer) error{
+	c := plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 4026531840, ID: 7}}
+	for name, call := range map[string]func(context.Context, []plan.Mount, plan.Consumer) error{
 		"Mount": client.Mount, "Unmount": client.Unmount,
 	} {
 		if err := call(context.Background(), mounts, c); err != nil {
@@ -111,7 +111,7 @@ func TestGRPCErrorsKeepTheirCodes(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.code.String(), func(t *testing.T) {
 			client, _ := serve(t, &recorder{err: tt.err})
-			err := client.Mount(context.Background(), []plan.Mount{{Type: "tmpfs"}}, mounter.Consumer{MountPoint: "/x"})
+			err := client.Mount(context.Background(), []plan.Mount{{Type: "tmpfs"}}, plan.Consumer{MountPoint: "/x"})
 			if errdefs.Code(err) != tt.code {
 				t.Fatalf("code = %v (%v), want %v", errdefs.Code(err), err, tt.code)
 			}
@@ -141,13 +141,13 @@ func TestGRPCWithoutConsumer(t *testing.T) {
 // panicker panics on Mount: a bug in a handler must not kill the mounter.
 type panicker struct{ recorder }
 
-func (p *panicker) Mount(context.Context, []plan.Mount, mounter.Consumer) error {
+func (p *panicker) Mount(context.Context, []plan.Mount, plan.Consumer) error {
 	panic("boom")
 }
 
 func TestServerRecoversFromPanics(t *testing.T) {
 	client, _ := serve(t, &panicker{})
-	c := mounter.Consumer{PID: 1, MountPoint: "/data"}
+	c := plan.Consumer{PID: 1, MountPoint: "/data"}
 	mounts := []plan.Mount{{Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev"}}}
 	if err := client.Mount(context.Background(), mounts, c); errdefs.Code(err) != codes.Internal {
 		t.Fatalf("Mount with a panicking handler: %v, want Internal", err)

@@ -23,10 +23,10 @@ func TestUnmountAfterConsumerExited(t *testing.T) {
 	ctx := context.Background()
 	for _, tt := range []struct {
 		name    string
-		unmount func(*mounter.Executor, []plan.Mount, mounter.Consumer) error
+		unmount func(*mounter.Executor, []plan.Mount, plan.Consumer) error
 	}{
-		{"Unmount", func(e *mounter.Executor, m []plan.Mount, c mounter.Consumer) error { return e.Unmount(ctx, m, c) }},
-		{"UnmountAll", func(e *mounter.Executor, _ []plan.Mount, c mounter.Consumer) error { return e.UnmountAll(ctx, c) }},
+		{"Unmount", func(e *mounter.Executor, m []plan.Mount, c plan.Consumer) error { return e.Unmount(ctx, m, c) }},
+		{"UnmountAll", func(e *mounter.Executor, _ []plan.Mount, c plan.Consumer) error { return e.UnmountAll(ctx, c) }},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := mountnstest.Scratch(t)
@@ -39,7 +39,7 @@ func TestUnmountAfterConsumerExited(t *testing.T) {
 				t.Skip("kernel lacks NS_GET_MNTNS_ID: without it the namespace is not searched for")
 			}
 			mounts := []plan.Mount{tmpfs("outer", ""), tmpfs("inner", "sub")}
-			c := mounter.Consumer{PID: s.First, MountPoint: filepath.Join(dir, "mp"), NSInode: id.Inode, NSID: id.ID}
+			c := plan.Consumer{PID: s.First, MountPoint: filepath.Join(dir, "mp"), Namespace: plan.Namespace{Inode: id.Inode, ID: id.ID}}
 			e := executor(dir)
 			if err := e.Mount(ctx, mounts, c); err != nil {
 				t.Fatal(err)

@@ -20,7 +20,7 @@ type PrepareRequest struct {
 	StagingPath string
 	ReadOnly    bool
 	Block       bool // raw block access instead of a filesystem
-	Consumer    Consumer
+	Consumer    plan.Consumer
 }
 
 // releaseTimeout bounds the NodeUnprepareVolume call that releases a claim
@@ -30,13 +30,13 @@ const releaseTimeout = 30 * time.Second
 // Prepare asks the plugin for a volume's plan (NodePrepareVolume), performs
 // it with m and returns the consumer as the plugin recorded it. When the plan
 // cannot be performed, it releases the claim again so that it does not leak.
-func Prepare(ctx context.Context, np api.NodePrepareClient, m Interface, r PrepareRequest) (Consumer, error) {
+func Prepare(ctx context.Context, np api.NodePrepareClient, m Interface, r PrepareRequest) (plan.Consumer, error) {
 	resp, err := np.NodePrepareVolume(ctx, r.proto())
 	if err != nil {
-		return Consumer{}, fmt.Errorf("NodePrepareVolume %s: %w", r.VolumeID, errdefs.FromGRPC(err))
+		return plan.Consumer{}, fmt.Errorf("NodePrepareVolume %s: %w", r.VolumeID, errdefs.FromGRPC(err))
 	}
 	c := r.Consumer
-	c.NSInode, c.NSID = resp.GetConsumer().GetMntNsInode(), resp.GetConsumer().GetMntNsId()
+	c.Namespace = plan.Namespace{Inode: resp.GetConsumer().GetMntNsInode(), ID: resp.GetConsumer().GetMntNsId()}
 	mounts := plan.FromProto(resp.GetMounts())
 	if err = checkReadOnly(r, mounts); err == nil {
 		err = m.Mount(ctx, mounts, c)
@@ -57,22 +57,22 @@ func Prepare(ctx context.Context, np api.NodePrepareClient, m Interface, r Prepa
 // TreeUnmounter removes everything mounted at and below a consumer's mount
 // point; *Executor implements it.
 type TreeUnmounter interface {
-	UnmountAll(ctx context.Context, c Consumer) error
+	UnmountAll(ctx context.Context, c plan.Consumer) error
 }
 
 // Unprepare unmounts everything at and below the consumer's mount point,
 // then releases the claim (NodeUnprepareVolume). It needs no plan, so it
 // works after the plugin lost its state. While anything is still mounted
 // the claim is kept.
-func Unprepare(ctx context.Context, np api.NodePrepareClient, u TreeUnmounter, volumeID string, c Consumer) error {
+func Unprepare(ctx context.Context, np api.NodePrepareClient, u TreeUnmounter, volumeID string, c plan.Consumer) error {
 	if err := u.UnmountAll(ctx, c); err != nil {
 		return fmt.Errorf("unmount %s: %w", volumeID, err)
 	}
 	return release(ctx, np, volumeID, c)
 }
 
-func release(ctx context.Context, np api.NodePrepareClient, volumeID string, c Consumer) error {
-	_, err := np.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{VolumeId: volumeID, Consumer: ConsumerToProto(c)})
+func release(ctx context.Context, np api.NodePrepareClient, volumeID string, c plan.Consumer) error {
+	_, err := np.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{VolumeId: volumeID, Consumer: plan.ConsumerToProto(c)})
 	if err != nil {
 		return fmt.Errorf("NodeUnprepareVolume %s: %w", volumeID, errdefs.FromGRPC(err))
 	}
@@ -109,6 +109,6 @@ func (r PrepareRequest) proto() *api.NodePrepareVolumeRequest {
 		StagingTargetPath: r.StagingPath,
 		VolumeCapability:  vc,
 		Readonly:          r.ReadOnly,
-		Consumer:          ConsumerToProto(r.Consumer),
+		Consumer:          plan.ConsumerToProto(r.Consumer),
 	}
 }

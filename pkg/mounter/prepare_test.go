@@ -38,10 +38,10 @@ func (p *plugin) NodeUnprepareVolume(_ context.Context, req *api.NodeUnprepareVo
 
 type treeUnmounter struct {
 	err error
-	got mounter.Consumer
+	got plan.Consumer
 }
 
-func (u *treeUnmounter) UnmountAll(_ context.Context, c mounter.Consumer) error {
+func (u *treeUnmounter) UnmountAll(_ context.Context, c plan.Consumer) error {
 	u.got = c
 	return u.err
 }
@@ -69,12 +69,12 @@ func TestPrepare(t *testing.T) {
 			p := &plugin{mounts: tt.plan, inode: 4026532000, id: 9}
 			m := &recorder{err: tt.mountErr}
 			r := mounter.PrepareRequest{VolumeID: "vol-1", StagingPath: "/var/lib/mountplan/staging/vol-1",
-				ReadOnly: tt.readOnly, Block: tt.block, Consumer: mounter.Consumer{PID: 42, MountPoint: "/data"}}
+				ReadOnly: tt.readOnly, Block: tt.block, Consumer: plan.Consumer{PID: 42, MountPoint: "/data"}}
 			c, err := mounter.Prepare(context.Background(), p, m, r)
 			if !errors.Is(err, tt.want) {
 				t.Fatalf("Prepare = %v, want %v", err, tt.want)
 			}
-			want := mounter.Consumer{PID: 42, MountPoint: "/data", NSInode: 4026532000, NSID: 9}
+			want := plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 4026532000, ID: 9}}
 			if c != want {
 				t.Fatalf("consumer = %+v, want %+v", c, want)
 			}
@@ -85,7 +85,7 @@ func TestPrepare(t *testing.T) {
 			if got := len(p.unprepared) == 1; got != tt.released {
 				t.Fatalf("claim released: %v, want %v", got, tt.released)
 			}
-			if tt.released && (p.unprepared[0].GetConsumer().GetMntNsInode() != want.NSInode || p.unprepared[0].GetConsumer().GetMntNsId() != want.NSID) {
+			if tt.released && (p.unprepared[0].GetConsumer().GetMntNsInode() != want.Namespace.Inode || p.unprepared[0].GetConsumer().GetMntNsId() != want.Namespace.ID) {
 				t.Fatalf("released consumer %v, want the recorded one", p.unprepared[0].GetConsumer())
 			}
 		})
@@ -106,7 +106,7 @@ func checkPrepareRequest(t *testing.T, req *api.NodePrepareVolumeRequest, readOn
 }
 
 func TestUnprepare(t *testing.T) {
-	c := mounter.Consumer{PID: 42, MountPoint: "/data"}
+	c := plan.Consumer{PID: 42, MountPoint: "/data"}
 	p := &plugin{}
 	u := &treeUnmounter{}
 	if err := mounter.Unprepare(context.Background(), p, u, "vol-1", c); err != nil {

@@ -10,48 +10,21 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
-
-// Identity names a mount namespace. The inode (of /proc/PID/ns/mnt) is what
-// the API has always carried, but the kernel hands it out again as soon as
-// the namespace dies (the next `unshare -m` often gets the same number). The
-// 64-bit namespace ID (NS_GET_MNTNS_ID, Linux 6.9+) is never reused, so it is
-// what tells a namespace apart from a later one with the same inode. ID is 0
-// where the kernel lacks it.
-type Identity struct {
-	Inode uint64
-	ID    uint64
-}
-
-// IsZero reports whether nothing is known of the namespace.
-func (i Identity) IsZero() bool { return i == Identity{} }
-
-// Matches reports whether got, the identity of a namespace at hand, is the
-// namespace i names. A zero field of i is not checked, so the zero Identity
-// matches any namespace; the ID is compared only when i knows it.
-func (i Identity) Matches(got Identity) bool {
-	return (i.Inode == 0 || got.Inode == i.Inode) && (i.ID == 0 || got.ID == i.ID)
-}
-
-func (i Identity) String() string {
-	if i.ID == 0 {
-		return strconv.FormatUint(i.Inode, 10)
-	}
-	return fmt.Sprintf("%d (id %d)", i.Inode, i.ID)
-}
 
 func nsPath(pid string) string { return "/proc/" + pid + "/ns/mnt" }
 
 // IdentityOf returns the identity of process pid's mount namespace (as the
 // caller's /proc sees it). It fails with errdefs.ErrNotFound when the
 // process does not exist.
-func IdentityOf(pid int) (Identity, error) {
+func IdentityOf(pid int) (plan.Namespace, error) {
 	if pid <= 0 {
-		return Identity{}, fmt.Errorf("pid %d: %w", pid, errdefs.ErrInvalidArgument)
+		return plan.Namespace{}, fmt.Errorf("pid %d: %w", pid, errdefs.ErrInvalidArgument)
 	}
 	f, err := openNS(strconv.Itoa(pid))
 	if err != nil {
-		return Identity{}, err
+		return plan.Namespace{}, err
 	}
 	defer f.Close()
 	return identityOf(f)
@@ -71,16 +44,16 @@ func openNS(pid string) (*os.File, error) {
 }
 
 // identityOf reads the identity of the namespace f (an nsfs file) refers to.
-func identityOf(f *os.File) (Identity, error) {
+func identityOf(f *os.File) (plan.Namespace, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return Identity{}, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
+		return plan.Namespace{}, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
 	}
 	id, err := unix.IoctlGetUint64(int(f.Fd()), unix.NS_GET_MNTNS_ID)
 	if err != nil {
 		id = 0 // an older kernel: the inode is all there is
 	}
-	return Identity{Inode: st.Ino, ID: id}, nil
+	return plan.Namespace{Inode: st.Ino, ID: id}, nil
 }
 
 // Find returns a process that is in the namespace id names, searching all
@@ -91,8 +64,8 @@ func identityOf(f *os.File) (Identity, error) {
 // gone. An error means /proc could not be read, and nothing can be told.
 // The process may exit at any time; open it with OpenPID(pid, id), which
 // checks again, and search again if that fails.
-func Find(id Identity) (pid int, ok bool, err error) {
-	if id.IsZero() {
+func Find(id plan.Namespace) (pid int, ok bool, err error) {
+	if id == (plan.Namespace{}) {
 		return 0, false, nil
 	}
 	d, err := os.Open("/proc")
@@ -117,7 +90,7 @@ func Find(id Identity) (pid int, ok bool, err error) {
 }
 
 // candidate reports whether /proc/name is a process in namespace id.
-func candidate(name string, id Identity) (int, bool) {
+func candidate(name string, id plan.Namespace) (int, bool) {
 	pid, err := strconv.Atoi(name)
 	if err != nil || pid <= 0 {
 		return 0, false
@@ -135,8 +108,8 @@ func candidate(name string, id Identity) (int, bool) {
 // OpenIdentity opens the namespace id names through any process still in it
 // (see Find). It fails with errdefs.ErrNotFound when no process is left in
 // it: the namespace is gone and the kernel dropped its mounts with it.
-func OpenIdentity(id Identity) (*Namespace, error) {
-	if id.IsZero() {
+func OpenIdentity(id plan.Namespace) (*Namespace, error) {
+	if id == (plan.Namespace{}) {
 		return nil, fmt.Errorf("open a mount namespace of unknown identity: %w", errdefs.ErrInvalidArgument)
 	}
 	// Each try fails only when the process found exited (or was replaced)

@@ -10,35 +10,8 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
-
-func TestIdentityMatches(t *testing.T) {
-	got := mountns.Identity{Inode: 4026531841, ID: 42}
-	tests := []struct {
-		name string
-		want mountns.Identity
-		ok   bool
-	}{
-		{"zero matches any", mountns.Identity{}, true},
-		{"same", got, true},
-		{"inode only", mountns.Identity{Inode: got.Inode}, true},
-		{"id only", mountns.Identity{ID: got.ID}, true},
-		{"other inode", mountns.Identity{Inode: got.Inode + 1}, false},
-		// The inode of a dead namespace handed out again: the ID tells.
-		{"same inode, other id", mountns.Identity{Inode: got.Inode, ID: got.ID + 1}, false},
-		{"other inode, same id", mountns.Identity{Inode: got.Inode + 1, ID: got.ID}, false},
-	}
-	for _, tt := range tests {
-		if ok := tt.want.Matches(got); ok != tt.ok {
-			t.Errorf("%s: %+v.Matches(%+v) = %v, want %v", tt.name, tt.want, got, ok, tt.ok)
-		}
-	}
-	// A namespace found on a kernel without NS_GET_MNTNS_ID has ID 0 and
-	// cannot prove that it is one recorded with an ID.
-	if (mountns.Identity{Inode: 1, ID: 7}).Matches(mountns.Identity{Inode: 1}) {
-		t.Error("a recorded ID matched a namespace of unknown ID")
-	}
-}
 
 func TestIdentityOf(t *testing.T) {
 	self, err := mountns.Self()
@@ -58,7 +31,7 @@ func TestIdentityOf(t *testing.T) {
 	if _, err := mountns.IdentityOf(0); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("IdentityOf(0) = %v, want InvalidArgument", err)
 	}
-	if _, ok, err := mountns.Find(mountns.Identity{}); ok || err != nil {
+	if _, ok, err := mountns.Find(plan.Namespace{}); ok || err != nil {
 		t.Fatalf("Find(zero identity) = %v, %v; want nothing", ok, err)
 	}
 	if pid, ok, err := mountns.Find(got); !ok || err != nil {

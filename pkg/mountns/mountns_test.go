@@ -35,7 +35,7 @@ func attachInto(t *testing.T, pid int, m plan.Mount, target string) {
 		t.Fatalf("Build %s: %v", m, err)
 	}
 	defer fd.Close()
-	ns, err := mountns.OpenPID(pid, mountns.Identity{})
+	ns, err := mountns.OpenPID(pid, plan.Namespace{})
 	if err != nil {
 		t.Fatalf("OpenPID: %v", err)
 	}
@@ -133,16 +133,16 @@ func TestOpenPID(t *testing.T) {
 	tests := []struct {
 		name string
 		pid  int
-		id   mountns.Identity
+		id   plan.Namespace
 		want error
 	}{
-		{"own pid", os.Getpid(), mountns.Identity{}, nil},
-		{"own pid, right inode", os.Getpid(), mountns.Identity{Inode: self.Inode()}, nil},
+		{"own pid", os.Getpid(), plan.Namespace{}, nil},
+		{"own pid, right inode", os.Getpid(), plan.Namespace{Inode: self.Inode()}, nil},
 		{"own pid, right identity", os.Getpid(), self.Identity(), nil},
-		{"no such pid", 1<<22 + 1, mountns.Identity{}, errdefs.ErrNotFound}, // above the largest pid_max
-		{"zero pid", 0, mountns.Identity{}, errdefs.ErrInvalidArgument},
-		{"namespace replaced", os.Getpid(), mountns.Identity{Inode: self.Inode() + 1}, errdefs.ErrFailedPrecondition},
-		{"same inode, another namespace", os.Getpid(), mountns.Identity{Inode: self.Inode(), ID: self.Identity().ID + 1}, errdefs.ErrFailedPrecondition},
+		{"no such pid", 1<<22 + 1, plan.Namespace{}, errdefs.ErrNotFound}, // above the largest pid_max
+		{"zero pid", 0, plan.Namespace{}, errdefs.ErrInvalidArgument},
+		{"namespace replaced", os.Getpid(), plan.Namespace{Inode: self.Inode() + 1}, errdefs.ErrFailedPrecondition},
+		{"same inode, another namespace", os.Getpid(), plan.Namespace{Inode: self.Inode(), ID: self.Identity().ID + 1}, errdefs.ErrFailedPrecondition},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -164,7 +164,7 @@ func TestOpenPIDOfOtherNamespace(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	pid := mountnstest.Namespace(t, "private")
 	want := mountnstest.NamespaceInode(t, pid)
-	ns, err := mountns.OpenPID(pid, mountns.Identity{Inode: want})
+	ns, err := mountns.OpenPID(pid, plan.Namespace{Inode: want})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +172,7 @@ func TestOpenPIDOfOtherNamespace(t *testing.T) {
 	if ns.IsSelf() || ns.Inode() != want {
 		t.Fatalf("self=%v inode=%d, want other namespace %d", ns.IsSelf(), ns.Inode(), want)
 	}
-	if _, err := mountns.OpenPID(pid, mountns.Identity{Inode: want + 1}); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+	if _, err := mountns.OpenPID(pid, plan.Namespace{Inode: want + 1}); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Fatalf("wrong inode: %v, want FailedPrecondition", err)
 	}
 }
@@ -232,7 +232,7 @@ func TestBuildErrors(t *testing.T) {
 func TestDoLeavesMainThreadAlone(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	pid := mountnstest.Namespace(t, "private")
-	ns, err := mountns.OpenPID(pid, mountns.Identity{})
+	ns, err := mountns.OpenPID(pid, plan.Namespace{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // Namespace is an open handle on a mount namespace. Holding it keeps the
@@ -19,7 +20,7 @@ import (
 type Namespace struct {
 	ns   *os.File // /proc/PID/ns/mnt
 	proc *os.File // the caller's /proc, still reachable after setns
-	id   Identity
+	id   plan.Namespace
 	self bool // the caller's own namespace: Do needs no setns
 	// idRead: Self's namespace ID was looked up (it may be 0 on old kernels).
 	idRead bool
@@ -38,14 +39,14 @@ func Self() (*Namespace, error) {
 	if err := unix.Stat(nsPath("thread-self"), &st); err != nil {
 		return nil, &os.PathError{Op: "stat", Path: nsPath("thread-self"), Err: err}
 	}
-	return &Namespace{id: Identity{Inode: st.Ino}, self: true}, nil
+	return &Namespace{id: plan.Namespace{Inode: st.Ino}, self: true}, nil
 }
 
 // SelfIdentity returns the full identity of the caller's own namespace.
-func SelfIdentity() (Identity, error) {
+func SelfIdentity() (plan.Namespace, error) {
 	f, err := openNS("thread-self")
 	if err != nil {
-		return Identity{}, err
+		return plan.Namespace{}, err
 	}
 	defer f.Close()
 	return identityOf(f)
@@ -55,15 +56,15 @@ func SelfIdentity() (Identity, error) {
 // sees it). It fails with errdefs.ErrNotFound when the process does not
 // exist and with errdefs.ErrFailedPrecondition when want is not zero and
 // the process lives in another namespace (a reused PID, or a namespace that
-// got the inode of a dead one): see Identity.Matches.
-func OpenPID(pid int, want Identity) (*Namespace, error) {
+// got the inode of a dead one): see plan.Namespace.Matches.
+func OpenPID(pid int, want plan.Namespace) (*Namespace, error) {
 	if pid <= 0 {
 		return nil, fmt.Errorf("pid %d: %w", pid, errdefs.ErrInvalidArgument)
 	}
 	return open(strconv.Itoa(pid), want)
 }
 
-func open(pid string, want Identity) (_ *Namespace, err error) {
+func open(pid string, want plan.Namespace) (_ *Namespace, err error) {
 	n := &Namespace{}
 	defer func() {
 		if err != nil {
@@ -105,7 +106,7 @@ func openFile(path string, flags int) (*os.File, error) {
 // Identity identifies the namespace.
 //
 // For Self it is read on first use: the publish path never asks for it.
-func (n *Namespace) Identity() Identity {
+func (n *Namespace) Identity() plan.Namespace {
 	if n.self && n.id.ID == 0 && !n.idRead {
 		if id, err := SelfIdentity(); err == nil {
 			n.id = id

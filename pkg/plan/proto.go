@@ -1,9 +1,12 @@
 package plan
 
 import (
+	"fmt"
+	"math"
 	"slices"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
 // ToProto converts a plan to its wire form.
@@ -26,4 +29,23 @@ func FromProto(in []*api.Mount) []Mount {
 		out = append(out, Mount{Type: m.GetType(), Source: m.GetSource(), Target: m.GetTarget(), Options: slices.Clone(m.GetOptions())})
 	}
 	return out
+}
+
+// ConsumerToProto converts a consumer to its wire form.
+func ConsumerToProto(c Consumer) *api.Consumer {
+	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.Namespace.Inode, MntNsId: c.Namespace.ID}
+}
+
+// ConsumerFromProto converts a consumer from its wire form and validates
+// it (Consumer.Validate). A missing consumer or a PID out of range is an
+// errdefs.ErrInvalidArgument.
+func ConsumerFromProto(c *api.Consumer) (Consumer, error) {
+	if c == nil {
+		return Consumer{}, fmt.Errorf("consumer is required: %w", errdefs.ErrInvalidArgument)
+	}
+	if c.GetPid() < 0 || c.GetPid() > math.MaxInt32 {
+		return Consumer{}, fmt.Errorf("consumer pid %d is out of range: %w", c.GetPid(), errdefs.ErrInvalidArgument)
+	}
+	out := Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), Namespace: Namespace{Inode: c.GetMntNsInode(), ID: c.GetMntNsId()}}
+	return out, out.Validate()
 }

@@ -80,7 +80,7 @@ func TestPrepareInContainers(t *testing.T) {
 	prepCheckHostClean(t, "after mounting into container A", dev)
 	consA := e.wantConsumer(id, a.PID(), target)
 	prepCheckMountedIn(t, a.PID(), target, "ext4", dev)
-	tm.step(fmt.Sprintf("mounted in container A (pid %d, mnt ns %d)", a.PID(), consA.NSInode))
+	tm.step(fmt.Sprintf("mounted in container A (pid %d, mnt ns %d)", a.PID(), consA.Namespace.Inode))
 
 	out, err := a.Exec(t, "sh", "-c", "echo 'hello from A' > /data/hello.txt && sync && cat /data/hello.txt && grep ' /data ' /proc/self/mountinfo")
 	if err != nil {
@@ -153,7 +153,7 @@ func TestPrepareInContainers(t *testing.T) {
 	}
 	prepWaitNoLoop(t, image)
 	// Releasing B afterwards is idempotent, as is a second unstage.
-	if err := e.unprepare(id, pidB, target, consB.NSInode); err != nil {
+	if err := e.unprepare(id, pidB, target, consB.Namespace.Inode); err != nil {
 		t.Errorf("NodeUnprepareVolume for dead B after unstage: %v", err)
 	}
 	if err := e.unprepare(id, pidB, target, 0); err != nil {
@@ -208,7 +208,7 @@ func TestPrepareUnshare(t *testing.T) {
 	if mi := prepMountAt(t, os.Getpid(), target); mi != nil {
 		t.Errorf("the host has a mount at %s: %s %s", target, mi.FSType, mi.Source)
 	}
-	tm.step(fmt.Sprintf("mounted in pid %d's namespace (mnt ns %d)", ns.PID, cons.NSInode))
+	tm.step(fmt.Sprintf("mounted in pid %d's namespace (mnt ns %d)", ns.PID, cons.Namespace.Inode))
 
 	if _, err := ns.Exec(t, "sh", "-c", "echo 'inside' > "+target+"/f && sync"); err != nil {
 		t.Fatal(err)
@@ -223,7 +223,7 @@ func TestPrepareUnshare(t *testing.T) {
 	// The live consumer blocks unstage, by name; the journal keeps it.
 	err := e.tryUnstage(id)
 	testutil.WantCode(t, "NodeUnstageVolume while the namespace uses the volume", err, codes.FailedPrecondition,
-		fmt.Sprintf("pid %d", ns.PID), fmt.Sprint(cons.NSInode), target)
+		fmt.Sprintf("pid %d", ns.PID), fmt.Sprint(cons.Namespace.Inode), target)
 	e.wantConsumer(id, ns.PID, target)
 	if got := prepBackingFile(dev.name()); got != image {
 		t.Errorf("the refused unstage detached %s (backing file now %q)", dev, got)
@@ -234,8 +234,8 @@ func TestPrepareUnshare(t *testing.T) {
 	if err != nil {
 		t.Fatalf("repeated NodePrepareVolume: %v", err)
 	}
-	if got := resp.GetConsumer().GetMntNsInode(); got != cons.NSInode {
-		t.Errorf("repeated NodePrepareVolume: mnt ns %d, want %d", got, cons.NSInode)
+	if got := resp.GetConsumer().GetMntNsInode(); got != cons.Namespace.Inode {
+		t.Errorf("repeated NodePrepareVolume: mnt ns %d, want %d", got, cons.Namespace.Inode)
 	}
 	if ms := resp.GetMounts(); len(ms) != 1 || ms[0].GetType() != "ext4" || ms[0].GetSource() != dev.Path {
 		t.Errorf("plan %v, want one ext4 mount of %s", ms, dev.Path)

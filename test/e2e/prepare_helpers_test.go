@@ -303,7 +303,7 @@ func (e *prepEnv) loopState(id string) loop.State {
 }
 
 // consumers returns the consumers the journal records for id.
-func (e *prepEnv) consumers(id string) []journal.Consumer {
+func (e *prepEnv) consumers(id string) []journal.Claim {
 	e.t.Helper()
 	v := e.record(id)
 	if v == nil {
@@ -314,7 +314,7 @@ func (e *prepEnv) consumers(id string) []journal.Consumer {
 
 // wantConsumer checks that the journal records exactly one consumer of id:
 // pid's mount namespace (by inode, not only by PID) at mountPoint.
-func (e *prepEnv) wantConsumer(id string, pid int, mountPoint string) journal.Consumer {
+func (e *prepEnv) wantConsumer(id string, pid int, mountPoint string) journal.Claim {
 	e.t.Helper()
 	cs := e.consumers(id)
 	if len(cs) != 1 {
@@ -322,7 +322,7 @@ func (e *prepEnv) wantConsumer(id string, pid int, mountPoint string) journal.Co
 	}
 	c := cs[0]
 	ino := prepNSInode(e.t, pid)
-	if c.PID != pid || c.MountPoint != mountPoint || c.NSInode != ino {
+	if c.PID != pid || c.MountPoint != mountPoint || c.Namespace.Inode != ino {
 		e.t.Fatalf("journal: consumer %+v, want pid %d mnt ns %d at %s", c, pid, ino, mountPoint)
 	}
 	return c

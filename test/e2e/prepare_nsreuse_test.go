@@ -52,14 +52,14 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 	var reuser *testutil.Proc
 	for i := 0; i < 50 && reuser == nil; i++ {
 		p := testutil.StartUnshare(t)
-		if prepNSInode(t, p.PID) == dead.NSInode {
+		if prepNSInode(t, p.PID) == dead.Namespace.Inode {
 			reuser = p
 		}
 	}
 	if reuser == nil {
-		t.Skipf("no new mount namespace got the dead consumer's inode %d within 50 tries", dead.NSInode)
+		t.Skipf("no new mount namespace got the dead consumer's inode %d within 50 tries", dead.Namespace.Inode)
 	}
-	t.Logf("pid %d (not a consumer) is in a new mount namespace with inode %d, the dead consumer's (pid %d)", reuser.PID, dead.NSInode, dead.PID)
+	t.Logf("pid %d (not a consumer) is in a new mount namespace with inode %d, the dead consumer's (pid %d)", reuser.PID, dead.Namespace.Inode, dead.PID)
 	if hasMount(t, reuser.PID, target) {
 		t.Fatalf("the new namespace has a mount at %s", target)
 	}
@@ -75,7 +75,7 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 		e.delete(id)
 		t.Errorf("NodeUnstageVolume refused because of dead consumer pid %d: an unrelated namespace (pid %d) reuses its "+
 			"mount namespace inode %d, and pkg/driver/prepare.go namespaceAlive treats any process in a namespace with that inode "+
-			"as the consumer: %v", dead.PID, reuser.PID, dead.NSInode, err)
+			"as the consumer: %v", dead.PID, reuser.PID, dead.Namespace.Inode, err)
 	}
 	if err != nil {
 		t.Fatalf("NodeUnstageVolume after the consumer died: %v", err)

@@ -197,7 +197,7 @@ func prepRestartCase(t *testing.T, e *prepEnv, id, image string, onHost func(*mo
 	}
 	tm.step("restarted; unstage still refused")
 
-	e.mustSidecarUnmount(id, ns.PID, target, "--mnt-ns-inode", fmt.Sprint(cons.NSInode))
+	e.mustSidecarUnmount(id, ns.PID, target, "--mnt-ns-inode", fmt.Sprint(cons.Namespace.Inode))
 	e.wantNoConsumer(id)
 	e.unstage(id)
 	prepWaitNoLoop(t, image)

@@ -84,7 +84,7 @@ func TestOverlayChain(t *testing.T) {
 			}
 			target := filepath.Join(dir, "target")
 			exe := &mounter.Executor{Policy: policy}
-			if err := exe.Mount(ctx, mounts, mounter.Consumer{MountPoint: target}); err != nil {
+			if err := exe.Mount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
 				t.Fatalf("mount plan: %v", err)
 			}
 			got, err := os.ReadFile(filepath.Join(target, "hello.txt"))
@@ -97,7 +97,7 @@ func TestOverlayChain(t *testing.T) {
 			if _, err := os.Stat(filepath.Join(st.Chain.dataDir(), "new.txt")); err != nil {
 				t.Errorf("write did not land in the upper layer: %v", err)
 			}
-			if err := exe.Unmount(ctx, mounts, mounter.Consumer{MountPoint: target}); err != nil {
+			if err := exe.Unmount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
 				t.Fatalf("unmount plan: %v", err)
 			}
 			if err := s.Unstage(ctx, v); err != nil {

@@ -1,0 +1,35 @@
+package plan_test
+
+import (
+	"testing"
+
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+func TestNamespaceMatches(t *testing.T) {
+	got := plan.Namespace{Inode: 4026531841, ID: 42}
+	tests := []struct {
+		name string
+		want plan.Namespace
+		ok   bool
+	}{
+		{"zero matches any", plan.Namespace{}, true},
+		{"same", got, true},
+		{"inode only", plan.Namespace{Inode: got.Inode}, true},
+		{"id only", plan.Namespace{ID: got.ID}, true},
+		{"other inode", plan.Namespace{Inode: got.Inode + 1}, false},
+		// The inode of a dead namespace handed out again: the ID tells.
+		{"same inode, other id", plan.Namespace{Inode: got.Inode, ID: got.ID + 1}, false},
+		{"other inode, same id", plan.Namespace{Inode: got.Inode + 1, ID: got.ID}, false},
+	}
+	for _, tt := range tests {
+		if ok := tt.want.Matches(got); ok != tt.ok {
+			t.Errorf("%s: %+v.Matches(%+v) = %v, want %v", tt.name, tt.want, got, ok, tt.ok)
+		}
+	}
+	// A namespace found on a kernel without NS_GET_MNTNS_ID has ID 0 and
+	// cannot prove that it is one recorded with an ID.
+	if (plan.Namespace{Inode: 1, ID: 7}).Matches(plan.Namespace{Inode: 1}) {
+		t.Error("a recorded ID matched a namespace of unknown ID")
+	}
+}
