@@ -9,6 +9,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/periodic"
 )
 
 // Reconcile compares every record with the kernel: it adopts staged devices
@@ -82,14 +83,8 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 // RunReconciler reconciles every interval until ctx ends, so consumers
 // whose containers died are released without anyone calling Unprepare.
 func (d *Driver) RunReconciler(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			_ = d.Reconcile(ctx)
-		}
-	}
+	periodic.Every(ctx, interval, func(ctx context.Context) bool {
+		_ = d.Reconcile(ctx)
+		return true
+	})
 }

@@ -2,7 +2,6 @@ package fsutil
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -41,7 +40,7 @@ func (t tools) detect(ctx context.Context, device string) (string, error) {
 	if err := checkPath("detect", device); err != nil {
 		return "", err
 	}
-	out, err := t.run(ctx, device, "blkid", "-p", "-o", "export", device)
+	out, err := t.run(ctx, device, blkid, "-p", "-o", "export", device)
 	switch code := exitCode(err); {
 	case code == blkidNothing:
 		return "", nil
@@ -63,9 +62,9 @@ func (t tools) detect(ctx context.Context, device string) (string, error) {
 }
 
 // parseExport reads blkid's "-o export" KEY=value lines.
-func parseExport(out []byte) map[string]string {
+func parseExport(out string) map[string]string {
 	tags := map[string]string{}
-	sc := bufio.NewScanner(bytes.NewReader(out))
+	sc := bufio.NewScanner(strings.NewReader(out))
 	for sc.Scan() {
 		if k, v, ok := strings.Cut(sc.Text(), "="); ok {
 			tags[k] = v

@@ -17,9 +17,8 @@ import (
 	"fmt"
 	"os"
 
-	utilexec "k8s.io/utils/exec"
-
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // Filesystem types Format can create.
@@ -38,12 +37,12 @@ type Usage struct {
 func SupportedFsTypes() []string { return []string{Ext4, XFS} }
 
 // tools runs the helper binaries. The package functions use host; tests
-// give their own a FakeExec to script exit codes the real tools rarely show.
+// give their own runner to script exit codes the real tools rarely show.
 type tools struct {
-	exec utilexec.Interface
+	runner toolrun.Runner
 }
 
-var host = tools{exec: utilexec.New()}
+var host = tools{}
 
 // Detect returns the filesystem type on device, or "" when it holds no
 // filesystem or other signature. See tools.detect for what "nothing" means

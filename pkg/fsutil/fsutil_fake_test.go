@@ -4,15 +4,14 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
-	utilexec "k8s.io/utils/exec"
-	testingexec "k8s.io/utils/exec/testing"
-
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // call is one scripted tool run: what it prints and how it exits.
@@ -26,32 +25,22 @@ type call struct {
 // command lines they were given.
 func fakeTools(t *testing.T, script ...call) (tools, *[][]string) {
 	t.Helper()
-	fe := &testingexec.FakeExec{}
 	var got [][]string
-	for _, c := range script {
-		fe.CommandScript = append(fe.CommandScript, func(cmd string, args ...string) utilexec.Cmd {
-			got = append(got, append([]string{cmd}, args...))
-			return &testingexec.FakeCmd{CombinedOutputScript: []testingexec.FakeAction{
-				func() ([]byte, []byte, error) { return []byte(c.out), nil, c.errFor() },
-			}}
-		})
+	run := func(_ context.Context, name string, args []string) ([]byte, int, error) {
+		got = append(got, append([]string{name}, args...))
+		if len(got) > len(script) {
+			t.Errorf("tool run %d %q was not scripted", len(got), got[len(got)-1])
+			return nil, 0, nil
+		}
+		c := script[len(got)-1]
+		return []byte(c.out), c.code, c.err
 	}
 	t.Cleanup(func() {
-		if fe.CommandCalls != len(fe.CommandScript) {
-			t.Errorf("%d tool runs, %d scripted", fe.CommandCalls, len(fe.CommandScript))
+		if len(got) != len(script) {
+			t.Errorf("%d tool runs, %d scripted", len(got), len(script))
 		}
 	})
-	return tools{exec: fe}, &got
-}
-
-func (c call) errFor() error {
-	if c.err != nil {
-		return c.err
-	}
-	if c.code != 0 {
-		return testingexec.FakeExitError{Status: c.code}
-	}
-	return nil
+	return tools{runner: toolrun.Runner{Exec: run}}, &got
 }
 
 func existingFile(t *testing.T) string {
@@ -75,7 +64,7 @@ func TestDetectExitCodes(t *testing.T) {
 		{"partition-table", call{out: "DEVNAME=x\nPTUUID=ab\nPTTYPE=gpt\n"}, "gpt", nil},
 		{"nothing", call{code: 2}, "", nil},
 		{"ambivalent", call{out: "ambivalent result", code: 8}, "", errdefs.ErrFailedPrecondition},
-		{"no-blkid", call{err: utilexec.ErrExecutableNotFound}, "", errdefs.ErrFailedPrecondition},
+		{"no-blkid", call{err: exec.ErrNotFound}, "", errdefs.ErrFailedPrecondition},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -167,7 +156,7 @@ func TestToolErrors(t *testing.T) {
 	if !strings.Contains(msg, "larger than 300MB") || !strings.Contains(msg, dev) {
 		t.Errorf("error lacks the tool's diagnostic or the device: %q", msg)
 	}
-	if len(msg) > maxOutput+len(dev)+200 {
+	if len(msg) > toolrun.MaxOutput+len(dev)+200 {
 		t.Errorf("error of %d bytes, output not bounded", len(msg))
 	}
 }

@@ -235,7 +235,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 			}
 		}
 	}()
-	st, red, err := s.prepare(l, p, params, src, req, given)
+	st, red, err := s.makeDirAndCommand(l, p, params, src, req, given)
 	if err != nil {
 		return nil, err
 	}
@@ -254,8 +254,9 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	return raw, nil
 }
 
-// prepare makes the volume's directory, secrets and command line.
-func (s *Source) prepare(l layout, p *config.FuseProfile, params map[string]string, src string, req source.StageRequest, given map[string]bool) (State, redactor, error) {
+// makeDirAndCommand makes the volume's directory and secrets and renders
+// the daemon's command line.
+func (s *Source) makeDirAndCommand(l layout, p *config.FuseProfile, params map[string]string, src string, req source.StageRequest, given map[string]bool) (State, redactor, error) {
 	root := filepath.Dir(l.dir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
 		return State{}, nil, err

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/pkg/periodic"
 )
 
 // watchExit returns a channel that is closed when p exits (or is found
@@ -72,21 +73,13 @@ func watchExit(p daemon.Proc) (exited <-chan struct{}, stop func()) {
 func pollExit(p daemon.Proc) (<-chan struct{}, func()) {
 	ch := make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		t := time.NewTicker(100 * time.Millisecond)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				if !p.Alive() {
-					close(ch)
-					return
-				}
-			}
+	go periodic.Every(ctx, 100*time.Millisecond, func(context.Context) bool {
+		if !p.Alive() {
+			close(ch)
+			return false
 		}
-	}()
+		return true
+	})
 	return ch, cancel
 }
 

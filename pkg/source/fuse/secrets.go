@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // maxSecret bounds one secret; the tmpfs holding them is 1 MiB.
@@ -81,8 +82,6 @@ func redactorOf(values []string) redactor {
 			}
 		}
 	}
-	// Longest first, so a line inside a whole value is not left half shown.
-	sort.Slice(r, func(i, j int) bool { return len(r[i]) > len(r[j]) })
 	return r
 }
 
@@ -104,12 +103,9 @@ func readRedactor(dir string) redactor {
 	return redactorOf(vals)
 }
 
-func (r redactor) apply(s string) string {
-	for _, v := range r {
-		s = strings.ReplaceAll(s, v, "[redacted]")
-	}
-	return s
-}
+// apply replaces each value with toolrun's marker, longest first, so a
+// line inside a whole value is not left half shown.
+func (r redactor) apply(s string) string { return toolrun.Redact(s, r...) }
 
 // logTail returns the last lines of a daemon's log, at most n bytes, with
 // secrets redacted and control characters replaced: it is quoted in

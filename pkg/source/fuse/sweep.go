@@ -12,6 +12,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/periodic"
 )
 
 // Run sweeps orphans at once and then every interval until ctx ends; then
@@ -19,21 +20,14 @@ import (
 // adopt). The driver's reconcile adopts the volumes that have records.
 func (s *Source) Run(ctx context.Context, interval time.Duration) {
 	defer s.stop()
-	if err := s.Sweep(ctx); err != nil {
-		klog.FromContext(ctx).Error(err, "FUSE orphan sweep left errors")
-	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if err := s.Sweep(ctx); err != nil {
-				klog.FromContext(ctx).Error(err, "FUSE orphan sweep left errors")
-			}
+	sweep := func(ctx context.Context) bool {
+		if err := s.Sweep(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "FUSE orphan sweep left errors")
 		}
+		return true
 	}
+	sweep(ctx)
+	periodic.Every(ctx, interval, sweep)
 }
 
 // Sweep tears down what lies under <state-dir>/fuse without a staged fuse

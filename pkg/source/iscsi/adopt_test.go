@@ -14,6 +14,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // fakeNode is a node's iSCSI side without a kernel: a sysfs tree under
@@ -25,8 +26,8 @@ type fakeNode struct {
 	nextSID int
 	disk    int // sd index of the next disk
 	calls   [][]string
-	// loginErr, when set, is what --login fails with.
-	loginErr error
+	// loginStatus, when set, is the exit status --login fails with.
+	loginStatus int
 }
 
 const (
@@ -40,7 +41,7 @@ func newFakeNode(t *testing.T) *fakeNode {
 	s := newSource(t, "127.0.0.1:*")
 	s.SysDir, s.DevDir = t.TempDir(), t.TempDir()
 	n := &fakeNode{t: t, s: s, nextSID: 1}
-	s.run = n.iscsiadm
+	s.runner = toolrun.Runner{Exec: n.iscsiadm}
 	if err := os.MkdirAll(filepath.Join(s.SysDir, "module", "iscsi_tcp"), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -106,18 +107,18 @@ func (n *fakeNode) recordDir() string {
 	return filepath.Join(n.s.Config.NodeDBDir, fakeIQN, "127.0.0.1,3260,1")
 }
 
-func (n *fakeNode) iscsiadm(_ context.Context, args ...string) ([]byte, error) {
+func (n *fakeNode) iscsiadm(_ context.Context, _ string, args []string) ([]byte, int, error) {
 	n.calls = append(n.calls, args)
 	a := strings.Join(args, " ")
 	switch {
 	case strings.HasPrefix(a, "-m node -o new "):
 		n.write(filepath.Join(n.recordDir(), "default"), "node.name = "+fakeIQN+"\nnode.session.auth.authmethod = None")
 	case strings.HasSuffix(a, " --login"):
-		if n.loginErr != nil {
-			return []byte("iscsiadm: login failed"), n.loginErr
+		if n.loginStatus != 0 {
+			return []byte("iscsiadm: login failed"), n.loginStatus, nil
 		}
 		if _, err := os.Stat(filepath.Join(n.recordDir(), "default")); err != nil {
-			return []byte("iscsiadm: No records found"), errors.New("exit status 21")
+			return []byte("iscsiadm: No records found"), 21, nil
 		}
 		n.addSession()
 	case strings.HasPrefix(a, "-m session -r ") && strings.HasSuffix(a, " --logout"):
@@ -128,7 +129,7 @@ func (n *fakeNode) iscsiadm(_ context.Context, args ...string) ([]byte, error) {
 	default:
 		n.t.Errorf("unexpected iscsiadm %s", a)
 	}
-	return nil, nil
+	return nil, 0, nil
 }
 
 // stage stages volume "v1" (LUN fakeLUN, CHAP) through the plugin's join
@@ -270,7 +271,7 @@ func TestAdoptLoginFails(t *testing.T) {
 	v := n.stage("v1")
 	st := stateOf(t, v.Stage.Source)
 	n.dropSession(st.SID)
-	n.loginErr = errors.New("exit status 8")
+	n.loginStatus = 8
 	if _, err := n.s.Adopt(context.Background(), v); err == nil {
 		t.Fatal("Adopt with a failing login succeeded")
 	}
@@ -280,7 +281,7 @@ func TestAdoptLoginFails(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(n.s.sessionDir(st.Session), "users", "v1")); err != nil {
 		t.Fatalf("volume marker gone after a failed re-login: %v", err)
 	}
-	n.loginErr = nil
+	n.loginStatus = 0
 	raw, err := n.s.Adopt(context.Background(), v)
 	if err != nil {
 		t.Fatalf("Adopt once login works: %v", err)
@@ -322,8 +323,22 @@ func TestAdoptSharedSession(t *testing.T) {
 // values blotted out even when the plugin does not know them (a re-login).
 func TestRedactPasswordFields(t *testing.T) {
 	in := "node.session.auth.username = u\nnode.session.auth.password = hunter2\nnode.session.auth.password_in=back two\nnode.name = x"
-	got := redact(in, nil)
+	got := admOutput(t, in, credentials{})
 	if strings.Contains(got, "hunter2") || strings.Contains(got, "back two") || !strings.Contains(got, "username = u\n") || !strings.Contains(got, "node.name = x") {
 		t.Fatalf("redact:\n%s", got)
 	}
+}
+
+// admOutput is the error of an iscsiadm run that printed out and failed:
+// what of a tool's output reaches an error.
+func admOutput(t *testing.T, out string, c credentials) string {
+	t.Helper()
+	s := &Source{runner: toolrun.Runner{Exec: func(context.Context, string, []string) ([]byte, int, error) {
+		return []byte(out), 1, nil
+	}}}
+	_, err := s.adm(t.Context(), c, "-m", "node")
+	if err == nil {
+		t.Fatal("adm of a failing run succeeded")
+	}
+	return err.Error()
 }

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/source/internal/dial"
 )
 
 // The plugin's own SendTargets discovery (RFC 7143): a discovery session
@@ -83,20 +84,11 @@ type discoverySession struct {
 
 // SendTargets returns the targets the portal offers to this initiator.
 func (d Discoverer) SendTargets(ctx context.Context) ([]Target, error) {
-	timeout := d.Timeout
-	if timeout <= 0 {
-		timeout = 10 * time.Second
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	var nd net.Dialer
-	conn, err := nd.DialContext(ctx, "tcp", d.Portal)
+	conn, _, err := dial.Conn(ctx, "tcp", d.Portal, d.Timeout, "iSCSI portal "+d.Portal)
 	if err != nil {
-		return nil, fmt.Errorf("iSCSI portal %s is unreachable: %w: %w", d.Portal, err, errdefs.ErrUnavailable)
+		return nil, err
 	}
 	defer conn.Close()
-	deadline, _ := ctx.Deadline()
-	_ = conn.SetDeadline(deadline)
 	s := &discoverySession{conn: conn, portal: d.Portal}
 	if _, err := rand.Read(s.isid[1:]); err != nil {
 		return nil, err

@@ -37,6 +37,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // Type is the volume_context type of this source.
@@ -86,9 +87,9 @@ type Source struct {
 	rules    []config.EndpointRule
 	rulesErr error         // a config that bypassed config.Load: every volume is refused
 	locks    keylock.Locks // per session key: logins and logouts wait for each other
-	// run runs iscsiadm with args and returns its combined output; nil
-	// runs the real one from PATH (tests put a fake here).
-	run func(ctx context.Context, args ...string) ([]byte, error)
+	// runner runs iscsiadm; its zero value runs the real one from PATH
+	// (tests put a fake here).
+	runner toolrun.Runner
 }
 
 var (

@@ -12,7 +12,6 @@ import (
 	"io/fs"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -25,6 +24,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // kernelReady fails with ErrFailedPrecondition, naming the module, when the
@@ -333,36 +333,22 @@ func isAuthKey(k string) bool {
 	return false
 }
 
-// iscsiadm is open-iscsi's admin tool, from PATH.
-const iscsiadm = "iscsiadm"
+// iscsiadm is open-iscsi's admin tool, from PATH. Its output is kept in
+// errors with the CHAP passwords blotted out (passwordField), in case a
+// future iscsiadm echoes a record.
+var iscsiadm = toolrun.Tool{Name: "iscsiadm", Package: "open-iscsi", SecretField: passwordField}
 
-// adm runs iscsiadm. Its output is kept in errors with c's secrets blotted
-// out, in case a future iscsiadm echoes a record.
+// adm runs iscsiadm, blotting c's secrets out of its output; a non-zero
+// exit wraps the sentinel its status means.
 func (s *Source) adm(ctx context.Context, c credentials, args ...string) (string, error) {
-	var out []byte
-	var err error
-	if s.run != nil {
-		out, err = s.run(ctx, args...)
-	} else {
-		out, err = exec.CommandContext(ctx, iscsiadm, args...).CombinedOutput()
-	}
-	text := redact(strings.TrimSpace(string(out)), c.secrets())
-	if len(text) > 1024 {
-		text = text[:1024] + " …(truncated)"
-	}
+	out, err := s.runner.Run(ctx, iscsiadm, args, c.secrets()...)
 	if err == nil {
-		return text, nil
+		return out, nil
 	}
-	var ee *exec.ExitError
-	switch {
-	case errors.Is(err, exec.ErrNotFound):
-		return text, fmt.Errorf("%s is not installed (Debian package open-iscsi): %w", iscsiadm, errdefs.ErrFailedPrecondition)
-	case ctx.Err() != nil:
-		return text, fmt.Errorf("iscsiadm %s: %w (%v): %s", args[1], ctx.Err(), err, text)
-	case errors.As(err, &ee):
-		return text, fmt.Errorf("iscsiadm %s: exit %d: %s: %w", args[1], ee.ExitCode(), text, exitSentinel(ee.ExitCode()))
+	if code := toolrun.Status(err); code > 0 {
+		return out, fmt.Errorf("iscsiadm %s: %w: %w", args[1], err, exitSentinel(code))
 	}
-	return text, fmt.Errorf("iscsiadm %s: %v: %s", args[1], err, text)
+	return out, fmt.Errorf("iscsiadm %s: %w", args[1], err)
 }
 
 // exitSentinel maps iscsiadm's exit codes (iscsiadm(8), EXIT STATUS).
@@ -383,19 +369,9 @@ func exitSentinel(code int) error {
 }
 
 // passwordField is a CHAP password field as a node record (or iscsiadm
-// printing one) shows it.
+// printing one) shows it: its value is hidden also when the plugin does
+// not know it (a re-login from the record).
 var passwordField = regexp.MustCompile(`(?m)(auth\.password(?:_in)?[ \t]*=[ \t]*)[^\n]*`)
-
-// redact blots out secrets, and the value of any password field, which
-// covers a re-login whose secrets the plugin never reads.
-func redact(s string, secrets []string) string {
-	for _, sec := range secrets {
-		if sec != "" {
-			s = strings.ReplaceAll(s, sec, "[redacted]")
-		}
-	}
-	return passwordField.ReplaceAllString(s, "${1}[redacted]")
-}
 
 // findSession returns the SID of a session to iqn through portal, or 0.
 func (s *Source) findSession(iqn, portal string) (int, error) {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -16,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // kernelReady fails with ErrFailedPrecondition, naming the module, when
@@ -114,9 +114,8 @@ func (s *Source) owns(st State) (bool, error) {
 	return err == nil && st.Size > 0 && size == st.Size, err
 }
 
-// runConnect runs nbd-client for t on dev. Its output goes to a file, not
-// a pipe: with TLS nbd-client leaves a proxy process that would hold a
-// pipe open forever.
+// runConnect runs nbd-client for t on dev. (With TLS nbd-client leaves a
+// proxy process behind; toolrun does not wait for it.)
 func (s *Source) runConnect(ctx context.Context, t target, dev string, exp Export, readOnly bool) error {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout())
 	defer cancel()
@@ -165,34 +164,18 @@ func (s *Source) connectArgs(t target, dev string, exp Export, readOnly bool) ([
 	return args, nil
 }
 
-// nbdClient is the program that connects devices, from PATH.
-const nbdClient = "nbd-client"
+// nbdClient connects devices; from PATH.
+var nbdClient = toolrun.Tool{Name: "nbd-client", Package: "nbd-client"}
 
-// run runs nbd-client with args and returns its (bounded) output.
+// run runs nbd-client with args and returns its output. A failure that is
+// neither a missing program nor the end of ctx is the server's or the
+// network's: ErrUnavailable.
 func (s *Source) run(ctx context.Context, args ...string) (string, error) {
-	f, err := os.CreateTemp("", "mountplan-nbd-client-")
-	if err != nil {
-		return "", err
+	out, err := s.runner.Run(ctx, nbdClient, args)
+	if err != nil && ctx.Err() == nil && !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		return out, fmt.Errorf("%w: %w", err, errdefs.ErrUnavailable)
 	}
-	defer os.Remove(f.Name())
-	defer f.Close()
-	cmd := exec.CommandContext(ctx, nbdClient, args...)
-	cmd.Stdout, cmd.Stderr = f, f
-	runErr := cmd.Run()
-	b, _ := os.ReadFile(f.Name())
-	out := strings.TrimSpace(string(b))
-	if len(out) > 1024 {
-		out = out[:1024] + " …(truncated)"
-	}
-	switch {
-	case runErr == nil:
-		return out, nil
-	case errors.Is(runErr, exec.ErrNotFound):
-		return out, fmt.Errorf("%s is not installed (Debian package nbd-client): %w", nbdClient, errdefs.ErrFailedPrecondition)
-	case ctx.Err() != nil:
-		return out, fmt.Errorf("nbd-client: %w (%v): %s", ctx.Err(), runErr, out)
-	}
-	return out, fmt.Errorf("nbd-client: %v: %s: %w", runErr, out, errdefs.ErrUnavailable)
+	return out, err
 }
 
 // disconnect disconnects st's device if it is still ours and waits until

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/source/internal/dial"
 )
 
 // The fixed-newstyle handshake of the NBD protocol (doc/proto.md of the
@@ -73,19 +74,10 @@ type session struct {
 }
 
 func (d Dialer) open(ctx context.Context) (*session, error) {
-	timeout := d.Timeout
-	if timeout <= 0 {
-		timeout = 10 * time.Second
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	var nd net.Dialer
-	conn, err := nd.DialContext(ctx, d.Network, d.Address)
+	conn, deadline, err := dial.Conn(ctx, d.Network, d.Address, d.Timeout, "NBD server "+d.String())
 	if err != nil {
-		return nil, fmt.Errorf("NBD server %s is unreachable: %w: %w", d, err, errdefs.ErrUnavailable)
+		return nil, err
 	}
-	deadline, _ := ctx.Deadline()
-	_ = conn.SetDeadline(deadline)
 	s := &session{conn: conn, r: bufio.NewReader(conn), name: d.String()}
 	if err := s.greet(); err != nil {
 		conn.Close()

@@ -45,6 +45,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // Type is the volume_context type of this source.
@@ -86,6 +87,7 @@ type Source struct {
 	rulesErr error      // a config that bypassed config.Load: every volume is refused
 	mu       sync.Mutex // guards claimed only
 	claimed  map[string]bool
+	runner   toolrun.Runner // nbd-client; its zero value runs the real one
 }
 
 var (

@@ -1,0 +1,30 @@
+package toolrun
+
+import (
+	"context"
+	"errors"
+	"io"
+	"os/exec"
+)
+
+// execute runs name for real, its standard output and error going to one
+// anonymous file that is read back afterwards.
+func execute(ctx context.Context, name string, args []string) ([]byte, int, error) {
+	f, err := outputFile()
+	if err != nil {
+		return nil, -1, err
+	}
+	defer f.Close()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	runErr := cmd.Run()
+	out, _ := io.ReadAll(io.LimitReader(io.NewSectionReader(f, 0, readLimit+1), readLimit+1))
+	var ee *exec.ExitError
+	if errors.As(runErr, &ee) && ee.Exited() {
+		return out, ee.ExitCode(), nil
+	}
+	if runErr != nil {
+		return out, -1, runErr
+	}
+	return out, 0, nil
+}
