@@ -23,6 +23,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/fuse"
 	"github.com/mountplan/mountplan/pkg/source/iscsi"
@@ -143,7 +144,7 @@ func newMounter(f flags, cfg *config.Config) (mounter.Interface, daemon.Spawner,
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	return mounter.NewClient(conn), mounter.NewSpawner(conn), func() { _ = conn.Close() }, nil
+	return service.NewClient(conn), service.NewSpawner(conn), func() { _ = conn.Close() }, nil
 }
 
 func version() string {

@@ -11,15 +11,17 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon/policy"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/mountns"
 )
 
 func runMount(ctx context.Context, args []string) error {
 	fs := newFlagSet("mount")
 	endpoint := fs.String("plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required)")
-	r := mounter.PrepareRequest{}
+	r := mountRequest{}
 	fs.StringVar(&r.VolumeID, "volume-id", "", "volume to prepare (required)")
 	fs.StringVar(&r.StagingPath, "staging-path", "", "the volume's staging target path (required)")
 	fs.BoolVar(&r.ReadOnly, "readonly", false, "ask for read-only access (SINGLE_NODE_READER_ONLY); a plan with a writable mount is refused")
@@ -41,7 +43,7 @@ func runMount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeConn()
-	c, err := mounter.Prepare(ctx, np, ef.executor(nil), r)
+	c, err := prepareAndMount(ctx, np, ef.executor(nil), r)
 	if err != nil {
 		return err
 	}
@@ -73,7 +75,7 @@ func runUnmount(ctx context.Context, args []string) error {
 	}
 	defer closeConn()
 	e := &mounter.Executor{RemoveMountPoint: *removeTarget}
-	return mounter.Unprepare(ctx, np, e, *volumeID, cf.consumer())
+	return unmountAndRelease(ctx, np, e, *volumeID, cf.consumer())
 }
 
 func runServe(ctx context.Context, args []string) error {
@@ -103,10 +105,10 @@ func runServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	daemons := mounter.DaemonPolicyFor(cfg, ef.roots.values())
+	daemons := policy.For(cfg, ef.roots.values())
 	logger := klog.Background().WithName("mounter")
 	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "daemonBinaries", daemons.Binaries())
-	err = mounter.Serve(klog.NewContext(ctx, logger), l, ef.executor(cfg), mounter.WithDaemons(daemons))
+	err = service.Serve(klog.NewContext(ctx, logger), l, ef.executor(cfg), service.WithDaemons(daemons))
 	logger.Info("Stopped", "err", err)
 	return err
 }

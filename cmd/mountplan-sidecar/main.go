@@ -1,8 +1,10 @@
 // Command mountplan-sidecar is mountplan's mounter. It asks the plugin for a
 // volume's mount plan and performs it inside a consumer's mount namespace
 // (mount, unmount), or serves the Mounter gRPC service that the plugin
-// hands kubelet's publish requests to (serve). Only wiring lives here; the
-// work is done by pkg/mounter and pkg/mountns.
+// hands kubelet's publish requests to (serve). Besides the wiring, this
+// holds the mount command's client flow (prepare.go); plans are performed
+// by pkg/mounter and pkg/mountns, served by pkg/mounter/service, and
+// daemons are started as pkg/daemon/policy allows.
 package main
 
 import (

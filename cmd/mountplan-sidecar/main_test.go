@@ -19,7 +19,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -132,7 +132,7 @@ func TestServeCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	m := mounter.NewClient(conn)
+	m := service.NewClient(conn)
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	mounts := []plan.Mount{{Type: "tmpfs", Source: "served", Options: []string{"nosuid", "nodev"}}}
 	callCtx, callCancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -192,7 +192,7 @@ func TestServeConfig(t *testing.T) {
 			t.Fatal(err)
 		}
 		// /bin/sh is the binary of no profile: never started.
-		_, err = mounter.NewSpawner(conn).Spawn(context.Background(), daemon.Command{Path: "/bin/sh", Log: filepath.Join(dir, "log")})
+		_, err = service.NewSpawner(conn).Spawn(context.Background(), daemon.Command{Path: "/bin/sh", Log: filepath.Join(dir, "log")})
 		if !errors.Is(err, tc.want) {
 			t.Errorf("%s: SpawnDaemon of /bin/sh: %v, want %v", tc.name, err, tc.want)
 		}

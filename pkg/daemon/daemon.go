@@ -41,7 +41,7 @@ type Command struct {
 // need the returned identity: they watch, signal and adopt daemons through
 // /proc and pidfds, which works for any process in the host's PID
 // namespace, whoever started it. LocalSpawner runs them as children of the
-// calling process; the mounter sidecar's client (mounter.NewSpawner) asks
+// calling process; the Mounter service's client (pkg/mounter/service.NewSpawner) asks
 // the sidecar to run them in its own container.
 type Spawner interface {
 	Spawn(ctx context.Context, c Command) (Proc, error)

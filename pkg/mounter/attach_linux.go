@@ -126,7 +126,7 @@ func (a *attacher) ensure(target string, file bool) error {
 		if err := create(missing[i], file && i == 0); err != nil {
 			return mountns.Classify(err)
 		}
-		if !within(a.attached, missing[i]) {
+		if !plan.WithinAny(a.attached, missing[i]) {
 			a.created = append(a.created, missing[i])
 		}
 	}

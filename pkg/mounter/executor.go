@@ -110,16 +110,6 @@ func targetPath(mountPoint, target string) string {
 	return path.Join(mountPoint, target)
 }
 
-// within reports whether p is one of dirs or lies below one.
-func within(dirs []string, p string) bool {
-	for _, d := range dirs {
-		if plan.Within(d, p) {
-			return true
-		}
-	}
-	return false
-}
-
 // gone reports whether an error from opening a consumer's namespace means
 // the namespace no longer exists. With its ID known, no process is left in
 // it (see openNamespace); without, its process exited or its PID now names
@@ -128,7 +118,7 @@ func gone(c plan.Consumer, err error) bool {
 	return c.PID != 0 && (errors.Is(err, errdefs.ErrNotFound) || errors.Is(err, errdefs.ErrFailedPrecondition))
 }
 
-func checkContext(ctx context.Context) error {
+func checkNotCanceled(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("mounter: %w", err)
 	}

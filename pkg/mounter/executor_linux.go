@@ -19,7 +19,7 @@ import (
 // place are left as they are; on failure what this call attached is
 // unmounted again and what it created is removed.
 func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
-	if err := checkContext(ctx); err != nil {
+	if err := checkNotCanceled(ctx); err != nil {
 		return err
 	}
 	if err := c.Validate(); err != nil {
@@ -102,7 +102,7 @@ func (e *Executor) UnmountAll(ctx context.Context, c plan.Consumer) error {
 // A nil namespace means there is nothing to do: with a nil error, the
 // namespace is gone and the kernel dropped its mounts with it.
 func enterForUnmount(ctx context.Context, c plan.Consumer) (*mountns.Namespace, error) {
-	if err := checkContext(ctx); err != nil {
+	if err := checkNotCanceled(ctx); err != nil {
 		return nil, err
 	}
 	if err := c.Validate(); err != nil {

@@ -1,8 +1,10 @@
-// Package mounter performs mount plans: it attaches each descriptor at the
-// consumer's mount point inside the consumer's mount namespace, and removes
-// them again in reverse order. One executor performs every plan, whether it
-// runs in the plugin (kubelet's NodePublishVolume with no sidecar), in the
-// sidecar's `serve` daemon, or in the sidecar's one-shot `mount` command.
+// Package mounter performs mount plans: its Executor attaches each
+// descriptor at the consumer's mount point inside the consumer's mount
+// namespace, and removes them again in reverse order. One executor performs
+// every plan, whether it runs in the plugin (kubelet's NodePublishVolume
+// with no sidecar), in the sidecar's `serve` daemon, or in the sidecar's
+// one-shot `mount` command. Interface is what the plugin holds; the Mounter
+// gRPC service that serves it (and its client) is pkg/mounter/service.
 package mounter
 
 import (

@@ -224,6 +224,11 @@ func Within(root, p string) bool {
 	return strings.HasPrefix(p, root+"/")
 }
 
+// WithinAny reports whether p is one of roots or lies below one.
+func WithinAny(roots []string, p string) bool {
+	return slices.ContainsFunc(roots, func(r string) bool { return Within(r, p) })
+}
+
 // IsCleanAbs reports whether p is an absolute path in the form
 // filepath.Clean gives it, with no NUL byte: the only form a path from a
 // request or a config is accepted in.

@@ -1,4 +1,4 @@
-package mounter_test
+package service_test
 
 import (
 	"context"
@@ -17,6 +17,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -48,11 +49,11 @@ func (r *recorder) record(m []plan.Mount, c plan.Consumer) error {
 // returns a client connection to it.
 func serve(t *testing.T, m mounter.Interface) (mounter.Interface, api.MounterClient) {
 	conn := serveConn(t, m)
-	return mounter.NewClient(conn), api.NewMounterClient(conn)
+	return service.NewClient(conn), api.NewMounterClient(conn)
 }
 
 // serveConn serves m with opts until the test ends and dials it.
-func serveConn(t *testing.T, m mounter.Interface, opts ...mounter.ServerOption) *grpc.ClientConn {
+func serveConn(t *testing.T, m mounter.Interface, opts ...service.ServerOption) *grpc.ClientConn {
 	t.Helper()
 	ep := "unix://" + filepath.Join(t.TempDir(), "mounter.sock")
 	l, err := endpoint.Listen(ep)
@@ -61,7 +62,7 @@ func serveConn(t *testing.T, m mounter.Interface, opts ...mounter.ServerOption) 
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- mounter.Serve(ctx, l, m, opts...) }()
+	go func() { done <- service.Serve(ctx, l, m, opts...) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {

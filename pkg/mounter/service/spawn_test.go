@@ -1,4 +1,4 @@
-package mounter_test
+package service_test
 
 import (
 	"context"
@@ -17,8 +17,9 @@ import (
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/pkg/daemon/policy"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mounter/service"
 )
 
 // fakeSpawner records the commands it is asked to start.
@@ -38,28 +39,9 @@ func (f *fakeSpawner) Spawn(_ context.Context, c daemon.Command) (daemon.Proc, e
 
 // serveDaemons runs the Mounter service with a daemon policy and returns
 // the client spawner and the raw client.
-func serveDaemons(t *testing.T, p *mounter.DaemonPolicy) (daemon.Spawner, api.MounterClient) {
-	conn := serveConn(t, &recorder{}, mounter.WithDaemons(p))
-	return mounter.NewSpawner(conn), api.NewMounterClient(conn)
-}
-
-func TestDaemonPolicyFor(t *testing.T) {
-	cfg := &config.Config{FuseProfiles: []config.FuseProfile{
-		{Name: "a", Binary: "/usr/bin/sshfs"},
-		{Name: "b", Binary: "/usr/bin/sshfs", RunAs: &config.FuseUser{UID: 1000, GID: 1000}},
-		{Name: "c", Binary: "/usr/bin/squashfuse"},
-	}}
-	p := mounter.DaemonPolicyFor(cfg, []string{"/var/lib/mountplan"})
-	want := []mounter.AllowedDaemon{{Path: "/usr/bin/sshfs"}, {Path: "/usr/bin/sshfs", RunAs: &daemon.User{UID: 1000, GID: 1000}}, {Path: "/usr/bin/squashfuse"}}
-	if !reflect.DeepEqual(p.Allowed, want) {
-		t.Errorf("allowed %+v, want %+v", p.Allowed, want)
-	}
-	if got := p.Binaries(); !reflect.DeepEqual(got, []string{"/usr/bin/sshfs", "/usr/bin/squashfuse"}) {
-		t.Errorf("binaries %v", got)
-	}
-	if p := mounter.DaemonPolicyFor(nil, nil); len(p.Allowed) != 0 {
-		t.Errorf("no config allows %+v", p.Allowed)
-	}
+func serveDaemons(t *testing.T, p *policy.Policy) (daemon.Spawner, api.MounterClient) {
+	conn := serveConn(t, &recorder{}, service.WithDaemons(p))
+	return service.NewSpawner(conn), api.NewMounterClient(conn)
 }
 
 func TestSpawnDaemonPolicy(t *testing.T) {
@@ -74,12 +56,12 @@ func TestSpawnDaemonPolicy(t *testing.T) {
 		t.Fatal(err)
 	}
 	fake := &fakeSpawner{proc: daemon.Proc{PID: 4242, StartTime: 99}}
-	policy := &mounter.DaemonPolicy{
-		Allowed: []mounter.AllowedDaemon{{Path: "/usr/bin/squashfuse"}, {Path: "/usr/bin/rclone", RunAs: &daemon.User{UID: 1000, GID: 1000}}},
+	pol := &policy.Policy{
+		Allowed: []policy.Daemon{{Path: "/usr/bin/squashfuse"}, {Path: "/usr/bin/rclone", RunAs: &daemon.User{UID: 1000, GID: 1000}}},
 		Roots:   []string{root},
 		Spawner: fake,
 	}
-	sp, _ := serveDaemons(t, policy)
+	sp, _ := serveDaemons(t, pol)
 	log := filepath.Join(vol, "daemon.log")
 	good := daemon.Command{Path: "/usr/bin/squashfuse", Args: []string{"-f", "/img", filepath.Join(vol, "mnt")},
 		Env: []string{"PATH=/usr/bin:/bin"}, Stdin: filepath.Join(vol, "secret"), Log: log}
@@ -142,9 +124,9 @@ func TestSpawnDaemonPolicy(t *testing.T) {
 }
 
 func TestSpawnDaemonWithoutPolicy(t *testing.T) {
-	for name, p := range map[string]*mounter.DaemonPolicy{
+	for name, p := range map[string]*policy.Policy{
 		"no policy":   nil,
-		"no profiles": mounter.DaemonPolicyFor(&config.Config{}, []string{"/var/lib/mountplan"}),
+		"no profiles": policy.For(&config.Config{}, []string{"/var/lib/mountplan"}),
 	} {
 		sp, raw := serveDaemons(t, p)
 		_, err := sp.Spawn(context.Background(), daemon.Command{Path: "/usr/bin/squashfuse", Log: "/var/lib/mountplan/log"})
@@ -162,7 +144,7 @@ func TestSpawnDaemonWithoutPolicy(t *testing.T) {
 // daemon.LocalSpawner: it becomes the server's child in its own session.
 func TestSpawnDaemonLocal(t *testing.T) {
 	root := t.TempDir()
-	sp, _ := serveDaemons(t, &mounter.DaemonPolicy{Allowed: []mounter.AllowedDaemon{{Path: "/bin/sh"}}, Roots: []string{root}})
+	sp, _ := serveDaemons(t, &policy.Policy{Allowed: []policy.Daemon{{Path: "/bin/sh"}}, Roots: []string{root}})
 	log := filepath.Join(root, "daemon.log")
 	p, err := sp.Spawn(context.Background(), daemon.Command{Path: "/bin/sh", Args: []string{"-c", "echo started; exec sleep 30"}, Log: log})
 	if err != nil {

@@ -1,4 +1,4 @@
-package mounter
+package main
 
 import (
 	"context"
@@ -11,11 +11,12 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// PrepareRequest is what a prepare-not-publish caller asks of the plugin.
-type PrepareRequest struct {
+// mountRequest is what the mount command asks of the plugin.
+type mountRequest struct {
 	VolumeID    string
 	StagingPath string
 	ReadOnly    bool
@@ -27,10 +28,11 @@ type PrepareRequest struct {
 // after a failure, which may come after the caller's deadline has passed.
 const releaseTimeout = 30 * time.Second
 
-// Prepare asks the plugin for a volume's plan (NodePrepareVolume), performs
-// it with m and returns the consumer as the plugin recorded it. When the plan
-// cannot be performed, it releases the claim again so that it does not leak.
-func Prepare(ctx context.Context, np api.NodePrepareClient, m Interface, r PrepareRequest) (plan.Consumer, error) {
+// prepareAndMount asks the plugin for a volume's plan (NodePrepareVolume),
+// performs it with m and returns the consumer as the plugin recorded it.
+// When the plan cannot be performed, it releases the claim again so that it
+// does not leak.
+func prepareAndMount(ctx context.Context, np api.NodePrepareClient, m mounter.Interface, r mountRequest) (plan.Consumer, error) {
 	resp, err := np.NodePrepareVolume(ctx, r.proto())
 	if err != nil {
 		return plan.Consumer{}, fmt.Errorf("NodePrepareVolume %s: %w", r.VolumeID, errdefs.FromGRPC(err))
@@ -54,17 +56,17 @@ func Prepare(ctx context.Context, np api.NodePrepareClient, m Interface, r Prepa
 	return c, err
 }
 
-// TreeUnmounter removes everything mounted at and below a consumer's mount
-// point; *Executor implements it.
-type TreeUnmounter interface {
+// treeUnmounter removes everything mounted at and below a consumer's mount
+// point; *mounter.Executor implements it.
+type treeUnmounter interface {
 	UnmountAll(ctx context.Context, c plan.Consumer) error
 }
 
-// Unprepare unmounts everything at and below the consumer's mount point,
-// then releases the claim (NodeUnprepareVolume). It needs no plan, so it
-// works after the plugin lost its state. While anything is still mounted
-// the claim is kept.
-func Unprepare(ctx context.Context, np api.NodePrepareClient, u TreeUnmounter, volumeID string, c plan.Consumer) error {
+// unmountAndRelease unmounts everything at and below the consumer's mount
+// point, then releases the claim (NodeUnprepareVolume). It needs no plan,
+// so it works after the plugin lost its state. While anything is still
+// mounted the claim is kept.
+func unmountAndRelease(ctx context.Context, np api.NodePrepareClient, u treeUnmounter, volumeID string, c plan.Consumer) error {
 	if err := u.UnmountAll(ctx, c); err != nil {
 		return fmt.Errorf("unmount %s: %w", volumeID, err)
 	}
@@ -81,7 +83,7 @@ func release(ctx context.Context, np api.NodePrepareClient, volumeID string, c p
 
 // checkReadOnly refuses a writable mount in the plan of a read-only request:
 // the consumer asked for read-only, whatever the plugin answered.
-func checkReadOnly(r PrepareRequest, mounts []plan.Mount) error {
+func checkReadOnly(r mountRequest, mounts []plan.Mount) error {
 	if !r.ReadOnly {
 		return nil
 	}
@@ -93,7 +95,7 @@ func checkReadOnly(r PrepareRequest, mounts []plan.Mount) error {
 	return nil
 }
 
-func (r PrepareRequest) proto() *api.NodePrepareVolumeRequest {
+func (r mountRequest) proto() *api.NodePrepareVolumeRequest {
 	mode := csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
 	if r.ReadOnly {
 		mode = csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY

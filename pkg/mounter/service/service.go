@@ -1,4 +1,10 @@
-package mounter
+// Package service is the Mounter gRPC service (served by
+// `mountplan-sidecar serve`) and its clients: NewServer and Serve put an
+// executor (mounter.Interface) and a daemon policy on a socket; NewClient
+// and NewSpawner are what the plugin uses in their place. Errors become
+// status codes in one place, Interceptor, and come back to the client as
+// the same errdefs sentinels.
+package service
 
 import (
 	"context"
@@ -6,14 +12,16 @@ import (
 	"google.golang.org/grpc"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/daemon/policy"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // NewServer serves m as the Mounter gRPC service; its errors become status
 // codes in Interceptor, which Serve installs. SpawnDaemon is refused unless
 // an option gives it a policy (WithDaemons).
-func NewServer(m Interface, opts ...ServerOption) api.MounterServer {
+func NewServer(m mounter.Interface, opts ...ServerOption) api.MounterServer {
 	s := &server{m: m}
 	for _, o := range opts {
 		o(s)
@@ -25,12 +33,12 @@ func NewServer(m Interface, opts ...ServerOption) api.MounterServer {
 type ServerOption func(*server)
 
 // WithDaemons has SpawnDaemon start the daemons p allows.
-func WithDaemons(p *DaemonPolicy) ServerOption { return func(s *server) { s.daemons = p } }
+func WithDaemons(p *policy.Policy) ServerOption { return func(s *server) { s.daemons = p } }
 
 type server struct {
 	api.UnimplementedMounterServer
-	m       Interface
-	daemons *DaemonPolicy
+	m       mounter.Interface
+	daemons *policy.Policy
 }
 
 func (s *server) Mount(ctx context.Context, req *api.MountRequest) (*api.MountResponse, error) {
@@ -58,7 +66,9 @@ func (s *server) Unmount(ctx context.Context, req *api.UnmountRequest) (*api.Unm
 // NewClient returns an Interface that performs plans through a Mounter
 // service (the sidecar's `serve`). Errors wrap the errdefs sentinel of their
 // status code, so errors.Is works as with the in-process Executor.
-func NewClient(cc grpc.ClientConnInterface) Interface { return &client{c: api.NewMounterClient(cc)} }
+func NewClient(cc grpc.ClientConnInterface) mounter.Interface {
+	return &client{c: api.NewMounterClient(cc)}
+}
 
 type client struct{ c api.MounterClient }
 

@@ -1,4 +1,4 @@
-package mounter_test
+package main
 
 import (
 	"context"
@@ -11,7 +11,6 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -36,19 +35,35 @@ func (p *plugin) NodeUnprepareVolume(_ context.Context, req *api.NodeUnprepareVo
 	return &api.NodeUnprepareVolumeResponse{}, nil
 }
 
-type treeUnmounter struct {
+// fakeMounter records the consumer of the last plan and answers with err.
+type fakeMounter struct {
+	err      error
+	consumer plan.Consumer
+}
+
+func (m *fakeMounter) Mount(_ context.Context, _ []plan.Mount, c plan.Consumer) error {
+	m.consumer = c
+	return m.err
+}
+
+func (m *fakeMounter) Unmount(_ context.Context, _ []plan.Mount, c plan.Consumer) error {
+	m.consumer = c
+	return m.err
+}
+
+type fakeTreeUnmounter struct {
 	err error
 	got plan.Consumer
 }
 
-func (u *treeUnmounter) UnmountAll(_ context.Context, c plan.Consumer) error {
+func (u *fakeTreeUnmounter) UnmountAll(_ context.Context, c plan.Consumer) error {
 	u.got = c
 	return u.err
 }
 
-func TestPrepare(t *testing.T) {
-	rw := []plan.Mount{tmpfs("v", "")}
-	ro := []plan.Mount{tmpfs("v", "", "ro")}
+func TestPrepareAndMount(t *testing.T) {
+	rw := []plan.Mount{{Type: "tmpfs", Source: "v", Options: []string{"nosuid", "nodev"}}}
+	ro := []plan.Mount{{Type: "tmpfs", Source: "v", Options: []string{"nosuid", "nodev", "ro"}}}
 	tests := []struct {
 		name     string
 		readOnly bool
@@ -67,12 +82,12 @@ func TestPrepare(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := &plugin{mounts: tt.plan, inode: 4026532000, id: 9}
-			m := &recorder{err: tt.mountErr}
-			r := mounter.PrepareRequest{VolumeID: "vol-1", StagingPath: "/var/lib/mountplan/staging/vol-1",
+			m := &fakeMounter{err: tt.mountErr}
+			r := mountRequest{VolumeID: "vol-1", StagingPath: "/var/lib/mountplan/staging/vol-1",
 				ReadOnly: tt.readOnly, Block: tt.block, Consumer: plan.Consumer{PID: 42, MountPoint: "/data"}}
-			c, err := mounter.Prepare(context.Background(), p, m, r)
+			c, err := prepareAndMount(context.Background(), p, m, r)
 			if !errors.Is(err, tt.want) {
-				t.Fatalf("Prepare = %v, want %v", err, tt.want)
+				t.Fatalf("prepareAndMount = %v, want %v", err, tt.want)
 			}
 			want := plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 4026532000, ID: 9}}
 			if c != want {
@@ -105,11 +120,11 @@ func checkPrepareRequest(t *testing.T, req *api.NodePrepareVolumeRequest, readOn
 	}
 }
 
-func TestUnprepare(t *testing.T) {
+func TestUnmountAndRelease(t *testing.T) {
 	c := plan.Consumer{PID: 42, MountPoint: "/data"}
 	p := &plugin{}
-	u := &treeUnmounter{}
-	if err := mounter.Unprepare(context.Background(), p, u, "vol-1", c); err != nil {
+	u := &fakeTreeUnmounter{}
+	if err := unmountAndRelease(context.Background(), p, u, "vol-1", c); err != nil {
 		t.Fatal(err)
 	}
 	if u.got != c || len(p.unprepared) != 1 || p.unprepared[0].GetVolumeId() != "vol-1" {
@@ -118,8 +133,8 @@ func TestUnprepare(t *testing.T) {
 
 	// While something is still mounted, the claim is kept.
 	p = &plugin{}
-	u = &treeUnmounter{err: fmt.Errorf("busy: %w", errdefs.ErrFailedPrecondition)}
-	if err := mounter.Unprepare(context.Background(), p, u, "vol-1", c); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+	u = &fakeTreeUnmounter{err: fmt.Errorf("busy: %w", errdefs.ErrFailedPrecondition)}
+	if err := unmountAndRelease(context.Background(), p, u, "vol-1", c); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Fatalf("Unprepare = %v, want FailedPrecondition", err)
 	}
 	if len(p.unprepared) != 0 {

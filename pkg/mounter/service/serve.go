@@ -1,4 +1,4 @@
-package mounter
+package service
 
 import (
 	"context"
@@ -12,11 +12,12 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
 )
 
 // Serve serves m as the Mounter service on l until ctx is done, then lets
 // calls in flight finish. Closing l removes its socket.
-func Serve(ctx context.Context, l net.Listener, m Interface, opts ...ServerOption) error {
+func Serve(ctx context.Context, l net.Listener, m mounter.Interface, opts ...ServerOption) error {
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(Interceptor(klog.FromContext(ctx))))
 	api.RegisterMounterServer(srv, NewServer(m, opts...))
 	errc := make(chan error, 1)

@@ -1,6 +1,6 @@
 //go:build linux
 
-package mounter_test
+package service_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -19,16 +20,17 @@ func TestGRPCExecutor(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	dir := mountnstest.Scratch(t)
 	pid := mountnstest.Namespace(t, "private")
-	client, _ := serve(t, executor(dir))
+	client, _ := serve(t, &mounter.Executor{Policy: plan.Policy{Roots: []string{dir}}})
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
-	mounts := []plan.Mount{tmpfs("grpc", ""), tmpfs("grpc-sub", "sub")}
+	safe := []string{"nosuid", "nodev"}
+	mounts := []plan.Mount{{Type: "tmpfs", Source: "grpc", Options: safe}, {Type: "tmpfs", Source: "grpc-sub", Target: "sub", Options: safe}}
 	if err := client.Mount(context.Background(), mounts, c); err != nil {
 		t.Fatal(err)
 	}
-	if n := countMounts(t, pid, dir); n != 2 {
+	if n := len(mountnstest.MountsUnder(t, pid, dir)); n != 2 {
 		t.Fatalf("%d mounts in the namespace, want 2", n)
 	}
-	if err := client.Mount(context.Background(), []plan.Mount{tmpfs("x", "../escape")}, c); !errors.Is(err, errdefs.ErrInvalidArgument) {
+	if err := client.Mount(context.Background(), []plan.Mount{{Type: "tmpfs", Source: "x", Target: "../escape", Options: safe}}, c); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("target with .. = %v, want InvalidArgument", err)
 	}
 	gone := plan.Consumer{PID: 1<<22 + 1, MountPoint: c.MountPoint}
@@ -38,7 +40,7 @@ func TestGRPCExecutor(t *testing.T) {
 	if err := client.Unmount(context.Background(), mounts, c); err != nil {
 		t.Fatal(err)
 	}
-	if n := countMounts(t, pid, dir); n != 0 {
+	if n := len(mountnstest.MountsUnder(t, pid, dir)); n != 0 {
 		t.Fatalf("%d mounts left", n)
 	}
 }
