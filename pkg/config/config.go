@@ -9,6 +9,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/mountplan/mountplan/pkg/fuseprofile"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -26,8 +27,9 @@ type Config struct {
 	// DefaultFsType is used when neither the request nor the StorageClass
 	// names one. ext4 when empty.
 	DefaultFsType string `json:"defaultFsType,omitempty"`
-	// FuseProfiles are the FUSE daemons volumes may pick by name (fuse.go).
-	FuseProfiles []FuseProfile `json:"fuseProfiles,omitempty"`
+	// FuseProfiles are the FUSE daemons volumes may pick by name
+	// (pkg/fuseprofile).
+	FuseProfiles []fuseprofile.Profile `json:"fuseProfiles,omitempty"`
 	// NBD is the policy for NBD volumes (nbd.go).
 	NBD NBDConfig `json:"nbd,omitempty"`
 	// ISCSI is the policy for iSCSI volumes (iscsi.go).
@@ -77,3 +79,5 @@ func Load(path string) (*Config, error) {
 func (c *Config) PlanPolicy(roots ...string) plan.Policy {
 	return plan.Policy{Types: c.MountPolicy.Types, Roots: roots, AllowSuidDev: c.MountPolicy.AllowSuidDev}
 }
+
+func (c *Config) validateFuse() error { return fuseprofile.Validate(c.FuseProfiles) }

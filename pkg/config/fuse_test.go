@@ -1,14 +1,13 @@
 package config
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fuseprofile"
 )
 
 const fuseBase = `fuseProfiles:
@@ -38,11 +37,11 @@ func TestFuseProfilesLoad(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := c.FuseProfileByName("sshfs")
+	p := fuseprofile.Find(c.FuseProfiles, "sshfs")
 	if p == nil || p.ReadyTimeout.Duration != 15*time.Second || len(p.Secrets) != 2 || !p.Secrets[1].Stdin || p.Options[0].Default != "22" {
 		t.Fatalf("parsed: %+v", p)
 	}
-	if c.FuseProfileByName("nfs") != nil {
+	if fuseprofile.Find(c.FuseProfiles, "nfs") != nil {
 		t.Error("found a profile that is not there")
 	}
 }
@@ -54,7 +53,7 @@ func TestFuseExampleProfilesLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, n := range []string{"sshfs", "rclone", "squashfuse"} {
-		if c.FuseProfileByName(n) == nil {
+		if fuseprofile.Find(c.FuseProfiles, n) == nil {
 			t.Errorf("example profile %s missing", n)
 		}
 	}
@@ -85,6 +84,10 @@ func TestFuseProfilesInvalid(t *testing.T) {
 		"unknown field":                    {"readyTimeout: 15s", "readyTimeout: 15s\n  timeout: 3s"},
 		"bad duration":                     {"readyTimeout: 15s", "readyTimeout: soon"},
 		"PATH in env":                      {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {PATH: /tmp}"},
+		"LD_PRELOAD in env":                {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {LD_PRELOAD: /tmp/x.so}"},
+		"LD_LIBRARY_PATH in env":           {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {LD_LIBRARY_PATH: /tmp}"},
+		"GLIBC_TUNABLES in env":            {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {GLIBC_TUNABLES: x}"},
+		"GCONV_PATH in env":                {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {GCONV_PATH: /tmp}"},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -99,36 +102,5 @@ func TestFuseProfilesInvalid(t *testing.T) {
 	}
 	if _, err := loadFuse(t, fuseBase+strings.TrimPrefix(fuseBase, "fuseProfiles:\n")); err == nil {
 		t.Error("two profiles of the same name accepted")
-	}
-}
-
-func TestCheckFuseWord(t *testing.T) {
-	for _, ok := range []string{"user@host:/srv/data", "remote:bucket/path", "/srv/images/a.sqfs", "22", "a~b%c+d"} {
-		if err := CheckFuseWord("source", ok); err != nil {
-			t.Errorf("%q refused: %v", ok, err)
-		}
-	}
-	for _, bad := range []string{"", "-oProxyCommand=x", "a;b", "a b", "$(id)", "`id`", "a|b", "a,b", "a=b", "a\nb", "/srv/../etc", "host:..", "{x}", strings.Repeat("a", 1025)} {
-		err := CheckFuseWord("source", bad)
-		if !errors.Is(err, errdefs.ErrInvalidArgument) {
-			t.Errorf("%q: got %v, want InvalidArgument", bad, err)
-		}
-	}
-}
-
-func TestFuseOptionCheck(t *testing.T) {
-	enum := FuseOption{Name: "cache", Values: []string{"yes", "no"}}
-	pat := FuseOption{Name: "port", Pattern: "[0-9]{1,5}"}
-	for _, c := range []struct {
-		o    FuseOption
-		v    string
-		want bool
-	}{
-		{enum, "yes", true}, {enum, "maybe", false}, {enum, "yes,no", false},
-		{pat, "2222", true}, {pat, "22a", false}, {pat, "123456", false}, {pat, "-1", false},
-	} {
-		if err := c.o.Check(c.v); (err == nil) != c.want {
-			t.Errorf("%s=%q: err %v, want ok=%t", c.o.Name, c.v, err, c.want)
-		}
 	}
 }

@@ -35,6 +35,36 @@ type Command struct {
 	// Log receives the daemon's standard output and error.
 	Log   string `json:"log"`
 	RunAs *User  `json:"runAs,omitempty"`
+	// Spec, when set, is what the command was rendered from. A spawner
+	// that trusts no caller (the mounter's) renders the command again
+	// from Spec and its own copy of the admin's profiles, and ignores
+	// the fields above.
+	Spec *Spec `json:"spec,omitempty"`
+}
+
+// Spec is what a daemon's command line is rendered from: an admin profile,
+// the parameters a volume chose for it and the places the plugin set up.
+// Nothing in it is a secret.
+type Spec struct {
+	// Profile names the admin's profile.
+	Profile string `json:"profile"`
+	// Params are the volume's parameters (source and options), as the
+	// profile accepted them.
+	Params map[string]string `json:"params"`
+	// ReadOnly: the volume is staged read-only.
+	ReadOnly bool `json:"readOnly,omitempty"`
+	// Secrets names the secrets the volume was given, each a file in
+	// Paths.SecretsDir.
+	Secrets []string `json:"secrets,omitempty"`
+	Paths   Paths    `json:"paths"`
+}
+
+// Paths are the host paths a daemon is given.
+type Paths struct {
+	MountPoint string `json:"mountPoint"`
+	WorkDir    string `json:"workDir"`
+	SecretsDir string `json:"secretsDir"`
+	Log        string `json:"log"`
 }
 
 // Spawner starts daemons so that they outlive the caller. Callers only

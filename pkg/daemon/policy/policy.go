@@ -45,11 +45,7 @@ func For(cfg *config.Config, roots []string) *Policy {
 		return p
 	}
 	for _, prof := range cfg.FuseProfiles {
-		a := Daemon{Path: prof.Binary}
-		if prof.RunAs != nil {
-			a.RunAs = &daemon.User{UID: prof.RunAs.UID, GID: prof.RunAs.GID}
-		}
-		p.Allowed = append(p.Allowed, a)
+		p.Allowed = append(p.Allowed, Daemon{Path: prof.Binary, RunAs: prof.RunAs})
 	}
 	return p
 }

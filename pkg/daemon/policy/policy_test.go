@@ -6,12 +6,13 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/pkg/fuseprofile"
 )
 
 func TestFor(t *testing.T) {
-	cfg := &config.Config{FuseProfiles: []config.FuseProfile{
+	cfg := &config.Config{FuseProfiles: []fuseprofile.Profile{
 		{Name: "a", Binary: "/usr/bin/sshfs"},
-		{Name: "b", Binary: "/usr/bin/sshfs", RunAs: &config.FuseUser{UID: 1000, GID: 1000}},
+		{Name: "b", Binary: "/usr/bin/sshfs", RunAs: &daemon.User{UID: 1000, GID: 1000}},
 		{Name: "c", Binary: "/usr/bin/squashfuse"},
 	}}
 	p := For(cfg, []string{"/var/lib/mountplan"})

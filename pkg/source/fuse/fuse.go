@@ -19,18 +19,20 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
+	"github.com/mountplan/mountplan/pkg/fuseprofile"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/keylock"
 	"github.com/mountplan/mountplan/pkg/metrics"
@@ -65,7 +67,7 @@ type Options struct {
 	// StateDir is the plugin's state dir; volumes live under StateDir/fuse.
 	StateDir string
 	// Profiles are the admin's FUSE profiles.
-	Profiles []config.FuseProfile
+	Profiles []fuseprofile.Profile
 	// Spawner starts daemons; nil means daemon.LocalSpawner (daemons in
 	// the plugin's own cgroup).
 	Spawner daemon.Spawner
@@ -81,7 +83,7 @@ type Options struct {
 // ends supervision when its context ends.
 type Source struct {
 	stateDir string
-	profiles []config.FuseProfile
+	profiles []fuseprofile.Profile
 	spawner  daemon.Spawner
 	metrics  *metrics.Metrics
 	probe    time.Duration
@@ -181,7 +183,7 @@ func (s *Source) layout(id string) (layout, error) {
 // NewVolume checks a static FUSE volume's context: a profile of the
 // admin's, a source that profile accepts, and only options it allows.
 func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
-	params, _, err := checkContext(s.profiles, vctx)
+	params, _, err := fuseprofile.VolumeParams(s.profiles, vctx)
 	if err != nil {
 		return nil, fmt.Errorf("volume %s: %w", id, err)
 	}
@@ -195,7 +197,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 		return nil, invalid("fuse volumes have no block access")
 	}
 	// Checked again: the config may have changed since NewVolume.
-	params, p, err := checkContext(s.profiles, v.Parameters)
+	params, p, err := fuseprofile.VolumeParams(s.profiles, v.Parameters)
 	if err != nil {
 		return nil, fmt.Errorf("volume %s: %w", v.ID, err)
 	}
@@ -203,7 +205,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	if err != nil {
 		return nil, err
 	}
-	src, err := resolveSource(p, params[CtxSource])
+	src, err := p.ResolveSource(params[fuseprofile.CtxSource])
 	if err != nil {
 		return nil, err
 	}
@@ -256,7 +258,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 
 // makeDirAndCommand makes the volume's directory and secrets and renders
 // the daemon's command line.
-func (s *Source) makeDirAndCommand(l layout, p *config.FuseProfile, params map[string]string, src string, req source.StageRequest, given map[string]bool) (State, redactor, error) {
+func (s *Source) makeDirAndCommand(l layout, p *fuseprofile.Profile, params map[string]string, src string, req source.StageRequest, given map[string]bool) (State, redactor, error) {
 	root := filepath.Dir(l.dir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
 		return State{}, nil, err
@@ -297,11 +299,13 @@ func (s *Source) makeDirAndCommand(l layout, p *config.FuseProfile, params map[s
 			values = append(values, req.Secrets[n])
 		}
 	}
-	args, stdin, err := render(p, params, src, paths{mountPoint: l.mnt(), workDir: l.work(), secretsDir: l.secrets()}, req.ReadOnly, given)
+	spec := daemon.Spec{Profile: p.Name, Params: params, ReadOnly: req.ReadOnly, Secrets: slices.Sorted(maps.Keys(given)),
+		Paths: daemon.Paths{MountPoint: l.mnt(), WorkDir: l.work(), SecretsDir: l.secrets(), Log: l.log()}}
+	cmd, err := p.Command(spec, src)
 	if err != nil {
 		return State{}, nil, err
 	}
-	st.Command = daemon.Command{Path: p.Binary, Args: args, Env: env(p), Stdin: stdin, Log: l.log(), RunAs: runAs(p.RunAs)}
+	st.Command = cmd
 	return st, redactorOf(values), nil
 }
 

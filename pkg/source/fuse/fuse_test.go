@@ -13,11 +13,12 @@ import (
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fuseprofile"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
 )
 
-func exampleProfiles(t *testing.T) []config.FuseProfile {
+func exampleProfiles(t *testing.T) []fuseprofile.Profile {
 	t.Helper()
 	c, err := config.Load(filepath.Join("testdata", "profiles.yaml"))
 	if err != nil {
@@ -69,47 +70,8 @@ func mapsEqual(a, b map[string]string) bool {
 	return true
 }
 
-func TestRender(t *testing.T) {
-	p := &config.FuseProfile{
-		Name:   "t",
-		Binary: "/bin/t",
-		Args:   []string{"-f", "{source}", "{mountpoint}", "--cache={workdir}/c", "-o", "key={secret:key}", "{options}", "--last"},
-		Options: []config.FuseOption{
-			{Name: "port", Pattern: "[0-9]+", Default: "22", Args: []string{"-p", "{value}"}},
-			{Name: "mode", Values: []string{"a", "b"}, Args: []string{"--mode={value}"}},
-		},
-		ReadOnlyArgs: []string{"-o", "ro"},
-		Secrets: []config.FuseSecret{
-			{Name: "key"},
-			{Name: "pass", Optional: true, Stdin: true, Args: []string{"-o", "password_stdin"}},
-			{Name: "ca", Optional: true, Args: []string{"--ca={path}"}},
-		},
-	}
-	at := paths{mountPoint: "/st/fuse/v/mnt", workDir: "/st/fuse/v/work", secretsDir: "/st/fuse/v/secrets"}
-	args, stdin, err := render(p, map[string]string{"mode": "b"}, "u@h:/d", at, true, map[string]bool{"key": true, "ca": true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := []string{"-f", "u@h:/d", "/st/fuse/v/mnt", "--cache=/st/fuse/v/work/c", "-o", "key=/st/fuse/v/secrets/key",
-		"-p", "22", "--mode=b", "-o", "ro", "--ca=/st/fuse/v/secrets/ca", "--last"}
-	if !slices.Equal(args, want) || stdin != "" {
-		t.Errorf("render:\n got %q (stdin %q)\nwant %q", args, stdin, want)
-	}
-	// Without {options}, the options come last; the stdin secret is the
-	// file itself.
-	p.Args = []string{"{source}", "{mountpoint}"}
-	args, stdin, err = render(p, map[string]string{"port": "2222"}, "u@h:/d", at, false, map[string]bool{"pass": true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	want = []string{"u@h:/d", "/st/fuse/v/mnt", "-p", "2222", "-o", "password_stdin"}
-	if !slices.Equal(args, want) || stdin != "/st/fuse/v/secrets/pass" {
-		t.Errorf("render:\n got %q (stdin %q)\nwant %q", args, stdin, want)
-	}
-}
-
 func TestCheckSecrets(t *testing.T) {
-	p := &config.FuseProfile{Name: "t", Secrets: []config.FuseSecret{{Name: "key"}, {Name: "pass", Optional: true}}}
+	p := &fuseprofile.Profile{Name: "t", Secrets: []fuseprofile.Secret{{Name: "key"}, {Name: "pass", Optional: true}}}
 	const canary = "CANARY-in-a-secret"
 	if given, err := checkSecrets(p, map[string]string{"key": canary}); err != nil || !given["key"] || given["pass"] {
 		t.Errorf("given %v, %v", given, err)

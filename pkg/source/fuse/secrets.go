@@ -11,7 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
@@ -21,7 +21,7 @@ const maxSecret = 64 << 10
 // mountSecrets mounts a small tmpfs at dir for a volume's secret files:
 // mode 0700 (owned by the daemon's user), nosuid, nodev, noexec. Secrets
 // thus never touch a disk, and unmounting it removes them all at once.
-func mountSecrets(dir string, runAs *config.FuseUser) error {
+func mountSecrets(dir string, runAs *daemon.User) error {
 	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return err
 	}
@@ -37,7 +37,7 @@ func mountSecrets(dir string, runAs *config.FuseUser) error {
 
 // writeSecrets writes each given secret into its own file (mode 0600,
 // created exclusively, never through a symlink).
-func writeSecrets(dir string, secrets map[string]string, given map[string]bool, runAs *config.FuseUser) error {
+func writeSecrets(dir string, secrets map[string]string, given map[string]bool, runAs *daemon.User) error {
 	names := make([]string, 0, len(given))
 	for n := range given {
 		names = append(names, n)
