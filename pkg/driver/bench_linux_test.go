@@ -8,6 +8,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/mounter"
 )
@@ -16,9 +17,7 @@ import (
 // of a staged ext4 loop volume without the socket, for CPU profiles of the
 // driver's own overhead (go test -bench PublishCycle -cpuprofile ...).
 func BenchmarkPublishCycleInProcess(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root: real loop devices and mounts")
-	}
+	testenv.RequireRoot(b)
 	dir, err := os.MkdirTemp("/var/tmp", "mp-driver-bench-")
 	if err != nil {
 		b.Fatal(err)

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
@@ -48,9 +49,29 @@ func deadPID(t *testing.T) int {
 	t.Helper()
 	cmd := exec.Command("true")
 	if err := cmd.Run(); err != nil {
-		t.Skipf("cannot run true: %v", err)
+		t.Fatalf("run true: %v", err)
 	}
 	return cmd.Process.Pid
+}
+
+// liveProcess starts a child that lives as long as the test and returns its
+// PID and mount namespace: a consumer that is alive, whatever this machine
+// lets the test see of other processes (PID 1's namespace may be hidden).
+func liveProcess(t *testing.T) (int, plan.Namespace) {
+	t.Helper()
+	cmd := exec.Command("sleep", "300")
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start sleep: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	ns, err := namespaceOf(cmd.Process.Pid)
+	if err != nil {
+		t.Fatalf("namespace of a child: %v", err)
+	}
+	return cmd.Process.Pid, ns
 }
 
 func TestReconcile(t *testing.T) {
@@ -129,21 +150,18 @@ func TestReconcile(t *testing.T) {
 func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	ns, err := namespaceOf(1) // PID 1 lives as long as the machine
-	if err != nil {
-		t.Skipf("cannot read PID 1's namespace: %v", err)
-	}
+	pid, ns := liveProcess(t)
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Claim{{Consumer: plan.Consumer{PID: 1, Namespace: ns, MountPoint: "/data"}}}}
+		Consumers: []journal.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
-	err = d.unstage(context.Background(), v)
+	err := d.unstage(context.Background(), v)
 	if err == nil {
 		t.Fatal("unstage with a live consumer succeeded")
 	}
-	if want := "pid 1"; !strings.Contains(err.Error(), want) {
+	if want := fmt.Sprintf("pid %d", pid); !strings.Contains(err.Error(), want) {
 		t.Fatalf("error %q does not name the consumer (%s)", err, want)
 	}
 }
@@ -151,15 +169,12 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 func TestReattachReplacesEveryMount(t *testing.T) {
 	d, m := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	ns, err := namespaceOf(1)
-	if err != nil {
-		t.Skipf("cannot read PID 1's namespace: %v", err)
-	}
+	pid, ns := liveProcess(t)
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v", Options: []string{"nosuid", "nodev"}}}
 	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
 		Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
 		Consumers: []journal.Claim{
-			{Consumer: plan.Consumer{PID: 1, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
+			{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
 			{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 7}, MountPoint: "/gone"}, Mounts: mounts}},
 		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
 	if err := d.store.Put(v, journal.Runtime); err != nil {
@@ -172,7 +187,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 		t.Fatalf("mounter calls = %d, want 4", m.calls)
 	}
 	got, err := d.store.Get("v")
-	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != 1 {
+	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != pid {
 		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
 	}
 }

@@ -4,12 +4,14 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/mountplan/mountplan/internal/testenv"
 )
 
 // BenchmarkAttachDetach: LOOP_CTL_GET_FREE + LOOP_CONFIGURE + status
 // read-back, then identity check + LOOP_CLR_FD + close.
 func BenchmarkAttachDetach(b *testing.B) {
-	requireRoot(b)
+	testenv.RequireRoot(b)
 	for _, dio := range []bool{false, true} {
 		b.Run(mode(dio), func(b *testing.B) {
 			img := sparseImage(b, testDir(b), "bench.img", 64*mib)
@@ -28,10 +30,8 @@ func BenchmarkAttachDetach(b *testing.B) {
 
 // BenchmarkLosetupTool does the same through util-linux, for comparison.
 func BenchmarkLosetupTool(b *testing.B) {
-	requireRoot(b)
-	if _, err := exec.LookPath("losetup"); err != nil {
-		b.Skip("no losetup")
-	}
+	testenv.RequireRoot(b)
+	testenv.RequireCommands(b, "losetup")
 	for _, dio := range []bool{false, true} {
 		b.Run(mode(dio), func(b *testing.B) {
 			img := sparseImage(b, testDir(b), "bench.img", 64*mib)

@@ -10,14 +10,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-)
 
-func requireRoot(tb testing.TB) {
-	tb.Helper()
-	if os.Geteuid() != 0 {
-		tb.Skip("needs root: attaches real loop devices")
-	}
-}
+	"github.com/mountplan/mountplan/internal/testenv"
+)
 
 // backingFiles maps loopN to its backing file for every bound loop device.
 func backingFiles(tb testing.TB) map[string]string {
@@ -106,12 +101,12 @@ func testDir(tb testing.TB) string {
 }
 
 // diskDir returns a fresh directory on a disk-backed filesystem, where
-// O_DIRECT works, or skips.
+// O_DIRECT works, or stops the test (testenv.Missing).
 func diskDir(tb testing.TB) string {
 	tb.Helper()
 	dir, err := os.MkdirTemp("/var/tmp", "loopdev-test-")
 	if err != nil {
-		tb.Skipf("no /var/tmp: %v", err)
+		testenv.Missing(tb, "a writable /var/tmp: %v", err)
 	}
 	tb.Cleanup(func() { os.RemoveAll(dir) })
 	var st unix.Statfs_t
@@ -119,7 +114,7 @@ func diskDir(tb testing.TB) string {
 		tb.Fatal(err)
 	}
 	if st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC {
-		tb.Skip("/var/tmp is not disk-backed here")
+		testenv.Missing(tb, "a disk-backed /var/tmp (O_DIRECT); it is tmpfs or ramfs here")
 	}
 	noLeaks(tb, dir)
 	return dir
@@ -135,7 +130,7 @@ func mountFS(tb testing.TB, fstype string) string {
 	}
 	noLeaks(tb, dir) // registered first: runs after the unmount below
 	if err := unix.Mount(fstype, dir, fstype, unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
-		tb.Skipf("mount %s: %v", fstype, err)
+		testenv.Missing(tb, "a mountable %s: %v", fstype, err)
 	}
 	tb.Cleanup(func() {
 		if err := unix.Unmount(dir, 0); err != nil {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -13,13 +12,14 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
 const mib = 1 << 20
 
 func TestAttachReadWrite(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "rw.img", 16*mib)
 	d := mustAttach(t, img, Options{})
 
@@ -74,7 +74,7 @@ func writeThrough(t *testing.T, d *Device, img string) {
 }
 
 func TestAttachReadOnly(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "ro.img", 16*mib)
 	d := mustAttach(t, img, Options{ReadOnly: true})
 	if !d.ReadOnly || sysfs(t, d, "ro") != "1" {
@@ -96,7 +96,7 @@ func TestAttachReadOnly(t *testing.T) {
 // it never blocks a mount where the kernel refuses writers on mounted
 // devices (CONFIG_BLK_DEV_WRITE_MOUNTED=n).
 func TestAttachHeldFdIsReadOnly(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "held.img", 16*mib)
 	d := mustAttach(t, img, Options{})
 	fl, err := unix.FcntlInt(d.f.Fd(), unix.F_GETFL, 0)
@@ -113,7 +113,7 @@ func TestAttachHeldFdIsReadOnly(t *testing.T) {
 }
 
 func TestDirectIO(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	t.Run("disk", func(t *testing.T) {
 		img := sparseImage(t, diskDir(t), "dio.img", 16*mib)
 		d := mustAttach(t, img, Options{DirectIO: true})
@@ -152,7 +152,7 @@ func TestDirectIO(t *testing.T) {
 }
 
 func TestAutoclearOnClose(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "ac.img", 16*mib)
 	d, err := Attach(t.Context(), img, Options{Autoclear: true})
 	if err != nil {
@@ -174,10 +174,8 @@ func TestAutoclearOnClose(t *testing.T) {
 // plugin's fd is gone (a plugin crash must not break a running container),
 // and the kernel unbinds it at unmount.
 func TestAutoclearKeptByMount(t *testing.T) {
-	requireRoot(t)
-	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
-		t.Skip("no mkfs.ext4")
-	}
+	testenv.RequireRoot(t)
+	testenv.RequireCommands(t, "mkfs.ext4")
 	dir := testDir(t)
 	img := sparseImage(t, dir, "ac.img", 64*mib)
 	d, err := Attach(t.Context(), img, Options{Autoclear: true})
@@ -200,10 +198,8 @@ func TestAutoclearKeptByMount(t *testing.T) {
 // TestDetachWhileMounted: Detach of a mounted device succeeds and the
 // kernel unbinds it at unmount (LOOP_CLR_FD is lazy while others hold it).
 func TestDetachWhileMounted(t *testing.T) {
-	requireRoot(t)
-	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
-		t.Skip("no mkfs.ext4")
-	}
+	testenv.RequireRoot(t)
+	testenv.RequireCommands(t, "mkfs.ext4")
 	dir := testDir(t)
 	img := sparseImage(t, dir, "busy.img", 64*mib)
 	d := mustAttach(t, img, Options{})
@@ -235,7 +231,7 @@ func mountDevice(t *testing.T, d *Device, mnt string) string {
 }
 
 func TestAdopt(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "adopt.img", 16*mib)
 	d := mustAttach(t, img, Options{ReadOnly: true})
 
@@ -279,7 +275,7 @@ func TestAdopt(t *testing.T) {
 }
 
 func TestFindByBacking(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	dir := testDir(t)
 	img := sparseImage(t, dir, "find.img", 16*mib)
 	other := sparseImage(t, dir, "other.img", 16*mib)
@@ -315,7 +311,7 @@ func TestFindByBacking(t *testing.T) {
 // TestDetachIdentity: Detach touches a device only while it still carries
 // the recorded binding.
 func TestDetachIdentity(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	dir := testDir(t)
 	imgA := sparseImage(t, dir, "a.img", 16*mib)
 	imgB := sparseImage(t, dir, "b.img", 16*mib)
@@ -364,7 +360,7 @@ func TestDetachIdentity(t *testing.T) {
 }
 
 func TestAttachConcurrent(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	dir := testDir(t)
 	const n = 8
 	devs := make([]*Device, n)
@@ -393,7 +389,7 @@ func TestAttachConcurrent(t *testing.T) {
 }
 
 func TestSetCapacity(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "grow.img", 16*mib)
 	d := mustAttach(t, img, Options{DirectIO: true})
 	if size, err := d.Size(); err != nil || size != 16*mib {
@@ -430,8 +426,8 @@ func TestAttachErrors(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			if c.want == context.Canceled && os.Geteuid() != 0 {
-				t.Skip("needs root: reaches /dev/loop-control")
+			if c.want == context.Canceled {
+				testenv.RequireRoot(t) // reaches /dev/loop-control
 			}
 			before := openFds(t)
 			d, err := Attach(c.ctx, c.path, Options{DirectIO: true})
@@ -446,7 +442,7 @@ func TestAttachErrors(t *testing.T) {
 }
 
 func TestAttachDetachNoFdLeak(t *testing.T) {
-	requireRoot(t)
+	testenv.RequireRoot(t)
 	img := sparseImage(t, testDir(t), "fd.img", 4*mib)
 	before := openFds(t)
 	for range 3 {

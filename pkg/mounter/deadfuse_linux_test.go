@@ -14,6 +14,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -57,9 +58,7 @@ func fuseDevAt(t *testing.T, pid int, dir, p string) string {
 func TestUnmountReplacesDeadFuseBind(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	mountnstest.RequireTool(t, "squashfuse", "mksquashfs")
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("no /dev/fuse")
-	}
+	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
 	dir := mountnstest.Scratch(t)
 	pid := mountnstest.Namespace(t, "private") // before the FUSE mounts: no copies in it
 	content := filepath.Join(dir, "content")

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
@@ -36,7 +37,7 @@ func TestUnmountAfterConsumerExited(t *testing.T) {
 				t.Fatal(err)
 			}
 			if id.ID == 0 {
-				t.Skip("kernel lacks NS_GET_MNTNS_ID: without it the namespace is not searched for")
+				testenv.Missing(t, "a kernel with the NS_GET_MNTNS_ID ioctl: without it the namespace is not searched for")
 			}
 			mounts := []plan.Mount{tmpfs("outer", ""), tmpfs("inner", "sub")}
 			c := plan.Consumer{PID: s.First, MountPoint: filepath.Join(dir, "mp"), Namespace: plan.Namespace{Inode: id.Inode, ID: id.ID}}

@@ -322,9 +322,7 @@ func startFuseSSHD(t *testing.T) *fuseSSHD {
 	t.Helper()
 	testutil.RequireCommands(t, "ssh-keygen")
 	sshd := "/usr/sbin/sshd"
-	if _, err := os.Stat(sshd); err != nil {
-		t.Skip("skipping: /usr/sbin/sshd missing (Debian package openssh-server)")
-	}
+	testutil.RequireFile(t, sshd, "sshd (Debian package openssh-server)")
 	dir, err := os.MkdirTemp("", "mpsshd-")
 	if err != nil {
 		t.Fatal(err)

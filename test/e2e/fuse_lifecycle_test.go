@@ -97,9 +97,7 @@ func fuseReader(dir string) func(string) string {
 func TestFuseLifecycle(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "containerd", "ctr", "runc", "busybox", "nsenter")
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("skipping: no /dev/fuse")
-	}
+	testutil.RequireFile(t, "/dev/fuse", "the FUSE device")
 	for _, c := range fuseCases() {
 		t.Run(c.name, func(t *testing.T) {
 			testutil.RequireCommands(t, c.command)

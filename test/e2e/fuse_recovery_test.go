@@ -54,9 +54,7 @@ func fuseCat(p string) (string, error) {
 func fuseRequireFuse(t *testing.T) {
 	t.Helper()
 	testutil.RequireRoot(t)
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("skipping: no /dev/fuse")
-	}
+	testutil.RequireFile(t, "/dev/fuse", "the FUSE device")
 }
 
 // TestFuseHungDaemon stops the daemon (SIGSTOP): it neither exits nor

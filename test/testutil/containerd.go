@@ -480,19 +480,19 @@ var busyboxApplets = []string{"sh", "cat", "ls", "sleep", "echo", "stat", "mount
 // directory: the static busybox as /bin/busybox with a symlink in /bin for
 // each of its applets (sh, cat, ls, sleep, echo, stat, mount, grep, ...),
 // empty /proc /sys /dev /tmp /mnt /run, and an /etc/passwd for root. It
-// is writable: runc needs that. It skips the test when busybox is missing
-// or not statically linked (Debian's busybox-static is).
+// is writable: runc needs that. It stops the test (Missing) when busybox is
+// missing or not statically linked (Debian's busybox-static is).
 func BusyboxRootfs(t testing.TB) string {
 	t.Helper()
 	RequireCommands(t, "busybox")
 	bb, _ := exec.LookPath("busybox")
 	if f, err := elf.Open(bb); err != nil {
-		t.Skipf("skipping: %s is not an ELF binary: %v", bb, err)
+		Missing(t, "a static busybox (Debian package busybox-static): %s is not an ELF binary: %v", bb, err)
 	} else {
 		defer f.Close()
 		for _, p := range f.Progs {
 			if p.Type == elf.PT_INTERP {
-				t.Skipf("skipping: %s is dynamically linked; install busybox-static", bb)
+				Missing(t, "a static busybox (Debian package busybox-static): %s is dynamically linked", bb)
 			}
 		}
 	}

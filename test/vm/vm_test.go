@@ -1,11 +1,15 @@
+//go:build vmtest
+
 // Package vm boots Debian's kernel (which has the nbd and iscsi_tcp
 // modules the CI kernel lacks) under qemu with an initramfs built here, and
 // runs the static test binary of ./guest inside it: the whole NBD and iSCSI
 // flows of the plugin's own code against servers on the guest's loopback.
 // The host test fails when the guest's tests fail.
 //
-// It runs only when MOUNTPLAN_VM_TEST=1 (make test-vm); the kernel package
-// is cached under /var/cache/mountplan-vm (MOUNTPLAN_VM_CACHE).
+// It builds only with the vmtest tag (make test-vm), so that `go test ./...`
+// and make test neither run nor skip it; the guest's tests build only with
+// the vmguest tag, which this test sets. The kernel package is cached under
+// /var/cache/mountplan-vm (MOUNTPLAN_VM_CACHE).
 package vm
 
 import (
@@ -21,6 +25,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mountplan/mountplan/internal/testenv"
 )
 
 // timings collects the durations of the run's steps for the summary.
@@ -39,10 +45,10 @@ func (tm *timings) start(name string) func() {
 }
 
 // guestTools are the host programs the guest needs, with their libraries.
-var guestTools = []string{"nbd-client", "nbdkit", "mke2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
+var guestTools = []string{"nbd-client", "nbdkit", "mke2fs", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
 
 // guestModules are loaded, with their dependencies, before the tests run.
-var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4"}
+var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop"}
 
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -64,17 +70,8 @@ poweroff -f
 `
 
 func TestVM(t *testing.T) {
-	if os.Getenv("MOUNTPLAN_VM_TEST") != "1" {
-		t.Skip("skipping: the VM test boots Debian's kernel under qemu; run it with `make test-vm` (MOUNTPLAN_VM_TEST=1)")
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("skipping: the VM test needs root (apt-get download into its cache)")
-	}
-	for _, c := range []string{"qemu-system-x86_64", "apt-get", "apt-cache", "dpkg-deb", "depmod", "modprobe", "ldd", "busybox", "xz"} {
-		if _, err := exec.LookPath(c); err != nil {
-			t.Fatalf("%s is not installed: run hack/install-deps.sh", c)
-		}
-	}
+	testenv.RequireRoot(t) // apt-get download into its cache
+	testenv.RequireCommands(t, "qemu-system-x86_64", "apt-get", "apt-cache", "dpkg-deb", "depmod", "modprobe", "ldd", "busybox", "xz")
 	tm := &timings{}
 	total := time.Now()
 	k := fetchKernel(t, tm)
@@ -82,7 +79,7 @@ func TestVM(t *testing.T) {
 
 	stop := tm.start("build static guest test binary")
 	guestBin := filepath.Join(work, "guest.test")
-	cmd := exec.Command("go", "test", "-c", "-o", guestBin, "./guest")
+	cmd := exec.Command("go", "test", "-c", "-tags", "vmguest", "-o", guestBin, "./guest")
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go test -c ./guest: %v\n%s", err, out)

@@ -18,26 +18,16 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// RequireRoot skips t unless it runs as root.
-func RequireRoot(t testing.TB) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
-}
-
-// RequireTool skips t when a command it needs is not installed.
-func RequireTool(t testing.TB, names ...string) {
-	t.Helper()
-	for _, n := range names {
-		if _, err := exec.LookPath(n); err != nil {
-			t.Skipf("needs %s: %v", n, err)
-		}
-	}
-}
+// RequireRoot and RequireTool stop a test that lacks root or a command: a
+// skip outside CI, a failure under CI=true (package testenv).
+var (
+	RequireRoot = testenv.RequireRoot
+	RequireTool = testenv.RequireCommands
+)
 
 // Scratch returns a fresh temp dir and registers a check, which runs after
 // every cleanup registered later, that no mount in the test's namespace lies

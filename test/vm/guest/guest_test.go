@@ -1,7 +1,12 @@
+//go:build vmguest
+
 // Package guest runs inside the VM that test/vm boots (Debian's kernel,
 // which has nbd and iscsi_tcp): the whole flow of each network block kind
 // through the plugin's own driver, with the servers on the guest's
-// loopback. Outside the VM every test skips.
+// loopback, and the online ext4 resize of a loop volume, which needs the
+// CAP_SYS_RESOURCE that the guest's init holds. It builds only with the vmguest tag, which test/vm sets; run
+// anywhere but in that VM, every test fails (it would touch the host's
+// nbd and iSCSI state).
 package guest
 
 import (
@@ -69,7 +74,7 @@ func TestMain(m *testing.M) {
 func requireGuest(t *testing.T) {
 	t.Helper()
 	if os.Getenv("MOUNTPLAN_VM_GUEST") != "1" {
-		t.Skip("skipping: runs only inside the VM that `make test-vm` boots")
+		t.Fatal("runs only inside the VM that `make test-vm` boots (MOUNTPLAN_VM_GUEST=1)")
 	}
 }
 
@@ -560,5 +565,61 @@ func TestISCSIReattach(t *testing.T) {
 	t.Logf("iscsiadm calls (recorded by a shim):\n%s", argv)
 	if strings.Contains(logs.String(), chapPassword) {
 		t.Fatal("a log line shows the CHAP password")
+	}
+}
+
+// TestLoopExpandOnline grows a published ext4 loop volume through the
+// driver: the kernel's online ext4 resize wants CAP_SYS_RESOURCE, which
+// the guest's init has and a CI container may lack (there make test checks
+// the FailedPrecondition instead).
+func TestLoopExpandOnline(t *testing.T) {
+	requireGuest(t)
+	const size, grown = 32 << 20, 64 << 20
+	d, stateDir := newDriver(t, &config.Config{}, nil)
+	f := &flow{t: t, d: d, stateDir: stateDir, id: "loop-grow"}
+	ctx := context.Background()
+	c := mountCap()
+	if _, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: f.id, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+		VolumeCapabilities: []*csi.VolumeCapability{c}, Parameters: map[string]string{"type": "loop"}}); err != nil {
+		t.Fatalf("CreateVolume: %v", err)
+	}
+	if err := f.stage(); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	f.publish()
+	want := []byte("kept across the resize\n")
+	if err := os.WriteFile(filepath.Join(f.target(), "kept.txt"), want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var before, after syscall.Statfs_t
+	if err := syscall.Statfs(f.target(), &before); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: f.id,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: grown}, VolumeCapability: c}); err != nil {
+		t.Fatalf("ControllerExpandVolume: %v", err)
+	}
+	nr, err := d.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: f.id, VolumePath: f.target(),
+		StagingTargetPath: filepath.Join(stateDir, "staging", f.id), CapacityRange: &csi.CapacityRange{RequiredBytes: grown}, VolumeCapability: c})
+	if err != nil {
+		t.Fatalf("NodeExpandVolume of a mounted ext4: %v", err)
+	}
+	if err := syscall.Statfs(f.target(), &after); err != nil {
+		t.Fatal(err)
+	}
+	if nr.GetCapacityBytes() < grown || after.Blocks*uint64(after.Bsize) <= before.Blocks*uint64(before.Bsize)+size/2 {
+		t.Fatalf("after NodeExpandVolume: capacity %d, filesystem %d bytes (was %d); want it grown to about %d",
+			nr.GetCapacityBytes(), after.Blocks*uint64(after.Bsize), before.Blocks*uint64(before.Bsize), grown)
+	}
+	t.Logf("ext4 grew online from %d to %d bytes", before.Blocks*uint64(before.Bsize), after.Blocks*uint64(after.Bsize))
+	if got, err := os.ReadFile(filepath.Join(f.target(), "kept.txt")); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read back after the resize: %q, %v", got, err)
+	}
+	f.unpublish()
+	if err := f.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
+	}
+	if _, err := d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: f.id}); err != nil {
+		t.Fatalf("DeleteVolume: %v", err)
 	}
 }

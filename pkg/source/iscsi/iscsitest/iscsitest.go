@@ -14,6 +14,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/mountplan/mountplan/internal/testenv"
 	"time"
 )
 
@@ -44,11 +46,7 @@ type Options struct {
 // cleanup.
 func StartTgtd(t testing.TB, dir string, o Options) *Target {
 	t.Helper()
-	for _, c := range []string{"tgtd", "tgtadm"} {
-		if _, err := exec.LookPath(c); err != nil {
-			t.Skipf("skipping: %s is not installed (Debian package tgt)", c)
-		}
-	}
+	testenv.RequireCommands(t, "tgtd", "tgtadm")
 	if o.IQN == "" {
 		o.IQN = "iqn.2024-01.io.mountplan.test:disk"
 	}

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
+
+	"github.com/mountplan/mountplan/internal/testenv"
 	"time"
 )
 
@@ -66,9 +68,7 @@ func AddExport(t testing.TB, dir, name string, size int64) string {
 // process: --exit-with-parent).
 func StartNbdkit(t testing.TB, dir string, o Options) *Server {
 	t.Helper()
-	if _, err := exec.LookPath("nbdkit"); err != nil {
-		t.Skip("skipping: nbdkit is not installed (Debian package nbdkit)")
-	}
+	testenv.RequireCommands(t, "nbdkit")
 	var lastErr error
 	for range 3 {
 		s := &Server{Dir: dir, Socket: o.Unix}
