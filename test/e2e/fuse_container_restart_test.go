@@ -31,9 +31,7 @@ import (
 func TestFuseContainerRestart(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "containerd", "ctr", "runc", "busybox", "nsenter", "squashfuse", "mksquashfs")
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("skipping: no /dev/fuse")
-	}
+	testutil.RequireFile(t, "/dev/fuse", "the FUSE device")
 	t.Run("daemons in the sidecar", fuseContainerRestart)
 	t.Run("daemons in the plugin", fuseLocalSpawnerCgroup)
 }
@@ -87,8 +85,8 @@ func fuseContainerRestart(t *testing.T) {
 	if slices.Contains(killed, d.PID) {
 		t.Errorf("killing the plugin's cgroup killed the daemon")
 	}
-	if e.plugin.Running() {
-		t.Fatal("the plugin still runs after its cgroup was emptied")
+	if !e.plugin.Exited(10 * time.Second) {
+		t.Fatal("the plugin still runs 10s after its cgroup was emptied")
 	}
 	time.Sleep(200 * time.Millisecond) // reads while no plugin runs
 	if !fuseAlive(d) {
@@ -155,6 +153,9 @@ func fuseLocalSpawnerCgroup(t *testing.T) {
 	if !slices.Contains(killed, d.PID) || fuseAlive(d) {
 		t.Errorf("emptying the plugin's cgroup left the daemon %s running (killed %v)", d.Proc, killed)
 	}
+	if !e.plugin.Exited(10 * time.Second) {
+		t.Fatal("the plugin still runs 10s after its cgroup was emptied")
+	}
 	t.Logf("emptying the plugin's cgroup killed the plugin and the daemon: %v", killed)
 	e.plugin.Restart()
 	e.waitReady()
@@ -181,7 +182,7 @@ func fuseCgroups(t *testing.T) (a, b string) {
 		break
 	}
 	if parent == "" {
-		t.Skip("skipping: no cgroup hierarchy where a child cgroup can be made")
+		testutil.Missing(t, "a cgroup hierarchy where a child cgroup can be made")
 	}
 	a, b = filepath.Join(parent, "plugin"), filepath.Join(parent, "sidecar")
 	t.Cleanup(func() {

@@ -200,6 +200,20 @@ func (p *Plugin) Running() bool {
 	}
 }
 
+// Exited waits up to timeout for the plugin process to end (killed from
+// elsewhere, e.g. with its cgroup, or crashed) and reports whether it did.
+// A kill is not an exit until the process is reaped: check this, not
+// Running, right after killing it.
+func (p *Plugin) Exited(timeout time.Duration) bool {
+	_, done := p.current()
+	select {
+	case <-done:
+		return true
+	case <-time.After(timeout):
+		return false
+	}
+}
+
 // Stop sends SIGTERM and waits for the plugin to exit, SIGKILLing it after
 // 10s. It returns an error unless the plugin exited with status 0 on
 // SIGTERM. Stopping a plugin that is not running returns nil.
