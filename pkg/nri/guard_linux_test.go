@@ -1,0 +1,111 @@
+package nri_test
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/mountns"
+	"github.com/mountplan/mountplan/pkg/nri"
+	"github.com/mountplan/mountplan/test/testutil"
+)
+
+// bindGuard binds what GuardPath leads to at target, as the plugin's
+// NRI-mode publish does through the mounter.
+func bindGuard(t *testing.T, stateDir, target string) error {
+	t.Helper()
+	src, err := filepath.EvalSymlinks(nri.GuardPath(stateDir))
+	if err != nil {
+		return err
+	}
+	fd, err := mountns.Build(nri.BindOf(src))
+	if err != nil {
+		return err
+	}
+	defer fd.Close()
+	return mountns.Attach(fd, target)
+}
+
+func TestGuardLifecycle(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.NoLeaks(t)
+	dir := t.TempDir()
+	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	target := filepath.Join(kubelet, "pods", "uid", "volumes", "kubernetes.io~csi", "pv", "mount")
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	g, err := nri.StartGuard(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g.Stop() })
+	if err := bindGuard(t, state, target); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mountns.Unmount(target, true) })
+
+	// Alive: stat works (the runtime's and kubelet's checks pass), nothing
+	// else does, and a bind of it (what a runtime does without the hook)
+	// gives nothing usable.
+	if fi, err := os.Stat(target); err != nil || !fi.IsDir() {
+		t.Fatalf("stat of the armed target: %v, %v", fi, err)
+	}
+	if _, err := os.ReadDir(target); !errors.Is(err, unix.EACCES) {
+		t.Errorf("listing the armed target: %v, want EACCES", err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "f"), nil, 0o644); err == nil {
+		t.Error("a file could be created in the armed target")
+	}
+	if ours, err := g.Owns(target); !ours || err != nil {
+		t.Errorf("Owns(target) = %v, %v; want true", ours, err)
+	}
+	if ours, err := g.Owns(dir); ours || err != nil {
+		t.Errorf("Owns(a plain directory) = %v, %v; want false", ours, err)
+	}
+
+	// Stopped: even stat fails, as a runtime's would; GuardPath is gone, so
+	// no new publish can bind it.
+	if err := g.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(target); !errors.Is(err, unix.ENOTCONN) {
+		t.Errorf("stat of a target whose guard stopped: %v, want ENOTCONN", err)
+	}
+	// runc stats a bind's source in the container's new namespace (a copy
+	// of this one) before it binds it.
+	out, err := exec.Command("unshare", "-m", "--propagation", "private", "stat", target).CombinedOutput()
+	if err == nil {
+		t.Errorf("stat of a dead guard's target in a new mount namespace succeeded: %s", out)
+	}
+	if _, err := os.Lstat(nri.GuardPath(state)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("GuardPath after Stop: %v, want it gone", err)
+	}
+	if err := bindGuard(t, state, filepath.Join(dir, "kubelet")); err == nil {
+		t.Error("a publish could bind the guard while none runs")
+	}
+
+	// A new guard re-arms the target.
+	g2, err := nri.StartGuard(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g2.Stop() })
+	if _, err := g2.Owns(target); err == nil {
+		t.Error("Owns of a target bound to a dead guard: no error")
+	}
+	n, err := g2.Rearm(kubelet)
+	if err != nil || n != 1 {
+		t.Fatalf("Rearm = %d, %v; want 1", n, err)
+	}
+	if ours, err := g2.Owns(target); !ours || err != nil {
+		t.Errorf("Owns(target) after Rearm = %v, %v; want true", ours, err)
+	}
+	if n, err := g2.Rearm(kubelet); err != nil || n != 0 {
+		t.Errorf("second Rearm = %d, %v; want 0", n, err)
+	}
+}
