@@ -352,52 +352,20 @@ func (c *Containerd) stop() error {
 		}
 	}
 
-	_ = c.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-c.done:
-	case <-time.After(10 * time.Second):
-		errs = append(errs, errors.New("containerd ignored SIGTERM for 10s; killed it"))
-		_ = c.cmd.Process.Kill()
-		<-c.done
-	}
+	errs = append(errs, terminate(c.cmd.Process, c.done, "containerd"))
+	var more []error
+	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return removeCgroupTree(c.Namespace) })
+	return errors.Join(append(errs, more...)...)
+}
 
-	// Shims outlive containerd by design. Give those whose tasks were
-	// deleted a moment to exit by themselves, then kill what remains with
-	// everything under it.
-	shims := func() map[int]ProcInfo {
-		out := map[int]ProcInfo{}
-		for pid, p := range readProcs() {
-			if strings.Contains(p.Cmdline, "containerd-shim") && strings.Contains(p.Cmdline, c.Address) && p.State != 'Z' {
-				out[pid] = p
-			}
-		}
-		return out
-	}
-	if !Poll(2*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
-		procs := readProcs()
-		for pid, p := range shims() {
-			errs = append(errs, fmt.Errorf("stray shim killed: %s", p))
-			for _, d := range descendants(procs, pid) {
-				_ = unix.Kill(d, unix.SIGKILL)
-			}
-			_ = unix.Kill(pid, unix.SIGKILL)
-		}
-		if !Poll(5*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
-			errs = append(errs, errors.New("shims survived SIGKILL"))
-		}
-	}
-
-	if err := unmountUnder(c.Dir); err != nil {
-		errs = append(errs, err)
-	}
-	if err := removeCgroups(c.Namespace); err != nil {
-		errs = append(errs, err)
-	}
-	c.logTail = tailFile(c.LogPath, 40)
-	if err := removeAllNoMounts(c.Dir); err != nil {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
+// cleanUpAfter cleans up after a stopped containerd whose files are under
+// dir: kills its shims (those whose tasks were deleted exit by
+// themselves), detaches what is left mounted under dir, removes its
+// cgroups, and then dir. It returns the end of its log.
+func cleanUpAfter(address, dir, logPath string, removeCgroups func() error) (logTail string, errs []error) {
+	errs = append(errs, killShims(address), unmountUnder(dir), removeCgroups())
+	logTail = tailFile(logPath, 60)
+	return logTail, append(errs, removeAllNoMounts(dir))
 }
 
 // mountsUnder lists the mount points at or under dir in our mount
@@ -439,25 +407,6 @@ func removeAllNoMounts(dir string) error {
 		return fmt.Errorf("not removing %s: still mounted under it: %s", dir, strings.Join(mps, ", "))
 	}
 	return os.RemoveAll(dir)
-}
-
-// removeCgroups removes the (empty) cgroup directory named name at the top
-// of every mounted cgroup hierarchy.
-func removeCgroups(name string) error {
-	infos, err := mountinfo.GetMounts(func(mi *mountinfo.Info) (skip, stop bool) {
-		return mi.FSType != "cgroup" && mi.FSType != "cgroup2", false
-	})
-	if err != nil {
-		return err
-	}
-	var errs []error
-	for _, mi := range infos {
-		d := filepath.Join(mi.Mountpoint, name)
-		if err := unix.Rmdir(d); err != nil && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, fmt.Errorf("removing cgroup %s: %w", d, err))
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // tailFile returns the last n lines of a file.

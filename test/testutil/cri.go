@@ -470,27 +470,25 @@ func (c *CRI) stop() error {
 		if _, err := c.Crictl("rmp", "--all", "--force"); err != nil {
 			errs = append(errs, err)
 		}
-		_ = c.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-c.done:
-		case <-time.After(10 * time.Second):
-			errs = append(errs, errors.New("containerd ignored SIGTERM for 10s; killed it"))
-			_ = c.cmd.Process.Kill()
-			<-c.done
-		}
+		errs = append(errs, terminate(c.cmd.Process, c.done, "containerd"))
 	}
-	errs = append(errs, killShims(c.Address))
-	if err := unmountUnder(c.Dir); err != nil {
-		errs = append(errs, err)
+	var more []error
+	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return removeCgroupTree(c.CgroupParent) })
+	return errors.Join(append(errs, more...)...)
+}
+
+// terminate stops a process with SIGTERM, then SIGKILL after 10s; done is
+// closed once it has been waited for.
+func terminate(p *os.Process, done <-chan struct{}, name string) error {
+	_ = p.Signal(syscall.SIGTERM)
+	select {
+	case <-done:
+		return nil
+	case <-time.After(10 * time.Second):
+		_ = p.Kill()
+		<-done
+		return fmt.Errorf("%s ignored SIGTERM for 10s; killed it", name)
 	}
-	if err := removeCgroupTree(c.CgroupParent); err != nil {
-		errs = append(errs, err)
-	}
-	c.logTail = tailFile(c.LogPath, 60)
-	if err := removeAllNoMounts(c.Dir); err != nil {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
 }
 
 // killShims waits briefly for the shims of the containerd at address to
