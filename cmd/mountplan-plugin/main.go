@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -34,6 +35,7 @@ type flags struct {
 	endpoint, nodeID, stateDir, driverName, configPath, mounterEndpoint, metricsAddress string
 	reconcileInterval                                                                   time.Duration
 	fuseProbeInterval, fuseProbeTimeout                                                 time.Duration
+	kubelet                                                                             kubeletFlags
 }
 
 func main() {
@@ -48,6 +50,7 @@ func main() {
 	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
 	flag.DurationVar(&f.fuseProbeInterval, "fuse-probe-interval", 2*time.Second, "how often each FUSE daemon is checked")
 	flag.DurationVar(&f.fuseProbeTimeout, "fuse-probe-timeout", 5*time.Second, "a FUSE daemon that leaves a statfs unanswered this long is restarted")
+	f.kubelet.define()
 	klog.InitFlags(nil)
 	flag.Parse()
 	if err := run(f); err != nil {
@@ -63,6 +66,9 @@ func run(f flags) error {
 	}
 	cfg, err := config.Load(f.configPath)
 	if err != nil {
+		return err
+	}
+	if err := f.kubelet.check(); err != nil {
 		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
@@ -110,6 +116,12 @@ func run(f flags) error {
 	}
 	srv := grpc.NewServer(grpc.UnaryInterceptor(d.Interceptor))
 	d.Register(srv)
+	// A failure of what kubelet talks to besides the CSI socket stops the plugin.
+	ctx, failKubelet := context.WithCancelCause(ctx)
+	defer failKubelet(nil)
+	if err := f.kubelet.serve(ctx, f, failKubelet); err != nil {
+		return err
+	}
 	go fuseSource.Run(ctx, f.reconcileInterval) // FUSE orphans; daemons outlive the plugin
 	go func() {
 		// Serve at once so Probe can answer "not ready" while this runs.
@@ -125,7 +137,13 @@ func run(f flags) error {
 		srv.GracefulStop()
 	}()
 	klog.InfoS("Serving", "endpoint", f.endpoint, "driver", f.driverName, "node", f.nodeID, "version", version())
-	return srv.Serve(lis)
+	if err := srv.Serve(lis); err != nil {
+		return err
+	}
+	if err := context.Cause(ctx); errors.Is(err, errKubelet) {
+		return err
+	}
+	return nil
 }
 
 // newMounter returns the sidecar's Mounter service when configured, else an

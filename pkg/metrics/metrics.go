@@ -5,7 +5,6 @@ package metrics
 
 import (
 	"context"
-	"errors"
 	"net"
 	"net/http"
 	"time"
@@ -14,6 +13,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc/codes"
+
+	"github.com/mountplan/mountplan/pkg/endpoint"
 )
 
 const namespace = "mountplan"
@@ -109,17 +110,7 @@ func (m *Metrics) Reconciled(err error) {
 func (m *Metrics) Serve(ctx context.Context, lis net.Listener) error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	go func() {
-		<-ctx.Done()
-		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(shutdown)
-	}()
-	if err := srv.Serve(lis); !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return endpoint.ServeHTTP(ctx, lis, mux)
 }
 
 type stagedCollector struct {
