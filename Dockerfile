@@ -2,8 +2,8 @@
 #
 # Build (from the repository root):
 #   docker build -t mountplan:dev .
-# The chart runs /usr/local/bin/mountplan-plugin and /usr/local/bin/mountplan-sidecar
-# from it (values image.plugin and image.mounter).
+# The chart runs /usr/local/bin/mountplan-plugin, mountplan-sidecar and
+# mountplan-resizer from it (values image.plugin and image.mounter).
 #
 # Base images are pinned by tag. Pin them by digest as well (name:tag@sha256:...)
 # when publishing: no image registry is reachable from the environment this file
@@ -23,7 +23,9 @@ COPY . .
 RUN CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
         -o /out/mountplan-plugin ./cmd/mountplan-plugin && \
     CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
-        -o /out/mountplan-sidecar ./cmd/mountplan-sidecar
+        -o /out/mountplan-sidecar ./cmd/mountplan-sidecar && \
+    CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
+        -o /out/mountplan-resizer ./cmd/mountplan-resizer
 
 FROM debian:bookworm-slim
 # Tools the plugin execs (see the table in test/chart/dockerfile_test.go):
@@ -45,5 +47,5 @@ RUN apt-get update && \
         util-linux \
         xfsprogs && \
     rm -rf /var/lib/apt/lists/*
-COPY --from=builder /out/mountplan-plugin /out/mountplan-sidecar /usr/local/bin/
+COPY --from=builder /out/mountplan-plugin /out/mountplan-sidecar /out/mountplan-resizer /usr/local/bin/
 ENTRYPOINT ["/usr/local/bin/mountplan-plugin"]

@@ -41,6 +41,7 @@ const (
 const (
 	pluginBinary    = "/usr/local/bin/mountplan-plugin"
 	sidecarBinary   = "/usr/local/bin/mountplan-sidecar"
+	resizerBinary   = "/usr/local/bin/mountplan-resizer"
 	csiEndpoint     = "unix:///csi/csi.sock"
 	mounterEndpoint = "unix:///mounter/mounter.sock"
 	configPath      = "/etc/mountplan/config.yaml"
@@ -59,14 +60,27 @@ var valueSets = []struct {
 	{"noStorageClass", map[string]any{"storageClass": map[string]any{"create": false}}},
 	{"defaultStorageClass", map[string]any{"storageClass": map[string]any{"isDefault": true, "fsType": "xfs"}}},
 	{"podNetwork", map[string]any{"hostNetwork": false, "healthPort": 9808}},
+	{"sidecarRegistration", map[string]any{"registration": "sidecar"}},
+	{"sidecarRegistrationPodNetwork", map[string]any{"registration": "sidecar", "hostNetwork": false, "healthPort": 9808}},
+	{"noResizer", map[string]any{"resizer": map[string]any{"enabled": false}}},
+	// values.yaml's example, and roots shared with imageRoots or under the state dir.
 	{"fuseProfiles", map[string]any{"config": map[string]any{
-		"fuseProfiles": []any{map[string]any{"name": "sshfs", "command": []any{"sshfs", "-f"}}},
+		"imageRoots": []any{"/srv/images", "/srv/shared", "/var/lib/mountplan/images"},
+		"fuseProfiles": []any{
+			map[string]any{"name": "squashfuse", "binary": "/usr/bin/squashfuse",
+				"args":   []any{"-f", "{source}", "{mountpoint}", "-o", "allow_other"},
+				"source": map[string]any{"roots": []any{"/srv/squashfs", "/srv/shared"}}, "readyTimeout": "10s"},
+			map[string]any{"name": "sshfs", "binary": "/usr/bin/sshfs",
+				"args":   []any{"-f", "{source}", "{mountpoint}"},
+				"source": map[string]any{"pattern": "[a-z]+@[a-z.]+:[a-z/]*"}},
+		},
 	}}},
 	{"everything", map[string]any{
 		"kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet",
 		"driverName": "other.example.org",
 		"stateDir":   "/data/mp",
 		"metrics":    map[string]any{"enabled": true},
+		"registration": "sidecar",
 		"config": map[string]any{
 			"imageRoots":  []any{"/srv/images"},
 			"mountPolicy": map[string]any{"allowSuidDev": true, "types": []any{"ext4", "bind"}},
@@ -93,7 +107,7 @@ type rendered struct {
 	binding *rbacv1.ClusterRoleBinding
 
 	// rawConfig is the ConfigMap's config.yaml; config is the same file read by
-	// the plugin's own loader (nil while fuseProfiles is set: see loadConfig).
+	// the plugin's own loader.
 	rawConfig map[string]any
 	config    *config.Config
 }
@@ -159,8 +173,6 @@ func render(t *testing.T, overrides map[string]any) *rendered {
 
 // loadConfig reads the rendered config.yaml with pkg/config, the plugin's
 // strict loader, so that the chart cannot render a field the plugin rejects.
-// fuseProfiles belongs to the FUSE source, which pkg/config does not know yet:
-// a config that sets it is only checked for shape.
 func (r *rendered) loadConfig(t *testing.T) {
 	t.Helper()
 	data, ok := r.cm.Data[filepath.Base(configPath)]
@@ -169,12 +181,6 @@ func (r *rendered) loadConfig(t *testing.T) {
 	}
 	if err := yaml.Unmarshal([]byte(data), &r.rawConfig); err != nil {
 		t.Fatalf("ConfigMap %s: config.yaml: %v", r.cm.Name, err)
-	}
-	if _, ok := r.rawConfig["fuseProfiles"]; ok {
-		if _, isList := r.rawConfig["fuseProfiles"].([]any); !isList {
-			t.Errorf("config fuseProfiles is not a list: %v", r.rawConfig["fuseProfiles"])
-		}
-		return
 	}
 	f := filepath.Join(t.TempDir(), "config.yaml")
 	if err := os.WriteFile(f, []byte(data), 0o644); err != nil {
@@ -281,6 +287,21 @@ func (r *rendered) kubeletDir(t *testing.T) string {
 
 func (r *rendered) stateDir(t *testing.T) string {
 	return strings.TrimSuffix(r.str(t, "stateDir"), "/")
+}
+
+// builtin says whether the plugin registers itself and serves /healthz.
+func (r *rendered) builtin(t *testing.T) bool {
+	return r.str(t, "registration") == "builtin"
+}
+
+// hasContainer says whether the DaemonSet runs a container of that name.
+func (r *rendered) hasContainer(name string) bool {
+	for _, c := range r.ds.Spec.Template.Spec.Containers {
+		if c.Name == name {
+			return true
+		}
+	}
+	return false
 }
 
 func (r *rendered) container(t *testing.T, name string) *corev1.Container {
@@ -439,11 +460,19 @@ func TestObjects(t *testing.T) {
 				t.Errorf("container %s: no resource requests", c.Name)
 			}
 		}
-		// CSI sidecars come from kubernetes-csi's registry.
-		for _, name := range []string{"node-driver-registrar", "liveness-probe", "csi-provisioner"} {
+		// CSI sidecars come from kubernetes-csi's registry; the registrar and the
+		// livenessprobe run only when the plugin does not do their work.
+		sidecars := []string{"csi-provisioner"}
+		if !r.builtin(t) {
+			sidecars = append(sidecars, "node-driver-registrar", "liveness-probe")
+		}
+		for _, name := range sidecars {
 			if img := r.container(t, name).Image; !strings.HasPrefix(img, "registry.k8s.io/sig-storage/") {
 				t.Errorf("container %s: image %q is not from registry.k8s.io/sig-storage", name, img)
 			}
+		}
+		if r.builtin(t) && (r.hasContainer("node-driver-registrar") || r.hasContainer("liveness-probe")) {
+			t.Error("registration: builtin still runs the registrar or livenessprobe container")
 		}
 	})
 }
@@ -602,12 +631,22 @@ func TestPlugin(t *testing.T) {
 		if int32(port) != healthPort {
 			t.Errorf("liveness probe port %v resolves to %d, want healthPort %d", lp.HTTPGet.Port, port, healthPort)
 		}
-		probe := r.container(t, "liveness-probe")
-		wantArg(t, probe, "--csi-address", sock)
-		r.mountAt(t, probe, filepath.Dir(sock))
-		ep := args(t, probe)["--http-endpoint"]
+		// Who serves it: the plugin itself, or the livenessprobe container
+		// calling Probe on the same socket.
+		var ep string
+		if r.builtin(t) {
+			ep = args(t, c)["--health-address"]
+		} else {
+			probe := r.container(t, "liveness-probe")
+			wantArg(t, probe, "--csi-address", sock)
+			r.mountAt(t, probe, filepath.Dir(sock))
+			ep = args(t, probe)["--http-endpoint"]
+			if _, ok := args(t, c)["--health-address"]; ok {
+				t.Error("the plugin serves /healthz next to the livenessprobe container")
+			}
+		}
 		if !strings.HasSuffix(ep, ":"+strconv.Itoa(int(healthPort))) {
-			t.Errorf("livenessprobe --http-endpoint=%q does not listen on healthPort %d", ep, healthPort)
+			t.Errorf("health endpoint %q does not listen on healthPort %d", ep, healthPort)
 		}
 		hostNetwork := r.value(t, "hostNetwork") == true
 		if r.ds.Spec.Template.Spec.HostNetwork != hostNetwork {
@@ -615,7 +654,7 @@ func TestPlugin(t *testing.T) {
 		}
 		if hostNetwork {
 			if ep != "localhost:"+strconv.Itoa(int(healthPort)) || lp.HTTPGet.Host != "localhost" {
-				t.Errorf("with hostNetwork the health endpoint must stay on localhost: --http-endpoint=%q, probe host %q", ep, lp.HTTPGet.Host)
+				t.Errorf("with hostNetwork the health endpoint must stay on localhost: %q, probe host %q", ep, lp.HTTPGet.Host)
 			}
 			if r.ds.Spec.Template.Spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 				t.Errorf("dnsPolicy %q with hostNetwork", r.ds.Spec.Template.Spec.DNSPolicy)
@@ -705,27 +744,109 @@ func TestMounter(t *testing.T) {
 
 func TestRegistrar(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
-		c := r.container(t, "node-driver-registrar")
 		plugin := r.container(t, "plugin")
 		pluginSock := socketPath(t, args(t, plugin)["--endpoint"])
-		wantArg(t, c, "--csi-address", pluginSock)
-
-		// The socket the registrar dials is the plugin's: same volume at the same path.
-		rm, rv := r.mountAt(t, c, filepath.Dir(pluginSock))
-		pm, _ := r.mountAt(t, plugin, filepath.Dir(pluginSock))
-		if rm.Name != pm.Name {
-			t.Errorf("registrar mounts %s at %s, plugin mounts %s", rm.Name, rm.MountPath, pm.Name)
-		}
-		// kubelet finds the same socket on the host.
 		pluginDir := r.kubeletDir(t) + "/plugins/" + r.str(t, "driverName")
-		if rv.HostPath == nil || rv.HostPath.Path != pluginDir {
-			t.Errorf("socket volume %+v, want hostPath %s", rv.VolumeSource, pluginDir)
+		// kubelet finds the plugin's socket on the host, in <kubeletDir>/plugins/<driverName>.
+		_, sv := r.mountAt(t, plugin, filepath.Dir(pluginSock))
+		if sv.HostPath == nil || sv.HostPath.Path != pluginDir {
+			t.Errorf("socket volume %+v, want hostPath %s", sv.VolumeSource, pluginDir)
+		}
+		c := plugin // who registers
+		if r.builtin(t) {
+			// The registration socket lies in kubelet's plugins_registry and
+			// is named after the driver (kubelet watches the directory).
+			reg := args(t, plugin)["--registration-socket"]
+			if reg != "/registration/"+r.str(t, "driverName")+"-reg.sock" {
+				t.Errorf("plugin --registration-socket=%q, want /registration/<driverName>-reg.sock", reg)
+			}
+		} else {
+			c = r.container(t, "node-driver-registrar")
+			wantArg(t, c, "--csi-address", pluginSock)
+			// The socket the registrar dials is the plugin's: same volume at the same path.
+			rm, _ := r.mountAt(t, c, filepath.Dir(pluginSock))
+			pm, _ := r.mountAt(t, plugin, filepath.Dir(pluginSock))
+			if rm.Name != pm.Name {
+				t.Errorf("registrar mounts %s at %s, plugin mounts %s", rm.Name, rm.MountPath, pm.Name)
+			}
+			if _, ok := args(t, plugin)["--registration-socket"]; ok {
+				t.Error("the plugin registers itself next to node-driver-registrar")
+			}
 		}
 		wantArg(t, c, "--kubelet-registration-path", pluginDir+"/"+filepath.Base(pluginSock))
-
 		_, regv := r.mountAt(t, c, "/registration")
 		if regv.HostPath == nil || regv.HostPath.Path != r.kubeletDir(t)+"/plugins_registry" {
 			t.Errorf("registration volume %+v, want hostPath %s/plugins_registry", regv.VolumeSource, r.kubeletDir(t))
+		}
+	})
+}
+
+// TestAdminRoots: every host directory the config lets volumes name is in
+// the containers that read it, at its host path (item 1 of the cluster issue:
+// a static PV's image under imageRoots was NotFound inside the plugin).
+func TestAdminRoots(t *testing.T) {
+	forEachValueSet(t, func(t *testing.T, r *rendered) {
+		stateDir := r.stateDir(t)
+		visible := func(c *corev1.Container, root string) {
+			t.Helper()
+			if root == stateDir || strings.HasPrefix(root, stateDir+"/") {
+				r.mountAt(t, c, stateDir) // inside the state dir, mounted already
+				return
+			}
+			m, v := r.mountAt(t, c, root)
+			if v.HostPath == nil || v.HostPath.Path != root || v.HostPath.Type == nil || *v.HostPath.Type != corev1.HostPathDirectory {
+				t.Errorf("container %s: %s is %+v, want hostPath %s of type Directory", c.Name, root, v.VolumeSource, root)
+			}
+			if m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer {
+				t.Errorf("container %s: %s propagation %v, want HostToContainer (mounts made later on the host must show)", c.Name, root, m.MountPropagation)
+			}
+		}
+		plugin, mounter := r.container(t, "plugin"), r.container(t, "mounter")
+		for _, root := range r.config.ImageRoots {
+			visible(plugin, filepath.Clean(root))
+		}
+		for _, p := range r.config.FuseProfiles {
+			for _, root := range p.Source.Roots {
+				visible(plugin, root)  // checks the source
+				visible(mounter, root) // the daemon reads it
+			}
+		}
+	})
+}
+
+// TestResizer: the StorageClass promises expansion only with the node-local
+// resizer deployed, and the resizer has what it needs.
+func TestResizer(t *testing.T) {
+	forEachValueSet(t, func(t *testing.T, r *rendered) {
+		enabled := r.value(t, "resizer.enabled") == true
+		if r.sc != nil && (r.sc.AllowVolumeExpansion == nil || *r.sc.AllowVolumeExpansion != enabled) {
+			t.Errorf("StorageClass allowVolumeExpansion %v with resizer.enabled %v", r.sc.AllowVolumeExpansion, enabled)
+		}
+		if allows(r.role, "", "persistentvolumeclaims/status", "patch") != enabled {
+			t.Errorf("ClusterRole allows patching claim status: %v, want %v (resizer.enabled)", !enabled, enabled)
+		}
+		if !enabled {
+			if r.hasContainer("resizer") {
+				t.Error("resizer container with resizer.enabled false")
+			}
+			return
+		}
+		c := r.container(t, "resizer")
+		if !slices.Equal(c.Command, []string{resizerBinary}) || c.Image != r.container(t, "plugin").Image {
+			t.Errorf("resizer runs %q from %s, want %s from the plugin's image", c.Command, c.Image, resizerBinary)
+		}
+		wantArg(t, c, "--plugin-endpoint", csiEndpoint)
+		r.mountAt(t, c, filepath.Dir(socketPath(t, csiEndpoint)))
+		wantArg(t, c, "--node-id", "$(NODE_NAME)")
+		envFromNodeName(t, c, "NODE_NAME")
+		wantArg(t, c, "--driver-name", r.str(t, "driverName"))
+		if c.SecurityContext == nil || c.SecurityContext.Privileged != nil && *c.SecurityContext.Privileged {
+			t.Error("the resizer needs no privilege")
+		}
+		for _, verb := range []string{"get", "list", "watch", "patch"} {
+			if !allows(r.role, "", "persistentvolumes", verb) {
+				t.Errorf("ClusterRole does not allow %s persistentvolumes", verb)
+			}
 		}
 	})
 }
@@ -739,8 +860,11 @@ func TestProvisioner(t *testing.T) {
 		for _, f := range []string{"--node-deployment", "--strict-topology", "--extra-create-metadata"} {
 			wantArg(t, c, f, "")
 		}
-		wantArg(t, c, "--feature-gates", "Topology=true")
 		wantArg(t, c, "--immediate-topology", "false")
+		// Topology is GA: setting its gate only logs a removal warning.
+		if _, ok := args(t, c)["--feature-gates"]; ok {
+			t.Errorf("provisioner --feature-gates=%s", args(t, c)["--feature-gates"])
+		}
 		envFromNodeName(t, c, "NODE_NAME")
 
 		// RBAC as external-provisioner documents it.
@@ -827,9 +951,6 @@ func TestStorageClass(t *testing.T) {
 		}
 		if sc.VolumeBindingMode == nil || *sc.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
 			t.Errorf("StorageClass volumeBindingMode %v, want WaitForFirstConsumer", sc.VolumeBindingMode)
-		}
-		if sc.AllowVolumeExpansion == nil || !*sc.AllowVolumeExpansion {
-			t.Error("StorageClass does not allow volume expansion")
 		}
 		if sc.ReclaimPolicy == nil || string(*sc.ReclaimPolicy) != r.str(t, "storageClass.reclaimPolicy") {
 			t.Errorf("StorageClass reclaimPolicy %v", sc.ReclaimPolicy)
@@ -928,6 +1049,12 @@ func TestInvalidValues(t *testing.T) {
 		{"driverName with a slash", map[string]any{"driverName": "a/b"}},
 		{"driverName upper case", map[string]any{"driverName": "Mountplan.CSI.io"}},
 		{"empty driverName", map[string]any{"driverName": ""}},
+		{"unknown registration", map[string]any{"registration": "both"}},
+		{"relative imageRoot", map[string]any{"config": map[string]any{"imageRoots": []any{"srv/images"}}}},
+		{"unclean imageRoot", map[string]any{"config": map[string]any{"imageRoots": []any{"/srv/images/"}}}},
+		{"imageRoot /", map[string]any{"config": map[string]any{"imageRoots": []any{"/"}}}},
+		{"relative FUSE root", map[string]any{"config": map[string]any{"fuseProfiles": []any{
+			map[string]any{"name": "x", "binary": "/bin/x", "args": []any{"{mountpoint}"}, "source": map[string]any{"roots": []any{"srv"}}}}}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if _, err := chartrender.Render(chartDir, tc.values); err == nil {

@@ -261,7 +261,7 @@ func TestDockerfileBinaries(t *testing.T) {
 			}
 		}
 	}
-	for _, c := range []string{"mountplan-plugin", "mountplan-sidecar"} {
+	for _, c := range []string{"mountplan-plugin", "mountplan-sidecar", "mountplan-resizer"} {
 		found := false
 		for out, pkg := range built {
 			found = found || (path.Base(out) == c && pkg == "./cmd/"+c)
@@ -301,7 +301,7 @@ func TestDockerfileBinaries(t *testing.T) {
 			t.Errorf("container %s runs %s, which the Dockerfile does not install (installs %v)", c.Name, c.Command[0], installed)
 		}
 	}
-	for _, b := range []string{pluginBinary, sidecarBinary} {
+	for _, b := range []string{pluginBinary, sidecarBinary, resizerBinary} {
 		if !installed[b] {
 			t.Errorf("the runtime stage does not copy %s", b)
 		}

@@ -30,7 +30,7 @@ var sidecarFlags = map[string]struct {
 	"registry.k8s.io/sig-storage/livenessprobe": {"v2.19.0", []string{
 		"csi-address", "probe-timeout", "http-endpoint", "metrics-path", "v", "vmodule",
 	}},
-	"registry.k8s.io/sig-storage/csi-provisioner": {"v5.3.0", []string{
+	"registry.k8s.io/sig-storage/csi-provisioner": {"v6.4.0", []string{
 		"csi-address", "timeout", "feature-gates", "strict-topology", "immediate-topology",
 		"extra-create-metadata", "default-fstype", "http-endpoint", "metrics-path", "worker-threads",
 		"node-deployment", "node-deployment-immediate-binding", "node-deployment-base-delay",
@@ -66,7 +66,7 @@ func TestSidecarFlags(t *testing.T) {
 // TestBinaryFlags checks every flag the chart passes to mountplan-plugin and
 // mountplan-sidecar against the flags their sources under cmd/ define.
 func TestBinaryFlags(t *testing.T) {
-	binaries := map[string]string{pluginBinary: "mountplan-plugin", sidecarBinary: "mountplan-sidecar"}
+	binaries := map[string]string{pluginBinary: "mountplan-plugin", sidecarBinary: "mountplan-sidecar", resizerBinary: "mountplan-resizer"}
 	defined := map[string]map[string]bool{}
 	for _, name := range binaries {
 		fs, err := definedFlags(filepath.Join("..", "..", "cmd", name))

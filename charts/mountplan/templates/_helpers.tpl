@@ -55,6 +55,15 @@ app.kubernetes.io/part-of: mountplan
 {{- $d -}}
 {{- end -}}
 
+{{/* An admin root of the config: as the plugin wants it, clean, absolute, not /. */}}
+{{- define "mountplan.root" -}}
+{{- $r := toString .value -}}
+{{- if or (not (hasPrefix "/" $r)) (ne (clean $r) $r) (eq $r "/") -}}
+{{- fail (printf "%s %q must be a clean absolute path other than /" .name $r) -}}
+{{- end -}}
+{{- $r -}}
+{{- end -}}
+
 {{- define "mountplan.kubeletDir" -}}
 {{- include "mountplan.absDir" (dict "name" "kubeletDir" "value" .Values.kubeletDir) -}}
 {{- end -}}
@@ -68,7 +77,7 @@ app.kubernetes.io/part-of: mountplan
 {{- printf "%s/plugins/%s" (include "mountplan.kubeletDir" .) (include "mountplan.driverName" .) -}}
 {{- end -}}
 
-{{/* kubelet's plugin registration directory (node-driver-registrar). */}}
+{{/* kubelet's plugin registration directory (the plugin or node-driver-registrar). */}}
 {{- define "mountplan.registrationDir" -}}
 {{- printf "%s/plugins_registry" (include "mountplan.kubeletDir" .) -}}
 {{- end -}}
@@ -87,4 +96,39 @@ app.kubernetes.io/part-of: mountplan
 {{- define "mountplan.image" -}}
 {{- $tag := default .ctx.Chart.AppVersion .image.tag -}}
 {{- printf "%s:%s" (required "image repository is required" .image.repository) (toString $tag) -}}
+{{- end -}}
+
+{{/*
+Host directories the admin config lets volumes name (config.imageRoots, and the
+source.roots of config.fuseProfiles), as YAML: path -> "plugin" (loop images:
+the plugin attaches them) or "both" (FUSE sources: the plugin checks them, the
+daemons in the mounter's container read them). Roots under the state dir are
+left out: the state dir is mounted already.
+*/}}
+{{- define "mountplan.adminRoots" -}}
+{{- $stateDir := include "mountplan.stateDir" . -}}
+{{- $roots := dict -}}
+{{- range $i, $r := .Values.config.imageRoots -}}
+{{- $p := include "mountplan.root" (dict "name" (printf "config.imageRoots[%d]" $i) "value" $r) -}}
+{{- if not (get $roots $p) -}}{{- $_ := set $roots $p "plugin" -}}{{- end -}}
+{{- end -}}
+{{- range $i, $prof := .Values.config.fuseProfiles -}}
+{{- range $j, $r := (dig "source" "roots" list $prof) -}}
+{{- $p := include "mountplan.root" (dict "name" (printf "config.fuseProfiles[%d].source.roots[%d]" $i $j) "value" $r) -}}
+{{- $_ := set $roots $p "both" -}}
+{{- end -}}
+{{- end -}}
+{{- range $p, $_ := $roots -}}
+{{- if or (eq $p $stateDir) (hasPrefix (printf "%s/" $stateDir) $p) -}}{{- $_ := unset $roots $p -}}{{- end -}}
+{{- end -}}
+{{- toYaml $roots -}}
+{{- end -}}
+
+{{/* registration, validated: builtin or sidecar. */}}
+{{- define "mountplan.registration" -}}
+{{- $r := .Values.registration | toString -}}
+{{- if not (has $r (list "builtin" "sidecar")) -}}
+{{- fail (printf "registration %q must be builtin or sidecar" $r) -}}
+{{- end -}}
+{{- $r -}}
 {{- end -}}
