@@ -76,10 +76,10 @@ var valueSets = []struct {
 		},
 	}}},
 	{"everything", map[string]any{
-		"kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet",
-		"driverName": "other.example.org",
-		"stateDir":   "/data/mp",
-		"metrics":    map[string]any{"enabled": true},
+		"kubeletDir":   "/var/snap/microk8s/common/var/lib/kubelet",
+		"driverName":   "other.example.org",
+		"stateDir":     "/data/mp",
+		"metrics":      map[string]any{"enabled": true},
 		"registration": "sidecar",
 		"config": map[string]any{
 			"imageRoots":  []any{"/srv/images"},
