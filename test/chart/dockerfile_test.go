@@ -387,13 +387,17 @@ func TestExecToolsPackages(t *testing.T) {
 // TestExecToolsListed finds the programs that the Go code under pkg/ and cmd/
 // runs and checks that execTools lists each of them.
 func TestExecToolsListed(t *testing.T) {
-	found, unresolved, err := findExecTools(repoRoot, []string{"pkg", "cmd"})
+	found, declared, unresolved, err := findExecTools(repoRoot, []string{"pkg", "cmd"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	listed := map[string]bool{}
 	for _, e := range execTools {
 		listed[e.tool] = true
+		// A Tool's Package is what its "not installed" error names.
+		if pkg, ok := declared[e.tool]; ok && pkg != e.pkg {
+			t.Errorf("%s: toolrun.Tool %s says Debian package %q, execTools %q", found[e.tool][0], e.tool, pkg, e.pkg)
+		}
 	}
 	var names []string
 	for name := range found {
@@ -415,9 +419,10 @@ func TestExecToolsListed(t *testing.T) {
 // packages, whose directory name ends in "test") and returns the program names
 // passed to Command/CommandContext/LookPath (of os/exec or k8s.io/utils/exec),
 // directly or through wrapper functions of the same package that pass one of
-// their parameters on. A name is resolved from a string literal, a constant,
-// or the literals assigned to a local variable.
-func findExecTools(root string, dirs []string) (map[string][]string, []string, error) {
+// their parameters on, and those declared as toolrun.Tool values (declared:
+// name → the Debian package the Tool says ships it). A name is resolved from a
+// string literal, a constant, or the literals assigned to a local variable.
+func findExecTools(root string, dirs []string) (found map[string][]string, declared map[string]string, unresolved []string, err error) {
 	fset := token.NewFileSet()
 	pkgs := map[string][]*ast.File{}
 	for _, d := range dirs {
@@ -445,13 +450,15 @@ func findExecTools(root string, dirs []string) (map[string][]string, []string, e
 			return nil
 		})
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
 
-	found := map[string][]string{}
-	var unresolved []string
-	for _, files := range pkgs {
+	found, declared = map[string][]string{}, map[string]string{}
+	for dir, files := range pkgs {
+		if filepath.Base(dir) == "toolrun" {
+			continue // the runner: it runs what the Tool values elsewhere name
+		}
 		consts := map[string]string{}
 		for _, f := range files {
 			for _, decl := range f.Decls {
@@ -470,6 +477,55 @@ func findExecTools(root string, dirs []string) (map[string][]string, []string, e
 					}
 				}
 			}
+		}
+		// How each file imports the exec packages: os/exec's local name, and
+		// whether it uses k8s.io/utils/exec (whose Command is an interface method).
+		osExec, utilExec := map[*ast.File]string{}, map[*ast.File]bool{}
+		for _, f := range files {
+			for _, im := range f.Imports {
+				switch p, _ := strconv.Unquote(im.Path.Value); {
+				case p == "os/exec" && im.Name != nil:
+					osExec[f] = im.Name.Name
+				case p == "os/exec":
+					osExec[f] = "exec"
+				case p == "k8s.io/utils/exec":
+					utilExec[f] = true
+				}
+			}
+			// Tools declared for pkg/toolrun's runner: toolrun.Tool{Name: ..., Package: ...}.
+			ast.Inspect(f, func(n ast.Node) bool {
+				lit, ok := n.(*ast.CompositeLit)
+				if !ok || !isToolType(lit.Type) {
+					return true
+				}
+				var name, pkg string
+				for _, e := range lit.Elts {
+					kv, ok := e.(*ast.KeyValueExpr)
+					if !ok {
+						continue
+					}
+					k, _ := kv.Key.(*ast.Ident)
+					v, isLit := stringLit(kv.Value)
+					if c, isConst := kv.Value.(*ast.Ident); !isLit && isConst {
+						v, isLit = consts[c.Name], consts[c.Name] != ""
+					}
+					switch {
+					case k == nil || !isLit:
+					case k.Name == "Name":
+						name = v
+					case k.Name == "Package":
+						pkg = v
+					}
+				}
+				desc := fset.Position(lit.Pos()).String()
+				if name == "" {
+					unresolved = append(unresolved, desc)
+					return true
+				}
+				found[name] = append(found[name], desc)
+				declared[name] = pkg
+				return true
+			})
 		}
 		// wrappers: function name → index of the argument that names the program.
 		wrappers := map[string]int{}
@@ -491,16 +547,20 @@ func findExecTools(root string, dirs []string) (map[string][]string, []string, e
 							return true
 						}
 						name, idx := "", -1
+						execCall := false // a Command of os/exec or of k8s.io/utils/exec
 						switch fun := call.Fun.(type) {
 						case *ast.SelectorExpr:
 							name = fun.Sel.Name
+							x, isIdent := fun.X.(*ast.Ident)
+							execCall = utilExec[f] || isIdent && osExec[f] == x.Name
 						case *ast.Ident:
 							name = fun.Name
 						}
-						switch name {
-						case "Command", "LookPath":
+						switch {
+						case !execCall:
+						case name == "Command" || name == "LookPath":
 							idx = 0
-						case "CommandContext":
+						case name == "CommandContext":
 							idx = 1
 						}
 						if i, ok := wrappers[name]; ok && idx < 0 {
@@ -543,7 +603,17 @@ func findExecTools(root string, dirs []string) (map[string][]string, []string, e
 			}
 		}
 	}
-	return found, unresolved, nil
+	return found, declared, unresolved, nil
+}
+
+// isToolType says whether a composite literal's type is pkg/toolrun's Tool.
+func isToolType(e ast.Expr) bool {
+	sel, ok := e.(*ast.SelectorExpr)
+	if !ok || sel.Sel.Name != "Tool" {
+		return false
+	}
+	x, ok := sel.X.(*ast.Ident)
+	return ok && x.Name == "toolrun"
 }
 
 func stringLit(e ast.Expr) (string, bool) {
@@ -677,6 +747,24 @@ func chosen(ctx context.Context, t tools, xfs bool) {
 
 func dynamic() { _ = exec.Command(os.Args[1]) }
 `)
+	write("pkg/b/b.go", `package b
+
+import "example.org/toolrun"
+
+var losetup = toolrun.Tool{Name: "losetup", Package: "mount"}
+
+type profile struct{}
+
+func (profile) Command(spec, src string) string { return "" }
+
+// Not os/exec's Command: this file does not import it.
+func render(p profile, spec, src string) string { return p.Command(spec, src) }
+`)
+	write("pkg/toolrun/run.go", `package toolrun
+import "os/exec"
+type Tool struct{ Name, Package string }
+func run(t Tool) { _ = exec.Command(t.Name) }
+`)
 	write("pkg/a/a_test.go", `package a
 import "os/exec"
 func helper() { _ = exec.Command("only-in-tests") }
@@ -685,16 +773,19 @@ func helper() { _ = exec.Command("only-in-tests") }
 import "os/exec"
 func helper() { _ = exec.Command("unshare") }
 `)
-	found, unresolved, err := findExecTools(root, []string{"pkg", "cmd"})
+	found, declared, unresolved, err := findExecTools(root, []string{"pkg", "cmd"})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if declared["losetup"] != "mount" || len(declared) != 1 {
+		t.Errorf("declared tools %v, want losetup from mount", declared)
 	}
 	var got []string
 	for n := range found {
 		got = append(got, n)
 	}
 	sort.Strings(got)
-	want := []string{"/usr/sbin/iscsiadm", "fusermount3", "mkfs.ext4", "mkfs.xfs", "nbd-client", "sshfs"}
+	want := []string{"/usr/sbin/iscsiadm", "fusermount3", "losetup", "mkfs.ext4", "mkfs.xfs", "nbd-client", "sshfs"}
 	if !slices.Equal(got, want) {
 		t.Errorf("found %v, want %v", got, want)
 	}
