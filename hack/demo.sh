@@ -38,7 +38,7 @@ cleanup() {
 trap cleanup EXIT
 
 step "start the plugin on $EP"
-"$BIN/mountplan-plugin" --endpoint "$EP" --node-id demo-node --state-dir "$TMP/state" --v=2 >"$TMP/plugin.log" 2>&1 &
+"$BIN/mountplan-plugin" --endpoint "$EP" --node-id demo-node --state-dir "$TMP/state" --kubelet-dir "$TMP" --v=2 >"$TMP/plugin.log" 2>&1 &
 PLUGIN_PID=$!
 for _ in $(seq 100); do ctl -timeout 1s probe >/dev/null 2>&1 && break; sleep 0.1; done
 ctl probe

@@ -32,10 +32,10 @@ import (
 )
 
 type flags struct {
-	endpoint, nodeID, stateDir, driverName, configPath, mounterEndpoint, metricsAddress string
-	reconcileInterval                                                                   time.Duration
-	fuseProbeInterval, fuseProbeTimeout                                                 time.Duration
-	kubelet                                                                             kubeletFlags
+	endpoint, nodeID, stateDir, kubeletDir, driverName, configPath, mounterEndpoint, metricsAddress string
+	reconcileInterval                                                                               time.Duration
+	fuseProbeInterval, fuseProbeTimeout                                                             time.Duration
+	kubelet                                                                                         kubeletFlags
 }
 
 func main() {
@@ -43,6 +43,7 @@ func main() {
 	flag.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///abs/path.sock)")
 	flag.StringVar(&f.nodeID, "node-id", "", "name of this node (required)")
 	flag.StringVar(&f.stateDir, "state-dir", config.DefaultStateDir, "directory for the journal, images and private mounts")
+	flag.StringVar(&f.kubeletDir, "kubelet-dir", driver.DefaultKubeletDir, "kubelet's root directory: every staging and target path must lie under it")
 	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
 	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket, which performs plans and runs FUSE daemons; empty: both in process")
@@ -91,7 +92,7 @@ func run(f flags) error {
 		return err
 	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
-		StateDir: f.stateDir, Config: cfg, Mounter: m, Metrics: mx,
+		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Mounter: m, Metrics: mx,
 		Sources: map[string]source.Source{fuse.Type: fuseSource,
 			nbd.Type: nbd.New(cfg.NBD, mx), iscsi.Type: iscsi.New(cfg.ISCSI, f.stateDir, mx)}})
 	if err != nil {

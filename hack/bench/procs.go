@@ -88,7 +88,7 @@ func (b *bench) startPlugin(ctx context.Context) error {
 	// A long reconcile interval keeps the periodic reconcile out of the
 	// timed loops; the startup reconcile still runs.
 	args := []string{b.o.plugin,
-		"--endpoint", "unix://" + b.sock, "--state-dir", b.stateDir, "--node-id", "bench-node",
+		"--endpoint", "unix://" + b.sock, "--state-dir", b.stateDir, "--kubelet-dir", b.dir, "--node-id", "bench-node",
 		"--reconcile-interval", "1h"}
 	if b.metricsAddr = metricsAddress(b.o.plugin); b.metricsAddr != "" {
 		args = append(args, "--metrics-address", b.metricsAddr)

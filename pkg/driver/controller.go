@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"slices"
 	"strings"
 
@@ -157,25 +158,61 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, err
 		}
 		return d.createResponse(v), nil
-	case err == nil: // a create interrupted after its intent: finish it
-	case errors.Is(err, errdefs.ErrNotFound):
-		v = &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
-			Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
-			FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
-		if err := d.store.Put(v, journal.Durable); err != nil {
+	case err == nil:
+		// A create interrupted after its intent, never answered: start
+		// over with this request, whatever the interrupted one asked.
+		if err := loop.RemoveImage(v.Image); err != nil {
 			return nil, err
 		}
-	default:
+	case !errors.Is(err, errdefs.ErrNotFound):
+		return nil, err
+	}
+	if err := d.checkFits(id, p.size); err != nil {
+		return nil, err
+	}
+	v = &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
+		Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
+		FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
+	if err := d.store.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	if err := loop.CreateImage(v.Image, v.CapacityBytes); err != nil {
-		return nil, fmt.Errorf("create image for %s: %w", id, err)
+		// No record outlives a failed create: the name stays free.
+		err = fmt.Errorf("create image for %s: %w", id, imageError(err))
+		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.store.Delete(id, journal.Durable))
 	}
 	v.Creating = false
 	if err := d.store.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	return d.createResponse(v), nil
+}
+
+// checkFits refuses a capacity the state dir's filesystem cannot hold:
+// more than its whole size (images are sparse, so free space is not the
+// bound, but a filesystem never holds more than itself).
+func (d *Driver) checkFits(id string, size int64) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(d.opts.StateDir, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", d.opts.StateDir, err)
+	}
+	total := st.Blocks * uint64(st.Bsize)
+	if st.Bsize > 0 && st.Blocks > math.MaxInt64/uint64(st.Bsize) {
+		total = math.MaxInt64
+	}
+	if uint64(size) > total {
+		return fmt.Errorf("volume %s: %d bytes is more than the state dir's filesystem holds (%d bytes): %w", id, size, total, errdefs.ErrOutOfRange)
+	}
+	return nil
+}
+
+// imageError marks a size the filesystem refuses for one file (EFBIG) as
+// out of range.
+func imageError(err error) error {
+	if errors.Is(err, unix.EFBIG) {
+		return fmt.Errorf("%w: %w", err, errdefs.ErrOutOfRange)
+	}
+	return err
 }
 
 // compatible decides whether a repeated CreateVolume names the same volume.
@@ -306,8 +343,11 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		return nil, err
 	}
 	if size > v.CapacityBytes {
+		if err := d.checkFits(id, size); err != nil {
+			return nil, err
+		}
 		if err := loop.GrowImage(v.Image, size); err != nil {
-			return nil, fmt.Errorf("grow image of %s: %w", id, err)
+			return nil, fmt.Errorf("grow image of %s: %w", id, imageError(err))
 		}
 		v.CapacityBytes = size
 		if err := d.store.Put(v, journal.Durable); err != nil {

@@ -34,6 +34,9 @@ type Options struct {
 	NodeID     string
 	Version    string
 	StateDir   string
+	// KubeletDir is kubelet's root directory (default /var/lib/kubelet):
+	// every staging and target path a CO sends must lie under it.
+	KubeletDir string
 	Config     *config.Config
 	// Mounter performs plans for kubelet's publishes: the sidecar's Mounter
 	// service, or an in-process executor.
@@ -56,6 +59,7 @@ type Driver struct {
 	locks   keylock.Locks
 	sources map[string]source.Source
 	policy  plan.Policy
+	kubelet kubeletDir
 	ready   atomic.Bool
 }
 
@@ -73,6 +77,10 @@ func New(opts Options) (*Driver, error) {
 		return nil, err
 	}
 	opts.StateDir = stateDir
+	kubelet, err := newKubeletDir(opts.KubeletDir)
+	if err != nil {
+		return nil, err
+	}
 	store, err := journal.Open(stateDir)
 	if err != nil {
 		return nil, err
@@ -88,6 +96,7 @@ func New(opts Options) (*Driver, error) {
 		store:   store,
 		sources: sources,
 		policy:  opts.Config.PlanPolicy(stateDir),
+		kubelet: kubelet,
 	}
 	for _, s := range sources {
 		if hu, ok := s.(source.HostUser); ok {

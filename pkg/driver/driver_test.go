@@ -29,7 +29,7 @@ func (m *recordingMounter) Unmount(context.Context, []plan.Mount, plan.Consumer)
 func newTestDriver(t *testing.T) (*Driver, *recordingMounter) {
 	t.Helper()
 	m := &recordingMounter{}
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), Mounter: m})
+	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: m})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,6 +45,7 @@ var rwo = mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 
 func TestBadInputGetsTheRightCode(t *testing.T) {
 	d, m := newTestDriver(t)
+	stg, tgt := d.kubelet.root+"/plugins/x/globalmount", d.kubelet.root+"/pods/p/mount"
 	ctx := context.Background()
 	tests := []struct {
 		name string
@@ -52,11 +53,11 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 		want codes.Code
 	}{
 		{"stage without id", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{StagingTargetPath: "/s", VolumeCapability: rwo})
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{StagingTargetPath: stg, VolumeCapability: rwo})
 			return err
 		}, codes.InvalidArgument},
 		{"stage with traversal id", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "../../etc", StagingTargetPath: "/s", VolumeCapability: rwo})
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "../../etc", StagingTargetPath: stg, VolumeCapability: rwo})
 			return err
 		}, codes.InvalidArgument},
 		{"stage with relative staging path", func() error {
@@ -64,25 +65,25 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 			return err
 		}, codes.InvalidArgument},
 		{"stage without capability", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s"})
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: stg})
 			return err
 		}, codes.InvalidArgument},
 		{"stage multi-node", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s",
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: stg,
 				VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)})
 			return err
 		}, codes.InvalidArgument},
 		{"stage unknown volume", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", VolumeCapability: rwo})
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: stg, VolumeCapability: rwo})
 			return err
 		}, codes.NotFound},
 		{"static image without roots", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", VolumeCapability: rwo,
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: stg, VolumeCapability: rwo,
 				VolumeContext: map[string]string{"type": "loop", "image": "/etc/passwd"}})
 			return err
 		}, codes.InvalidArgument},
 		{"static unknown attribute", func() error {
-			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", VolumeCapability: rwo,
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "v", StagingTargetPath: stg, VolumeCapability: rwo,
 				VolumeContext: map[string]string{"type": "loop", "image": "/x.img", "binary": "/bin/sh"}})
 			return err
 		}, codes.InvalidArgument},
@@ -116,20 +117,20 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 			return err
 		}, codes.ResourceExhausted},
 		{"publish not staged", func() error {
-			_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", TargetPath: "/t", VolumeCapability: rwo})
+			_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: stg, TargetPath: tgt, VolumeCapability: rwo})
 			return err
 		}, codes.NotFound},
 		{"prepare without consumer", func() error {
-			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", VolumeCapability: rwo})
+			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: stg, VolumeCapability: rwo})
 			return err
 		}, codes.InvalidArgument},
 		{"prepare with relative mount point", func() error {
-			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", VolumeCapability: rwo,
+			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: stg, VolumeCapability: rwo,
 				Consumer: &api.Consumer{Pid: 1, MountPoint: "../data"}})
 			return err
 		}, codes.InvalidArgument},
 		{"prepare unknown volume", func() error {
-			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: "/s", VolumeCapability: rwo,
+			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: stg, VolumeCapability: rwo,
 				Consumer: &api.Consumer{Pid: 1, MountPoint: "/data"}})
 			return err
 		}, codes.NotFound},
@@ -146,7 +147,7 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 			return err
 		}, codes.NotFound},
 		{"ephemeral bad size", func() error {
-			_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "csi-1", TargetPath: "/t", VolumeCapability: rwo,
+			_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "csi-1", TargetPath: tgt, VolumeCapability: rwo,
 				VolumeContext: map[string]string{"csi.storage.k8s.io/ephemeral": "true", "size": "-5Gi"}})
 			return err
 		}, codes.InvalidArgument},
@@ -169,8 +170,9 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 
 func TestIdempotentReleaseCalls(t *testing.T) {
 	d, _ := newTestDriver(t)
+	stg := d.kubelet.root + "/plugins/x/globalmount"
 	ctx := context.Background()
-	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "gone", StagingTargetPath: "/s"}); err != nil {
+	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "gone", StagingTargetPath: stg}); err != nil {
 		t.Fatalf("unstage of an unknown volume: %v", err)
 	}
 	if _, err := d.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{VolumeId: "gone", Consumer: &api.Consumer{Pid: 1, MountPoint: "/d"}}); err != nil {
@@ -179,7 +181,7 @@ func TestIdempotentReleaseCalls(t *testing.T) {
 	if _, err := d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "gone"}); err != nil {
 		t.Fatalf("delete of an unknown volume: %v", err)
 	}
-	target := t.TempDir() + "/target"
+	target := d.kubelet.root + "/target"
 	if _, err := d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "gone", TargetPath: target}); err != nil {
 		t.Fatalf("unpublish of an unknown volume: %v", err)
 	}
@@ -222,12 +224,13 @@ func TestCreateVolumeIsIdempotentByName(t *testing.T) {
 
 func TestConcurrentOperationIsAborted(t *testing.T) {
 	d, _ := newTestDriver(t)
+	stg := d.kubelet.root + "/plugins/x/globalmount"
 	unlock, err := d.lock("v", "NodeStageVolume")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unlock()
-	_, err = d.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "v", StagingTargetPath: "/s"})
+	_, err = d.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "v", StagingTargetPath: stg})
 	if errdefs.Code(err) != codes.Aborted {
 		t.Fatalf("got %v, want Aborted", err)
 	}

@@ -44,6 +44,9 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	if c.readOnly {
 		return invalid("an inline volume starts empty, so a read-only access mode makes no sense")
 	}
+	if err := d.checkFits(id, size); err != nil {
+		return err
+	}
 	v = &journal.Volume{ID: id, Kind: journal.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
 		Image: loop.ImagePath(d.opts.StateDir, journal.KindEphemeral, id), Creating: true}
 	if err := d.store.Put(v, journal.Durable); err != nil {
@@ -55,7 +58,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 		}
 	}()
 	if err := loop.CreateImage(v.Image, size); err != nil {
-		return err
+		return imageError(err)
 	}
 	v.Creating = false
 	if err := d.stage(ctx, v, d.opts.StateDir, c, nil, nil); err != nil {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"os"
 	"slices"
 	"strings"
 
@@ -47,7 +46,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	c, err := checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
+	c, err := d.checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}
@@ -87,6 +86,9 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 	}
 	if v.Stage != nil {
 		if v.Staged() {
+			if v.Stage.StagingPath != stagingPath {
+				return fmt.Errorf("volume %s is already staged at %s: %w", v.ID, v.Stage.StagingPath, errdefs.ErrAlreadyExists)
+			}
 			if v.Stage.Block != c.block || v.Stage.ReadOnly != c.readOnly {
 				return fmt.Errorf("volume %s is already staged with another access type or mode: %w", v.ID, errdefs.ErrAlreadyExists)
 			}
@@ -140,7 +142,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := requireVolumeID(id); err != nil {
 		return nil, err
 	}
-	if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
+	if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.locked(id, "NodeUnstageVolume")
@@ -218,13 +220,4 @@ func describeConsumers(cs []journal.Claim) string {
 		parts = append(parts, c.Consumer.String())
 	}
 	return strings.Join(parts, ", ")
-}
-
-// removeMountPoint deletes a target path the plugin created, never
-// recursively: kubelet owns what lies around it.
-func removeMountPoint(p string) error {
-	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove %s: %w", p, err)
-	}
-	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"slices"
 
 	"k8s.io/klog/v2"
@@ -21,7 +22,7 @@ import (
 // the consumer's namespace.
 func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolumeRequest) (*api.NodePrepareVolumeResponse, error) {
 	id := req.GetVolumeId()
-	c, err := checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
+	c, err := d.checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}
@@ -37,16 +38,21 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
-	mounts, err := d.prepare(ctx, v, &cons, c, req.GetReadonly())
+	mounts, err := d.addConsumer(ctx, v, &cons, c, req.GetStagingTargetPath(), req.GetReadonly())
 	if err != nil {
 		return nil, err
 	}
 	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(mounts), Consumer: plan.ConsumerToProto(cons)}, nil
 }
 
-func (d *Driver) prepare(ctx context.Context, v *journal.Volume, cons *plan.Consumer, c capability, readOnly bool) ([]plan.Mount, error) {
+// addConsumer records cons as a consumer of the staged v and returns the
+// plan it is to perform; a repeated call gets the recorded plan.
+func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.Consumer, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := checkStagingPath(v, stagingPath); err != nil {
+		return nil, err
 	}
 	if v.Stage.Block != c.block {
 		return nil, invalid("volume %s is staged for %s access", v.ID, accessName(v.Stage.Block))
@@ -108,8 +114,13 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 // namespaceOf returns the identity of pid's mount namespace.
 func namespaceOf(pid int) (plan.Namespace, error) {
 	ns, err := mountns.IdentityOf(pid)
-	if errors.Is(err, errdefs.ErrNotFound) {
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
 		return ns, fmt.Errorf("process %d does not exist: %w", pid, errdefs.ErrNotFound)
+	case errors.Is(err, fs.ErrPermission):
+		// EACCES/EPERM: the plugin may not look into that process (it
+		// runs without CAP_SYS_PTRACE over it, say).
+		return ns, fmt.Errorf("mount namespace of process %d: %w: %w", pid, err, errdefs.ErrPermissionDenied)
 	}
 	return ns, err
 }

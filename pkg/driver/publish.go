@@ -1,16 +1,20 @@
 package driver
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io/fs"
 	"path/filepath"
 	"slices"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
@@ -24,7 +28,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err := requireVolumeID(id); err != nil {
 		return nil, err
 	}
-	if err := requirePath("target_path", req.GetTargetPath()); err != nil {
+	if err := d.kubelet.check("target_path", req.GetTargetPath()); err != nil {
 		return nil, err
 	}
 	c, err := checkCapability(req.GetVolumeCapability())
@@ -33,7 +37,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	}
 	ephemeral := req.GetVolumeContext()[ctxEphemeral] == "true"
 	if !ephemeral {
-		if err := requirePath("staging_target_path", req.GetStagingTargetPath()); err != nil {
+		if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
 			return nil, err
 		}
 	}
@@ -49,12 +53,28 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
+	if err := checkStagingPath(v, req.GetStagingTargetPath()); err != nil {
+		return nil, err
+	}
 	return &csi.NodePublishVolumeResponse{}, d.publish(ctx, v, req.GetTargetPath(), c, req.GetReadonly())
 }
 
+// checkStagingPath refuses a request whose staging path is not the one v
+// was staged at: a publish or prepare may only name the volume kubelet
+// staged there.
+func checkStagingPath(v *journal.Volume, stagingPath string) error {
+	if v.Stage != nil && v.Stage.StagingPath != stagingPath {
+		return invalid("volume %s is staged at %s, not at %s", v.ID, v.Stage.StagingPath, stagingPath)
+	}
+	return nil
+}
+
 // publish performs v's plan at target in the host namespace through the
-// mounter, recording the publish before the mount so a crash cannot
-// forget a mount it made.
+// mounter. The plugin makes the target itself (beneath kubelet's
+// directory, no symlink followed) and records that it did, so unpublish
+// removes only what it made. The record is written before the mounter is
+// asked, with the time it was asked: after a crash of either side the
+// mount may still appear, and the record lets unpublish remove it.
 func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, c capability, readOnly bool) error {
 	if !v.Staged() {
 		return fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
@@ -63,9 +83,10 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 		return invalid("volume %s is staged for %s access", v.ID, accessName(v.Stage.Block))
 	}
 	readOnly = readOnly || c.readOnly
-	if p := findPublish(v, target); p != nil {
-		if p.ReadOnly != readOnly {
-			return fmt.Errorf("volume %s is already published at %s with readonly=%t: %w", v.ID, target, p.ReadOnly, errdefs.ErrAlreadyExists)
+	prev := findPublish(v, target)
+	if prev != nil {
+		if prev.ReadOnly != readOnly {
+			return fmt.Errorf("volume %s is already published at %s with readonly=%t: %w", v.ID, target, prev.ReadOnly, errdefs.ErrAlreadyExists)
 		}
 		if d.isMountPoint(target) {
 			return nil
@@ -75,27 +96,47 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if err != nil {
 		return err
 	}
+	created, err := d.kubelet.makeTarget(target, c.block)
+	if err != nil {
+		return err
+	}
+	rec := journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: created || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
-	v.Publishes = append(v.Publishes, journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts})
+	v.Publishes = append(v.Publishes, rec)
 	if err := d.store.Put(v, journal.Runtime); err != nil {
 		return err
 	}
-	if err := d.opts.Metrics.Step("mount", func() error {
+	err = d.opts.Metrics.Step("mount", func() error {
 		return d.opts.Mounter.Mount(ctx, mounts, plan.Consumer{MountPoint: target})
-	}); err != nil {
-		// A mounter that timed out or went away may still have mounted:
-		// keep the record of a target that is mounted now, so the
-		// unpublish kubelet sends next can remove it.
-		if d.isMountPoint(target) {
-			return err
-		}
-		v.Publishes = v.Publishes[:len(v.Publishes)-1]
-		return errors.Join(err, d.store.Put(v, journal.Runtime))
+	})
+	if err == nil || d.isMountPoint(target) || mayStillMount(err) {
+		// A mounter that timed out may still mount: keep the record, so
+		// that the unpublish kubelet sends next (it treats such an error
+		// as "maybe mounted") removes what is there.
+		return err
 	}
-	return nil
+	v.Publishes = v.Publishes[:len(v.Publishes)-1]
+	var rmErr error
+	if rec.CreatedTarget {
+		rmErr = d.kubelet.removeTarget(target)
+	}
+	return errors.Join(err, rmErr, d.store.Put(v, journal.Runtime))
 }
 
-// planFor asks v's source for a plan and checks it against the policy.
+// mayStillMount reports whether a failed Mount call may still have its
+// effect: the call's time ran out while the mounter may still be at work.
+// A mounter that refused, or went away (Unavailable: its process ended,
+// or it never got the call), has done what the mount table shows.
+func mayStillMount(err error) bool {
+	switch errdefs.Code(err) {
+	case codes.DeadlineExceeded, codes.Canceled:
+		return true
+	}
+	return false
+}
+
+// planFor asks v's source for a plan and checks it against the policy and
+// the CO's mount flags against what each mount may take.
 func (d *Driver) planFor(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	src, err := d.sourceOf(v)
 	if err != nil {
@@ -103,6 +144,9 @@ func (d *Driver) planFor(v *journal.Volume, req source.PlanRequest) ([]plan.Moun
 	}
 	mounts, err := src.Plan(v, req)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkMountFlags(mounts, req.MountFlags); err != nil {
 		return nil, err
 	}
 	if err := d.policy.Validate(mounts); err != nil {
@@ -116,7 +160,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if err := requireVolumeID(id); err != nil {
 		return nil, err
 	}
-	if err := requirePath("target_path", target); err != nil {
+	if err := d.kubelet.check("target_path", target); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.locked(id, "NodeUnpublishVolume")
@@ -125,23 +169,57 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		return nil, err
 	}
 	if v == nil || findPublish(v, target) == nil {
-		// Nothing of ours is published there (any more): done, unless
-		// something else is mounted there, which is not ours to remove.
-		if d.isMountPoint(target) {
-			return nil, fmt.Errorf("%s holds a mount that is not a publish of volume %s: %w", target, id, errdefs.ErrNotFound)
-		}
-		return &csi.NodeUnpublishVolumeResponse{}, removeMountPoint(target)
+		return &csi.NodeUnpublishVolumeResponse{}, d.unpublishUnrecorded(ctx, v, target)
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, d.unpublish(ctx, v, target)
 }
 
+// unpublishUnrecorded answers an unpublish at a target the journal has no
+// publish of. It touches nothing there, except a mount of this very
+// volume (made by a mounter after the plugin had given the publish up):
+// the mounter removes a mount only if it is the plan's. A mount that is
+// not the volume's is not ours to remove.
+func (d *Driver) unpublishUnrecorded(ctx context.Context, v *journal.Volume, target string) error {
+	if !d.isMountPoint(target) {
+		return nil
+	}
+	if v != nil && v.Staged() {
+		mounts, err := d.planFor(v, source.PlanRequest{Block: v.Stage.Block, ReadOnly: v.Stage.ReadOnly})
+		if err != nil {
+			return err
+		}
+		if err := d.opts.Mounter.Unmount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
+			return err
+		}
+		if !d.isMountPoint(target) {
+			klog.FromContext(ctx).Info("Removed a mount of the volume that had no publish record", "target", target)
+			return nil
+		}
+	}
+	return fmt.Errorf("%s holds a mount that is not a publish of volume %s: %w", target, cmp.Or(volumeID(v), "(unknown)"), errdefs.ErrNotFound)
+}
+
+func volumeID(v *journal.Volume) string {
+	if v == nil {
+		return ""
+	}
+	return v.ID
+}
+
+// unpublish removes what the mounter put at target, then the target if
+// the plugin made it, then the record.
 func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string) error {
 	p := findPublish(v, target)
 	if err := d.opts.Mounter.Unmount(ctx, p.Mounts, plan.Consumer{MountPoint: target}); err != nil {
 		return err
 	}
-	if err := removeMountPoint(target); err != nil {
-		return err
+	if d.isMountPoint(target) {
+		return fmt.Errorf("volume %s: a mount that is not its own sits on top at %s: %w", v.ID, target, errdefs.ErrFailedPrecondition)
+	}
+	if p.CreatedTarget {
+		if err := d.kubelet.removeTarget(target); err != nil {
+			return err
+		}
 	}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
 	if v.Kind == journal.KindEphemeral {
@@ -227,8 +305,19 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", id, errdefs.ErrFailedPrecondition)
 	}
+	required, limit := req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes()
+	if required < 0 || limit < 0 || (limit > 0 && required > limit) {
+		return nil, fmt.Errorf("capacity range [%d, %d] is not a range: %w", required, limit, errdefs.ErrOutOfRange)
+	}
+	// volume_path is where the CO sees the volume: one of its publishes,
+	// or its staging path.
+	path := req.GetVolumePath()
+	p := findPublish(v, path)
+	if p == nil && path != v.Stage.StagingPath {
+		return nil, fmt.Errorf("volume %s is not published or staged at %s: %w", id, path, errdefs.ErrNotFound)
+	}
 	mountPath := ""
-	if p := findPublish(v, req.GetVolumePath()); p != nil && !v.Stage.Block && d.isMountPoint(p.TargetPath) {
+	if p != nil && !v.Stage.Block && d.isMountPoint(p.TargetPath) {
 		mountPath = p.TargetPath
 	}
 	src, err := d.sourceOf(v)
@@ -242,6 +331,14 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	size, err := exp.Expand(ctx, v, mountPath, filepath.Join(d.opts.StateDir, "expand", id))
 	if err != nil {
 		return nil, err
+	}
+	// The filesystem now fills its device; the device's size is the
+	// controller's business (ControllerExpandVolume grows the image).
+	if size < required {
+		return nil, fmt.Errorf("volume %s holds %d bytes, less than the %d asked for; expand it through ControllerExpandVolume first: %w", id, size, required, errdefs.ErrOutOfRange)
+	}
+	if limit > 0 && size > limit {
+		return nil, fmt.Errorf("volume %s holds %d bytes, more than limit_bytes %d: %w", id, size, limit, errdefs.ErrOutOfRange)
 	}
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }

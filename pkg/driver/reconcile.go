@@ -66,7 +66,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 	}
 	changed := d.dropDeadConsumers(ctx, v)
 	n := len(v.Publishes)
-	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return !d.isMountPoint(p.TargetPath) })
+	v.Publishes = slices.DeleteFunc(v.Publishes, d.publishGone)
 	changed = changed || len(v.Publishes) != n
 	if v.Kind == journal.KindEphemeral && len(v.Publishes) == 0 {
 		return d.destroyEphemeral(ctx, v)
@@ -78,6 +78,21 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 		return d.store.Put(v, journal.Runtime)
 	}
 	return nil
+}
+
+// publishGrace is how long after the mounter was asked a publish whose
+// target shows no mount is kept: a mounter cut off by a crash of the
+// plugin may still be performing it (kubelet's calls time out after 2
+// minutes). Once the mount shows, the record stays until unpublish.
+const publishGrace = 10 * time.Minute
+
+// publishGone reports whether a publish has left nothing behind: its
+// target is not mounted (the kernel dropped it, or it was unmounted behind
+// the plugin's back) and no mounter can still be at work on it. A younger
+// publish stays, so that the unpublish kubelet sends removes a mount that
+// appears late instead of finding no record of it.
+func (d *Driver) publishGone(p journal.Publish) bool {
+	return !d.isMountPoint(p.TargetPath) && time.Since(p.Asked) > publishGrace
 }
 
 // RunReconciler reconciles every interval until ctx ends, so consumers

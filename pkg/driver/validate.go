@@ -91,12 +91,13 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 }
 
 // checkStaged checks what every request about a staged volume carries:
-// its ID, the staging path and the capability it was staged with.
-func checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
+// its ID, the staging path (under kubelet's directory) and the capability
+// it was staged with.
+func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
 	if err := requireVolumeID(id); err != nil {
 		return capability{}, err
 	}
-	if err := requirePath("staging_target_path", stagingPath); err != nil {
+	if err := d.kubelet.check("staging_target_path", stagingPath); err != nil {
 		return capability{}, err
 	}
 	return checkCapability(vc)

@@ -22,6 +22,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
@@ -89,6 +90,14 @@ type Publish struct {
 	TargetPath string       `json:"targetPath"`
 	ReadOnly   bool         `json:"readOnly,omitempty"`
 	Mounts     []plan.Mount `json:"mounts"`
+	// CreatedTarget says the plugin made the target (a directory, or a
+	// file for block access): unpublish removes it, and nothing else.
+	CreatedTarget bool `json:"createdTarget,omitempty"`
+	// Asked is when the mounter was last asked to perform the plan here.
+	// The record is written before that: after a crash of the plugin or
+	// the mounter, a target that is not mounted yet may still be, since
+	// the mounter may still be at work.
+	Asked time.Time `json:"asked,omitzero"`
 }
 
 // Claim records a consumer of a prepared plan (with the identity of its

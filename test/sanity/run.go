@@ -42,7 +42,7 @@ func Run(t *testing.T, accessType, fsType string) {
 		t.Fatalf("build plugin: %v\n%s", err, out)
 	}
 	ep := "unix://" + filepath.Join(tmp, "csi.sock")
-	stop := startPlugin(t, bin, ep, filepath.Join(tmp, "state"), filepath.Join(tmp, "plugin.log"))
+	stop := startPlugin(t, bin, ep, tmp, filepath.Join(tmp, "state"), filepath.Join(tmp, "plugin.log"))
 	t.Cleanup(stop)
 
 	cfg := sanity.NewTestConfig()
@@ -92,12 +92,13 @@ func haveCapability(bit uint) bool {
 // startPlugin runs the plugin and waits until Probe says ready. The
 // returned func stops it with SIGTERM and fails the test if it does not
 // exit cleanly.
-func startPlugin(t *testing.T, bin, ep, stateDir, logPath string) func() {
+// kubeletDir is where csi-sanity makes its staging and target paths.
+func startPlugin(t *testing.T, bin, ep, kubeletDir, stateDir, logPath string) func() {
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, "--endpoint", ep, "--node-id", "sanity-node", "--state-dir", stateDir, "--v=4", "--logtostderr")
+	cmd := exec.Command(bin, "--endpoint", ep, "--node-id", "sanity-node", "--state-dir", stateDir, "--kubelet-dir", kubeletDir, "--v=4", "--logtostderr")
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// If this test process is killed (a timeout, ^C), the plugin goes too
 	// instead of living on as an orphan holding its socket.

@@ -39,9 +39,9 @@ type Plugin struct {
 
 // StartPlugin starts binary (see BuildBinaries) with
 //
-//	--endpoint unix://DIR/csi.sock --state-dir DIR/state --node-id test-node
+//	--endpoint unix://DIR/csi.sock --state-dir DIR/state --node-id test-node --kubelet-dir $TMPDIR
 //
-// followed by args (any of those three flags in args replaces the default),
+// followed by args (any of those four flags in args replaces the default),
 // and waits until the socket accepts connections (for at most 30s). DIR is
 // a fresh short directory under os.TempDir(), registered as a leak marker.
 // Its stdout and stderr go to LogPath, whose tail is logged when the test
@@ -85,6 +85,10 @@ func StartPluginInCgroup(t testing.TB, binary, cgroup string, args ...string) *P
 	}
 	if _, ok := flagValue(args, "node-id"); !ok {
 		full = append(full, "--node-id", "test-node")
+	}
+	if _, ok := flagValue(args, "kubelet-dir"); !ok {
+		// Tests make their staging and target paths under the temp dir.
+		full = append(full, "--kubelet-dir", os.TempDir())
 	}
 	p.Args = append(full, args...)
 

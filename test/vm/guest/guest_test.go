@@ -90,7 +90,7 @@ func newDriver(t *testing.T, cfg *config.Config, sources map[string]source.Sourc
 func newDriverAt(t *testing.T, cfg *config.Config, sources map[string]source.Source, stateDir string) (*driver.Driver, string) {
 	t.Helper()
 	cfg.DefaultFsType = "ext4"
-	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, Config: cfg,
+	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, KubeletDir: stateDir, Config: cfg,
 		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), RemoveMountPoint: true}, Sources: sources})
 	if err != nil {
 		t.Fatal(err)

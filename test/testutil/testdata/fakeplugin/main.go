@@ -18,6 +18,7 @@ func main() {
 	endpoint := flag.String("endpoint", "", "unix:///path.sock")
 	stateDir := flag.String("state-dir", "", "state directory")
 	nodeID := flag.String("node-id", "", "node name")
+	_ = flag.String("kubelet-dir", "", "kubelet directory (taken like the real plugin's, unused)")
 	flag.Parse()
 
 	sock := strings.TrimPrefix(*endpoint, "unix://")
