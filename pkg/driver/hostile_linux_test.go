@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -328,7 +327,7 @@ func TestPrepareConsumerPermissionDenied(t *testing.T) {
 		t.Fatal(err)
 	}
 	bin := filepath.Join(dir, "driver.test")
-	if err := copyFile(self, bin); err != nil {
+	if err := testutil.CopyFile(self, bin, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(bin, "-test.run=^TestPrepareConsumerPermissionDenied$", "-test.count=1")
@@ -364,21 +363,4 @@ func prepareAsUnprivileged() {
 	_, err = d.NodePrepareVolume(context.Background(), &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: staging,
 		VolumeCapability: rwo, Consumer: &api.Consumer{Pid: 1, MountPoint: "/data"}})
 	fmt.Printf("code=%v err=%v\n", errdefs.Code(err), err)
-}
-
-func copyFile(from, to string) error {
-	in, err := os.Open(from)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(to, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o755)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
 }

@@ -454,7 +454,7 @@ func BusyboxRootfs(t testing.TB) string {
 	if err := os.Chmod(filepath.Join(root, "tmp"), 0o1777); err != nil {
 		t.Fatal(err)
 	}
-	if err := copyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
+	if err := CopyFile(bb, filepath.Join(root, "bin", "busybox"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	applets := busyboxApplets
@@ -481,7 +481,8 @@ func BusyboxRootfs(t testing.TB) string {
 	return root
 }
 
-func copyFile(src, dst string, mode os.FileMode) error {
+// CopyFile copies src to dst (created or truncated, with mode).
+func CopyFile(src, dst string, mode os.FileMode) error {
 	in, err := os.Open(src)
 	if err != nil {
 		return err
