@@ -76,7 +76,7 @@ func TestFuseBadInput(t *testing.T) {
 				}
 				return '-'
 			}, id)
-			err := e.tryStage(id, c.vctx, c.secrets)
+			err := e.tryStage(id, mountCap("", rwo), c.vctx, c.secrets)
 			testutil.WantCode(t, "NodeStageVolume", err, codes.InvalidArgument)
 			if err != nil && strings.Contains(err.Error(), canary) {
 				t.Errorf("the error names a secret's value: %v", err)

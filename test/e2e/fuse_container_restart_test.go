@@ -44,15 +44,15 @@ func fuseContainerRestart(t *testing.T) {
 	ctrd := testutil.StartContainerd(t)
 	ctr := ctrd.Run(t, "consumer", testutil.BusyboxRootfs(t), "sleep", "3600")
 	e := newFuseEnv(t, "")
-	state, sock := e.startServe(sideCg)
-	e.startPlugin(plugCg, "--state-dir", state, "--mounter-endpoint", "unix://"+sock)
-	fuseWantInCgroup(t, "the sidecar", e.servePID, sideCg, plugCg)
+	e.startMounter(sideCg)
+	e.startPlugin(plugCg, "--v=5")
+	fuseWantInCgroup(t, "the sidecar", e.mounter.pid(), sideCg, plugCg)
 	fuseWantInCgroup(t, "the plugin", e.plugin.PID(), plugCg, sideCg)
 	vctx := fuseSquashVolume(t, e, "ctr-restart")
 	step("containerd, consumer, sidecar and plugin (each in its own cgroup) running")
 
 	const id, target = "fuse-ctr-restart", "/data"
-	if err := e.tryStage(id, vctx, nil); err != nil {
+	if err := e.tryStage(id, mountCap("", rwo), vctx, nil); err != nil {
 		t.Fatalf("NodeStageVolume: %v", err)
 	}
 	d := e.state(id).Daemon
@@ -60,13 +60,13 @@ func fuseContainerRestart(t *testing.T) {
 		t.Fatalf("after stage the journal records daemon %+v; want a live one with a connection", d)
 	}
 	fuseWantInCgroup(t, "the daemon", d.PID, sideCg, plugCg)
-	if pp := fusePPid(d.PID); pp != e.servePID {
-		t.Errorf("the daemon's parent is pid %d, want the sidecar %d", pp, e.servePID)
+	if pp := fusePPid(d.PID); pp != e.mounter.pid() {
+		t.Errorf("the daemon's parent is pid %d, want the sidecar %d", pp, e.mounter.pid())
 	}
-	if b, _ := os.ReadFile(e.serveLog); !strings.Contains(string(b), fmt.Sprintf("pid=%d ", d.PID)) || !strings.Contains(string(b), `"Started daemon"`) {
-		t.Errorf("the sidecar's log does not show it started pid %d:\n%s", d.PID, b)
+	if l := e.mounter.log(); !strings.Contains(l, fmt.Sprintf("pid=%d ", d.PID)) || !strings.Contains(l, `"Started daemon"`) {
+		t.Errorf("the sidecar's log does not show it started pid %d:\n%s", d.PID, l)
 	}
-	e.sidecarMount(id, ctr.PID(), target)
+	e.mustSidecarMount(id, ctr.PID(), target)
 	const want = "from squashfs\n"
 	if out, err := testutil.Exec(t, ctr.PID(), "cat", target+"/hello.txt"); err != nil || out != want {
 		t.Fatalf("reading inside the container: %q, %v", out, err)
@@ -103,7 +103,7 @@ func fuseContainerRestart(t *testing.T) {
 	if got := e.daemon(id); got.PID != d.PID || got.Generation != 1 {
 		t.Errorf("the restarted plugin started another daemon: %+v", got)
 	}
-	if ps := fuseProcsMentioning(e.volDir(id) + "/mnt"); len(ps) != 1 {
+	if ps := processesMentioning(e.volDir(id) + "/mnt"); len(ps) != 1 {
 		t.Errorf("want exactly one daemon for the volume after adoption, got %v", ps)
 	}
 	if h, err := e.health(id); err != nil || h != "" {
@@ -122,7 +122,7 @@ func fuseContainerRestart(t *testing.T) {
 	fuseCheckBind(t, ctr.PID(), target, d.Conn)
 	step(fmt.Sprintf("plugin restarted in its cgroup; daemon pid %d adopted", d.PID))
 
-	e.sidecarUnmount(id, ctr.PID(), target)
+	e.mustSidecarUnmount(id, ctr.PID(), target)
 	e.unstage(id)
 	if fuseAlive(d) {
 		t.Errorf("daemon %d still runs after unstage", d.PID)
@@ -141,10 +141,10 @@ func fuseLocalSpawnerCgroup(t *testing.T) {
 	testutil.NoLeaks(t)
 	plugCg, otherCg := fuseCgroups(t)
 	e := newFuseEnv(t, "")
-	e.startPlugin(plugCg)
+	e.startPlugin(plugCg, "--v=5")
 	vctx := fuseSquashVolume(t, e, "local")
 	const id = "fuse-local-spawner"
-	if err := e.tryStage(id, vctx, nil); err != nil {
+	if err := e.tryStage(id, mountCap("", rwo), vctx, nil); err != nil {
 		t.Fatalf("NodeStageVolume: %v", err)
 	}
 	d := e.state(id).Daemon

@@ -1,13 +1,12 @@
 package e2e
 
-// Helpers of the TestFuse* tests (FUSE volumes, issue 4): the real plugin
-// with the example profiles of pkg/source/fuse/testdata, the real daemons
-// from Debian's packages (sshfs against an sshd started here, rclone,
-// squashfuse), consumers in real containers, and views of the kernel that
-// do not go through the product. Every name starts with "fuse".
+// Helpers of the TestFuse* tests (FUSE volumes): the shared harness
+// (env_test.go) with the example profiles of pkg/source/fuse/testdata, the
+// real daemons from Debian's packages (sshfs against an sshd started here,
+// rclone, squashfuse), and views of the kernel and of the daemons that do
+// not go through the product.
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -21,37 +20,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
 
-	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source/fuse"
 	"github.com/mountplan/mountplan/test/testutil"
 )
-
-const fuseRPCTimeout = 60 * time.Second
-
-// fuseEnv is one plugin started with the example profiles, its clients,
-// and the sidecar binary.
-type fuseEnv struct {
-	t       *testing.T
-	plugin  *testutil.Plugin
-	sidecar string
-	node    csi.NodeClient
-	ids     csi.IdentityClient
-	np      api.NodePrepareClient
-	dir     string // staging paths, config
-	config  string // the admin config, for the plugin and the sidecar
-	// roots replace the example config's /srv/rclone and /srv/squashfs.
-	rcloneRoot, squashRoot string
-	// serveLog is the log of the `mountplan-sidecar serve` the plugin
-	// uses as its mounter ("" when it performs plans in process), servePID
-	// its process.
-	serveLog string
-	servePID int
-}
 
 // fuseProfilesPath is the example config that README documents.
 func fuseProfilesPath(t *testing.T) string {
@@ -60,158 +33,6 @@ func fuseProfilesPath(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return filepath.Join(root, "pkg", "source", "fuse", "testdata", "profiles.yaml")
-}
-
-// startFuseEnv builds the binaries, writes the example config with the
-// roots pointed at test directories, and starts the plugin with --v=5 and
-// args.
-func startFuseEnv(t *testing.T, args ...string) *fuseEnv {
-	t.Helper()
-	return startFuseEnvWith(t, "", args...)
-}
-
-// startFuseEnvWith is startFuseEnv with more profiles (YAML list items)
-// appended to the example config.
-func startFuseEnvWith(t *testing.T, moreProfiles string, args ...string) *fuseEnv {
-	t.Helper()
-	e := newFuseEnv(t, moreProfiles)
-	e.startPlugin("", args...)
-	return e
-}
-
-// newFuseEnv builds the binaries and writes the example config (with more
-// profiles appended) with the roots pointed at test directories; it starts
-// nothing.
-func newFuseEnv(t *testing.T, moreProfiles string) *fuseEnv {
-	t.Helper()
-	_, sidecarBin := testutil.BuildBinaries(t)
-	e := &fuseEnv{t: t, sidecar: sidecarBin, dir: t.TempDir()}
-	e.rcloneRoot = filepath.Join(e.dir, "rclone-root")
-	e.squashRoot = filepath.Join(e.dir, "squash-root")
-	for _, d := range []string{e.rcloneRoot, e.squashRoot} {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	b, err := os.ReadFile(fuseProfilesPath(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := strings.NewReplacer("/srv/rclone", e.rcloneRoot, "/srv/squashfs", e.squashRoot).Replace(string(b)) + moreProfiles
-	e.config = filepath.Join(e.dir, "config.yaml")
-	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return e
-}
-
-// startPlugin starts the plugin with the config, --v=5 and args, in
-// cgroup ("" for the test's own), connects its clients and waits until it
-// is ready.
-func (e *fuseEnv) startPlugin(cgroup string, args ...string) {
-	t := e.t
-	t.Helper()
-	pluginBin, _ := testutil.BuildBinaries(t)
-	e.plugin = testutil.StartPluginInCgroup(t, pluginBin, cgroup, append([]string{"--config", e.config, "--v=5"}, args...)...)
-	conn, err := endpoint.Dial(e.plugin.Endpoint)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	e.node = csi.NewNodeClient(conn)
-	e.ids = csi.NewIdentityClient(conn)
-	e.np = api.NewNodePrepareClient(conn)
-	e.waitReady()
-}
-
-func (e *fuseEnv) waitReady() {
-	e.t.Helper()
-	ok := testutil.Poll(30*time.Second, 20*time.Millisecond, func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		resp, err := e.ids.Probe(ctx, &csi.ProbeRequest{})
-		return err == nil && resp.GetReady().GetValue()
-	})
-	if !ok {
-		e.t.Fatal("plugin not ready within 30s")
-	}
-}
-
-func (e *fuseEnv) ctx() context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), fuseRPCTimeout)
-	e.t.Cleanup(cancel)
-	return ctx
-}
-
-func fuseMountCap() *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}}}
-}
-
-func (e *fuseEnv) staging(id string) string { return filepath.Join(e.dir, "staging", id) }
-
-func (e *fuseEnv) tryStage(id string, vctx, secrets map[string]string) error {
-	_, err := e.node.NodeStageVolume(e.ctx(), &csi.NodeStageVolumeRequest{VolumeId: id,
-		StagingTargetPath: e.staging(id), VolumeCapability: fuseMountCap(), VolumeContext: vctx, Secrets: secrets})
-	return err
-}
-
-func (e *fuseEnv) unstage(id string) {
-	e.t.Helper()
-	if _, err := e.node.NodeUnstageVolume(e.ctx(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id)}); err != nil {
-		e.t.Fatalf("NodeUnstageVolume %s: %v", id, err)
-	}
-}
-
-// health returns the abnormal reason of a volume ("" when healthy).
-func (e *fuseEnv) health(id string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	resp, err := e.node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: id})
-	if err != nil {
-		return "", err
-	}
-	for _, h := range resp.GetVolumeHealth().GetHealthStatuses() {
-		return h.GetReason() + ": " + h.GetMessage(), nil
-	}
-	return "", nil
-}
-
-// sidecarMount runs `mountplan-sidecar mount` as hack/demo.sh does.
-func (e *fuseEnv) sidecarMount(id string, pid int, target string) {
-	e.t.Helper()
-	e.runSidecar("mount", "--plugin-endpoint", e.plugin.Endpoint, "--volume-id", id,
-		"--staging-path", e.staging(id), "--pid", strconv.Itoa(pid), "--target", target,
-		"--allowed-root", e.plugin.StateDir)
-}
-
-func (e *fuseEnv) sidecarUnmount(id string, pid int, target string) {
-	e.t.Helper()
-	e.runSidecar("unmount", "--plugin-endpoint", e.plugin.Endpoint, "--volume-id", id,
-		"--pid", strconv.Itoa(pid), "--target", target)
-}
-
-func (e *fuseEnv) runSidecar(args ...string) {
-	e.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), fuseRPCTimeout)
-	defer cancel()
-	start := time.Now()
-	out, err := exec.CommandContext(ctx, e.sidecar, args...).CombinedOutput()
-	e.t.Logf("mountplan-sidecar %s (%v): %s", args[0], time.Since(start).Round(time.Millisecond), strings.TrimSpace(string(out)))
-	if err != nil {
-		e.t.Fatalf("mountplan-sidecar %s: %v\n%s", strings.Join(args, " "), err, out)
-	}
-}
-
-// record reads the journal's record of id straight from its file.
-func (e *fuseEnv) record(id string) (*journal.Volume, error) {
-	b, err := os.ReadFile(filepath.Join(e.plugin.StateDir, "volumes", id+".json"))
-	if err != nil {
-		return nil, err
-	}
-	v := &journal.Volume{}
-	return v, json.Unmarshal(b, v)
 }
 
 // state returns the fuse state the journal holds for id.
@@ -261,35 +82,9 @@ func (e *fuseEnv) checkClean(id string) {
 	for _, m := range ms {
 		e.t.Errorf("mount left under the state dir: %s (%s)", m.Mountpoint, m.FSType)
 	}
-	if ps := fuseProcsMentioning(dir); len(ps) > 0 {
+	if ps := processesMentioning(dir); len(ps) > 0 {
 		e.t.Errorf("processes left that name %s: %v", dir, ps)
 	}
-}
-
-// fuseProcsMentioning returns the live processes whose command line
-// contains s.
-func fuseProcsMentioning(s string) map[int]string {
-	out := map[int]string{}
-	ents, _ := os.ReadDir("/proc")
-	for _, ent := range ents {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + ent.Name() + "/cmdline")
-		if err != nil || len(b) == 0 {
-			continue
-		}
-		stat, _ := os.ReadFile("/proc/" + ent.Name() + "/stat")
-		if i := strings.LastIndexByte(string(stat), ')'); i > 0 && strings.HasPrefix(string(stat[i+1:]), " Z") {
-			continue
-		}
-		cmd := strings.ReplaceAll(string(b), "\x00", " ")
-		if strings.Contains(cmd, s) {
-			out[pid] = cmd
-		}
-	}
-	return out
 }
 
 // fuseAlive reports whether d's process still runs (same start time).
@@ -476,73 +271,57 @@ func fuseCheckNoSecretInProcs(t *testing.T, when string, pieces []string) {
 	}
 }
 
-// startFuseEnvServe starts `mountplan-sidecar serve` and the plugin with it
-// as its mounter (--mounter-endpoint): kubelet's publishes, the re-attach
-// of healed consumers and the FUSE daemons go through the sidecar's
-// process.
-func startFuseEnvServe(t *testing.T, args ...string) *fuseEnv {
+// fuseEnv is the shared harness (env) with the example profiles of
+// pkg/source/fuse/testdata in its config, their roots pointed at test
+// directories.
+type fuseEnv struct {
+	*env
+	// roots replace the example config's /srv/rclone and /srv/squashfs.
+	rcloneRoot, squashRoot string
+}
+
+// newFuseEnv writes the example config (with more profiles, YAML list
+// items, appended) with the roots pointed at test directories; it starts
+// nothing.
+func newFuseEnv(t *testing.T, moreProfiles string) *fuseEnv {
 	t.Helper()
-	e := newFuseEnv(t, "")
-	state, sock := e.startServe("")
-	e.startPlugin("", append([]string{"--state-dir", state, "--mounter-endpoint", "unix://" + sock}, args...)...)
+	dir := t.TempDir()
+	e := &fuseEnv{rcloneRoot: filepath.Join(dir, "rclone-root"), squashRoot: filepath.Join(dir, "squash-root")}
+	for _, d := range []string{e.rcloneRoot, e.squashRoot} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, err := os.ReadFile(fuseProfilesPath(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.env = newEnv(t, strings.NewReplacer("/srv/rclone", e.rcloneRoot, "/srv/squashfs", e.squashRoot).Replace(string(b))+moreProfiles)
 	return e
 }
 
-// startServe starts `mountplan-sidecar serve --config` with the env's
-// config and a fresh state dir as its allowed root, in cgroup ("" for the
-// test's own); it returns the state dir and the socket. A cleanup stops
-// it; its log is e.serveLog.
-func (e *fuseEnv) startServe(cgroup string) (state, sock string) {
-	t := e.t
+// startFuseEnv starts the plugin with the example config, --v=5 and args;
+// the plugin runs the daemons and performs plans itself.
+func startFuseEnv(t *testing.T, args ...string) *fuseEnv {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "mpfsrv-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	testutil.RegisterLeakMarker(dir)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	state, sock = filepath.Join(dir, "state"), filepath.Join(dir, "mounter.sock")
-	e.serveLog = filepath.Join(dir, "serve.log")
-	cmd := exec.Command(e.sidecar, "serve", "--endpoint", "unix://"+sock, "--allowed-root", state, "--config", e.config, "--v=2")
-	logf, err := os.Create(e.serveLog)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	if cgroup != "" {
-		if err := testutil.JoinCgroup(cgroup, cmd.Process.Pid); err != nil {
-			_ = cmd.Process.Kill()
-			t.Fatalf("moving the sidecar into %s: %v", cgroup, err)
-		}
-	}
-	e.servePID = cmd.Process.Pid
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); logf.Close(); close(done) }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		if t.Failed() {
-			b, _ := os.ReadFile(filepath.Join(dir, "serve.log"))
-			t.Logf("mountplan-sidecar serve log:\n%s", b)
-		}
-	})
-	if !testutil.Poll(10*time.Second, 10*time.Millisecond, func() bool {
-		c, err := net.Dial("unix", sock)
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	}) {
-		t.Fatal("mountplan-sidecar serve did not listen within 10s")
-	}
-	return state, sock
+	return startFuseEnvWith(t, "", args...)
+}
+
+// startFuseEnvWith is startFuseEnv with more profiles in the config.
+func startFuseEnvWith(t *testing.T, moreProfiles string, args ...string) *fuseEnv {
+	t.Helper()
+	e := newFuseEnv(t, moreProfiles)
+	e.startPlugin("", append([]string{"--v=5"}, args...)...)
+	return e
+}
+
+// startFuseEnvServe starts `mountplan-sidecar serve` and the plugin with it
+// as its mounter: kubelet's publishes, the re-attach of healed consumers
+// and the FUSE daemons go through the sidecar's process.
+func startFuseEnvServe(t *testing.T, args ...string) *fuseEnv {
+	t.Helper()
+	e := newFuseEnv(t, "")
+	e.startMounter("")
+	e.startPlugin("", append([]string{"--v=5"}, args...)...)
+	return e
 }

@@ -122,7 +122,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	step("containerd, consumer container, plugin and backend running")
 
 	id := "fuse-" + c.name
-	if err := e.tryStage(id, vctx, secrets); err != nil {
+	if err := e.tryStage(id, mountCap("", rwo), vctx, secrets); err != nil {
 		t.Fatalf("NodeStageVolume: %v", err)
 	}
 	st := e.state(id)
@@ -138,7 +138,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	}
 
 	const target = "/data"
-	e.sidecarMount(id, ctr.PID(), target)
+	e.mustSidecarMount(id, ctr.PID(), target)
 	in := func(script string) (string, error) { return testutil.Exec(t, ctr.PID(), "sh", "-c", script) }
 	if out, err := in("cat " + target + "/" + c.seeded); err != nil || out != c.seededContent {
 		t.Fatalf("reading %s inside the container: %q, %v", c.seeded, out, err)
@@ -242,18 +242,18 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	if c.name == "sshfs" {
 		fuseCheckNoSecretInProcs(t, "after the restart", canary)
 	}
-	if e.serveLog != "" {
-		b, _ := os.ReadFile(e.serveLog)
+	if e.mounter != nil {
+		b := e.mounter.log()
 		performed := false
-		for _, line := range strings.Split(string(b), "\n") {
+		for _, line := range strings.Split(b, "\n") {
 			performed = performed || strings.Contains(line, `"Mounted plan"`) && strings.Contains(line, fmt.Sprintf(`mountPoint="%s" pid=%d `, target, ctr.PID()))
 		}
 		if !performed {
 			t.Errorf("mountplan-sidecar serve did not perform the re-attach in the container; its log:\n%s", b)
 		}
 		// The restarted daemon was started by the sidecar too (SpawnDaemon).
-		if pp := fusePPid(second.PID); pp != e.servePID {
-			t.Errorf("the restarted daemon's parent is pid %d, want the sidecar %d", pp, e.servePID)
+		if pp := fusePPid(second.PID); pp != e.mounter.pid() {
+			t.Errorf("the restarted daemon's parent is pid %d, want the sidecar %d", pp, e.mounter.pid())
 		}
 	}
 	step("daemon killed and healed")
@@ -278,7 +278,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	if d := e.daemon(id); d.PID != second.PID || d.Generation != 2 {
 		t.Errorf("the restarted plugin started another daemon: %+v", d)
 	}
-	if ps := fuseProcsMentioning(e.volDir(id) + "/mnt"); len(ps) != 1 {
+	if ps := processesMentioning(e.volDir(id) + "/mnt"); len(ps) != 1 {
 		t.Errorf("want exactly one daemon for the volume after adoption, got %v", ps)
 	}
 	if err := readWrite("adopted"); err != nil {
@@ -289,7 +289,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	}
 	step(fmt.Sprintf("plugin killed and restarted; daemon pid %d adopted", second.PID))
 
-	e.sidecarUnmount(id, ctr.PID(), target)
+	e.mustSidecarUnmount(id, ctr.PID(), target)
 	e.unstage(id)
 	if fuseAlive(second) {
 		t.Errorf("daemon %d still runs after unstage", second.PID)

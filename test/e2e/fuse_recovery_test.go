@@ -67,7 +67,7 @@ func TestFuseHungDaemon(t *testing.T) {
 	testutil.NoLeaks(t)
 	e := startFuseEnv(t, "--fuse-probe-interval=200ms", "--fuse-probe-timeout=1s")
 	id := "fuse-hung"
-	if err := e.tryStage(id, fuseSquashVolume(t, e, "hung"), nil); err != nil {
+	if err := e.tryStage(id, mountCap("", rwo), fuseSquashVolume(t, e, "hung"), nil); err != nil {
 		t.Fatal(err)
 	}
 	target := filepath.Join(e.dir, "pods", "target")
@@ -75,7 +75,7 @@ func TestFuseHungDaemon(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := e.node.NodePublishVolume(e.ctx(), &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id),
-		TargetPath: target, VolumeCapability: fuseMountCap()}); err != nil {
+		TargetPath: target, VolumeCapability: mountCap("", rwo)}); err != nil {
 		t.Fatal(err)
 	}
 	if out, err := fuseCat(filepath.Join(target, "hello.txt")); err != nil || out != "from squashfs\n" {
@@ -149,14 +149,14 @@ func TestFuseRepairAndOrphans(t *testing.T) {
 	ns := testutil.StartUnshare(t) // before any FUSE mount: it holds no copy of one
 	e := startFuseEnv(t)
 	repaired, orphan := "fuse-repaired", "fuse-orphan"
-	if err := e.tryStage(repaired, fuseSquashVolume(t, e, "repaired"), nil); err != nil {
+	if err := e.tryStage(repaired, mountCap("", rwo), fuseSquashVolume(t, e, "repaired"), nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.tryStage(orphan, fuseSquashVolume(t, e, "orphan"), nil); err != nil {
+	if err := e.tryStage(orphan, mountCap("", rwo), fuseSquashVolume(t, e, "orphan"), nil); err != nil {
 		t.Fatal(err)
 	}
 	mp := filepath.Join(e.dir, "consumer")
-	e.sidecarMount(repaired, ns.PID, mp)
+	e.mustSidecarMount(repaired, ns.PID, mp)
 	if out, err := ns.Exec(t, "cat", filepath.Join(mp, "hello.txt")); err != nil || out != "from squashfs\n" {
 		t.Fatalf("consumer: %q, %v", out, err)
 	}
@@ -202,7 +202,7 @@ func TestFuseRepairAndOrphans(t *testing.T) {
 		h, err := e.health(repaired)
 		t.Errorf("health of the repaired volume: %q, %v", h, err)
 	}
-	e.sidecarUnmount(repaired, ns.PID, mp)
+	e.mustSidecarUnmount(repaired, ns.PID, mp)
 	e.unstage(repaired)
 	e.checkClean(repaired)
 }

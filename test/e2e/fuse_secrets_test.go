@@ -52,7 +52,7 @@ func TestFuseSecrets(t *testing.T) {
 	// says why (the daemon's log) and nothing is left behind.
 	id := "fuse-secrets"
 	wrongHost := "[127.0.0.1]:1 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE4AcDPJMrbvdEYdmQ2LqG1oD2CQ1Q2Y8UR1VtIDX0Y1\n"
-	err := e.tryStage(id, vctx, map[string]string{"sshKey": s.UserKey, "knownHosts": wrongHost})
+	err := e.tryStage(id, mountCap("", rwo), vctx, map[string]string{"sshKey": s.UserKey, "knownHosts": wrongHost})
 	t.Logf("stage with a wrong host key: %v", err)
 	testutil.WantCode(t, "NodeStageVolume with a wrong host key", err, codes.Unavailable)
 	if err != nil {
@@ -68,7 +68,7 @@ func TestFuseSecrets(t *testing.T) {
 
 	// The daemon prints its secret: the error shows it redacted.
 	const token = "CANARY-t0ken-9c1d2e3f4a5b"
-	err = e.tryStage("fuse-leaky", map[string]string{"type": "fuse", "profile": "leaky", "source": "anything"}, map[string]string{"token": token})
+	err = e.tryStage("fuse-leaky", mountCap("", rwo), map[string]string{"type": "fuse", "profile": "leaky", "source": "anything"}, map[string]string{"token": token})
 	t.Logf("stage of a daemon that prints its secret: %v", err)
 	if err == nil || strings.Contains(err.Error(), token) || !strings.Contains(err.Error(), "[redacted]") || !strings.Contains(err.Error(), "giving up") {
 		t.Errorf("stage of a daemon that prints its secret: %v; want an error with the secret redacted", err)
@@ -76,7 +76,7 @@ func TestFuseSecrets(t *testing.T) {
 	e.checkClean("fuse-leaky")
 
 	// A good stage: the files, their modes, their tmpfs.
-	if err := e.tryStage(id, vctx, map[string]string{"sshKey": s.UserKey, "knownHosts": s.KnownHosts + "\n"}); err != nil {
+	if err := e.tryStage(id, mountCap("", rwo), vctx, map[string]string{"sshKey": s.UserKey, "knownHosts": s.KnownHosts + "\n"}); err != nil {
 		t.Fatal(err)
 	}
 	dir := filepath.Join(e.volDir(id), "secrets")

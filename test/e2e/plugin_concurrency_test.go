@@ -17,14 +17,14 @@ import (
 func TestPluginConcurrentStage(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const n = 8
 	ids := make([]string, n)
 	for i := range ids {
 		ids[i] = fmt.Sprintf("vol-conc-%d", i)
-		e.create(ids[i], "ext4", 16*plugMiB)
+		e.create(ids[i], "ext4", 16*miB)
 	}
-	c := plugMountCap("ext4", plugRWO)
+	c := mountCap("ext4", rwo)
 
 	// Different volumes at once.
 	errs := make([]error, n)
@@ -51,7 +51,7 @@ func TestPluginConcurrentStage(t *testing.T) {
 	}
 	for _, id := range ids {
 		e.unstage(id)
-		plugWaitNoLoop(t, e.image(id))
+		waitNoLoop(t, e.image(id))
 	}
 
 	// The same volume twice at once, for every volume at once.
@@ -85,7 +85,7 @@ func TestPluginConcurrentStage(t *testing.T) {
 	t.Logf("%d of %d concurrent stages of the same volume were aborted", aborted, 2*n)
 	for _, id := range ids {
 		e.unstage(id)
-		plugWaitNoLoop(t, e.image(id))
+		waitNoLoop(t, e.image(id))
 		e.delete(id)
 	}
 }

@@ -24,11 +24,11 @@ import (
 func TestPluginCrashWhilePublished(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const id = "vol-crash-pub"
-	e.create(id, "ext4", 32*plugMiB)
+	e.create(id, "ext4", 32*miB)
 	img := e.image(id)
-	c := plugMountCap("ext4", plugRWO)
+	c := mountCap("ext4", rwo)
 	e.stage(id, c, nil)
 	target := e.target(id, "mnt")
 	e.publish(id, target, c, false, nil)
@@ -36,7 +36,7 @@ func TestPluginCrashWhilePublished(t *testing.T) {
 	l := e.checkStagedLoop(id, img)
 	st := e.loopState(id)
 
-	e.p.Kill9()
+	e.plugin.Kill9()
 	if m := plugMountsOf(t, os.Getpid(), l.Dev); len(m) != 1 || m[0] != target {
 		t.Fatalf("after kill -9 %s is mounted at %v, want %s", l.Path(), m, target)
 	}
@@ -58,13 +58,13 @@ func TestPluginCrashWhilePublished(t *testing.T) {
 		t.Errorf("read %q", got)
 	}
 	plugWriteFile(t, filepath.Join(target, "after"), "after the crash\n")
-	if _, err := e.node.NodeGetVolumeStats(plugCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target}); err != nil {
+	if _, err := e.node.NodeGetVolumeStats(rpcCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target}); err != nil {
 		t.Errorf("NodeGetVolumeStats after restart: %v", err)
 	}
 
 	e.unpublish(id, target)
 	e.unstage(id)
-	plugWaitNoLoop(t, img)
+	waitNoLoop(t, img)
 	if b, err := plugSysfs(l.Name, "loop/backing_file"); err == nil && b == l.Backing {
 		t.Errorf("%s still backed by %s after unstage", l.Path(), b)
 	}
@@ -77,11 +77,11 @@ func TestPluginCrashWhilePublished(t *testing.T) {
 func TestPluginCrashWhileStaged(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const id = "vol-crash-staged"
-	e.create(id, "ext4", 32*plugMiB)
+	e.create(id, "ext4", 32*miB)
 	img := e.image(id)
-	c := plugMountCap("ext4", plugRWO)
+	c := mountCap("ext4", rwo)
 	e.stage(id, c, nil)
 	target := e.target(id, "mnt")
 	e.publish(id, target, c, false, nil)
@@ -89,8 +89,8 @@ func TestPluginCrashWhileStaged(t *testing.T) {
 	e.unpublish(id, target)
 	e.checkStagedLoop(id, img)
 
-	e.p.Kill9()
-	plugWaitNoLoop(t, img) // autoclear: the plugin's fd was the last opener
+	e.plugin.Kill9()
+	waitNoLoop(t, img) // autoclear: the plugin's fd was the last opener
 
 	e.restart()
 	l := e.checkStagedLoop(id, img) // re-attached, and the record names the new device
@@ -101,7 +101,7 @@ func TestPluginCrashWhileStaged(t *testing.T) {
 	}
 	e.unpublish(id, target)
 	e.unstage(id)
-	plugWaitNoLoop(t, img)
+	waitNoLoop(t, img)
 	e.delete(id)
 }
 
@@ -111,7 +111,7 @@ func TestPluginCrashInterruptedFormat(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "e2fsck", "blkid")
-	root := startPlugEnv(t)
+	root := startEnv(t, envOptions{})
 	rng := rand.New(rand.NewPCG(1, 2))
 	garbage := func(n int) []byte {
 		b := make([]byte, n)
@@ -126,7 +126,7 @@ func TestPluginCrashInterruptedFormat(t *testing.T) {
 		ruin func(t *testing.T, img string)
 	}{
 		{"garbage in the first MiB", func(t *testing.T, img string) {
-			plugWriteAt(t, img, garbage(int(plugMiB)), 0)
+			plugWriteAt(t, img, garbage(int(miB)), 0)
 		}},
 		{"a half-written ext4 that blkid still detects", func(t *testing.T, img string) {
 			// mkfs wrote the primary superblock, the rest of the first MiB
@@ -134,7 +134,7 @@ func TestPluginCrashInterruptedFormat(t *testing.T) {
 			// detector trusts it, a mount fails.
 			plugRun(t, "mkfs.ext4", "-q", "-F", img)
 			plugWriteAt(t, img, garbage(1024), 0)
-			plugWriteAt(t, img, garbage(int(plugMiB)-2048), 2048)
+			plugWriteAt(t, img, garbage(int(miB)-2048), 2048)
 			out, _ := exec.Command("blkid", "-p", "-o", "value", "-s", "TYPE", img).Output()
 			if strings.TrimSpace(string(out)) != "ext4" {
 				t.Fatalf("blkid sees %q on the ruined image, want ext4 (the test needs a plausible superblock)", out)
@@ -144,9 +144,9 @@ func TestPluginCrashInterruptedFormat(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			e := root.with(t)
 			id := "vol-fmt-" + strconv.Itoa(i)
-			e.create(id, "ext4", 32*plugMiB)
+			e.create(id, "ext4", 32*miB)
 			img := e.image(id)
-			if err := e.p.Stop(); err != nil {
+			if err := e.plugin.Stop(); err != nil {
 				t.Fatal(err)
 			}
 			tc.ruin(t, img)
@@ -155,7 +155,7 @@ func TestPluginCrashInterruptedFormat(t *testing.T) {
 			})
 			e.restart()
 
-			c := plugMountCap("ext4", plugRWO)
+			c := mountCap("ext4", rwo)
 			e.stage(id, c, nil)
 			if f := e.mustRecord(id).Format; f == nil || !f.Done || f.FsType != "ext4" {
 				t.Errorf("record format after stage: %+v", f)
@@ -165,7 +165,7 @@ func TestPluginCrashInterruptedFormat(t *testing.T) {
 			plugWriteFile(t, filepath.Join(target, "f"), "formatted\n")
 			e.unpublish(id, target)
 			e.unstage(id)
-			plugWaitNoLoop(t, img)
+			waitNoLoop(t, img)
 			if out, err := exec.Command("e2fsck", "-f", "-n", img).CombinedOutput(); err != nil {
 				t.Errorf("e2fsck of the image after the redone format: %v\n%s", err, out)
 			}
@@ -194,7 +194,7 @@ func plugWriteAt(t *testing.T, path string, b []byte, off int64) {
 func TestPluginCrashStageIntent(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	root := startPlugEnv(t)
+	root := startEnv(t, envOptions{})
 
 	for i, tc := range []struct {
 		name string
@@ -210,15 +210,15 @@ func TestPluginCrashStageIntent(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			e := root.with(t)
 			id := "vol-intent-" + strconv.Itoa(i)
-			e.create(id, "ext4", 32*plugMiB)
+			e.create(id, "ext4", 32*miB)
 			img := e.image(id)
-			c := plugMountCap("ext4", plugRWO)
+			c := mountCap("ext4", rwo)
 			e.stage(id, c, nil)
 			e.checkStagedLoop(id, img)
-			if err := e.p.Stop(); err != nil {
+			if err := e.plugin.Stop(); err != nil {
 				t.Fatal(err)
 			}
-			plugWaitNoLoop(t, img) // autoclear: nothing mounts it
+			waitNoLoop(t, img) // autoclear: nothing mounts it
 			e.editRecord(id, tc.edit)
 			e.restart()
 
@@ -236,7 +236,7 @@ func TestPluginCrashStageIntent(t *testing.T) {
 			plugWriteFile(t, filepath.Join(target, "f"), "ok\n")
 			e.unpublish(id, target)
 			e.unstage(id)
-			plugWaitNoLoop(t, img)
+			waitNoLoop(t, img)
 			e.delete(id)
 		})
 	}

@@ -22,15 +22,15 @@ import (
 func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	root := startPlugEnv(t)
-	c := plugMountCap("ext4", plugRWO)
+	root := startEnv(t, envOptions{})
+	c := mountCap("ext4", rwo)
 
 	t.Run("provisioned", func(t *testing.T) {
 		e := root.with(t)
 		const id = "vol-intent-nosource"
-		e.create(id, "ext4", 32*plugMiB)
+		e.create(id, "ext4", 32*miB)
 		img := e.image(id)
-		if err := e.p.Stop(); err != nil {
+		if err := e.plugin.Stop(); err != nil {
 			t.Fatal(err)
 		}
 		e.editRecord(id, func(m map[string]any) {
@@ -49,15 +49,15 @@ func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 		plugWriteFile(t, filepath.Join(target, "f"), "ok\n")
 		e.unpublish(id, target)
 		e.unstage(id)
-		plugWaitNoLoop(t, img)
+		waitNoLoop(t, img)
 		e.delete(id)
 	})
 
 	t.Run("inline", func(t *testing.T) {
 		e := root.with(t)
 		const id = "csi-intent-nosource"
-		img := loop.ImagePath(e.state, journal.KindEphemeral, id)
-		if err := e.p.Stop(); err != nil {
+		img := loop.ImagePath(e.stateDir(), journal.KindEphemeral, id)
+		if err := e.plugin.Stop(); err != nil {
 			t.Fatal(err)
 		}
 		// What publishEphemeral leaves when the plugin dies during mkfs.
@@ -67,14 +67,14 @@ func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 		if err := os.WriteFile(img, nil, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.Truncate(img, 64*plugMiB); err != nil {
+		if err := os.Truncate(img, 64*miB); err != nil {
 			t.Fatal(err)
 		}
 		rec, err := json.Marshal(map[string]any{
 			"id": id, "kind": string(journal.KindEphemeral), "type": loop.Type, "image": img,
-			"capacityBytes": 64 * plugMiB, "fsType": "ext4",
+			"capacityBytes": 64 * miB, "fsType": "ext4",
 			"format": map[string]any{"fsType": "ext4", "done": false},
-			"stage":  map[string]any{"phase": string(journal.PhaseStaging), "stagingPath": e.state},
+			"stage":  map[string]any{"phase": string(journal.PhaseStaging), "stagingPath": e.stateDir()},
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -90,11 +90,11 @@ func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 		}
 		// kubelet retries the publish.
 		target := e.target(id, "mnt")
-		vctx := map[string]string{plugCtxEphemeral: "true", "size": "64Mi"}
+		vctx := map[string]string{ctxEphemeral: "true", "size": "64Mi"}
 		e.publish(id, target, c, false, vctx)
 		plugWriteFile(t, filepath.Join(target, "f"), "ok\n")
 		e.unpublish(id, target)
-		plugWaitNoLoop(t, img)
+		waitNoLoop(t, img)
 		e.noRecord(id)
 	})
 }

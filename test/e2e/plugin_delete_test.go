@@ -20,7 +20,7 @@ func TestPluginDeleteRefusesAttachedImage(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	testutil.RequireCommands(t, "losetup")
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	vol := e.create("plug-delete-attached", "ext4", 32<<20)
 	id := vol.GetVolumeId()
 
@@ -40,7 +40,7 @@ func TestPluginDeleteRefusesAttachedImage(t *testing.T) {
 	}
 	t.Cleanup(detach)
 
-	_, err = e.ctl.DeleteVolume(plugCtx(t), &csi.DeleteVolumeRequest{VolumeId: id})
+	_, err = e.ctl.DeleteVolume(rpcCtx(t), &csi.DeleteVolumeRequest{VolumeId: id})
 	if status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("DeleteVolume with %s attached: %v, want FailedPrecondition", dev, err)
 	}
@@ -51,6 +51,6 @@ func TestPluginDeleteRefusesAttachedImage(t *testing.T) {
 		t.Fatalf("the image went away although refused: %v", err)
 	}
 	detach()
-	plugWaitNoLoop(t, e.image(id))
+	waitNoLoop(t, e.image(id))
 	e.delete(id)
 }

@@ -35,23 +35,23 @@ func TestPluginProvisionedLifecycle(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "mkfs.xfs")
-	root := startPlugEnv(t)
+	root := startEnv(t, envOptions{})
 
 	for _, tc := range []struct {
 		fsType string
 		size   int64
-	}{{"ext4", 64 * plugMiB}, {"xfs", 300 * plugMiB}} {
+	}{{"ext4", 64 * miB}, {"xfs", 300 * miB}} {
 		t.Run(tc.fsType, func(t *testing.T) {
 			e := root.with(t)
 			id := "vol-" + tc.fsType
 			vol := e.create(id, tc.fsType, tc.size)
 			img := e.image(id)
-			c := plugMountCap(tc.fsType, plugRWO)
+			c := mountCap(tc.fsType, rwo)
 
 			e.stage(id, c, vol.GetVolumeContext())
 			l := e.checkStagedLoop(id, img)
 			e.notMounted(l)
-			if plugIsMountPoint(t, e.staging(id)) {
+			if isMountPoint(t, e.staging(id)) {
 				t.Errorf("staging path %s is a mount point; stage must not mount", e.staging(id))
 			}
 			if f := e.mustRecord(id).Format; f == nil || !f.Done || f.FsType != tc.fsType {
@@ -62,7 +62,7 @@ func TestPluginProvisionedLifecycle(t *testing.T) {
 			if again := e.checkStagedLoop(id, img); again != l {
 				t.Errorf("repeated stage: device %+v, was %+v", again, l)
 			}
-			_, err := e.ctl.DeleteVolume(plugCtx(t), &csi.DeleteVolumeRequest{VolumeId: id})
+			_, err := e.ctl.DeleteVolume(rpcCtx(t), &csi.DeleteVolumeRequest{VolumeId: id})
 			testutil.WantCode(t, "DeleteVolume while staged", err, codes.FailedPrecondition)
 
 			target := e.target(id, "mnt")
@@ -79,7 +79,7 @@ func TestPluginProvisionedLifecycle(t *testing.T) {
 			e.unpublish(id, target)
 			e.notMounted(l)
 			e.unstage(id)
-			plugWaitNoLoop(t, img)
+			waitNoLoop(t, img)
 			if v := e.mustRecord(id); v.Stage != nil {
 				t.Errorf("record still has a stage after unstage: %+v", v.Stage)
 			}
@@ -93,7 +93,7 @@ func TestPluginProvisionedLifecycle(t *testing.T) {
 			}
 			e.unpublish(id, target)
 			e.unstage(id)
-			plugWaitNoLoop(t, img)
+			waitNoLoop(t, img)
 			e.delete(id)
 		})
 	}
@@ -118,12 +118,12 @@ func plugHasOpts(opts string, want ...string) bool {
 func TestPluginBlock(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const id = "vol-block"
-	e.create(id, "ext4", 32*plugMiB)
+	e.create(id, "ext4", 32*miB)
 	img := e.image(id)
 
-	e.stage(id, plugBlockCap(plugRWO), nil)
+	e.stage(id, blockCap(rwo), nil)
 	l := e.checkStagedLoop(id, img)
 	e.notMounted(l)
 	if f := e.mustRecord(id).Format; f != nil {
@@ -131,7 +131,7 @@ func TestPluginBlock(t *testing.T) {
 	}
 
 	target := e.target(id, "dev")
-	e.publish(id, target, plugBlockCap(plugRWO), false, nil)
+	e.publish(id, target, blockCap(rwo), false, nil)
 	var st unix.Stat_t
 	if err := unix.Stat(target, &st); err != nil {
 		t.Fatal(err)
@@ -142,11 +142,11 @@ func TestPluginBlock(t *testing.T) {
 	if got := plugDevString(st.Rdev); got != l.Dev {
 		t.Errorf("target rdev %s, loop device %s is %s", got, l.Path(), l.Dev)
 	}
-	if !plugIsMountPoint(t, target) {
+	if !isMountPoint(t, target) {
 		t.Errorf("target %s is not a mount point (a bind of the device node)", target)
 	}
 
-	const off = 5*plugMiB + 8192
+	const off = 5*miB + 8192
 	want := make([]byte, 4096)
 	if _, err := rand.Read(want); err != nil {
 		t.Fatal(err)
@@ -177,7 +177,7 @@ func TestPluginBlock(t *testing.T) {
 
 	e.unpublish(id, target)
 	e.unstage(id)
-	plugWaitNoLoop(t, img)
+	waitNoLoop(t, img)
 	e.delete(id)
 }
 
@@ -192,22 +192,22 @@ func TestPluginStaticImage(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	testutil.RequireCommands(t, "mkfs.ext4")
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 
-	img := filepath.Join(e.root, "static.img")
-	plugMkfsExt4Image(t, img, 32*plugMiB, map[string]string{"hello.txt": "static content\n"})
+	img := filepath.Join(e.imageRoot, "static.img")
+	plugMkfsExt4Image(t, img, 32*miB, map[string]string{"hello.txt": "static content\n"})
 	outside := filepath.Join(e.dir, "outside")
 	if err := os.Mkdir(outside, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	outImg := filepath.Join(outside, "out.img")
-	plugMkfsExt4Image(t, outImg, 32*plugMiB, nil)
+	plugMkfsExt4Image(t, outImg, 32*miB, nil)
 	for link, to := range map[string]string{"link.img": outImg, "linkdir": outside} {
-		if err := os.Symlink(to, filepath.Join(e.root, link)); err != nil {
+		if err := os.Symlink(to, filepath.Join(e.imageRoot, link)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := os.Mkdir(filepath.Join(e.root, "sub"), 0o755); err != nil {
+	if err := os.Mkdir(filepath.Join(e.imageRoot, "sub"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 
@@ -215,20 +215,20 @@ func TestPluginStaticImage(t *testing.T) {
 		e := e.with(t)
 		const id = "static-ok"
 		vctx := map[string]string{"type": "loop", "image": img}
-		e.stage(id, plugMountCap("", plugRWO), vctx)
+		e.stage(id, mountCap("", rwo), vctx)
 		l := e.checkStagedLoop(id, img)
 		e.notMounted(l)
 		if v := e.mustRecord(id); v.Kind != journal.KindStatic || v.Image != img {
 			t.Errorf("record: kind %s image %s", v.Kind, v.Image)
 		}
 		target := e.target(id, "mnt")
-		e.publish(id, target, plugMountCap("", plugRWO), false, vctx)
+		e.publish(id, target, mountCap("", rwo), false, vctx)
 		if got := plugReadFile(t, filepath.Join(target, "hello.txt")); got != "static content\n" {
 			t.Errorf("hello.txt holds %q: the admin's image was not used as it is", got)
 		}
 		e.unpublish(id, target)
 		e.unstage(id)
-		plugWaitNoLoop(t, img)
+		waitNoLoop(t, img)
 		e.noRecord(id)
 		if _, err := os.Stat(img); err != nil {
 			t.Errorf("the admin's image is gone after unstage: %v", err)
@@ -241,24 +241,24 @@ func TestPluginStaticImage(t *testing.T) {
 		code codes.Code
 	}{
 		{"outside the roots", map[string]string{"type": "loop", "image": outImg}, codes.InvalidArgument},
-		{"symlink inside the root to a file outside", map[string]string{"type": "loop", "image": filepath.Join(e.root, "link.img")}, codes.InvalidArgument},
-		{"symlinked directory inside the root", map[string]string{"type": "loop", "image": filepath.Join(e.root, "linkdir", "out.img")}, codes.InvalidArgument},
-		{"dot-dot out of the root", map[string]string{"type": "loop", "image": e.root + "/../outside/out.img"}, codes.InvalidArgument},
-		{"dot-dot staying inside the root", map[string]string{"type": "loop", "image": e.root + "/sub/../static.img"}, codes.InvalidArgument},
+		{"symlink inside the root to a file outside", map[string]string{"type": "loop", "image": filepath.Join(e.imageRoot, "link.img")}, codes.InvalidArgument},
+		{"symlinked directory inside the root", map[string]string{"type": "loop", "image": filepath.Join(e.imageRoot, "linkdir", "out.img")}, codes.InvalidArgument},
+		{"dot-dot out of the root", map[string]string{"type": "loop", "image": e.imageRoot + "/../outside/out.img"}, codes.InvalidArgument},
+		{"dot-dot staying inside the root", map[string]string{"type": "loop", "image": e.imageRoot + "/sub/../static.img"}, codes.InvalidArgument},
 		{"relative path", map[string]string{"type": "loop", "image": "images/static.img"}, codes.InvalidArgument},
-		{"a directory", map[string]string{"type": "loop", "image": filepath.Join(e.root, "sub")}, codes.InvalidArgument},
-		{"the root itself", map[string]string{"type": "loop", "image": e.root}, codes.InvalidArgument},
+		{"a directory", map[string]string{"type": "loop", "image": filepath.Join(e.imageRoot, "sub")}, codes.InvalidArgument},
+		{"the root itself", map[string]string{"type": "loop", "image": e.imageRoot}, codes.InvalidArgument},
 		{"unknown type", map[string]string{"type": "nbd", "image": img}, codes.InvalidArgument},
 		{"unknown attribute", map[string]string{"type": "loop", "image": img, "hostPath": "/"}, codes.InvalidArgument},
-		{"missing image", map[string]string{"type": "loop", "image": filepath.Join(e.root, "missing.img")}, codes.NotFound},
+		{"missing image", map[string]string{"type": "loop", "image": filepath.Join(e.imageRoot, "missing.img")}, codes.NotFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := e.with(t)
 			id := "static-bad-" + strconv.Itoa(i)
-			err := e.tryStage(id, plugMountCap("", plugRWO), tc.vctx, nil)
+			err := e.tryStage(id, mountCap("", rwo), tc.vctx, nil)
 			testutil.WantCode(t, "NodeStageVolume", err, tc.code)
 			if ids := e.records(); len(ids) != 0 {
-				t.Errorf("records left under %s/volumes: %v", e.state, ids)
+				t.Errorf("records left under %s/volumes: %v", e.stateDir(), ids)
 			}
 			for _, f := range []string{img, outImg} {
 				if ls := plugLoopsBackedBy(t, f); len(ls) != 0 {
@@ -274,21 +274,21 @@ func TestPluginStaticImage(t *testing.T) {
 func TestPluginReadOnly(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const id = "vol-ro"
-	e.create(id, "ext4", 32*plugMiB)
+	e.create(id, "ext4", 32*miB)
 	img := e.image(id)
 	target := e.target(id, "mnt")
 
 	// Format it and leave a file, read-write first.
-	e.stage(id, plugMountCap("ext4", plugRWO), nil)
-	e.publish(id, target, plugMountCap("ext4", plugRWO), false, nil)
+	e.stage(id, mountCap("ext4", rwo), nil)
+	e.publish(id, target, mountCap("ext4", rwo), false, nil)
 	plugWriteFile(t, filepath.Join(target, "f"), "before\n")
 	e.unpublish(id, target)
 	e.unstage(id)
-	plugWaitNoLoop(t, img)
+	waitNoLoop(t, img)
 
-	ro := plugMountCap("ext4", plugROO)
+	ro := mountCap("ext4", roo)
 	e.stage(id, ro, nil)
 	l := e.checkStagedLoop(id, img)
 	if v, _ := plugSysfs(l.Name, "ro"); v != "1" {
@@ -312,7 +312,7 @@ func TestPluginReadOnly(t *testing.T) {
 	}
 	e.unpublish(id, target)
 	e.unstage(id)
-	plugWaitNoLoop(t, img)
+	waitNoLoop(t, img)
 	e.delete(id)
 }
 
@@ -320,18 +320,18 @@ func TestPluginReadOnly(t *testing.T) {
 func TestPluginEphemeral(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const id = "csi-e2e-inline"
-	img := loop.ImagePath(e.state, journal.KindEphemeral, id)
+	img := loop.ImagePath(e.stateDir(), journal.KindEphemeral, id)
 	target := e.target(id, "mnt")
-	vctx := map[string]string{plugCtxEphemeral: "true", "size": "64Mi", "csi.storage.k8s.io/pod.name": "p"}
+	vctx := map[string]string{ctxEphemeral: "true", "size": "64Mi", "csi.storage.k8s.io/pod.name": "p"}
 
 	for _, bad := range []map[string]string{
-		{plugCtxEphemeral: "true", "size": "lots"},
-		{plugCtxEphemeral: "true", "image": "/etc/passwd"},
+		{ctxEphemeral: "true", "size": "lots"},
+		{ctxEphemeral: "true", "image": "/etc/passwd"},
 	} {
-		_, err := e.node.NodePublishVolume(plugCtx(t), &csi.NodePublishVolumeRequest{
-			VolumeId: id, TargetPath: target, VolumeCapability: plugMountCap("", plugRWO), VolumeContext: bad})
+		_, err := e.node.NodePublishVolume(rpcCtx(t), &csi.NodePublishVolumeRequest{
+			VolumeId: id, TargetPath: target, VolumeCapability: mountCap("", rwo), VolumeContext: bad})
 		testutil.WantCode(t, "inline publish with context "+strings.Join(plugKeys(bad), ","), err, codes.InvalidArgument)
 		e.noRecord(id)
 		if _, err := os.Stat(img); !errors.Is(err, fs.ErrNotExist) {
@@ -339,8 +339,8 @@ func TestPluginEphemeral(t *testing.T) {
 		}
 	}
 
-	e.publish(id, target, plugMountCap("", plugRWO), false, vctx)
-	if !plugIsMountPoint(t, target) {
+	e.publish(id, target, mountCap("", rwo), false, vctx)
+	if !isMountPoint(t, target) {
 		t.Fatalf("%s not mounted", target)
 	}
 	plugWriteFile(t, filepath.Join(target, "f"), "inline\n")
@@ -350,7 +350,7 @@ func TestPluginEphemeral(t *testing.T) {
 	if v := e.mustRecord(id); v.Kind != journal.KindEphemeral {
 		t.Errorf("record kind %s", v.Kind)
 	}
-	if fi, err := os.Stat(img); err != nil || fi.Size() != 64*plugMiB {
+	if fi, err := os.Stat(img); err != nil || fi.Size() != 64*miB {
 		t.Errorf("inline image: %v, %v; want 64 MiB", fi, err)
 	}
 	l := e.checkStagedLoop(id, img)
@@ -358,10 +358,10 @@ func TestPluginEphemeral(t *testing.T) {
 		t.Errorf("%s mounted at %v, want only %s", l.Path(), m, target)
 	}
 	// Publishing again is idempotent.
-	e.publish(id, target, plugMountCap("", plugRWO), false, vctx)
+	e.publish(id, target, mountCap("", rwo), false, vctx)
 
 	e.unpublish(id, target)
-	plugWaitNoLoop(t, img)
+	waitNoLoop(t, img)
 	e.noRecord(id)
 	if _, err := os.Stat(img); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("inline image left after unpublish: %v", err)
@@ -382,16 +382,16 @@ func TestPluginStatsAndExpand(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	testutil.RequireCommands(t, "mkfs.xfs", "xfs_growfs", "resize2fs")
-	root := startPlugEnv(t)
+	root := startEnv(t, envOptions{})
 
 	t.Run("stats", func(t *testing.T) {
 		e := root.with(t)
 		const id = "vol-stats"
-		e.create(id, "ext4", 32*plugMiB)
-		e.stage(id, plugMountCap("ext4", plugRWO), nil)
+		e.create(id, "ext4", 32*miB)
+		e.stage(id, mountCap("ext4", rwo), nil)
 		target := e.target(id, "mnt")
-		e.publish(id, target, plugMountCap("ext4", plugRWO), false, nil)
-		r, err := e.node.NodeGetVolumeStats(plugCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target, StagingTargetPath: e.staging(id)})
+		e.publish(id, target, mountCap("ext4", rwo), false, nil)
+		r, err := e.node.NodeGetVolumeStats(rpcCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target, StagingTargetPath: e.staging(id)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -405,7 +405,7 @@ func TestPluginStatsAndExpand(t *testing.T) {
 				t.Errorf("%s usage %+v", unit, u)
 			}
 		}
-		if b := units[csi.VolumeUsage_BYTES].GetTotal(); b > 32*plugMiB {
+		if b := units[csi.VolumeUsage_BYTES].GetTotal(); b > 32*miB {
 			t.Errorf("bytes total %d > volume size", b)
 		}
 		for _, tc := range []struct{ name, id, path string }{
@@ -413,12 +413,12 @@ func TestPluginStatsAndExpand(t *testing.T) {
 			{"a path that does not exist", id, filepath.Join(e.dir, "nothing")},
 			{"an unknown volume", "vol-unknown", target},
 		} {
-			_, err := e.node.NodeGetVolumeStats(plugCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: tc.id, VolumePath: tc.path})
+			_, err := e.node.NodeGetVolumeStats(rpcCtx(t), &csi.NodeGetVolumeStatsRequest{VolumeId: tc.id, VolumePath: tc.path})
 			testutil.WantCode(t, "NodeGetVolumeStats on "+tc.name, err, codes.NotFound)
 		}
 		e.unpublish(id, target)
 		e.unstage(id)
-		plugWaitNoLoop(t, e.image(id))
+		waitNoLoop(t, e.image(id))
 		e.delete(id)
 	})
 
@@ -426,12 +426,12 @@ func TestPluginStatsAndExpand(t *testing.T) {
 		fsType       string
 		size, grow   int64
 		needsSysRsrc bool
-	}{{"xfs", 300 * plugMiB, 400 * plugMiB, false}, {"ext4", 32 * plugMiB, 64 * plugMiB, true}} {
+	}{{"xfs", 300 * miB, 400 * miB, false}, {"ext4", 32 * miB, 64 * miB, true}} {
 		t.Run("expand "+tc.fsType, func(t *testing.T) {
 			e := root.with(t)
 			id := "vol-grow-" + tc.fsType
 			e.create(id, tc.fsType, tc.size)
-			c := plugMountCap(tc.fsType, plugRWO)
+			c := mountCap(tc.fsType, rwo)
 			e.stage(id, c, nil)
 			l := e.checkStagedLoop(id, e.image(id))
 			target := e.target(id, "mnt")
@@ -439,7 +439,7 @@ func TestPluginStatsAndExpand(t *testing.T) {
 			plugWriteFile(t, filepath.Join(target, "f"), "kept\n")
 			before := plugStatfsTotal(t, target)
 
-			cr, err := e.ctl.ControllerExpandVolume(plugCtx(t), &csi.ControllerExpandVolumeRequest{
+			cr, err := e.ctl.ControllerExpandVolume(rpcCtx(t), &csi.ControllerExpandVolumeRequest{
 				VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: tc.grow}, VolumeCapability: c})
 			if err != nil {
 				t.Fatal(err)
@@ -447,10 +447,10 @@ func TestPluginStatsAndExpand(t *testing.T) {
 			if cr.GetCapacityBytes() < tc.grow || !cr.GetNodeExpansionRequired() {
 				t.Errorf("ControllerExpandVolume: %+v", cr)
 			}
-			nr, err := e.node.NodeExpandVolume(plugCtx(t), &csi.NodeExpandVolumeRequest{
+			nr, err := e.node.NodeExpandVolume(rpcCtx(t), &csi.NodeExpandVolumeRequest{
 				VolumeId: id, VolumePath: target, StagingTargetPath: e.staging(id),
 				CapacityRange: &csi.CapacityRange{RequiredBytes: tc.grow}, VolumeCapability: c})
-			if tc.needsSysRsrc && !plugCapEff(t, e.p.PID(), unix.CAP_SYS_RESOURCE) {
+			if tc.needsSysRsrc && !plugCapEff(t, e.plugin.PID(), unix.CAP_SYS_RESOURCE) {
 				testutil.WantCode(t, "NodeExpandVolume of a mounted ext4 without CAP_SYS_RESOURCE", err, codes.FailedPrecondition)
 				if !strings.Contains(status.Convert(err).Message(), "CAP_SYS_RESOURCE") {
 					t.Errorf("message %q does not name CAP_SYS_RESOURCE", status.Convert(err).Message())
@@ -474,7 +474,7 @@ func TestPluginStatsAndExpand(t *testing.T) {
 			}
 			e.unpublish(id, target)
 			e.unstage(id)
-			plugWaitNoLoop(t, e.image(id))
+			waitNoLoop(t, e.image(id))
 			e.delete(id)
 		})
 	}
@@ -485,7 +485,7 @@ func TestPluginStatsAndExpand(t *testing.T) {
 func TestPluginSecretsNotLogged(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t, "--v=5")
+	e := startEnv(t, envOptions{args: []string{"--v=5"}})
 	b := make([]byte, 12)
 	if _, err := rand.Read(b); err != nil {
 		t.Fatal(err)
@@ -494,24 +494,24 @@ func TestPluginSecretsNotLogged(t *testing.T) {
 	secrets := map[string]string{"password": canary, "chap-secret": canary + "-2"}
 
 	const id = "vol-secret"
-	if _, err := e.ctl.CreateVolume(plugCtx(t), &csi.CreateVolumeRequest{
-		Name: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 * plugMiB},
-		VolumeCapabilities: []*csi.VolumeCapability{plugMountCap("ext4", plugRWO)}, Secrets: secrets,
+	if _, err := e.ctl.CreateVolume(rpcCtx(t), &csi.CreateVolumeRequest{
+		Name: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 * miB},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)}, Secrets: secrets,
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.tryStage(id, plugMountCap("ext4", plugRWO), nil, secrets); err != nil {
+	if err := e.tryStage(id, mountCap("ext4", rwo), nil, secrets); err != nil {
 		t.Fatal(err)
 	}
 	// A failing request is logged with its error: no secret there either.
-	err := e.tryStage("vol-secret-missing", plugMountCap("ext4", plugRWO), map[string]string{"type": "loop", "image": "/nonexistent/missing.img"}, secrets)
+	err := e.tryStage("vol-secret-missing", mountCap("ext4", rwo), map[string]string{"type": "loop", "image": "/nonexistent/missing.img"}, secrets)
 	if status.Code(err) == codes.OK {
 		t.Error("staging a missing static image succeeded")
 	}
 	target := e.target(id, "mnt")
-	if _, err := e.node.NodePublishVolume(plugCtx(t), &csi.NodePublishVolumeRequest{
+	if _, err := e.node.NodePublishVolume(rpcCtx(t), &csi.NodePublishVolumeRequest{
 		VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: target,
-		VolumeCapability: plugMountCap("ext4", plugRWO), Secrets: secrets,
+		VolumeCapability: mountCap("ext4", rwo), Secrets: secrets,
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -519,7 +519,7 @@ func TestPluginSecretsNotLogged(t *testing.T) {
 	e.unstage(id)
 	e.delete(id)
 
-	log := e.p.Log()
+	log := e.plugin.Log()
 	for _, line := range strings.Split(log, "\n") {
 		if strings.Contains(line, canary) {
 			t.Errorf("secret in the plugin log: %s", line)
@@ -528,7 +528,7 @@ func TestPluginSecretsNotLogged(t *testing.T) {
 	if !strings.Contains(log, "***stripped***") {
 		t.Errorf("the log shows no sanitised request (***stripped***): were requests logged at --v=5?\n%s", log)
 	}
-	err = filepath.WalkDir(e.state, func(p string, d fs.DirEntry, err error) error {
+	err = filepath.WalkDir(e.stateDir(), func(p string, d fs.DirEntry, err error) error {
 		if err != nil || !d.Type().IsRegular() || strings.HasSuffix(p, ".img") {
 			return err
 		}
@@ -547,43 +547,43 @@ func TestPluginSecretsNotLogged(t *testing.T) {
 func TestPluginSIGTERM(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
-	e := startPlugEnv(t)
+	e := startEnv(t, envOptions{})
 	const id = "vol-term"
-	e.create(id, "ext4", 32*plugMiB)
-	e.stage(id, plugMountCap("ext4", plugRWO), nil)
+	e.create(id, "ext4", 32*miB)
+	e.stage(id, mountCap("ext4", rwo), nil)
 	l := e.checkStagedLoop(id, e.image(id))
 	target := e.target(id, "mnt")
-	e.publish(id, target, plugMountCap("ext4", plugRWO), false, nil)
+	e.publish(id, target, mountCap("ext4", rwo), false, nil)
 
-	if err := e.p.Stop(); err != nil {
+	if err := e.plugin.Stop(); err != nil {
 		t.Fatalf("SIGTERM: %v", err)
 	}
-	if e.p.Running() {
+	if e.plugin.Running() {
 		t.Fatal("plugin still running after Stop")
 	}
 	if m := plugMountsOf(t, os.Getpid(), l.Dev); len(m) != 1 || m[0] != target {
 		t.Errorf("after SIGTERM the publish is mounted at %v, want %s", m, target)
 	}
-	if _, err := os.Stat(e.p.Socket); err == nil {
-		t.Logf("socket %s left after a clean stop", e.p.Socket)
+	if _, err := os.Stat(e.plugin.Socket); err == nil {
+		t.Logf("socket %s left after a clean stop", e.plugin.Socket)
 	}
 	e.restart()
 	plugWriteFile(t, filepath.Join(target, "f"), "after restart\n")
 	e.unpublish(id, target)
 	e.unstage(id)
-	plugWaitNoLoop(t, e.image(id))
+	waitNoLoop(t, e.image(id))
 
 	// A stale socket from a killed plugin does not stop the next one.
-	e.p.Kill9()
-	if fi, err := os.Lstat(e.p.Socket); err != nil || fi.Mode().Type() != fs.ModeSocket {
+	e.plugin.Kill9()
+	if fi, err := os.Lstat(e.plugin.Socket); err != nil || fi.Mode().Type() != fs.ModeSocket {
 		t.Fatalf("no stale socket after kill -9: %v", err)
 	}
 	e.restart()
-	if _, err := e.node.NodeGetInfo(plugCtx(t), &csi.NodeGetInfoRequest{}); err != nil {
+	if _, err := e.node.NodeGetInfo(rpcCtx(t), &csi.NodeGetInfoRequest{}); err != nil {
 		t.Fatal(err)
 	}
 	e.delete(id)
-	if err := e.p.Stop(); err != nil {
+	if err := e.plugin.Stop(); err != nil {
 		t.Fatalf("SIGTERM: %v", err)
 	}
 }

@@ -23,14 +23,14 @@ func TestPrepareBadInput(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "unshare", "nsenter")
 	testutil.NoLeaks(t)
-	e := startPrepEnv(t, prepOptions{})
+	e := startEnv(t, envOptions{})
 
-	staged := e.create("prep-bad-staged", 16*prepMiB)
+	staged := e.create("prep-bad-staged", "", 16*miB).GetVolumeId()
 	stagedImage := loop.ImagePath(e.stateDir(), journal.KindProvisioned, staged)
-	e.stage(staged, prepMountCap(), nil)
+	e.stage(staged, mountCap("", rwo), nil)
 	dev := e.stagedDevice(staged, stagedImage)
 	watch := prepDevWatch(t, dev)
-	unstaged := e.create("prep-bad-unstaged", 16*prepMiB)
+	unstaged := e.create("prep-bad-unstaged", "", 16*miB).GetVolumeId()
 	const unknown = "prep-no-such-volume"
 
 	ns := testutil.StartUnshare(t)
@@ -82,18 +82,16 @@ func TestPrepareBadInput(t *testing.T) {
 					t.Errorf("mountplan-sidecar's message does not mention %q:\n%s", s, out)
 				}
 			}
-			c := prepMountCap()
+			c := mountCap("", rwo)
 			if tc.block {
-				c = prepBlockCap()
+				c = blockCap(rwo)
 			}
 			_, err := e.prepare(tc.volume, c, tc.pid, tc.target)
 			testutil.WantCode(t, "NodePrepareVolume", err, tc.code)
 			for _, id := range []string{staged, unstaged} {
 				e.wantNoConsumer(id)
 			}
-			if v := e.record(unknown); v != nil {
-				t.Errorf("a journal record was made for the unknown volume: %+v", v)
-			}
+			e.noRecord(unknown)
 		})
 	}
 
@@ -105,7 +103,7 @@ func TestPrepareBadInput(t *testing.T) {
 		t.Errorf("mount with a stale --mnt-ns-inode: exit %d:\n%s", code, out)
 	}
 	_, err = e.np.NodePrepareVolume(e.ctx(), &api.NodePrepareVolumeRequest{VolumeId: staged, StagingTargetPath: e.staging(staged),
-		VolumeCapability: prepMountCap(), Consumer: &api.Consumer{Pid: int64(ns.PID), MountPoint: target, MntNsInode: hostNS}})
+		VolumeCapability: mountCap("", rwo), Consumer: &api.Consumer{Pid: int64(ns.PID), MountPoint: target, MntNsInode: hostNS}})
 	testutil.WantCode(t, "NodePrepareVolume with a stale mnt_ns_inode", err, codes.FailedPrecondition)
 
 	// --pid 0 is documented by the sidecar as "the sidecar's own
@@ -147,12 +145,12 @@ func TestPrepareBadInput(t *testing.T) {
 	if v := e.mustRecord(unstaged); v.Stage != nil {
 		t.Errorf("the unstaged volume got staged: %+v", v.Stage)
 	}
-	if ls := prepLoopsBackedBy(loop.ImagePath(e.stateDir(), journal.KindProvisioned, unstaged)); len(ls) != 0 {
+	if ls := plugLoopsBackedBy(t, loop.ImagePath(e.stateDir(), journal.KindProvisioned, unstaged)); len(ls) != 0 {
 		t.Errorf("the unstaged volume's image is attached to %v", ls)
 	}
 
 	e.unstage(staged)
-	prepWaitNoLoop(t, stagedImage)
+	waitNoLoop(t, stagedImage)
 	e.delete(staged)
 	e.delete(unstaged)
 	ns.Kill()

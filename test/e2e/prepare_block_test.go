@@ -39,11 +39,11 @@ func TestPrepareBlock(t *testing.T) {
 	testutil.NoLeaks(t)
 	tm := prepTimer(t)
 	ctrd := testutil.StartContainerd(t)
-	e := startPrepEnv(t, prepOptions{})
+	e := startEnv(t, envOptions{})
 
-	id := e.createFor("prep-block", 16*prepMiB, prepBlockCap())
+	id := e.createFor("prep-block", 16*miB, blockCap(rwo)).GetVolumeId()
 	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-	e.stage(id, prepBlockCap(), nil)
+	e.stage(id, blockCap(rwo), nil)
 	dev := e.stagedDevice(id, image)
 	if st := e.loopState(id); st.FsType != "" {
 		t.Errorf("a block volume was formatted: %q", st.FsType)
@@ -115,7 +115,7 @@ func TestPrepareBlock(t *testing.T) {
 	}
 	e.wantNoConsumer(id)
 	e.unstage(id)
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	e.delete(id)
 	watch.check(t, dev.String()+" mounted")
 	tm.step("unmounted, unstaged, deleted")

@@ -49,7 +49,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 	testutil.NoLeaks(t)
 	tm := prepTimer(t)
 	ctrd := testutil.StartContainerd(t)
-	e := startPrepEnv(t, prepOptions{imageRoot: true})
+	e := startEnv(t, envOptions{})
 
 	// The images' content.
 	content := filepath.Join(e.dir, "content")
@@ -89,7 +89,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 			if tc.upperSize != "" {
 				vctx["upperSize"] = tc.upperSize
 			}
-			e.stage(id, prepMountCap(), vctx)
+			e.stage(id, mountCap("", rwo), vctx)
 			st := e.loopState(id)
 			dev := e.stagedDevice(id, image)
 			if st.Chain == nil || st.FsType != tc.fsType {
@@ -122,7 +122,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 					t.Errorf("scratch image: %v, %v; want %s bytes", fi, err, tc.upperSize)
 				}
 				scratch = prepDevOf(t, ch.Scratch.Device)
-				if got := prepBackingFile(scratch.name()); got != wantImg {
+				if got := loopBackingFile(scratch.name()); got != wantImg {
 					t.Errorf("scratch device %s backed by %q, want %s", scratch, got, wantImg)
 				}
 			} else if ch.Scratch != nil {
@@ -192,9 +192,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 			}
 
 			e.unstage(id)
-			if v := e.record(id); v != nil {
-				t.Errorf("journal record of the static volume left after unstage: %+v", v)
-			}
+			e.noRecord(id)
 			for _, p := range []string{ch.Lower, ch.Upper, ch.Dir} {
 				if _, err := os.Lstat(p); !os.IsNotExist(err) {
 					t.Errorf("%s left after unstage: %v", p, err)
@@ -204,9 +202,9 @@ func TestPrepareOverlayChain(t *testing.T) {
 				if _, err := os.Lstat(ch.Scratch.Image); !os.IsNotExist(err) {
 					t.Errorf("scratch image %s left after unstage: %v", ch.Scratch.Image, err)
 				}
-				prepWaitNoLoop(t, ch.Scratch.Image)
+				waitNoLoop(t, ch.Scratch.Image)
 			}
-			prepWaitNoLoop(t, image)
+			waitNoLoop(t, image)
 			if got := prepSHA256(t, image); got != sum {
 				t.Errorf("the read-only image changed: sha256 %s, was %s", got, sum)
 			}
@@ -225,7 +223,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 		image := filepath.Join(e.imageRoot, "killed.squashfs")
 		prepRun(t, "mksquashfs", content, image, "-noappend", "-quiet", "-no-progress")
 		id := "static-killed"
-		e.stage(id, prepMountCap(), map[string]string{"type": "loop", "image": image, "overlay": "true", "upperSize": "33554432"})
+		e.stage(id, mountCap("", rwo), map[string]string{"type": "loop", "image": image, "overlay": "true", "upperSize": "33554432"})
 		ch := e.loopState(id).Chain
 		if ch == nil || ch.Scratch == nil {
 			t.Fatalf("journal: chain %+v, want one with a scratch image", ch)
@@ -237,15 +235,13 @@ func TestPrepareOverlayChain(t *testing.T) {
 		}
 		k.Kill(t)
 		e.unstage(id)
-		if v := e.record(id); v != nil {
-			t.Errorf("journal record left after unstage: %+v", v)
-		}
+		e.noRecord(id)
 		for _, p := range []string{ch.Dir, ch.Scratch.Image} {
 			if _, err := os.Lstat(p); !os.IsNotExist(err) {
 				t.Errorf("%s left after unstage: %v", p, err)
 			}
 		}
-		prepWaitNoLoop(t, ch.Scratch.Image)
-		prepWaitNoLoop(t, image)
+		waitNoLoop(t, ch.Scratch.Image)
+		waitNoLoop(t, image)
 	})
 }

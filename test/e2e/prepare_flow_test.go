@@ -26,7 +26,7 @@ import (
 // prepCheckPluginInHostNS makes sure the plugin runs in the test's (the
 // host's) mount namespace, so that the test's /proc/self/mountinfo is the
 // table in which nothing of a prepared volume may appear.
-func prepCheckPluginInHostNS(t *testing.T, e *prepEnv) {
+func prepCheckPluginInHostNS(t *testing.T, e *env) {
 	t.Helper()
 	self, err := testutil.MountNamespaceOf(os.Getpid())
 	if err != nil {
@@ -61,13 +61,13 @@ func TestPrepareInContainers(t *testing.T) {
 	testutil.NoLeaks(t)
 	tm := prepTimer(t)
 	ctrd := testutil.StartContainerd(t)
-	e := startPrepEnv(t, prepOptions{})
+	e := startEnv(t, envOptions{})
 	prepCheckPluginInHostNS(t, e)
 	tm.step("containerd and plugin running")
 
-	id := e.create("prep-containers", 64*prepMiB)
+	id := e.create("prep-containers", "", 64*miB).GetVolumeId()
 	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-	e.stage(id, prepMountCap(), nil)
+	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)
 	prepCheckHostClean(t, "after NodeStageVolume", dev)
@@ -135,7 +135,7 @@ func TestPrepareInContainers(t *testing.T) {
 		t.Errorf("after B was killed, mount namespaces still show %s: %v", dev, prepNamespacesShowing(dev))
 	}
 	// The device itself stays: the plugin holds it while the volume is staged.
-	if got := prepBackingFile(dev.name()); got != image {
+	if got := loopBackingFile(dev.name()); got != image {
 		t.Errorf("after B was killed, %s is backed by %q, want %q (still staged)", dev, got, image)
 	}
 	// Nothing has told the plugin yet: the journal still names B (the
@@ -151,7 +151,7 @@ func TestPrepareInContainers(t *testing.T) {
 	if v := e.mustRecord(id); v.Stage != nil || len(v.Consumers) != 0 {
 		t.Errorf("journal after unstage: stage %+v, consumers %+v", v.Stage, v.Consumers)
 	}
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	// Releasing B afterwards is idempotent, as is a second unstage.
 	if err := e.unprepare(id, pidB, target, consB.Namespace.Inode); err != nil {
 		t.Errorf("NodeUnprepareVolume for dead B after unstage: %v", err)
@@ -163,9 +163,7 @@ func TestPrepareInContainers(t *testing.T) {
 	e.mustSidecarUnmount(id, pidB, target)
 	e.unstage(id)
 	e.delete(id)
-	if v := e.record(id); v != nil {
-		t.Errorf("journal record left after DeleteVolume: %+v", v)
-	}
+	e.noRecord(id)
 	if _, err := os.Stat(image); err == nil {
 		t.Errorf("image %s left after DeleteVolume", image)
 	}
@@ -178,12 +176,12 @@ func TestPrepareUnshare(t *testing.T) {
 	testutil.RequireCommands(t, "unshare", "nsenter")
 	testutil.NoLeaks(t)
 	tm := prepTimer(t)
-	e := startPrepEnv(t, prepOptions{})
+	e := startEnv(t, envOptions{})
 	prepCheckPluginInHostNS(t, e)
 
-	id := e.create("prep-unshare", 32*prepMiB)
+	id := e.create("prep-unshare", "", 32*miB).GetVolumeId()
 	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-	e.stage(id, prepMountCap(), nil)
+	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)
 	tm.step("volume staged on " + dev.String())
@@ -225,12 +223,12 @@ func TestPrepareUnshare(t *testing.T) {
 	testutil.WantCode(t, "NodeUnstageVolume while the namespace uses the volume", err, codes.FailedPrecondition,
 		fmt.Sprintf("pid %d", ns.PID), fmt.Sprint(cons.Namespace.Inode), target)
 	e.wantConsumer(id, ns.PID, target)
-	if got := prepBackingFile(dev.name()); got != image {
+	if got := loopBackingFile(dev.name()); got != image {
 		t.Errorf("the refused unstage detached %s (backing file now %q)", dev, got)
 	}
 	// A repeated prepare for the same consumer gets the same answer and
 	// records no second claim.
-	resp, err := e.prepare(id, prepMountCap(), ns.PID, target)
+	resp, err := e.prepare(id, mountCap("", rwo), ns.PID, target)
 	if err != nil {
 		t.Fatalf("repeated NodePrepareVolume: %v", err)
 	}
@@ -275,7 +273,7 @@ func TestPrepareUnshare(t *testing.T) {
 	// Unmount again: nothing mounted, nothing claimed; still success.
 	e.mustSidecarUnmount(id, ns.PID, target)
 	e.unstage(id)
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	e.delete(id)
 	if _, err := os.Stat(target); err != nil {
 		t.Errorf("the consumer's own directory %s was removed: %v", target, err)

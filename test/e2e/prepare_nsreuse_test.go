@@ -26,11 +26,11 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "unshare", "nsenter")
 	testutil.NoLeaks(t)
-	e := startPrepEnv(t, prepOptions{})
+	e := startEnv(t, envOptions{})
 
-	id := e.create("prep-nsreuse", 16*prepMiB)
+	id := e.create("prep-nsreuse", "", 16*miB).GetVolumeId()
 	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-	e.stage(id, prepMountCap(), nil)
+	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	target := filepath.Join(e.dir, "consumer")
 	if err := os.Mkdir(target, 0o755); err != nil {
@@ -71,7 +71,7 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 		// claim is recognised as dead.
 		reuser.Kill()
 		e.unstage(id)
-		prepWaitNoLoop(t, image)
+		waitNoLoop(t, image)
 		e.delete(id)
 		t.Errorf("NodeUnstageVolume refused because of dead consumer pid %d: an unrelated namespace (pid %d) reuses its "+
 			"mount namespace inode %d, and pkg/driver/prepare.go namespaceAlive treats any process in a namespace with that inode "+
@@ -81,6 +81,6 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 		t.Fatalf("NodeUnstageVolume after the consumer died: %v", err)
 	}
 	e.wantNoConsumer(id)
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	e.delete(id)
 }

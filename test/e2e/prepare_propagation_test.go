@@ -57,10 +57,10 @@ func TestPrepareRefusesSharedTarget(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "unshare", "nsenter")
 	testutil.NoLeaks(t)
-	e := startPrepEnv(t, prepOptions{})
-	id := e.create("prep-shared", 16*prepMiB)
+	e := startEnv(t, envOptions{})
+	id := e.create("prep-shared", "", 16*miB).GetVolumeId()
 	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-	e.stage(id, prepMountCap(), nil)
+	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)
 
@@ -110,7 +110,7 @@ func TestPrepareRefusesSharedTarget(t *testing.T) {
 	e.mustSidecarUnmount(id, slave, target)
 	e.wantNoConsumer(id)
 	e.unstage(id)
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	e.delete(id)
 	watch.check(t, dev.String()+" mounted")
 }

@@ -23,15 +23,15 @@ func TestPrepareRestartAdopts(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "unshare", "nsenter")
 	testutil.NoLeaks(t)
-	e := startPrepEnv(t, prepOptions{imageRoot: true})
+	e := startEnv(t, envOptions{})
 
 	// No NoLeaks in the subtests: the plugin each restarts is a new process
 	// that outlives them. The test's own check covers everything.
 	t.Run("ext4", func(t *testing.T) {
 		e := e.with(t)
-		id := e.create("prep-restart", 32*prepMiB)
+		id := e.create("prep-restart", "", 32*miB).GetVolumeId()
 		image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-		e.stage(id, prepMountCap(), nil)
+		e.stage(id, mountCap("", rwo), nil)
 		prepRestartCase(t, e, id, image, nil, nil)
 		e.delete(id)
 	})
@@ -49,7 +49,7 @@ func TestPrepareRestartAdopts(t *testing.T) {
 		image := filepath.Join(e.imageRoot, "restart.squashfs")
 		prepRun(t, "mksquashfs", content, image, "-noappend", "-quiet", "-no-progress")
 		id := "static-restart-chain"
-		e.stage(id, prepMountCap(), map[string]string{"type": "loop", "image": image, "overlay": "true"})
+		e.stage(id, mountCap("", rwo), map[string]string{"type": "loop", "image": image, "overlay": "true"})
 		ch := e.loopState(id).Chain
 		if ch == nil {
 			t.Fatal("no chain in the journal")
@@ -85,9 +85,9 @@ func TestPrepareRestartAdopts(t *testing.T) {
 	// and attaches the image again for the still-staged volume.
 	t.Run("consumer-dies-while-plugin-down", func(t *testing.T) {
 		e := e.with(t)
-		id := e.create("prep-restart-dead", 32*prepMiB)
+		id := e.create("prep-restart-dead", "", 32*miB).GetVolumeId()
 		image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-		e.stage(id, prepMountCap(), nil)
+		e.stage(id, mountCap("", rwo), nil)
 		dev := e.stagedDevice(id, image)
 		watch := prepDevWatch(t, dev)
 		ns := testutil.StartUnshare(t)
@@ -104,14 +104,14 @@ func TestPrepareRestartAdopts(t *testing.T) {
 
 		e.plugin.Kill9()
 		ns.Kill()
-		prepWaitNoLoop(t, image) // no opener left: the kernel detached it
+		waitNoLoop(t, image) // no opener left: the kernel detached it
 		e.plugin.Restart()
 		e.waitReady() // ready only after the startup reconcile
 		if cs := e.consumers(id); len(cs) != 0 {
 			t.Errorf("after the restart the journal still records consumers %+v (pid %d is dead)", cs, pid)
 		}
 		st := e.loopState(id)
-		if got := prepBackingFile(filepath.Base(st.Device)); got != image {
+		if got := loopBackingFile(filepath.Base(st.Device)); got != image {
 			t.Errorf("after the restart the journal names %s, backed by %q; want it re-attached to %s", st.Device, got, image)
 		}
 		// The data written before the crash is on the image.
@@ -122,7 +122,7 @@ func TestPrepareRestartAdopts(t *testing.T) {
 		}
 		e.mustSidecarUnmount(id, ns2.PID, target)
 		e.unstage(id)
-		prepWaitNoLoop(t, image)
+		waitNoLoop(t, image)
 		e.delete(id)
 		ns2.Kill()
 		watch.check(t, dev.String()+" mounted")
@@ -138,7 +138,7 @@ func TestPrepareRestartAdopts(t *testing.T) {
 // the restart, then unmounts and unstages.
 // onHost says what the host's mount table must never show; nil: the
 // volume's device.
-func prepRestartCase(t *testing.T, e *prepEnv, id, image string, onHost func(*mountinfo.Info) bool, afterRestart func(target string)) {
+func prepRestartCase(t *testing.T, e *env, id, image string, onHost func(*mountinfo.Info) bool, afterRestart func(target string)) {
 	tm := prepTimer(t)
 	dev := e.stagedDevice(id, image)
 	what := "the volume mounted"
@@ -168,7 +168,7 @@ func prepRestartCase(t *testing.T, e *prepEnv, id, image string, onHost func(*mo
 	if out, err := ns.Exec(t, "sh", "-c", "cat "+target+"/before && echo during > "+target+"/during && sync && cat "+target+"/during"); err != nil || out != "before\nduring\n" {
 		t.Errorf("consumer while the plugin is dead: %q, %v", out, err)
 	}
-	if got := prepBackingFile(dev.name()); got != image {
+	if got := loopBackingFile(dev.name()); got != image {
 		t.Errorf("with the plugin dead, %s is backed by %q, want %q", dev, got, image)
 	}
 	tm.step("plugin killed with SIGKILL; the consumer still reads and writes")
@@ -192,7 +192,7 @@ func prepRestartCase(t *testing.T, e *prepEnv, id, image string, onHost func(*mo
 	err := e.tryUnstage(id)
 	testutil.WantCode(t, "NodeUnstageVolume after the restart, consumer alive", err, codes.FailedPrecondition,
 		fmt.Sprintf("pid %d", ns.PID))
-	if got := prepBackingFile(dev.name()); got != image {
+	if got := loopBackingFile(dev.name()); got != image {
 		t.Errorf("after the refused unstage %s is backed by %q, want %q", dev, got, image)
 	}
 	tm.step("restarted; unstage still refused")
@@ -200,7 +200,7 @@ func prepRestartCase(t *testing.T, e *prepEnv, id, image string, onHost func(*mo
 	e.mustSidecarUnmount(id, ns.PID, target, "--mnt-ns-inode", fmt.Sprint(cons.Namespace.Inode))
 	e.wantNoConsumer(id)
 	e.unstage(id)
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	ns.Kill()
 	watch.check(t, what)
 	tm.step("unmounted, unstaged: device detached")

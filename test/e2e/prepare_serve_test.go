@@ -7,14 +7,10 @@ package e2e
 
 import (
 	"errors"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -24,104 +20,21 @@ import (
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
-// prepServe is a `mountplan-sidecar serve` subprocess.
-type prepServe struct {
-	cmd     *exec.Cmd
-	done    chan struct{}
-	socket  string
-	logPath string
-}
-
-func startPrepServe(t *testing.T, sidecar, ep string, args ...string) *prepServe {
-	t.Helper()
-	s := &prepServe{done: make(chan struct{}), socket: strings.TrimPrefix(ep, "unix://")}
-	s.logPath = filepath.Join(filepath.Dir(s.socket), "sidecar.log")
-	logf, err := os.Create(s.logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer logf.Close()
-	s.cmd = exec.Command(sidecar, append([]string{"serve", "--endpoint", ep}, args...)...)
-	s.cmd.Stdout, s.cmd.Stderr = logf, logf
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = s.cmd.Wait(); close(s.done) }()
-	t.Cleanup(func() {
-		select {
-		case <-s.done:
-		default:
-			_ = s.cmd.Process.Kill()
-			<-s.done
-		}
-		if t.Failed() {
-			t.Logf("sidecar log:\n%s", s.log())
-		}
-	})
-	if !testutil.Poll(10*time.Second, 10*time.Millisecond, func() bool {
-		select {
-		case <-s.done:
-			return true
-		default:
-		}
-		c, err := net.DialTimeout("unix", s.socket, time.Second)
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	}) {
-		t.Fatalf("mountplan-sidecar serve did not listen on %s within 10s:\n%s", s.socket, s.log())
-	}
-	select {
-	case <-s.done:
-		t.Fatalf("mountplan-sidecar serve exited at start (%v):\n%s", s.cmd.ProcessState, s.log())
-	default:
-	}
-	return s
-}
-
-func (s *prepServe) log() string {
-	b, _ := os.ReadFile(s.logPath)
-	return string(b)
-}
-
-// stop sends SIGTERM and returns the exit status.
-func (s *prepServe) stop(t *testing.T) int {
-	t.Helper()
-	_ = s.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-s.done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("mountplan-sidecar serve ignored SIGTERM for 10s")
-	}
-	return s.cmd.ProcessState.ExitCode()
-}
-
 func TestPublishThroughSidecarServe(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	tm := prepTimer(t)
-	_, sidecarBin := testutil.BuildBinaries(t)
-	// A short directory: a unix socket's path must fit in 108 bytes.
-	sockDir, err := os.MkdirTemp("", "mpside-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	testutil.RegisterLeakMarker(sockDir)
-	t.Cleanup(func() { os.RemoveAll(sockDir) })
-	mounterEP := "unix://" + filepath.Join(sockDir, "mounter.sock")
-
-	e := startPrepEnv(t, prepOptions{args: []string{"--mounter-endpoint", mounterEP}})
-	srv := startPrepServe(t, sidecarBin, mounterEP, "--allowed-root", e.stateDir(), "--v=4")
+	e := newEnv(t, "")
+	srv := e.startMounter("")
+	e.startPlugin("")
 	if fi, err := os.Stat(srv.socket); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Errorf("mounter socket %s: %v, %v; want mode 0600", srv.socket, fi, err)
 	}
 	tm.step("plugin and mountplan-sidecar serve running")
 
-	id := e.create("prep-serve", 32*prepMiB)
+	id := e.create("prep-serve", "", 32*miB).GetVolumeId()
 	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
-	e.stage(id, prepMountCap(), nil)
+	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 
 	if err := os.Mkdir(filepath.Join(e.dir, "pod"), 0o750); err != nil {
@@ -130,7 +43,7 @@ func TestPublishThroughSidecarServe(t *testing.T) {
 	target := filepath.Join(e.dir, "pod", "mount")
 	publish := func() error {
 		_, err := e.node.NodePublishVolume(e.ctx(), &csi.NodePublishVolumeRequest{VolumeId: id,
-			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: prepMountCap()})
+			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: mountCap("", rwo)})
 		return err
 	}
 	unpublish := func() error {
@@ -195,7 +108,7 @@ func TestPublishThroughSidecarServe(t *testing.T) {
 		t.Errorf("mounter socket left after SIGTERM: %v", err)
 	}
 	// With the mounter gone, a publish fails cleanly and records nothing.
-	err = publish()
+	err := publish()
 	testutil.WantCode(t, "NodePublishVolume with the mounter stopped", err, codes.Unavailable)
 	if mi := prepHostMountAt(t, target); mi != nil {
 		t.Errorf("something is mounted at %s: %s", target, mi.FSType)
@@ -206,6 +119,6 @@ func TestPublishThroughSidecarServe(t *testing.T) {
 	tm.step("sidecar stopped with SIGTERM; publish without it fails")
 
 	e.unstage(id)
-	prepWaitNoLoop(t, image)
+	waitNoLoop(t, image)
 	e.delete(id)
 }

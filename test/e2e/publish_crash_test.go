@@ -39,11 +39,10 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
   readyTimeout: 20s
 `, e.rcloneRoot)
 	appendFile(t, e.config, profile)
-	state, sock := e.startServe("")
+	e.startMounter("")
 	// No probes or periodic reconcile while the daemon is stopped: only
 	// the startup reconcile of the restarted plugin runs.
-	e.startPlugin("", "--state-dir", state, "--mounter-endpoint", "unix://"+sock,
-		"--fuse-probe-interval", "1h", "--fuse-probe-timeout", "1h", "--reconcile-interval", "1h")
+	e.startPlugin("", "--v=5", "--fuse-probe-interval", "1h", "--fuse-probe-timeout", "1h", "--reconcile-interval", "1h")
 
 	const id = "crash-publish"
 	src := filepath.Join(e.rcloneRoot, "data")
@@ -53,7 +52,7 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(src, "hello"), []byte("hello\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.tryStage(id, map[string]string{"type": "fuse", "profile": "rclone-nocache", "source": src}, nil); err != nil {
+	if err := e.tryStage(id, mountCap("", rwo), map[string]string{"type": "fuse", "profile": "rclone-nocache", "source": src}, nil); err != nil {
 		t.Fatal(err)
 	}
 	daemon := e.state(id).Daemon
@@ -76,11 +75,11 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
 	published := make(chan error, 1)
 	go func() {
 		_, err := e.node.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: id,
-			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: fuseMountCap()})
+			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: mountCap("", rwo)})
 		published <- err
 	}()
-	if !testutil.Poll(20*time.Second, 10*time.Millisecond, func() bool { return waitsOnFuse(e.servePID) }) {
-		t.Fatalf("the mounter (pid %d) never blocked on the stopped FUSE daemon", e.servePID)
+	if !testutil.Poll(20*time.Second, 10*time.Millisecond, func() bool { return waitsOnFuse(e.mounter.pid()) }) {
+		t.Fatalf("the mounter (pid %d) never blocked on the stopped FUSE daemon", e.mounter.pid())
 	}
 	if v, err := e.record(id); err != nil || len(v.Publishes) != 1 {
 		t.Fatalf("the publish is not recorded before the mounter is asked: %+v %v", v, err)
