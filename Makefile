@@ -14,7 +14,7 @@ TESTFLAGS ?= -p 1 -count=1 -timeout 80m
 # that `go test ./...` neither runs nor skips them; verify checks them too.
 VMTAGS    := vmtest,vmguest
 
-.PHONY: all build test test-unit test-sanity test-vm verify bench demo clean codegen deploy
+.PHONY: all build test test-unit test-sanity test-vm verify bench demo clean codegen deploy fuzz
 
 all: build
 
@@ -29,6 +29,11 @@ test: build
 
 # The tests that need no root, no device, no external tool and no server,
 # as any user: in -short mode every internal/testenv Require* skips.
+# Every Go fuzz test for FUZZTIME seconds each (default 5).
+FUZZTIME ?= 5
+fuzz:
+	hack/fuzz.sh $(FUZZTIME)
+
 test-unit:
 	set -o pipefail; $(GO) test -json -short -vet=off -count=1 $(PKGS) | $(GO) run ./hack/testreport
 

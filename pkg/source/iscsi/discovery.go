@@ -197,7 +197,7 @@ func (s *discoverySession) login(initiator string) error {
 		transit, rcsg, rnsg := resp.bhs[1]&flagFinal != 0, (resp.bhs[1]>>2)&3, resp.bhs[1]&3
 		got := parseKeys(resp.data)
 		if m, ok := got["AuthMethod"]; ok && m != "None" {
-			return fmt.Errorf("iSCSI portal %s wants %s authentication for discovery, which the plugin does not do: %w", s.portal, m, errdefs.ErrPermissionDenied)
+			return fmt.Errorf("iSCSI portal %s wants %.64q authentication for discovery, which the plugin does not do: %w", s.portal, m, errdefs.ErrPermissionDenied)
 		}
 		if v, ok := got["MaxRecvDataSegmentLength"]; ok {
 			s.maxRecvd, _ = strconv.Atoi(v)
@@ -263,6 +263,9 @@ func (s *discoverySession) text(query string) ([]byte, error) {
 		default:
 			return nil, s.fail("SendTargets", fmt.Errorf("unexpected opcode %#x", resp.opcode()))
 		}
+		if len(all)+len(resp.data) > maxDataLen {
+			return nil, s.fail("SendTargets", errors.New("answer too long"))
+		}
 		all = append(all, resp.data...)
 		if resp.bhs[1]&flagContinue == 0 && resp.bhs[1]&flagFinal != 0 {
 			return all, nil
@@ -305,8 +308,8 @@ func parseSendTargets(data []byte, discoveredAt string) []Target {
 			}
 			addr, tag, _ := strings.Cut(v, ",")
 			tpgt, err := strconv.Atoi(tag)
-			if err != nil {
-				tpgt = 1
+			if err != nil || tpgt < 0 || tpgt > 0xffff {
+				tpgt = 1 // a portal group tag is 16 bits (RFC 7143 13.9)
 			}
 			last := &out[len(out)-1]
 			last.Portals = append(last.Portals, Portal{Address: addr, TPGT: tpgt})

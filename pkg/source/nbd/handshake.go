@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"time"
 
@@ -249,7 +250,11 @@ func (d Dialer) Probe(ctx context.Context, export string) (Export, error) {
 			return e, nil
 		case r.typ == repInfo:
 			if len(r.data) >= 12 && binary.BigEndian.Uint16(r.data) == infoExport {
-				e.Size = int64(binary.BigEndian.Uint64(r.data[2:]))
+				size := binary.BigEndian.Uint64(r.data[2:])
+				if size > math.MaxInt64 {
+					return Export{}, fmt.Errorf("NBD server %s reports a size of %d bytes for %s: %w", s.name, size, what, errdefs.ErrUnavailable)
+				}
+				e.Size = int64(size)
 				e.ReadOnly = binary.BigEndian.Uint16(r.data[10:])&txFlagReadOnly != 0
 				e.Known = true
 			}
