@@ -3,6 +3,8 @@ package driver
 import (
 	"context"
 	"errors"
+	"io/fs"
+	"os"
 	"slices"
 	"time"
 
@@ -10,6 +12,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/periodic"
+	"github.com/mountplan/mountplan/pkg/source/loop"
 )
 
 // Reconcile compares every record with the kernel: it adopts staged devices
@@ -18,6 +21,7 @@ import (
 // or removes half-made inline volumes. The first call makes Probe ready.
 func (d *Driver) Reconcile(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
+	d.removeInterruptedWrites(ctx)
 	vols, listErr := d.store.List()
 	if listErr != nil {
 		logger.Error(listErr, "Some journal records could not be read; they are left as they are")
@@ -38,6 +42,39 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	}
 	d.ready.Store(true)
 	return errors.Join(errs...)
+}
+
+// removeInterruptedWrites removes the temp files that writes of records and
+// images left when a crash interrupted them before their rename. Every such
+// write runs under its volume's lock, so a temp file found while holding
+// the lock belongs to no write in flight; a volume busy with a request is
+// left for the next reconcile.
+func (d *Driver) removeInterruptedWrites(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	records, err := d.store.TempFiles()
+	images, ierr := loop.TempImages(d.opts.StateDir)
+	if err = errors.Join(err, ierr); err != nil {
+		logger.Error(err, "Listing the temp files of interrupted writes")
+	}
+	temps := map[string][]string{}
+	for _, m := range []map[string][]string{records, images} {
+		for id, paths := range m {
+			temps[id] = append(temps[id], paths...)
+		}
+	}
+	for id, paths := range temps {
+		unlock, err := d.lock(id, "reconcile")
+		if err != nil {
+			continue
+		}
+		for _, p := range paths {
+			if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				logger.Error(err, "Removing the temp file of an interrupted write", "volume", id)
+			}
+		}
+		unlock()
+		logger.Info("Removed the temp files of writes a crash interrupted", "volume", id, "files", paths)
+	}
 }
 
 func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {

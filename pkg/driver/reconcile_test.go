@@ -3,8 +3,12 @@ package driver
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -189,5 +193,67 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	got, err := d.store.Get("v")
 	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != pid {
 		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
+	}
+}
+
+// TestReconcileRemovesInterruptedWrites: the temp files that a crash left
+// behind a record write or an image creation go at the next reconcile,
+// whether the volume has a record or not, except those of a volume whose
+// lock a request holds (its write may be under way).
+func TestReconcileRemovesInterruptedWrites(t *testing.T) {
+	d, _ := newTestDriver(t)
+	d.sources["fake"] = &fakeSource{}
+	if err := d.store.Put(&journal.Volume{ID: "rec", Kind: journal.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
+		t.Fatal(err)
+	}
+	vols := filepath.Join(d.opts.StateDir, "volumes")
+	prov := filepath.Join(d.opts.StateDir, "images", "provisioned")
+	eph := filepath.Join(d.opts.StateDir, "images", "ephemeral")
+	scratch := filepath.Join(d.opts.StateDir, "images", "scratch")
+	gone := []string{
+		filepath.Join(vols, ".rec.json.tmp-123"), filepath.Join(vols, ".rec.json.durable.tmp-4"),
+		filepath.Join(vols, ".norecord.json.tmp-5"), filepath.Join(prov, ".rec.img.tmp-6"),
+		filepath.Join(eph, ".norecord.img.tmp-7"), filepath.Join(scratch, ".rec.img.tmp-8"),
+	}
+	kept := []string{
+		filepath.Join(vols, ".busy.json.tmp-9"), filepath.Join(prov, ".busy.img.tmp-10"), // a request holds the lock
+		filepath.Join(vols, "rec.json"), filepath.Join(vols, "rec.json.durable"),
+		filepath.Join(prov, ".rec.img.tmp-x"), filepath.Join(prov, "notatemp.img"), // not CreateAtomic's names
+	}
+	for _, p := range append(gone, kept...) {
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(p); err != nil {
+			if err := os.WriteFile(p, []byte("partial"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	unlock, err := d.lock("busy", "NodeStageVolume")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	unlock()
+	for _, p := range gone {
+		if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s is still there after reconcile: %v", p, err)
+		}
+	}
+	for _, p := range kept {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("%s was removed: %v", p, err)
+		}
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range kept[:2] {
+		if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s is still there after the reconcile that found its volume free: %v", p, err)
+		}
 	}
 }

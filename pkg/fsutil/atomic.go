@@ -1,9 +1,11 @@
 package fsutil
 
 import (
+	"errors"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // WriteFileAtomic replaces path with data through a temp file of mode perm
@@ -25,7 +27,7 @@ func WriteFileAtomic(path string, data []byte, perm fs.FileMode, durable bool) e
 // removed and path is left as it was.
 func CreateAtomic(path string, perm fs.FileMode, durable bool, fill func(f *os.File) error) (err error) {
 	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+tempInfix+"*")
 	if err != nil {
 		return err
 	}
@@ -56,6 +58,35 @@ func CreateAtomic(path string, perm fs.FileMode, durable bool, fill func(f *os.F
 		return nil
 	}
 	return SyncDir(dir)
+}
+
+// tempInfix sits between the name of the file CreateAtomic makes and the
+// random digits of its temp file: ".<name>.tmp-<digits>".
+const tempInfix = ".tmp-"
+
+// AtomicTemps lists the temp files CreateAtomic left in dir because its
+// process died before the rename, by the name of the file each was to
+// become. Only a caller that knows no CreateAtomic of that name is under
+// way may remove them. A missing dir has none.
+func AtomicTemps(dir string) (map[string][]string, error) {
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := map[string][]string{}
+	for _, e := range ents {
+		name := e.Name()
+		i := strings.LastIndex(name, tempInfix)
+		digits := name[i+len(tempInfix):]
+		if e.IsDir() || i < 2 || name[0] != '.' || digits == "" || strings.Trim(digits, "0123456789") != "" {
+			continue
+		}
+		out[name[1:i]] = append(out[name[1:i]], filepath.Join(dir, name))
+	}
+	return out, nil
 }
 
 // SyncDir fsyncs a directory, which makes the creations, renames and

@@ -68,3 +68,35 @@ func assertOnly(t *testing.T, dir, name string) {
 		t.Fatalf("dir holds %v, want only %s", names, name)
 	}
 }
+
+// TestAtomicTempsFindsCreateAtomicsTempFiles: the temp file a CreateAtomic
+// leaves when its process dies before the rename is listed under the name
+// it was to become, and nothing else in the directory is.
+func TestAtomicTempsFindsCreateAtomicsTempFiles(t *testing.T) {
+	dir := t.TempDir()
+	var temp string
+	stop := errors.New("the process dies here")
+	err := CreateAtomic(filepath.Join(dir, "vol.json"), 0o600, false, func(f *os.File) error {
+		temp = f.Name()
+		return stop
+	})
+	if !errors.Is(err, stop) {
+		t.Fatalf("CreateAtomic: %v", err)
+	}
+	// CreateAtomic removed it on error; a killed process would not have.
+	for _, name := range []string{filepath.Base(temp), "vol.json", ".vol.json.tmp-", ".vol.json.tmp-x1", "x.tmp-1"} {
+		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := AtomicTemps(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || len(got["vol.json"]) != 1 || got["vol.json"][0] != temp {
+		t.Fatalf("AtomicTemps = %v, want only vol.json: [%s]", got, temp)
+	}
+	if got, err := AtomicTemps(filepath.Join(dir, "missing")); err != nil || len(got) != 0 {
+		t.Fatalf("AtomicTemps of a missing dir = %v, %v", got, err)
+	}
+}

@@ -299,9 +299,45 @@ func (s *Store) List() ([]*Volume, error) {
 	return out, errors.Join(errs...)
 }
 
-// CheckWritable proves the journal can still be written (for Probe).
-func (s *Store) CheckWritable() error {
-	return writeRecord(filepath.Join(s.dir, ".probe"), []byte("ok\n"), true)
+// CheckWritable proves the journal can still be written and synced (for
+// Probe). It writes .probe in place: what it holds does not matter, and a
+// temp file would be left behind by a crash during a Probe.
+func (s *Store) CheckWritable() (err error) {
+	f, err := os.OpenFile(filepath.Join(s.dir, ".probe"), os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil && cerr != nil {
+			err = fmt.Errorf("journal: %w", cerr)
+		}
+	}()
+	if _, err := f.WriteString("ok\n"); err != nil {
+		return fmt.Errorf("journal: %w", err)
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("journal: fsync: %w", err)
+	}
+	return nil
+}
+
+// TempFiles lists, by volume ID, the temp files of record writes that a
+// crash interrupted (of a record and of its durable copy). Only a caller
+// that holds the volume's lock, so that no write of it is under way, may
+// remove them.
+func (s *Store) TempFiles() (map[string][]string, error) {
+	temps, err := fsutil.AtomicTemps(s.dir)
+	if err != nil {
+		return nil, fmt.Errorf("journal: %w", err)
+	}
+	out := map[string][]string{}
+	for name, paths := range temps {
+		id, ok := strings.CutSuffix(strings.TrimSuffix(name, ".durable"), ".json")
+		if ok && ValidID(id) == nil {
+			out[id] = append(out[id], paths...)
+		}
+	}
+	return out, nil
 }
 
 // writeRecord writes data to path through a temp file and a rename

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
@@ -93,6 +94,25 @@ func ResolveStaticImage(image string, roots []string) (string, error) {
 // ImagePath is where a provisioned or ephemeral volume's image lives.
 func ImagePath(stateDir string, kind journal.Kind, id string) string {
 	return filepath.Join(stateDir, "images", string(kind), id+".img")
+}
+
+// TempImages lists, by volume ID, the temp files of image creations that a
+// crash interrupted (provisioned, ephemeral and scratch images; see
+// CreateImage). Only a caller that holds the volume's lock may remove them.
+func TempImages(stateDir string) (map[string][]string, error) {
+	out := map[string][]string{}
+	for _, dir := range []string{string(journal.KindProvisioned), string(journal.KindEphemeral), "scratch"} {
+		temps, err := fsutil.AtomicTemps(filepath.Join(stateDir, "images", dir))
+		if err != nil {
+			return nil, err
+		}
+		for name, paths := range temps {
+			if id, ok := strings.CutSuffix(name, ".img"); ok {
+				out[id] = append(out[id], paths...)
+			}
+		}
+	}
+	return out, nil
 }
 
 // AttachedDevices lists the loop devices still backed by image, whoever
