@@ -157,7 +157,7 @@ func newMounter(f flags, cfg *config.Config) (mounter.Interface, daemon.Spawner,
 		return nil, nil, nil, err
 	}
 	if f.mounterEndpoint == "" {
-		return &mounter.Executor{Policy: cfg.PlanPolicy(stateDir)}, daemon.LocalSpawner{}, func() {}, nil
+		return &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), KubeletDir: f.kubeletDir}, daemon.LocalSpawner{}, func() {}, nil
 	}
 	conn, err := endpoint.Dial(f.mounterEndpoint)
 	if err != nil {

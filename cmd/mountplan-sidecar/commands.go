@@ -87,7 +87,9 @@ func runServe(ctx context.Context, args []string) error {
 	// and recreate the container's own mount-point directory.
 	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", false,
 		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive)")
-	configPath := fs.String("config", "", "the plugin's admin config (YAML): SpawnDaemon starts only the binaries of its fuseProfiles; empty: no daemons")
+	fs.StringVar(&ef.kubeletDir, "kubelet-dir", config.DefaultKubeletDir,
+		"kubelet's root directory: plans for the mounter's own namespace (kubelet's publishes) are performed only below it")
+	configPath := fs.String("config", "", "the plugin's admin config (YAML): plan policy, image roots, and the fuseProfiles SpawnDaemon renders daemons from; empty: no daemons")
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err
 	}
@@ -107,7 +109,7 @@ func runServe(ctx context.Context, args []string) error {
 	}
 	daemons := policy.For(cfg, ef.roots.values())
 	logger := klog.Background().WithName("mounter")
-	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "daemonBinaries", daemons.Binaries())
+	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "kubeletDir", ef.kubeletDir, "fuseProfiles", daemons.Names())
 	err = service.Serve(klog.NewContext(ctx, logger), l, ef.executor(cfg), service.WithDaemons(daemons))
 	logger.Info("Stopped", "err", err)
 	return err

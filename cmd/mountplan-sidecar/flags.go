@@ -51,6 +51,7 @@ type execFlags struct {
 	allowSuidDev     bool
 	allowPropagation bool
 	removeMountPoint bool
+	kubeletDir       string // serve only: the mount command serves containers
 }
 
 func executorFlags(fs *flag.FlagSet) *execFlags {
@@ -73,6 +74,7 @@ func (f *execFlags) executor(cfg *config.Config) *mounter.Executor {
 	policy.AllowSuidDev = policy.AllowSuidDev || f.allowSuidDev
 	return &mounter.Executor{
 		Policy:           policy,
+		KubeletDir:       f.kubeletDir,
 		RemoveMountPoint: f.removeMountPoint,
 		AllowPropagation: f.allowPropagation,
 	}

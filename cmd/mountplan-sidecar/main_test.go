@@ -16,7 +16,6 @@ import (
 	"google.golang.org/grpc"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter/service"
@@ -191,10 +190,11 @@ func TestServeConfig(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// /bin/sh is the binary of no profile: never started.
-		_, err = service.NewSpawner(conn).Spawn(context.Background(), daemon.Command{Path: "/bin/sh", Log: filepath.Join(dir, "log")})
-		if !errors.Is(err, tc.want) {
-			t.Errorf("%s: SpawnDaemon of /bin/sh: %v, want %v", tc.name, err, tc.want)
+		// bash is the name of no profile: never started.
+		_, err = api.NewMounterClient(conn).SpawnDaemon(context.Background(), &api.SpawnDaemonRequest{Profile: "bash",
+			Paths: &api.DaemonPaths{Log: filepath.Join(dir, "log")}})
+		if err = errdefs.FromGRPC(err); !errors.Is(err, tc.want) {
+			t.Errorf("%s: SpawnDaemon of profile bash: %v, want %v", tc.name, err, tc.want)
 		}
 		conn.Close()
 		cancel()

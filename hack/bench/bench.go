@@ -95,7 +95,7 @@ func newBench(o options) (*bench, error) {
 			return b, err
 		}
 	}
-	b.exec = &mounter.Executor{Policy: (&config.Config{DefaultFsType: "ext4"}).PlanPolicy(b.stateDir)}
+	b.exec = &mounter.Executor{Policy: (&config.Config{DefaultFsType: "ext4"}).PlanPolicy(b.stateDir), KubeletDir: b.dir}
 	return b, nil
 }
 

@@ -6,6 +6,7 @@ package config
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"sigs.k8s.io/yaml"
 
@@ -16,6 +17,10 @@ import (
 // DefaultStateDir is the plugin's --state-dir default, which is also the
 // sidecar's default allowed root: the two must agree.
 const DefaultStateDir = "/var/lib/mountplan"
+
+// DefaultKubeletDir is kubelet's usual root directory, the --kubelet-dir
+// default of the plugin and the sidecar.
+const DefaultKubeletDir = "/var/lib/kubelet"
 
 // Config is the plugin's admin policy.
 type Config struct {
@@ -76,8 +81,17 @@ func Load(path string) (*Config, error) {
 // lie under roots (the state dir). The plugin applies it when it builds a
 // plan and the sidecar, loading the same file, checks plans against it
 // again: one source for both.
+//
+// Loop devices in a plan must be backed by an image under a root's images
+// directory (provisioned, ephemeral and scratch images) or under one of
+// the admin's ImageRoots (static images).
 func (c *Config) PlanPolicy(roots ...string) plan.Policy {
-	return plan.Policy{Types: c.MountPolicy.Types, Roots: roots, AllowSuidDev: c.MountPolicy.AllowSuidDev}
+	images := make([]string, 0, len(roots)+len(c.ImageRoots))
+	for _, r := range roots {
+		images = append(images, filepath.Join(r, "images"))
+	}
+	images = append(images, c.ImageRoots...)
+	return plan.Policy{Types: c.MountPolicy.Types, Roots: roots, ImageRoots: images, AllowSuidDev: c.MountPolicy.AllowSuidDev}
 }
 
 func (c *Config) validateFuse() error { return fuseprofile.Validate(c.FuseProfiles) }

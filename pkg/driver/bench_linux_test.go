@@ -25,7 +25,7 @@ func BenchmarkPublishCycleInProcess(b *testing.B) {
 	defer os.RemoveAll(dir)
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(dir, "state")
-	d, err := New(Options{DriverName: "x.csi.io", NodeID: "n", StateDir: state, KubeletDir: dir, Config: cfg, Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state)}})
+	d, err := New(Options{DriverName: "x.csi.io", NodeID: "n", StateDir: state, KubeletDir: dir, Config: cfg, Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: dir}})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -62,7 +62,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
 	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg,
-		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state)}})
+		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: e.kubelet}})
 	if err != nil {
 		t.Fatal(err)
 	}

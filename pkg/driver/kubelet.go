@@ -10,11 +10,13 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
-// DefaultKubeletDir is kubelet's usual root directory.
-const DefaultKubeletDir = "/var/lib/kubelet"
+// DefaultKubeletDir is kubelet's usual root directory, the default of
+// both the plugin and the sidecar.
+const DefaultKubeletDir = config.DefaultKubeletDir
 
 // kubeletDir confines the staging and target paths a CO sends to kubelet's
 // directory, the way kubelet makes them: a path must lie under it, and no

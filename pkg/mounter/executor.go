@@ -19,8 +19,14 @@ import (
 type Executor struct {
 	// Policy is checked again before every Mount, whatever the plugin
 	// already checked: the mounter trusts a plan no more than its own
-	// configuration allows. Its zero value allows no host path.
+	// configuration allows. Its zero value allows no host path and no
+	// loop device.
 	Policy plan.Policy
+	// KubeletDir is kubelet's root directory (--kubelet-dir). A consumer
+	// in the mounter's own namespace (PID 0: kubelet's publishes, whose
+	// mounts reach the host) may only have a mount point below it. Empty:
+	// no such consumer is served.
+	KubeletDir string
 	// RemoveMountPoint makes Unmount and UnmountAll remove the mount point
 	// once nothing is mounted on it, with a plain rmdir or unlink, never
 	// recursively. The plugin removes kubelet's target_path itself, so it
@@ -37,6 +43,26 @@ type Executor struct {
 }
 
 var _ Interface = (*Executor)(nil)
+
+// admitConsumer checks c against what every call may name, before its
+// namespace is opened: PID 0 (the mounter's own namespace) only below
+// KubeletDir, never PID 1 (the host's init). What the namespace of a PID
+// turns out to be is checked once it is open (admitNamespace).
+func (e *Executor) admitConsumer(c plan.Consumer) error {
+	if err := c.Validate(); err != nil {
+		return err
+	}
+	switch {
+	case c.PID == 1:
+		return fmt.Errorf("consumer pid 1 is the host's init: %w", errdefs.ErrPermissionDenied)
+	case c.PID == 0 && e.KubeletDir == "":
+		return fmt.Errorf("this mounter serves no consumer in its own namespace (no kubelet dir): %w", errdefs.ErrPermissionDenied)
+	case c.PID == 0 && (!plan.Within(e.KubeletDir, c.MountPoint) || c.MountPoint == filepath.Clean(e.KubeletDir)):
+		return fmt.Errorf("mount point %s in the mounter's own namespace is not below the kubelet dir %s: %w",
+			c.MountPoint, e.KubeletDir, errdefs.ErrPermissionDenied)
+	}
+	return nil
+}
 
 // checkTargets accepts the targets of a plan that is only to be undone: its
 // sources are never opened, so the policy does not apply.

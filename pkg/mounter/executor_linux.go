@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -13,16 +15,17 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// Mount checks the plan against the policy, builds every mount in the
-// mounter's own namespace (where sources and device nodes live), then enters
-// the consumer's namespace and attaches them in order. Mounts already in
-// place are left as they are; on failure what this call attached is
-// unmounted again and what it created is removed.
+// Mount checks the consumer and the plan against the policy (devices
+// included: see checkDevice), builds every mount in the mounter's own
+// namespace (where sources and device nodes live), then enters the
+// consumer's namespace and attaches them in order. Mounts already in place
+// are left as they are; on failure what this call attached is unmounted
+// again and what it created is removed.
 func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
 	if err := checkNotCanceled(ctx); err != nil {
 		return err
 	}
-	if err := c.Validate(); err != nil {
+	if err := e.admitConsumer(c); err != nil {
 		return err
 	}
 	if err := e.Policy.Validate(mounts); err != nil {
@@ -32,11 +35,19 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 	if err != nil {
 		return err
 	}
+	devices, err := e.openDevices(resolved)
+	defer closeAll(devices)
+	if err != nil {
+		return err
+	}
 	ns, err := openNamespace(ctx, c)
 	if err != nil {
 		return err
 	}
 	defer ns.Close()
+	if err := admitNamespace(ctx, c, ns); err != nil {
+		return err
+	}
 	guard, err := e.newGuard(ns)
 	if err != nil {
 		return err
@@ -65,7 +76,7 @@ func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c plan.Cons
 	if err := checkTargets(mounts); err != nil {
 		return err
 	}
-	ns, err := enterForUnmount(ctx, c)
+	ns, err := e.enterForUnmount(ctx, c)
 	if ns == nil {
 		return err
 	}
@@ -85,7 +96,7 @@ func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c plan.Cons
 // newest first, whatever it is. It needs no plan, so it works after the
 // plugin lost its state; it also removes whatever else was mounted there.
 func (e *Executor) UnmountAll(ctx context.Context, c plan.Consumer) error {
-	ns, err := enterForUnmount(ctx, c)
+	ns, err := e.enterForUnmount(ctx, c)
 	if ns == nil {
 		return err
 	}
@@ -101,11 +112,11 @@ func (e *Executor) UnmountAll(ctx context.Context, c plan.Consumer) error {
 // enterForUnmount checks the request and opens the consumer's namespace.
 // A nil namespace means there is nothing to do: with a nil error, the
 // namespace is gone and the kernel dropped its mounts with it.
-func enterForUnmount(ctx context.Context, c plan.Consumer) (*mountns.Namespace, error) {
+func (e *Executor) enterForUnmount(ctx context.Context, c plan.Consumer) (*mountns.Namespace, error) {
 	if err := checkNotCanceled(ctx); err != nil {
 		return nil, err
 	}
-	if err := c.Validate(); err != nil {
+	if err := e.admitConsumer(c); err != nil {
 		return nil, err
 	}
 	ns, err := openNamespace(ctx, c)
@@ -113,7 +124,89 @@ func enterForUnmount(ctx context.Context, c plan.Consumer) (*mountns.Namespace, 
 		klog.FromContext(ctx).V(2).Info("Consumer's mount namespace is gone; nothing to unmount", "pid", c.PID, "reason", err)
 		return nil, nil
 	}
-	return ns, err
+	if err != nil {
+		return nil, err
+	}
+	if err := admitNamespace(ctx, c, ns); err != nil {
+		ns.Close()
+		return nil, err
+	}
+	return ns, nil
+}
+
+// hostNS names the host's mount namespace: the one of PID 1 in the host's
+// PID namespace, which the mounter shares (hostPID). A variable only so
+// that a test can play the host with a namespace of its own.
+var hostNS = "/proc/1/ns/mnt"
+
+// admitNamespace refuses a consumer named by a PID whose namespace is the
+// mounter's own or the host's: mounts there would reach the host. The
+// mounter's own namespace is reached only as PID 0, whose mount points
+// admitConsumer keeps below the kubelet dir. When the host's namespace
+// cannot be read (a sandbox that hides PID 1 even from root), only the
+// mounter's own is refused, and the log says so.
+func admitNamespace(ctx context.Context, c plan.Consumer, ns *mountns.Namespace) error {
+	if c.PID == 0 {
+		return nil
+	}
+	if ns.IsSelf() {
+		return fmt.Errorf("pid %d is in the mounter's own mount namespace: %w", c.PID, errdefs.ErrPermissionDenied)
+	}
+	var host unix.Stat_t
+	err := unix.Stat(hostNS, &host)
+	switch {
+	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
+		klog.FromContext(ctx).V(2).Info("Cannot read the host's mount namespace; only the mounter's own is refused", "path", hostNS, "err", err)
+	case err != nil:
+		return fmt.Errorf("the host's mount namespace (%s), to tell it from pid %d's: %w", hostNS, c.PID, err)
+	case host.Ino == ns.Inode():
+		return fmt.Errorf("pid %d is in the host's mount namespace: %w", c.PID, errdefs.ErrPermissionDenied)
+	}
+	return nil
+}
+
+// openDevices opens (and so checks: openDevice) every device the plan
+// names: the source of a filesystem on a block device, and the source of
+// a bind that is a device node or lies under /dev. Other special files
+// (character devices, sockets, FIFOs) are refused as bind sources. On error the files opened so far are returned too, to close.
+func (e *Executor) openDevices(mounts []plan.Mount) ([]*os.File, error) {
+	var files []*os.File
+	for i, m := range mounts {
+		dev := m.Type != plan.TypeBind && m.Type != "overlay" && m.Type != "tmpfs"
+		if m.Type == plan.TypeBind {
+			var st unix.Stat_t
+			if err := unix.Stat(m.Source, &st); err != nil {
+				return files, fmt.Errorf("mount %d: bind source: %w", i, mountns.Classify(&os.PathError{Op: "stat", Path: m.Source, Err: err}))
+			}
+			// Under /dev, only a device node (checked below) is bound:
+			// never a directory such as the host's /dev/shm.
+			switch st.Mode & unix.S_IFMT {
+			case unix.S_IFBLK:
+				dev = true
+			case unix.S_IFDIR, unix.S_IFREG:
+				dev = strings.HasPrefix(m.Source, "/dev/")
+			default:
+				return files, fmt.Errorf("mount %d: bind source %s is a special file other than a block device: %w", i, m.Source, errdefs.ErrPermissionDenied)
+			}
+		}
+		if !dev {
+			continue
+		}
+		f, err := e.openDevice(m.Source)
+		if err != nil {
+			return files, fmt.Errorf("mount %d: %w", i, err)
+		}
+		if f != nil {
+			files = append(files, f)
+		}
+	}
+	return files, nil
+}
+
+func closeAll(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
 }
 
 // openNamespace opens the consumer's namespace. Its PID may no longer name

@@ -242,7 +242,7 @@ func TestBlockBindOntoNewFile(t *testing.T) {
 	dev := mountnstest.LoopDevice(t, dir, "", 1)
 	pid := mountnstest.Namespace(t, "private")
 	// nodev would make the device node unusable.
-	e := &mounter.Executor{Policy: plan.Policy{Roots: []string{dir}, AllowSuidDev: true}, RemoveMountPoint: true}
+	e := &mounter.Executor{Policy: plan.Policy{Roots: []string{dir}, ImageRoots: []string{dir}, AllowSuidDev: true}, RemoveMountPoint: true}
 	mounts := []plan.Mount{{Type: "bind", Source: dev, Options: []string{"nosuid"}}}
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "dev", "block")}
 	if err := e.Mount(context.Background(), mounts, c); err != nil {

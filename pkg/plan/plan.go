@@ -49,9 +49,14 @@ type Policy struct {
 	// Types allowed; empty means DefaultTypes.
 	Types []string
 	// Roots under which every host path of a plan (bind sources, path-valued
-	// options such as overlay's lowerdir) must lie. Device sources must lie
-	// under /dev. Empty means no host path is allowed.
+	// options such as overlay's lowerdir) must lie. Device sources, and
+	// binds of device nodes, must lie under /dev. Empty means no host path
+	// is allowed.
 	Roots []string
+	// ImageRoots are where the backing file of a loop device in a plan
+	// must lie. Only the mounter can check it: it asks the kernel about
+	// the device itself before it mounts it. Empty: no loop device.
+	ImageRoots []string
 	// AllowSuidDev lets plans omit nosuid and nodev.
 	AllowSuidDev bool
 }
@@ -164,6 +169,10 @@ func (p Policy) validateOption(o string) error {
 	if key == "source" {
 		return fmt.Errorf("option %q may not set the source: %w", o, errdefs.ErrInvalidArgument)
 	}
+	if key == "errors" && val == "panic" {
+		// One bad block of a volume would then panic the node.
+		return fmt.Errorf("option %q is never allowed: %w", o, errdefs.ErrInvalidArgument)
+	}
 	if !p.AllowSuidDev && (key == "suid" || key == "dev") {
 		return fmt.Errorf("option %q is not allowed by policy: %w", o, errdefs.ErrInvalidArgument)
 	}
@@ -189,8 +198,8 @@ func (p Policy) checkHostPath(what, pth string) error {
 	if !IsCleanAbs(pth) {
 		return fmt.Errorf("%s %q must be a clean absolute path: %w", what, pth, errdefs.ErrInvalidArgument)
 	}
-	if strings.HasPrefix(pth, "/dev/") {
-		return nil
+	if what == "bind source" && strings.HasPrefix(pth, "/dev/") {
+		return nil // a device node for raw block access; the mounter checks the device
 	}
 	for _, r := range p.Roots {
 		if Within(r, pth) {
@@ -258,13 +267,24 @@ func ResolveUnder(p string, roots []string) (resolved string, inside bool, err e
 	if err != nil {
 		return "", false, fmt.Errorf("%s: %v: %w", p, err, errdefs.ErrInvalidArgument)
 	}
-	for _, r := range roots {
-		rr, err := filepath.EvalSymlinks(r)
-		if err == nil && Within(rr, real) && real != rr {
+	for _, rr := range RealPaths(roots) {
+		if Within(rr, real) && real != rr {
 			return real, true, nil
 		}
 	}
 	return real, false, nil
+}
+
+// RealPaths returns roots with their symlinks resolved; a root that does
+// not exist is left out.
+func RealPaths(roots []string) []string {
+	out := make([]string, 0, len(roots))
+	for _, r := range roots {
+		if rr, err := filepath.EvalSymlinks(r); err == nil {
+			out = append(out, rr)
+		}
+	}
+	return out
 }
 
 // CheckBindOptions refuses data options on a bind: it clones a mount and

@@ -471,8 +471,9 @@ func (e *env) startMounter(cgroup string, args ...string) *mounterProc {
 		t.Fatal(err)
 	}
 	defer logf.Close()
+	// --kubelet-dir as testutil gives the plugin: publishes land below it.
 	m.cmd = exec.Command(e.sidecar, append([]string{"serve", "--endpoint", m.endpoint(), "--allowed-root", e.stateDir(),
-		"--config", e.config, "--v=4"}, args...)...)
+		"--config", e.config, "--kubelet-dir", os.TempDir(), "--v=4"}, args...)...)
 	m.cmd.Stdout, m.cmd.Stderr = logf, logf
 	m.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := m.cmd.Start(); err != nil {

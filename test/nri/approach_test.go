@@ -97,7 +97,7 @@ func BenchmarkApproaches(b *testing.B) {
 	}
 	hook := func(mode nri.Mode) *timedHook {
 		return &timedHook{Hook: nri.NewHook(nri.Options{Volumes: staticVolumes{prepared}, Mode: mode,
-			Mounter:  &mounter.Executor{Policy: plan.Policy{Roots: []string{p.StateDir}}},
+			Mounter:  &mounter.Executor{Policy: plan.Policy{Roots: []string{p.StateDir}, ImageRoots: []string{filepath.Join(p.StateDir, "images")}}},
 			IsTarget: func(m *nriapi.Mount) bool { return m.Source == target }})}
 	}
 	modes := []struct {

@@ -592,21 +592,24 @@ func (*UnmountResponse) Descriptor() ([]byte, []int) {
 	return file_mountplan_proto_rawDescGZIP(), []int{9}
 }
 
+// SpawnDaemonRequest names what to start, never how: the mounter renders
+// the binary, the arguments, the environment and the user itself from its
+// own copy of the admin's profile, so no caller can add an argument or an
+// environment variable.
 type SpawnDaemonRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Absolute path of the binary.
-	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
-	// Arguments after argv[0] (which is path). They name secret files, never
-	// hold secrets.
-	Args []string `protobuf:"bytes,2,rep,name=args,proto3" json:"args,omitempty"`
-	// The whole environment, KEY=VALUE; never secrets.
-	Env []string `protobuf:"bytes,3,rep,name=env,proto3" json:"env,omitempty"`
-	// A file that becomes standard input; empty means /dev/null.
-	StdinPath string `protobuf:"bytes,4,opt,name=stdin_path,json=stdinPath,proto3" json:"stdin_path,omitempty"`
-	// The file that receives standard output and error (created, appended to).
-	LogPath string `protobuf:"bytes,5,opt,name=log_path,json=logPath,proto3" json:"log_path,omitempty"`
-	// Run as this user and group; unset means the mounter's own.
-	RunAs         *DaemonUser `protobuf:"bytes,6,opt,name=run_as,json=runAs,proto3" json:"run_as,omitempty"`
+	// The admin's FUSE profile, by name.
+	Profile string `protobuf:"bytes,7,opt,name=profile,proto3" json:"profile,omitempty"`
+	// The volume's parameters (profile, source and options), as the profile
+	// accepts them; checked again by the mounter.
+	Parameters map[string]string `protobuf:"bytes,8,rep,name=parameters,proto3" json:"parameters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// The volume is staged read-only (the profile's readOnlyArgs apply).
+	ReadOnly bool `protobuf:"varint,9,opt,name=read_only,json=readOnly,proto3" json:"read_only,omitempty"`
+	// Names of the secrets the volume was given; each is a file in
+	// paths.secrets_dir. Never the secrets themselves.
+	Secrets []string `protobuf:"bytes,10,rep,name=secrets,proto3" json:"secrets,omitempty"`
+	// Where the daemon mounts and works, under the mounter's allowed roots.
+	Paths         *DaemonPaths `protobuf:"bytes,11,opt,name=paths,proto3" json:"paths,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -641,70 +644,67 @@ func (*SpawnDaemonRequest) Descriptor() ([]byte, []int) {
 	return file_mountplan_proto_rawDescGZIP(), []int{10}
 }
 
-func (x *SpawnDaemonRequest) GetPath() string {
+func (x *SpawnDaemonRequest) GetProfile() string {
 	if x != nil {
-		return x.Path
+		return x.Profile
 	}
 	return ""
 }
 
-func (x *SpawnDaemonRequest) GetArgs() []string {
+func (x *SpawnDaemonRequest) GetParameters() map[string]string {
 	if x != nil {
-		return x.Args
+		return x.Parameters
 	}
 	return nil
 }
 
-func (x *SpawnDaemonRequest) GetEnv() []string {
+func (x *SpawnDaemonRequest) GetReadOnly() bool {
 	if x != nil {
-		return x.Env
+		return x.ReadOnly
+	}
+	return false
+}
+
+func (x *SpawnDaemonRequest) GetSecrets() []string {
+	if x != nil {
+		return x.Secrets
 	}
 	return nil
 }
 
-func (x *SpawnDaemonRequest) GetStdinPath() string {
+func (x *SpawnDaemonRequest) GetPaths() *DaemonPaths {
 	if x != nil {
-		return x.StdinPath
-	}
-	return ""
-}
-
-func (x *SpawnDaemonRequest) GetLogPath() string {
-	if x != nil {
-		return x.LogPath
-	}
-	return ""
-}
-
-func (x *SpawnDaemonRequest) GetRunAs() *DaemonUser {
-	if x != nil {
-		return x.RunAs
+		return x.Paths
 	}
 	return nil
 }
 
-type DaemonUser struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Uid           uint32                 `protobuf:"varint,1,opt,name=uid,proto3" json:"uid,omitempty"`
-	Gid           uint32                 `protobuf:"varint,2,opt,name=gid,proto3" json:"gid,omitempty"`
+// DaemonPaths are host paths the plugin set up for a daemon.
+type DaemonPaths struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	MountPoint string                 `protobuf:"bytes,1,opt,name=mount_point,json=mountPoint,proto3" json:"mount_point,omitempty"`
+	WorkDir    string                 `protobuf:"bytes,2,opt,name=work_dir,json=workDir,proto3" json:"work_dir,omitempty"`
+	SecretsDir string                 `protobuf:"bytes,3,opt,name=secrets_dir,json=secretsDir,proto3" json:"secrets_dir,omitempty"`
+	// Receives the daemon's standard output and error (created, appended to).
+	Log           string `protobuf:"bytes,4,opt,name=log,proto3" json:"log,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
-func (x *DaemonUser) Reset() {
-	*x = DaemonUser{}
+func (x *DaemonPaths) Reset() {
+	*x = DaemonPaths{}
 	mi := &file_mountplan_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
 
-func (x *DaemonUser) String() string {
+func (x *DaemonPaths) String() string {
 	return protoimpl.X.MessageStringOf(x)
 }
 
-func (*DaemonUser) ProtoMessage() {}
+func (*DaemonPaths) ProtoMessage() {}
 
-func (x *DaemonUser) ProtoReflect() protoreflect.Message {
+func (x *DaemonPaths) ProtoReflect() protoreflect.Message {
 	mi := &file_mountplan_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
@@ -716,23 +716,37 @@ func (x *DaemonUser) ProtoReflect() protoreflect.Message {
 	return mi.MessageOf(x)
 }
 
-// Deprecated: Use DaemonUser.ProtoReflect.Descriptor instead.
-func (*DaemonUser) Descriptor() ([]byte, []int) {
+// Deprecated: Use DaemonPaths.ProtoReflect.Descriptor instead.
+func (*DaemonPaths) Descriptor() ([]byte, []int) {
 	return file_mountplan_proto_rawDescGZIP(), []int{11}
 }
 
-func (x *DaemonUser) GetUid() uint32 {
+func (x *DaemonPaths) GetMountPoint() string {
 	if x != nil {
-		return x.Uid
+		return x.MountPoint
 	}
-	return 0
+	return ""
 }
 
-func (x *DaemonUser) GetGid() uint32 {
+func (x *DaemonPaths) GetWorkDir() string {
 	if x != nil {
-		return x.Gid
+		return x.WorkDir
 	}
-	return 0
+	return ""
+}
+
+func (x *DaemonPaths) GetSecretsDir() string {
+	if x != nil {
+		return x.SecretsDir
+	}
+	return ""
+}
+
+func (x *DaemonPaths) GetLog() string {
+	if x != nil {
+		return x.Log
+	}
+	return ""
 }
 
 // SpawnDaemonResponse identifies the started process across PID reuse.
@@ -835,19 +849,27 @@ const file_mountplan_proto_rawDesc = "" +
 	"\x0eUnmountRequest\x121\n" +
 	"\x06mounts\x18\x01 \x03(\v2\x19.mountplan.v1alpha1.MountR\x06mounts\x128\n" +
 	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\"\x11\n" +
-	"\x0fUnmountResponse\"\xbf\x01\n" +
-	"\x12SpawnDaemonRequest\x12\x12\n" +
-	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
-	"\x04args\x18\x02 \x03(\tR\x04args\x12\x10\n" +
-	"\x03env\x18\x03 \x03(\tR\x03env\x12\x1d\n" +
+	"\x0fUnmountResponse\"\xe8\x02\n" +
+	"\x12SpawnDaemonRequest\x12\x18\n" +
+	"\aprofile\x18\a \x01(\tR\aprofile\x12V\n" +
 	"\n" +
-	"stdin_path\x18\x04 \x01(\tR\tstdinPath\x12\x19\n" +
-	"\blog_path\x18\x05 \x01(\tR\alogPath\x125\n" +
-	"\x06run_as\x18\x06 \x01(\v2\x1e.mountplan.v1alpha1.DaemonUserR\x05runAs\"0\n" +
-	"\n" +
-	"DaemonUser\x12\x10\n" +
-	"\x03uid\x18\x01 \x01(\rR\x03uid\x12\x10\n" +
-	"\x03gid\x18\x02 \x01(\rR\x03gid\"F\n" +
+	"parameters\x18\b \x03(\v26.mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntryR\n" +
+	"parameters\x12\x1b\n" +
+	"\tread_only\x18\t \x01(\bR\breadOnly\x12\x18\n" +
+	"\asecrets\x18\n" +
+	" \x03(\tR\asecrets\x125\n" +
+	"\x05paths\x18\v \x01(\v2\x1f.mountplan.v1alpha1.DaemonPathsR\x05paths\x1a=\n" +
+	"\x0fParametersEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01J\x04\b\x01\x10\aR\x04pathR\x04argsR\x03envR\n" +
+	"stdin_pathR\blog_pathR\x06run_as\"|\n" +
+	"\vDaemonPaths\x12\x1f\n" +
+	"\vmount_point\x18\x01 \x01(\tR\n" +
+	"mountPoint\x12\x19\n" +
+	"\bwork_dir\x18\x02 \x01(\tR\aworkDir\x12\x1f\n" +
+	"\vsecrets_dir\x18\x03 \x01(\tR\n" +
+	"secretsDir\x12\x10\n" +
+	"\x03log\x18\x04 \x01(\tR\x03log\"F\n" +
 	"\x13SpawnDaemonResponse\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x03R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -872,7 +894,7 @@ func file_mountplan_proto_rawDescGZIP() []byte {
 	return file_mountplan_proto_rawDescData
 }
 
-var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_mountplan_proto_goTypes = []any{
 	(*Consumer)(nil),                    // 0: mountplan.v1alpha1.Consumer
 	(*Mount)(nil),                       // 1: mountplan.v1alpha1.Mount
@@ -885,14 +907,15 @@ var file_mountplan_proto_goTypes = []any{
 	(*UnmountRequest)(nil),              // 8: mountplan.v1alpha1.UnmountRequest
 	(*UnmountResponse)(nil),             // 9: mountplan.v1alpha1.UnmountResponse
 	(*SpawnDaemonRequest)(nil),          // 10: mountplan.v1alpha1.SpawnDaemonRequest
-	(*DaemonUser)(nil),                  // 11: mountplan.v1alpha1.DaemonUser
+	(*DaemonPaths)(nil),                 // 11: mountplan.v1alpha1.DaemonPaths
 	(*SpawnDaemonResponse)(nil),         // 12: mountplan.v1alpha1.SpawnDaemonResponse
 	nil,                                 // 13: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
 	nil,                                 // 14: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
-	(*csi.VolumeCapability)(nil),        // 15: csi.v1.VolumeCapability
+	nil,                                 // 15: mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
+	(*csi.VolumeCapability)(nil),        // 16: csi.v1.VolumeCapability
 }
 var file_mountplan_proto_depIdxs = []int32{
-	15, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
+	16, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
 	13, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
 	14, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
 	0,  // 3: mountplan.v1alpha1.NodePrepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
@@ -903,22 +926,23 @@ var file_mountplan_proto_depIdxs = []int32{
 	0,  // 8: mountplan.v1alpha1.MountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
 	1,  // 9: mountplan.v1alpha1.UnmountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
 	0,  // 10: mountplan.v1alpha1.UnmountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	11, // 11: mountplan.v1alpha1.SpawnDaemonRequest.run_as:type_name -> mountplan.v1alpha1.DaemonUser
-	2,  // 12: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
-	4,  // 13: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	6,  // 14: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
-	8,  // 15: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
-	10, // 16: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
-	3,  // 17: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
-	5,  // 18: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	7,  // 19: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
-	9,  // 20: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
-	12, // 21: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
-	17, // [17:22] is the sub-list for method output_type
-	12, // [12:17] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	15, // 11: mountplan.v1alpha1.SpawnDaemonRequest.parameters:type_name -> mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
+	11, // 12: mountplan.v1alpha1.SpawnDaemonRequest.paths:type_name -> mountplan.v1alpha1.DaemonPaths
+	2,  // 13: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
+	4,  // 14: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	6,  // 15: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
+	8,  // 16: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
+	10, // 17: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
+	3,  // 18: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
+	5,  // 19: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	7,  // 20: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
+	9,  // 21: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
+	12, // 22: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
+	18, // [18:23] is the sub-list for method output_type
+	13, // [13:18] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_mountplan_proto_init() }
@@ -932,7 +956,7 @@ func file_mountplan_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_mountplan_proto_rawDesc), len(file_mountplan_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -190,10 +190,10 @@ type MounterClient interface {
 	Unmount(ctx context.Context, in *UnmountRequest, opts ...grpc.CallOption) (*UnmountResponse, error)
 	// SpawnDaemon starts a daemon (a FUSE daemon of a volume) as a child of the
 	// mounter, in a session of its own, so that it lives in the mounter's
-	// container and survives a restart of the plugin's. The mounter starts only
-	// the binaries its own policy allows (the binary of a FUSE profile of its
-	// config): FailedPrecondition when it has no such policy, InvalidArgument
-	// for anything it refuses.
+	// container and survives a restart of the plugin's. The mounter renders
+	// the command from a FUSE profile of its own config: FailedPrecondition
+	// when it has none, InvalidArgument for a request the profile refuses,
+	// PermissionDenied for paths outside its allowed roots.
 	SpawnDaemon(ctx context.Context, in *SpawnDaemonRequest, opts ...grpc.CallOption) (*SpawnDaemonResponse, error)
 }
 
@@ -250,10 +250,10 @@ type MounterServer interface {
 	Unmount(context.Context, *UnmountRequest) (*UnmountResponse, error)
 	// SpawnDaemon starts a daemon (a FUSE daemon of a volume) as a child of the
 	// mounter, in a session of its own, so that it lives in the mounter's
-	// container and survives a restart of the plugin's. The mounter starts only
-	// the binaries its own policy allows (the binary of a FUSE profile of its
-	// config): FailedPrecondition when it has no such policy, InvalidArgument
-	// for anything it refuses.
+	// container and survives a restart of the plugin's. The mounter renders
+	// the command from a FUSE profile of its own config: FailedPrecondition
+	// when it has none, InvalidArgument for a request the profile refuses,
+	// PermissionDenied for paths outside its allowed roots.
 	SpawnDaemon(context.Context, *SpawnDaemonRequest) (*SpawnDaemonResponse, error)
 	mustEmbedUnimplementedMounterServer()
 }

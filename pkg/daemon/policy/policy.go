@@ -1,149 +1,150 @@
-// Package policy says which daemons the mounter starts for the plugin
-// (the Mounter service's SpawnDaemon): only what the admin's FUSE profiles
-// allow, whatever the caller asks.
+// Package policy is how the mounter starts daemons for the plugin (the
+// Mounter service's SpawnDaemon): it renders each command itself, from its
+// own copy of the admin's FUSE profiles and a daemon.Spec (profile name,
+// the volume's parameters, paths), so that whatever a caller sends, no
+// binary, argument, environment variable or user reaches a daemon that the
+// admin's profile would not give it.
 package policy
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
-	"slices"
-	"strings"
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fuseprofile"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// Policy says which daemons the Mounter service's SpawnDaemon starts.
-// Starting daemons in the mounter puts them in the mounter's container (its
-// cgroup), which a restart of the plugin's container leaves alone.
+// Policy says which daemons the mounter starts. Starting daemons in the
+// mounter puts them in the mounter's container (its cgroup), which a
+// restart of the plugin's container leaves alone.
 type Policy struct {
-	// Allowed are the binaries that may be started, each with the user it
-	// runs as (nil: the mounter's own). Empty: SpawnDaemon is refused.
-	Allowed []Daemon
-	// Roots are the directories below which a daemon's standard input and
-	// log must lie (symlinks of their directories resolved).
+	// Profiles are the admin's FUSE profiles. Empty: nothing is started.
+	Profiles []fuseprofile.Profile
+	// Roots are the directories below which a daemon's paths (mount point,
+	// work dir, secrets dir, log) must lie, symlinks resolved.
 	Roots []string
 	// Spawner starts the daemons; nil means daemon.LocalSpawner.
 	Spawner daemon.Spawner
 }
 
-// Daemon is one binary a Policy allows.
-type Daemon struct {
-	Path  string
-	RunAs *daemon.User
-}
-
-// For allows the binary (and user) of every FUSE profile of
-// cfg, with standard input and log below roots. A nil cfg allows nothing.
+// For is the policy of cfg's FUSE profiles with paths below roots. A nil
+// cfg allows nothing.
 func For(cfg *config.Config, roots []string) *Policy {
 	p := &Policy{Roots: roots}
-	if cfg == nil {
-		return p
-	}
-	for _, prof := range cfg.FuseProfiles {
-		p.Allowed = append(p.Allowed, Daemon{Path: prof.Binary, RunAs: prof.RunAs})
+	if cfg != nil {
+		p.Profiles = cfg.FuseProfiles
 	}
 	return p
 }
 
-// Binaries lists the allowed binaries, for a log line.
-func (p *Policy) Binaries() []string {
+// Names lists the profiles, for a log line.
+func (p *Policy) Names() []string {
 	var out []string
-	for _, a := range p.Allowed {
-		if !slices.Contains(out, a.Path) {
-			out = append(out, a.Path)
-		}
+	for _, prof := range p.Profiles {
+		out = append(out, prof.Name)
 	}
 	return out
 }
 
-// Check refuses a command the policy does not allow: FailedPrecondition
-// when it allows nothing, InvalidArgument otherwise. Its errors quote the
-// binary and the paths, never arguments or environment values.
-func (p *Policy) Check(c daemon.Command) error {
-	if p == nil || len(p.Allowed) == 0 {
-		return fmt.Errorf("this mounter starts no daemons: it has no FUSE profiles (--config): %w", errdefs.ErrFailedPrecondition)
+// Spawn renders the command of spec (Command) and starts it.
+func (p *Policy) Spawn(ctx context.Context, spec daemon.Spec) (daemon.Command, daemon.Proc, error) {
+	c, err := p.Command(spec)
+	if err != nil {
+		return c, daemon.Proc{}, err
 	}
-	if !plan.IsCleanAbs(c.Path) {
-		return fmt.Errorf("daemon binary %q must be a clean absolute path: %w", c.Path, errdefs.ErrInvalidArgument)
+	sp := p.Spawner
+	if sp == nil {
+		sp = daemon.LocalSpawner{}
 	}
-	binary, user := false, false
-	for _, a := range p.Allowed {
-		if a.Path == c.Path {
-			binary = true
-			user = user || sameUser(a.RunAs, c.RunAs)
-		}
-	}
-	if !binary {
-		return fmt.Errorf("daemon binary %s is not the binary of a FUSE profile of this mounter's config: %w", c.Path, errdefs.ErrInvalidArgument)
-	}
-	if !user {
-		return fmt.Errorf("no FUSE profile of this mounter's config runs %s as %s: %w", c.Path, userString(c.RunAs), errdefs.ErrInvalidArgument)
-	}
-	for i, a := range c.Args {
-		if strings.ContainsRune(a, 0) {
-			return fmt.Errorf("daemon argument %d holds a NUL byte: %w", i+1, errdefs.ErrInvalidArgument)
-		}
-	}
-	for i, e := range c.Env {
-		if k, _, ok := strings.Cut(e, "="); !ok || k == "" || strings.ContainsRune(e, 0) {
-			return fmt.Errorf("daemon environment entry %d is not KEY=VALUE: %w", i+1, errdefs.ErrInvalidArgument)
-		}
-	}
-	if c.Stdin != "" {
-		if err := p.checkFile("standard input", c.Stdin); err != nil {
-			return err
-		}
-	}
-	if c.Log == "" {
-		return fmt.Errorf("daemon log path is required: %w", errdefs.ErrInvalidArgument)
-	}
-	return p.checkFile("log", c.Log)
+	proc, err := sp.Spawn(ctx, c)
+	return c, proc, err
 }
 
-// checkFile accepts a clean absolute path below a root, also once the
-// symlinks of its directory are resolved (the file itself is opened with
-// O_NOFOLLOW).
-func (p *Policy) checkFile(what, path string) error {
-	if !plan.IsCleanAbs(path) {
-		return fmt.Errorf("daemon %s %q must be a clean absolute path: %w", what, path, errdefs.ErrInvalidArgument)
+// Command renders the command of spec from the policy's own profile of
+// that name. It fails with FailedPrecondition when the policy has no
+// profiles, InvalidArgument for a spec the profile refuses, NotFound for a
+// path source that does not exist, and PermissionDenied for paths outside
+// the roots. Errors never quote a secret: a spec holds none.
+func (p *Policy) Command(spec daemon.Spec) (daemon.Command, error) {
+	if p == nil || len(p.Profiles) == 0 {
+		return daemon.Command{}, fmt.Errorf("this mounter starts no daemons: it has no FUSE profiles (--config): %w", errdefs.ErrFailedPrecondition)
 	}
-	if !plan.WithinAny(p.Roots, path) {
-		return fmt.Errorf("daemon %s %s is outside the allowed roots: %w", what, path, errdefs.ErrInvalidArgument)
+	prof := fuseprofile.Find(p.Profiles, spec.Profile)
+	if prof == nil {
+		return daemon.Command{}, fmt.Errorf("fuse profile %q is not in this mounter's config: %w", spec.Profile, errdefs.ErrInvalidArgument)
 	}
-	dir, err := filepath.EvalSymlinks(filepath.Dir(path))
-	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("daemon %s %s: %w: %w", what, path, err, errdefs.ErrInvalidArgument)
-	}
+	// The parameters are checked before the source is looked up on the host.
+	params, _, err := fuseprofile.VolumeParams([]fuseprofile.Profile{*prof}, spec.Params)
 	if err != nil {
-		return err
+		return daemon.Command{}, err
 	}
-	var real []string
-	for _, r := range p.Roots {
-		if rr, err := filepath.EvalSymlinks(r); err == nil {
-			real = append(real, rr)
+	src, err := prof.ResolveSource(params[fuseprofile.CtxSource])
+	if err != nil {
+		return daemon.Command{}, err
+	}
+	c, err := prof.Command(spec, src)
+	if err != nil {
+		return daemon.Command{}, err
+	}
+	if err := p.checkPaths(spec.Paths); err != nil {
+		return daemon.Command{}, err
+	}
+	return c, nil
+}
+
+// checkPaths keeps a daemon's paths below the roots once symlinks are
+// resolved. The mount point and work dir must be directories themselves,
+// not symlinks: a daemon mounting over a symlink to /etc would hide the
+// host's /etc. The secrets dir holds the files the daemon reads; the log
+// is opened with O_NOFOLLOW, so its directory is what is checked.
+func (p *Policy) checkPaths(ps daemon.Paths) error {
+	for _, f := range []struct {
+		what, path string
+		dir        bool
+	}{
+		{"mount point", ps.MountPoint, true}, {"work dir", ps.WorkDir, true},
+		{"secrets dir", ps.SecretsDir, false}, {"log", ps.Log, false},
+	} {
+		if err := p.checkPath(f.what, f.path, f.dir); err != nil {
+			return err
 		}
-	}
-	if !plan.WithinAny(real, filepath.Join(dir, filepath.Base(path))) {
-		return fmt.Errorf("daemon %s %s leads outside the allowed roots through a symlink: %w", what, path, errdefs.ErrInvalidArgument)
 	}
 	return nil
 }
 
-func sameUser(a, b *daemon.User) bool {
-	if a == nil || b == nil {
-		return a == nil && b == nil
+func (p *Policy) checkPath(what, path string, dir bool) error {
+	if !plan.WithinAny(p.Roots, path) {
+		return fmt.Errorf("daemon %s %s is outside the mounter's allowed roots: %w", what, path, errdefs.ErrPermissionDenied)
 	}
-	return *a == *b
-}
-
-func userString(u *daemon.User) string {
-	if u == nil {
-		return "the mounter's user"
+	parent, err := filepath.EvalSymlinks(filepath.Dir(path))
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("daemon %s %s: %w: %w", what, path, err, errdefs.ErrNotFound)
 	}
-	return fmt.Sprintf("uid %d gid %d", u.UID, u.GID)
+	if err != nil {
+		return fmt.Errorf("daemon %s %s: %w", what, path, err)
+	}
+	if !plan.WithinAny(plan.RealPaths(p.Roots), filepath.Join(parent, filepath.Base(path))) {
+		return fmt.Errorf("daemon %s %s leads outside the allowed roots through a symlink: %w", what, path, errdefs.ErrPermissionDenied)
+	}
+	if !dir {
+		return nil
+	}
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("daemon %s: %w: %w", what, err, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return fmt.Errorf("daemon %s: %w", what, err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("daemon %s %s is not a directory (a symlink is not followed): %w", what, path, errdefs.ErrPermissionDenied)
+	}
+	return nil
 }

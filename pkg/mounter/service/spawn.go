@@ -13,47 +13,39 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
-// SpawnDaemon starts a daemon its policy allows (see policy.Policy.Check).
+// SpawnDaemon starts the daemon its policy renders for the request (see
+// policy.Policy.Command); nothing of the command line comes from the caller.
 func (s *server) SpawnDaemon(ctx context.Context, req *api.SpawnDaemonRequest) (*api.SpawnDaemonResponse, error) {
-	c := CommandFromProto(req)
-	if err := s.daemons.Check(c); err != nil {
-		return nil, err
-	}
-	sp := s.daemons.Spawner
-	if sp == nil {
-		sp = daemon.LocalSpawner{}
-	}
-	logger := klog.FromContext(ctx)
-	logger.V(5).Info("Starting daemon", "path", c.Path, "args", c.Args, "env", c.Env, "stdin", c.Stdin, "log", c.Log)
-	p, err := sp.Spawn(ctx, c)
+	spec := SpecFromProto(req)
+	c, p, err := s.daemons.Spawn(ctx, spec)
 	if err != nil {
 		return nil, err
 	}
-	logger.V(2).Info("Started daemon", "path", c.Path, "pid", p.PID, "startTime", p.StartTime, "log", c.Log)
+	klog.FromContext(ctx).V(2).Info("Started daemon", "profile", spec.Profile, "path", c.Path, "pid", p.PID, "startTime", p.StartTime, "log", c.Log)
 	return &api.SpawnDaemonResponse{Pid: int64(p.PID), StartTime: p.StartTime}, nil
 }
 
-// CommandToProto converts a daemon's command to its wire form.
-func CommandToProto(c daemon.Command) *api.SpawnDaemonRequest {
-	r := &api.SpawnDaemonRequest{Path: c.Path, Args: c.Args, Env: c.Env, StdinPath: c.Stdin, LogPath: c.Log}
-	if c.RunAs != nil {
-		r.RunAs = &api.DaemonUser{Uid: c.RunAs.UID, Gid: c.RunAs.GID}
+// SpecToProto converts a daemon's spec to its wire form.
+func SpecToProto(s daemon.Spec) *api.SpawnDaemonRequest {
+	return &api.SpawnDaemonRequest{
+		Profile: s.Profile, Parameters: s.Params, ReadOnly: s.ReadOnly, Secrets: s.Secrets,
+		Paths: &api.DaemonPaths{MountPoint: s.Paths.MountPoint, WorkDir: s.Paths.WorkDir, SecretsDir: s.Paths.SecretsDir, Log: s.Paths.Log},
 	}
-	return r
 }
 
-// CommandFromProto converts a daemon's command from its wire form.
-func CommandFromProto(r *api.SpawnDaemonRequest) daemon.Command {
-	c := daemon.Command{Path: r.GetPath(), Args: r.GetArgs(), Env: r.GetEnv(), Stdin: r.GetStdinPath(), Log: r.GetLogPath()}
-	if u := r.GetRunAs(); u != nil {
-		c.RunAs = &daemon.User{UID: u.GetUid(), GID: u.GetGid()}
+// SpecFromProto converts a daemon's spec from its wire form.
+func SpecFromProto(r *api.SpawnDaemonRequest) daemon.Spec {
+	p := r.GetPaths()
+	return daemon.Spec{
+		Profile: r.GetProfile(), Params: r.GetParameters(), ReadOnly: r.GetReadOnly(), Secrets: r.GetSecrets(),
+		Paths: daemon.Paths{MountPoint: p.GetMountPoint(), WorkDir: p.GetWorkDir(), SecretsDir: p.GetSecretsDir(), Log: p.GetLog()},
 	}
-	return c
 }
 
 // NewSpawner returns a daemon.Spawner that has the Mounter service (the
-// sidecar's `serve`) start daemons, in the sidecar's container. Errors wrap
-// the errdefs sentinel of their status code.
+// sidecar's `serve`) start daemons, in the sidecar's container. It sends
+// only a command's Spec: the mounter renders the command again from its
+// own profiles. Errors wrap the errdefs sentinel of their status code.
 func NewSpawner(cc grpc.ClientConnInterface) daemon.Spawner {
 	return &spawner{c: api.NewMounterClient(cc)}
 }
@@ -61,7 +53,11 @@ func NewSpawner(cc grpc.ClientConnInterface) daemon.Spawner {
 type spawner struct{ c api.MounterClient }
 
 func (s *spawner) Spawn(ctx context.Context, c daemon.Command) (daemon.Proc, error) {
-	resp, err := s.c.SpawnDaemon(ctx, CommandToProto(c))
+	if c.Spec == nil {
+		return daemon.Proc{}, fmt.Errorf("the mounter starts only daemons of a profile, and the command of %s names none "+
+			"(recorded by an older plugin: unstage and stage the volume again): %w", c.Path, errdefs.ErrFailedPrecondition)
+	}
+	resp, err := s.c.SpawnDaemon(ctx, SpecToProto(*c.Spec))
 	if err != nil {
 		return daemon.Proc{}, fmt.Errorf("mounter: %w", errdefs.FromGRPC(err))
 	}

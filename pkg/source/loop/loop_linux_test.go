@@ -83,7 +83,7 @@ func TestOverlayChain(t *testing.T) {
 				t.Fatalf("plan fails policy: %v", err)
 			}
 			target := filepath.Join(dir, "target")
-			exe := &mounter.Executor{Policy: policy}
+			exe := &mounter.Executor{Policy: policy, KubeletDir: dir}
 			if err := exe.Mount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
 				t.Fatalf("mount plan: %v", err)
 			}

@@ -91,7 +91,7 @@ func newDriverAt(t *testing.T, cfg *config.Config, sources map[string]source.Sou
 	t.Helper()
 	cfg.DefaultFsType = "ext4"
 	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, KubeletDir: stateDir, Config: cfg,
-		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), RemoveMountPoint: true}, Sources: sources})
+		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), KubeletDir: stateDir, RemoveMountPoint: true}, Sources: sources})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,149 @@
+//go:build linux
+
+package mounter_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// TestHostileRequests sends the mounter what a compromised plugin (or
+// anything else that reaches its socket) could: each row is a call and the
+// gRPC code it must end with (errdefs.Code is what the Mounter service's
+// interceptor answers). After all of them, nothing is mounted anywhere.
+func TestHostileRequests(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	dir := mountnstest.Scratch(t)
+	kubelet := filepath.Join(dir, "kubelet")
+	images := filepath.Join(dir, "images")
+	state := filepath.Join(dir, "state")
+	outside := filepath.Join(dir, "outside")
+	for _, d := range []string{kubelet, images, state, outside} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := &mounter.Executor{Policy: plan.Policy{Roots: []string{state}, ImageRoots: []string{images}}, KubeletDir: kubelet}
+	// A disk the plugin never set up: a loop device of an image outside
+	// the image roots stands for the host's disk.
+	hostDisk := mountnstest.LoopDevice(t, outside, "ext4", 16)
+	volume := mountnstest.LoopDevice(t, images, "ext4", 16)
+	// A directory under /dev, which a bind would expose whole, and in it a
+	// SCSI disk node with no iSCSI session behind it (8:0 is sda).
+	devDir, err := os.MkdirTemp("/dev", "mountplan-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sda := filepath.Join(devDir, "sda")
+	t.Cleanup(func() { os.Remove(sda); os.Remove(devDir) })
+	if err := unix.Mknod(sda, unix.S_IFBLK|0o600, int(unix.Mkdev(8, 0))); err != nil {
+		t.Fatal(err)
+	}
+	container := mountnstest.Namespace(t, "private")
+	fakeHost := mountnstest.Namespace(t, "private")
+	mp := filepath.Join(dir, "mp")
+	in := plan.Consumer{PID: container, MountPoint: mp}
+	safe := []string{"nosuid", "nodev"}
+	ext4 := func(dev string) []plan.Mount { return []plan.Mount{{Type: "ext4", Source: dev, Options: safe}} }
+	bind := func(src string) []plan.Mount {
+		return []plan.Mount{{Type: "bind", Source: src, Options: []string{"nosuid"}}}
+	}
+	tmpfsPlan := []plan.Mount{tmpfs("t", "")}
+
+	type call int
+	const (
+		mount call = iota
+		unmount
+		unmountAll
+	)
+	tests := []struct {
+		name   string
+		call   call
+		mounts []plan.Mount
+		c      plan.Consumer
+		want   codes.Code
+	}{
+		// Devices: only what the plugin set up for a staged volume.
+		{"ext4 of the host's disk", mount, ext4(hostDisk), in, codes.PermissionDenied},
+		{"ext4 ro of the host's disk", mount, []plan.Mount{{Type: "ext4", Source: hostDisk, Options: opts("ro")}}, in, codes.PermissionDenied},
+		{"ext4 of a SCSI disk that is no iSCSI session's", mount, ext4(sda), in, codes.PermissionDenied},
+		{"bind of the host's disk node", mount, bind(hostDisk), in, codes.PermissionDenied},
+		{"bind of a SCSI disk node", mount, bind(sda), in, codes.PermissionDenied},
+		{"bind of /dev/null (a character device)", mount, bind("/dev/null"), in, codes.PermissionDenied},
+		{"bind of a directory under /dev", mount, bind(devDir), in, codes.PermissionDenied},
+		{"ext4 of a device that does not exist", mount, ext4("/dev/mountplan-none"), in, codes.NotFound},
+		{"ext4 of a path outside /dev", mount, ext4(filepath.Join(images, "x.img")), in, codes.InvalidArgument},
+		{"lowerdir under /dev", mount, []plan.Mount{{Type: "overlay", Source: "o", Options: opts("lowerdir=/dev/shm")}}, in, codes.InvalidArgument},
+		{"bind of a host path outside the roots", mount, bind("/etc"), in, codes.InvalidArgument},
+		{"errors=panic", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: opts("errors=panic")}}, in, codes.InvalidArgument},
+		{"suid and dev", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: []string{"suid", "dev"}}}, in, codes.InvalidArgument},
+		// Consumers: never the host's namespace or the mounter's own.
+		{"pid 0 outside the kubelet dir", mount, tmpfsPlan, plan.Consumer{MountPoint: outside}, codes.PermissionDenied},
+		{"pid 0 beside the kubelet dir", mount, tmpfsPlan, plan.Consumer{MountPoint: kubelet + "-x/y"}, codes.PermissionDenied},
+		{"pid 0 at the kubelet dir itself", mount, tmpfsPlan, plan.Consumer{MountPoint: kubelet}, codes.PermissionDenied},
+		{"pid 0 at /", mount, tmpfsPlan, plan.Consumer{MountPoint: "/"}, codes.InvalidArgument},
+		{"pid 1", mount, tmpfsPlan, plan.Consumer{PID: 1, MountPoint: mp}, codes.PermissionDenied},
+		{"a process of the mounter's own namespace", mount, tmpfsPlan, plan.Consumer{PID: os.Getpid(), MountPoint: mp}, codes.PermissionDenied},
+		{"a process of the host's namespace", mount, tmpfsPlan, plan.Consumer{PID: fakeHost, MountPoint: mp}, codes.PermissionDenied},
+		{"negative pid", mount, tmpfsPlan, plan.Consumer{PID: -1, MountPoint: mp}, codes.InvalidArgument},
+		{"relative mount point", mount, tmpfsPlan, plan.Consumer{PID: container, MountPoint: "etc"}, codes.InvalidArgument},
+		{"target with ..", mount, []plan.Mount{tmpfs("t", "../../etc")}, in, codes.InvalidArgument},
+		{"unmount of pid 0 outside the kubelet dir", unmount, ext4(hostDisk), plan.Consumer{MountPoint: outside}, codes.PermissionDenied},
+		{"unmount in the host's namespace", unmount, tmpfsPlan, plan.Consumer{PID: fakeHost, MountPoint: mp}, codes.PermissionDenied},
+		{"unmount-all of pid 0 outside the kubelet dir", unmountAll, nil, plan.Consumer{MountPoint: outside}, codes.PermissionDenied},
+		{"unmount-all of pid 1", unmountAll, nil, plan.Consumer{PID: 1, MountPoint: outside}, codes.PermissionDenied},
+		{"unmount-all of the mounter's own namespace", unmountAll, nil, plan.Consumer{PID: os.Getpid(), MountPoint: dir}, codes.PermissionDenied},
+	}
+	restore := mounter.SetHostNS("/proc/" + strconv.Itoa(fakeHost) + "/ns/mnt")
+	defer restore()
+	ctx := context.Background()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var err error
+			switch tt.call {
+			case mount:
+				err = e.Mount(ctx, tt.mounts, tt.c)
+			case unmount:
+				err = e.Unmount(ctx, tt.mounts, tt.c)
+			case unmountAll:
+				err = e.UnmountAll(ctx, tt.c)
+			}
+			if got := errdefs.Code(err); got != tt.want {
+				t.Fatalf("got %v (%v), want %v", got, err, tt.want)
+			}
+		})
+	}
+	// Host paths in the rows are below dir, where Scratch's leak check
+	// looks too: a regression must not mount over the test machine's /etc.
+	for _, pid := range []int{0, container, fakeHost} {
+		if n := countMounts(t, pid, dir); n != 0 {
+			t.Errorf("%d mounts in the namespace of pid %d after refused calls", n, pid)
+		}
+	}
+	// The controls: the volume's device is mounted in the container, and
+	// a publish below the kubelet dir in the mounter's own namespace.
+	if err := e.Mount(ctx, ext4(volume), in); err != nil {
+		t.Fatalf("the volume's own device: %v", err)
+	}
+	if err := e.Unmount(ctx, ext4(volume), in); err != nil {
+		t.Fatal(err)
+	}
+	publish := plan.Consumer{MountPoint: filepath.Join(kubelet, "pods", "p", "mount")}
+	if err := e.Mount(ctx, tmpfsPlan, publish); err != nil {
+		t.Fatalf("a publish below the kubelet dir: %v", err)
+	}
+	if err := e.UnmountAll(ctx, publish); err != nil {
+		t.Fatal(err)
+	}
+}
