@@ -151,7 +151,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	}
 	defer unlock()
 
-	v, err := d.store.Get(id)
+	v, err := d.vols.Get(id)
 	switch {
 	case err == nil && !v.Creating:
 		if err := compatible(v, req.GetCapacityRange(), p); err != nil {
@@ -173,16 +173,16 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	v = &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
 		Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
 		FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
-	if err := d.store.Put(v, journal.Durable); err != nil {
+	if err := d.vols.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	if err := loop.CreateImage(v.Image, v.CapacityBytes); err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create image for %s: %w", id, imageError(err))
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.store.Delete(id, journal.Durable))
+		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
 	}
 	v.Creating = false
-	if err := d.store.Put(v, journal.Durable); err != nil {
+	if err := d.vols.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	return d.createResponse(v), nil
@@ -287,7 +287,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err := loop.RemoveImage(v.Image); err != nil {
 		return nil, err
 	}
-	return &csi.DeleteVolumeResponse{}, d.store.Delete(id, journal.Durable)
+	return &csi.DeleteVolumeResponse{}, d.vols.Delete(id, journal.Durable)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
@@ -297,7 +297,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	if len(req.GetVolumeCapabilities()) == 0 {
 		return nil, invalid("volume_capabilities are required")
 	}
-	if _, err := d.store.Get(req.GetVolumeId()); err != nil {
+	if _, err := d.vols.Get(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
@@ -350,7 +350,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 			return nil, fmt.Errorf("grow image of %s: %w", id, imageError(err))
 		}
 		v.CapacityBytes = size
-		if err := d.store.Put(v, journal.Durable); err != nil {
+		if err := d.vols.Put(v, journal.Durable); err != nil {
 			return nil, err
 		}
 	}

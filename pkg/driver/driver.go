@@ -17,7 +17,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/keylock"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -55,8 +54,7 @@ type Driver struct {
 	api.UnimplementedNodePrepareServer
 
 	opts    Options
-	store   *journal.Store
-	locks   keylock.Locks
+	vols    *volumes
 	sources map[string]source.Source
 	policy  plan.Policy
 	kubelet kubeletDir
@@ -81,7 +79,7 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
-	store, err := journal.Open(stateDir)
+	vols, err := openVolumes(stateDir)
 	if err != nil {
 		return nil, err
 	}
@@ -93,7 +91,7 @@ func New(opts Options) (*Driver, error) {
 	}
 	d := &Driver{
 		opts:    opts,
-		store:   store,
+		vols:    vols,
 		sources: sources,
 		policy:  opts.Config.PlanPolicy(stateDir),
 		kubelet: kubelet,
@@ -116,7 +114,7 @@ func (d *Driver) Register(s *grpc.Server) {
 
 // lock takes the volume's lock for op; a busy volume gives Aborted.
 func (d *Driver) lock(id, op string) (func(), error) {
-	return d.locks.TryLock(id, op)
+	return d.vols.tryLock(id, op)
 }
 
 // locked takes the volume's lock for op and reads its record. The returned
@@ -127,7 +125,7 @@ func (d *Driver) locked(id, op string) (*journal.Volume, func(), error) {
 	if err != nil {
 		return nil, func() {}, err
 	}
-	v, err := d.store.Get(id)
+	v, err := d.vols.Get(id)
 	return v, unlock, err
 }
 
@@ -141,7 +139,7 @@ func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
 
 // StagedByType counts staged volumes by type, for the metrics gauge.
 func (d *Driver) StagedByType() map[string]int {
-	vols, _ := d.store.List()
+	vols, _ := d.vols.List()
 	out := map[string]int{}
 	for _, v := range vols {
 		if v.Staged() {

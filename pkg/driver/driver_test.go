@@ -162,7 +162,7 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 	if m.calls != 0 {
 		t.Fatalf("refused requests reached the mounter %d times", m.calls)
 	}
-	vols, err := d.store.List()
+	vols, err := d.vols.List()
 	if err != nil || len(vols) != 0 {
 		t.Fatalf("refused requests left records: %v %v", vols, err)
 	}

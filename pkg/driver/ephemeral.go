@@ -27,7 +27,7 @@ const DefaultEphemeralSize int64 = 1 << 30
 // undoes every step, so a failed publish leaves no image behind.
 func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, c capability) (err error) {
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	v, err := d.store.Get(id)
+	v, err := d.vols.Get(id)
 	if err == nil {
 		if v.Kind != journal.KindEphemeral {
 			return fmt.Errorf("volume %s exists and is not an inline volume: %w", id, errdefs.ErrAlreadyExists)
@@ -49,7 +49,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	}
 	v = &journal.Volume{ID: id, Kind: journal.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
 		Image: loop.ImagePath(d.opts.StateDir, journal.KindEphemeral, id), Creating: true}
-	if err := d.store.Put(v, journal.Durable); err != nil {
+	if err := d.vols.Put(v, journal.Durable); err != nil {
 		return err
 	}
 	defer func() {
@@ -96,7 +96,7 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 // destroyEphemeral tears down an inline volume: unstage, image, record.
 func (d *Driver) destroyEphemeral(ctx context.Context, v *journal.Volume) error {
 	if len(v.Publishes) > 0 {
-		return d.store.Put(v, journal.Runtime)
+		return d.vols.Put(v, journal.Runtime)
 	}
 	if err := d.unstage(ctx, v); err != nil {
 		return err
@@ -105,7 +105,7 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *journal.Volume) error 
 		return err
 	}
 	klog.FromContext(ctx).V(2).Info("Inline volume removed", "volume", v.ID)
-	return d.store.Delete(v.ID, journal.Durable)
+	return d.vols.Delete(v.ID, journal.Durable)
 }
 
 // parseSize reads a byte count with an optional binary (Ki, Mi, Gi, Ti) or

@@ -85,7 +85,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 // what a refused request should never have made (a red run).
 func (e *hostileEnv) teardown(t *testing.T) {
 	ctx := context.Background()
-	vols, _ := e.d.store.List()
+	vols, _ := e.d.vols.List()
 	for _, v := range vols {
 		for _, p := range v.Publishes {
 			if err := e.d.unpublish(ctx, v, p.TargetPath); err != nil {
@@ -195,7 +195,7 @@ func TestHostileRequests(t *testing.T) {
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}})
 			return err
 		}, codes.OutOfRange, func() error {
-			if _, err := e.d.store.Get("huge"); !errors.Is(err, errdefs.ErrNotFound) {
+			if _, err := e.d.vols.Get("huge"); !errors.Is(err, errdefs.ErrNotFound) {
 				return fmt.Errorf("the refused create left a record: %v", err)
 			}
 			return nil
@@ -210,7 +210,7 @@ func TestHostileRequests(t *testing.T) {
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}})
 			return err
 		}, codes.OutOfRange, func() error {
-			if v, err := e.d.store.Get("vol2"); err != nil || v.CapacityBytes != 16*mib {
+			if v, err := e.d.vols.Get("vol2"); err != nil || v.CapacityBytes != 16*mib {
 				return fmt.Errorf("the refused expansion changed the record: %+v %v", v, err)
 			}
 			return nil
@@ -256,7 +256,7 @@ func TestHostileRequests(t *testing.T) {
 		})
 		safe = safe && ok
 	}
-	if v, err := e.d.store.Get("vol2"); err != nil || v.Stage != nil {
+	if v, err := e.d.vols.Get("vol2"); err != nil || v.Stage != nil {
 		t.Errorf("a refused stage left vol2 staged: %+v %v", v, err)
 	}
 }
@@ -356,7 +356,7 @@ func prepareAsUnprivileged() {
 	}
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "loop",
 		Stage: &journal.Stage{Phase: journal.PhaseStaged, StagingPath: staging, Source: []byte(`{}`)}}
-	if err := d.store.Put(v, journal.Runtime); err != nil {
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		fmt.Println("Put:", err)
 		return
 	}

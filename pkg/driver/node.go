@@ -65,7 +65,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 // volumeForStage finds the record of a provisioned volume, or has the
 // source named by the context's type make one for a static volume.
 func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Volume, error) {
-	v, err := d.store.Get(id)
+	v, err := d.vols.Get(id)
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
 	}
@@ -100,19 +100,19 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 		}
 	}
 	v.Stage = &journal.Stage{Phase: journal.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
-	if err := d.store.Put(v, journal.Runtime); err != nil {
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.store.Put})
+	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.vols.Put})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
 	}
 	v.Stage.Source, v.Stage.Phase = state, journal.PhaseStaged
-	return d.store.Put(v, journal.Runtime)
+	return d.vols.Put(v, journal.Runtime)
 }
 
 // adopt makes sure a staged volume's handles are live in this process.
@@ -123,7 +123,7 @@ func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source
 	}
 	if string(state) != string(v.Stage.Source) {
 		v.Stage.Source = state
-		return d.store.Put(v, journal.Runtime)
+		return d.vols.Put(v, journal.Runtime)
 	}
 	return nil
 }
@@ -132,9 +132,9 @@ func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source
 // drops the record of a static one, which exists only while staged.
 func (d *Driver) saveOrForget(v *journal.Volume) error {
 	if v.Kind == journal.KindStatic && v.Stage == nil {
-		return d.store.Delete(v.ID, journal.Runtime)
+		return d.vols.Delete(v.ID, journal.Runtime)
 	}
-	return d.store.Put(v, journal.Runtime)
+	return d.vols.Put(v, journal.Runtime)
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
@@ -177,7 +177,7 @@ func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
 		return err
 	}
 	v.Stage.Phase = journal.PhaseUnstaging
-	if err := d.store.Put(v, journal.Runtime); err != nil {
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if err := src.Unstage(ctx, v); err != nil {
@@ -195,7 +195,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
 		return nil, err
 	}
-	v, err := d.store.Get(req.GetVolumeId())
+	v, err := d.vols.Get(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}

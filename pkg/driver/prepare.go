@@ -74,7 +74,7 @@ func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.
 	}
 	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
-	return mounts, d.store.Put(v, journal.Runtime)
+	return mounts, d.vols.Put(v, journal.Runtime)
 }
 
 // NodeUnprepareVolume releases a consumer's claim. Idempotent: an unknown
@@ -108,7 +108,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if len(v.Consumers) == n {
 		return &api.NodeUnprepareVolumeResponse{}, nil
 	}
-	return &api.NodeUnprepareVolumeResponse{}, d.store.Put(v, journal.Runtime)
+	return &api.NodeUnprepareVolumeResponse{}, d.vols.Put(v, journal.Runtime)
 }
 
 // namespaceOf returns the identity of pid's mount namespace.

@@ -49,7 +49,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if ephemeral {
 		return &csi.NodePublishVolumeResponse{}, d.publishEphemeral(ctx, req, c)
 	}
-	v, err := d.store.Get(id)
+	v, err := d.vols.Get(id)
 	if err != nil {
 		return nil, err
 	}
@@ -103,7 +103,7 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	rec := journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: created || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
-	if err := d.store.Put(v, journal.Runtime); err != nil {
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	err = d.opts.Metrics.Step("mount", func() error {
@@ -120,7 +120,7 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if rec.CreatedTarget {
 		rmErr = d.kubelet.removeTarget(target)
 	}
-	return errors.Join(err, rmErr, d.store.Put(v, journal.Runtime))
+	return errors.Join(err, rmErr, d.vols.Put(v, journal.Runtime))
 }
 
 // mayStillMount reports whether a failed Mount call may still have its
@@ -225,7 +225,7 @@ func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string
 	if v.Kind == journal.KindEphemeral {
 		return d.destroyEphemeral(ctx, v)
 	}
-	return d.store.Put(v, journal.Runtime)
+	return d.vols.Put(v, journal.Runtime)
 }
 
 // isMountPoint reports whether p is a mount point. A path whose check fails

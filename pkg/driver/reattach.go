@@ -17,12 +17,12 @@ import (
 // heal in place without any action from the pod.
 func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 	// Background work waits for a request instead of failing it with Aborted.
-	unlock, err := d.locks.Lock(ctx, volumeID, "reattach")
+	unlock, err := d.vols.lock(ctx, volumeID, "reattach")
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	v, err := d.store.Get(volumeID)
+	v, err := d.vols.Get(volumeID)
 	if err != nil || !v.Staged() {
 		return err
 	}
@@ -35,7 +35,7 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 		errs = append(errs, d.replace(ctx, p.Mounts, plan.Consumer{MountPoint: p.TargetPath}))
 	}
 	if changed {
-		errs = append(errs, d.store.Put(v, journal.Runtime))
+		errs = append(errs, d.vols.Put(v, journal.Runtime))
 	}
 	return errors.Join(errs...)
 }

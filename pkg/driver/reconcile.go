@@ -22,7 +22,10 @@ import (
 func (d *Driver) Reconcile(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	d.removeInterruptedWrites(ctx)
-	vols, listErr := d.store.List()
+	if !d.ready.Load() && d.vols.unreadable != nil {
+		logger.Error(d.vols.unreadable, "Some journal records could not be read; they are left as they are")
+	}
+	vols, listErr := d.vols.List()
 	if listErr != nil {
 		logger.Error(listErr, "Some journal records could not be read; they are left as they are")
 	}
@@ -51,7 +54,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 // left for the next reconcile.
 func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 	logger := klog.FromContext(ctx)
-	records, err := d.store.TempFiles()
+	records, err := d.vols.store.TempFiles()
 	images, ierr := loop.TempImages(d.opts.StateDir)
 	if err = errors.Join(err, ierr); err != nil {
 		logger.Error(err, "Listing the temp files of interrupted writes")
@@ -79,7 +82,7 @@ func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 
 func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 	// Re-read under the lock: a request may have changed it since List.
-	v, err := d.store.Get(v.ID)
+	v, err := d.vols.Get(v.ID)
 	if err != nil {
 		return err
 	}
@@ -112,7 +115,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 		return err
 	}
 	if changed {
-		return d.store.Put(v, journal.Runtime)
+		return d.vols.Put(v, journal.Runtime)
 	}
 	return nil
 }

@@ -95,7 +95,7 @@ func TestReconcile(t *testing.T) {
 	halfMadeInline := &journal.Volume{ID: "inline", Kind: journal.KindEphemeral, Type: "fake", Creating: true}
 	idle := &journal.Volume{ID: "idle", Kind: journal.KindProvisioned, Type: "fake"}
 	for _, v := range []*journal.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
-		if err := d.store.Put(v, journal.Runtime); err != nil {
+		if err := d.vols.Put(v, journal.Runtime); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -109,16 +109,16 @@ func TestReconcile(t *testing.T) {
 		t.Fatal("not ready after the startup reconcile")
 	}
 
-	if v, err := d.store.Get("interrupted"); err != nil || v.Stage != nil {
+	if v, err := d.vols.Get("interrupted"); err != nil || v.Stage != nil {
 		t.Errorf("interrupted stage not undone: %+v %v", v, err)
 	}
-	if _, err := d.store.Get("static-interrupted"); err == nil {
+	if _, err := d.vols.Get("static-interrupted"); err == nil {
 		t.Error("an interrupted static volume's record survived")
 	}
 	if len(fake.unstaged) < 2 {
 		t.Errorf("interrupted steps were not undone through the source: %v", fake.unstaged)
 	}
-	v, err := d.store.Get("healthy")
+	v, err := d.vols.Get("healthy")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,10 +131,10 @@ func TestReconcile(t *testing.T) {
 	if string(v.Stage.Source) != `{"device":"/dev/loop9"}` {
 		t.Errorf("adopted state not recorded: %s", v.Stage.Source)
 	}
-	if _, err := d.store.Get("inline"); err == nil {
+	if _, err := d.vols.Get("inline"); err == nil {
 		t.Error("half-made inline volume survived")
 	}
-	if v, err := d.store.Get("idle"); err != nil || v.Stage != nil {
+	if v, err := d.vols.Get("idle"); err != nil || v.Stage != nil {
 		t.Errorf("idle volume changed: %+v %v", v, err)
 	}
 	adoptedHealthy := false
@@ -158,7 +158,7 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
 		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
 		Consumers: []journal.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
-	if err := d.store.Put(v, journal.Runtime); err != nil {
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	err := d.unstage(context.Background(), v)
@@ -181,7 +181,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 			{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
 			{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 7}, MountPoint: "/gone"}, Mounts: mounts}},
 		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
-	if err := d.store.Put(v, journal.Runtime); err != nil {
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.Reattach(context.Background(), "v"); err != nil {
@@ -190,7 +190,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	if m.calls != 4 { // unmount + mount at the live consumer and at the publish
 		t.Fatalf("mounter calls = %d, want 4", m.calls)
 	}
-	got, err := d.store.Get("v")
+	got, err := d.vols.Get("v")
 	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != pid {
 		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
 	}
@@ -203,7 +203,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	if err := d.store.Put(&journal.Volume{ID: "rec", Kind: journal.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
+	if err := d.vols.Put(&journal.Volume{ID: "rec", Kind: journal.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	vols := filepath.Join(d.opts.StateDir, "volumes")
@@ -255,5 +255,39 @@ func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 		if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
 			t.Errorf("%s is still there after the reconcile that found its volume free: %v", p, err)
 		}
+	}
+}
+
+// TestReadersNeverSeeATornRecord: a runtime write rewrites the record file
+// in place; a reader that looked at the file during such a write would see
+// half a record and fall back to the older durable copy (here: not
+// staged). Readers get the last committed record instead, whatever the
+// file holds at that moment.
+func TestReadersNeverSeeATornRecord(t *testing.T) {
+	d, _ := newTestDriver(t)
+	d.sources["fake"] = &fakeSource{}
+	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake"}
+	if err := d.vols.Put(v, journal.Durable); err != nil {
+		t.Fatal(err)
+	}
+	v.Stage = &journal.Stage{Phase: journal.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)}
+	if err := d.vols.Put(v, journal.Runtime); err != nil {
+		t.Fatal(err)
+	}
+	// What a reader of the file sees in the middle of the next in-place write.
+	file := filepath.Join(d.opts.StateDir, "volumes", "v.json")
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(file, b[:len(b)/2], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got, err := d.vols.Get("v")
+	if err != nil || !got.Staged() {
+		t.Fatalf("record while its file is half written: %+v, %v; want the staged record", got, err)
+	}
+	if n := d.StagedByType()["fake"]; n != 1 {
+		t.Fatalf("staged gauge %d while the file is half written, want 1", n)
 	}
 }
