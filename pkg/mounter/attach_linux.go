@@ -3,9 +3,7 @@ package mounter
 import (
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
-	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -27,6 +25,7 @@ type attacher struct {
 	roots  []root
 
 	ns         *mountns.Namespace
+	root       *mountns.Root // where targets are resolved, inside ns
 	mountPoint string
 	guard      *guard // nil: propagation is not checked
 
@@ -83,19 +82,26 @@ func (a *attacher) attachAll() (err error) {
 	return nil
 }
 
+// attach resolves target below the root (no symlink followed), creating
+// what is missing, and attaches built mount i exactly there.
 func (a *attacher) attach(i int, target string) error {
 	if err := a.ensure(target, !a.roots[i].dir); err != nil {
 		return err
 	}
-	if done, err := a.alreadyMounted(i, target); err != nil || done {
+	t, err := a.root.Open(target)
+	if err != nil {
+		return err
+	}
+	defer t.Close()
+	if done, err := a.alreadyMounted(i, t); err != nil || done {
 		return err
 	}
 	if a.guard != nil {
-		if err := a.guard.check(a.ns, target); err != nil {
+		if err := a.guard.check(a.ns, t); err != nil {
 			return err
 		}
 	}
-	if err := mountns.Attach(a.built[i], target); err != nil {
+	if err := mountns.AttachAt(a.built[i], t); err != nil {
 		return err
 	}
 	a.attached = append(a.attached, target)
@@ -106,53 +112,29 @@ func (a *attacher) attach(i int, target string) error {
 	return nil
 }
 
-// ensure creates target and its missing parents (directories; target itself
-// an empty file when the mount's root is not a directory). Paths created
-// inside this call's own mounts are not recorded: they belong to the volume
-// and vanish from view when it is unmounted.
+// ensure creates target and its missing parents below the root
+// (directories; target itself an empty file when the mount's root is not a
+// directory), never through a symlink. Paths created inside this call's own
+// mounts are not recorded: they belong to the volume and vanish from view
+// when it is unmounted.
 func (a *attacher) ensure(target string, file bool) error {
-	var missing []string
-	for p := target; ; p = filepath.Dir(p) {
-		_, err := os.Lstat(p)
-		if err == nil {
-			break
-		}
-		if !errors.Is(err, fs.ErrNotExist) || p == "/" {
-			return mountns.Classify(err)
-		}
-		missing = append(missing, p)
-	}
-	for i := len(missing) - 1; i >= 0; i-- {
-		if err := create(missing[i], file && i == 0); err != nil {
-			return mountns.Classify(err)
-		}
-		if !plan.WithinAny(a.attached, missing[i]) {
-			a.created = append(a.created, missing[i])
+	created, err := a.root.MkdirAll(target, file)
+	for _, p := range created {
+		if !plan.WithinAny(a.attached, p) {
+			a.created = append(a.created, p)
 		}
 	}
-	return nil
-}
-
-func create(p string, file bool) error {
-	if !file {
-		return os.Mkdir(p, 0o750)
-	}
-	f, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY|unix.O_NOFOLLOW, 0o640)
-	if err != nil {
-		return err
-	}
-	return f.Close()
+	return err
 }
 
 // alreadyMounted reports whether target is the root of a mount of the same
 // thing as built mount i: the same directory or file (a bind, or a block
 // filesystem whose superblock is shared), or, for filesystems that get a new
 // superblock every time (tmpfs, overlay), the same type and source.
-func (a *attacher) alreadyMounted(i int, target string) (bool, error) {
-	var st unix.Statx_t
-	err := unix.Statx(unix.AT_FDCWD, target, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_INO|unix.STATX_MNT_ID, &st)
+func (a *attacher) alreadyMounted(i int, target *os.File) (bool, error) {
+	st, err := statxOf(target, unix.STATX_INO|unix.STATX_MNT_ID, false)
 	if err != nil {
-		return false, &os.PathError{Op: "statx", Path: target, Err: err}
+		return false, err
 	}
 	if st.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
 		return false, nil
@@ -177,18 +159,19 @@ func (a *attacher) alreadyMounted(i int, target string) (bool, error) {
 func (a *attacher) rollback() error {
 	var errs []error
 	for i := len(a.attached) - 1; i >= 0; i-- {
-		err := detach(a.attached[i])
-		if errors.Is(err, unix.EBUSY) {
-			// Something in the consumer already uses it; a failed Mount
-			// must still not leave the volume attached.
-			err = unix.Unmount(a.attached[i], unix.UMOUNT_NOFOLLOW|unix.MNT_DETACH)
+		p, err := resolvedPath(a.ns, a.root, a.attached[i])
+		if err == nil && p != "" {
+			err = detach(p)
+			if errors.Is(err, unix.EBUSY) {
+				// Something in the consumer already uses it; a failed Mount
+				// must still not leave the volume attached.
+				err = mountns.Unmount(p, true)
+			}
 		}
 		errs = append(errs, err)
 	}
 	for i := len(a.created) - 1; i >= 0; i-- {
-		if err := os.Remove(a.created[i]); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			errs = append(errs, err)
-		}
+		errs = append(errs, a.root.Remove(a.created[i]))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("rollback: %w", err)

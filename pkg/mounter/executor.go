@@ -57,7 +57,7 @@ func (e *Executor) admitConsumer(c plan.Consumer) error {
 		return fmt.Errorf("consumer pid 1 is the host's init: %w", errdefs.ErrPermissionDenied)
 	case c.PID == 0 && e.KubeletDir == "":
 		return fmt.Errorf("this mounter serves no consumer in its own namespace (no kubelet dir): %w", errdefs.ErrPermissionDenied)
-	case c.PID == 0 && (!plan.Within(e.KubeletDir, c.MountPoint) || c.MountPoint == filepath.Clean(e.KubeletDir)):
+	case c.PID == 0 && (!plan.Within(filepath.Clean(e.KubeletDir), c.MountPoint) || c.MountPoint == filepath.Clean(e.KubeletDir)):
 		return fmt.Errorf("mount point %s in the mounter's own namespace is not below the kubelet dir %s: %w",
 			c.MountPoint, e.KubeletDir, errdefs.ErrPermissionDenied)
 	}

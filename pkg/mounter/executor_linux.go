@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -58,7 +59,12 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 	}
 	defer a.close()
 	a.ns, a.mountPoint, a.guard = ns, c.MountPoint, guard
-	if err := ns.Do(a.attachAll); err != nil {
+	if err := ns.Do(func() error {
+		return e.inRoot(c, func(root *mountns.Root) error {
+			a.root = root
+			return a.attachAll()
+		})
+	}); err != nil {
 		return err
 	}
 	if logger := klog.FromContext(ctx).V(2); logger.Enabled() {
@@ -83,12 +89,14 @@ func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c plan.Cons
 	defer ns.Close()
 	ids := identify(mounts)
 	return ns.Do(func() error {
-		for i := len(mounts) - 1; i >= 0; i-- {
-			if err := unmountIfOurs(ns, targetPath(c.MountPoint, mounts[i].Target), mounts[i], ids[i]); err != nil {
-				return fmt.Errorf("mount %d: %w", i, err)
+		return e.inRoot(c, func(root *mountns.Root) error {
+			for i := len(mounts) - 1; i >= 0; i-- {
+				if err := unmountIfOurs(ns, root, targetPath(c.MountPoint, mounts[i].Target), mounts[i], ids[i]); err != nil {
+					return fmt.Errorf("mount %d: %w", i, err)
+				}
 			}
-		}
-		return e.removeMountPoint(c.MountPoint)
+			return e.removeMountPoint(root, c.MountPoint)
+		})
 	})
 }
 
@@ -102,10 +110,12 @@ func (e *Executor) UnmountAll(ctx context.Context, c plan.Consumer) error {
 	}
 	defer ns.Close()
 	return ns.Do(func() error {
-		if err := unmountTree(ns, c.MountPoint); err != nil {
-			return err
-		}
-		return e.removeMountPoint(c.MountPoint)
+		return e.inRoot(c, func(root *mountns.Root) error {
+			if err := unmountTree(ns, root, c.MountPoint); err != nil {
+				return err
+			}
+			return e.removeMountPoint(root, c.MountPoint)
+		})
 	})
 }
 
@@ -242,14 +252,31 @@ func openNamespace(ctx context.Context, c plan.Consumer) (*mountns.Namespace, er
 	return ns, nil
 }
 
+// inRoot runs fn with the root below which c's paths are resolved
+// (mountns.Root: through file descriptors, never following a symlink): the
+// namespace's root for a container, the kubelet dir for the mounter's own
+// namespace. Run inside the namespace.
+func (e *Executor) inRoot(c plan.Consumer, fn func(*mountns.Root) error) error {
+	dir := "/"
+	if c.PID == 0 {
+		dir = filepath.Clean(e.KubeletDir)
+	}
+	root, err := mountns.OpenRoot(dir)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	return fn(root)
+}
+
 // removeMountPoint removes the mount point if so configured. Run inside the
 // namespace; a directory that is not empty or still mounted stays.
-func (e *Executor) removeMountPoint(p string) error {
+func (e *Executor) removeMountPoint(root *mountns.Root, p string) error {
 	if !e.RemoveMountPoint {
 		return nil
 	}
-	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove mount point: %w", mountns.Classify(err))
+	if err := root.Remove(p); err != nil {
+		return fmt.Errorf("remove mount point: %w", err)
 	}
 	return nil
 }

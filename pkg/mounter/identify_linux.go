@@ -4,7 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"path/filepath"
+	"os"
+	"runtime"
 	"strings"
 
 	"github.com/moby/sys/mountinfo"
@@ -34,32 +35,77 @@ func identify(mounts []plan.Mount) []hostID {
 	return ids
 }
 
-// unmountIfOurs unmounts target if the mount on top of it is m. Run inside
-// the namespace.
-func unmountIfOurs(ns *mountns.Namespace, target string, m plan.Mount, id hostID) error {
-	if ours, sure := quickMatch(target, m); sure {
-		if !ours {
-			return nil
-		}
-		return detach(target)
+// unmountIfOurs unmounts target if the mount on top of it is m. target is
+// resolved below root without following a symlink, and what is unmounted
+// is the path that resolution found. Run inside the namespace.
+func unmountIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID) error {
+	t, err := root.Open(target)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
 	}
-	info, err := topMountAt(ns, target)
-	if err != nil || info == nil {
+	if err != nil {
 		return err
 	}
+	ours, lazy, p, err := isOurs(ns, t, m, id)
+	// The descriptor would keep the mount busy.
+	t.Close()
+	if err != nil || !ours {
+		return err
+	}
+	return mountns.Unmount(p, lazy)
+}
+
+// isOurs reports whether the mount on top at t (an open target) is m, and
+// whether it must be detached lazily: the bind of a FUSE mount whose daemon
+// died and was restarted. Its plan's source is now the new daemon's mount,
+// so the device differs, but what sits here is its dead predecessor; it may
+// be busy (a shell in it), and must go all the same. p is t's path.
+func isOurs(ns *mountns.Namespace, t *os.File, m plan.Mount, id hostID) (ours, lazy bool, p string, err error) {
+	if p, err = ns.PathOf(t); err != nil {
+		return false, false, "", err
+	}
+	if ours, sure := quickMatch(t, m); sure {
+		return ours, false, p, nil
+	}
+	info, err := topMountAt(ns, p)
+	if err != nil || info == nil {
+		return false, false, p, err
+	}
 	if matches(info, m, id) {
-		return detach(target)
+		return true, false, p, nil
 	}
-	if deadFuseBind(info, m, target) {
-		// The bind of a FUSE mount whose daemon died and was restarted: the
-		// plan's source is now the new daemon's mount, so the device
-		// differs, but what sits here is its dead predecessor. It may be
-		// busy (a shell in it), and must go all the same.
-		if err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW|unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
-			return &mountns.OpError{Op: "umount2 (detach)", Path: target, Err: err}
-		}
+	return deadFuseBind(info, m, t), true, p, nil
+}
+
+// resolvedPath is p resolved below root without following a symlink, as
+// the mount table shows it; "" when p does not exist. Run inside the
+// namespace.
+func resolvedPath(ns *mountns.Namespace, root *mountns.Root, p string) (string, error) {
+	f, err := root.Open(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", nil
 	}
-	return nil
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	return ns.PathOf(f)
+}
+
+// statxOf stats the open file f itself (AT_EMPTY_PATH); forceSync asks a
+// network or FUSE filesystem for fresh attributes.
+func statxOf(f *os.File, mask int, forceSync bool) (unix.Statx_t, error) {
+	flags := unix.AT_EMPTY_PATH
+	if forceSync {
+		flags |= unix.AT_STATX_FORCE_SYNC
+	}
+	var st unix.Statx_t
+	err := unix.Statx(int(f.Fd()), "", flags, mask, &st)
+	runtime.KeepAlive(f)
+	if err != nil {
+		return st, &os.PathError{Op: "statx", Path: f.Name(), Err: err}
+	}
+	return st, nil
 }
 
 // deadFuseBind reports whether info, on top at target, is the root of a
@@ -67,14 +113,13 @@ func unmountIfOurs(ns *mountns.Namespace, target string, m plan.Mount, id hostID
 // for fresh attributes, it answers ENOTCONN (the daemon died, or its
 // connection was aborted). A live FUSE mount is never taken for dead.
 // Run inside the namespace.
-func deadFuseBind(info *mountinfo.Info, m plan.Mount, target string) bool {
+func deadFuseBind(info *mountinfo.Info, m plan.Mount, target *os.File) bool {
 	if m.Type != plan.TypeBind || !strings.HasPrefix(info.FSType, "fuse") || strings.TrimSuffix(info.Root, "//deleted") != "/" {
 		return false
 	}
 	// FORCE_SYNC: the answer must come from the connection, not from
 	// attributes cached before the daemon died.
-	var st unix.Statx_t
-	err := unix.Statx(unix.AT_FDCWD, target, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_FORCE_SYNC, unix.STATX_TYPE, &st)
+	_, err := statxOf(target, unix.STATX_TYPE, true)
 	return errors.Is(err, unix.ENOTCONN) || errors.Is(err, unix.ECONNABORTED)
 }
 
@@ -97,31 +142,15 @@ func matches(info *mountinfo.Info, m plan.Mount, id hostID) bool {
 	return strings.HasSuffix(m.Source, root)
 }
 
-// topMountAt returns the mount on top of the stack mounted exactly at p, or
-// nil when p is not a mount point.
+// topMountAt returns the mount on top of the stack mounted exactly at p (a
+// resolved path, as the mount table shows it), or nil when p is not a
+// mount point.
 func topMountAt(ns *mountns.Namespace, p string) (*mountinfo.Info, error) {
-	canonical, err := canonicalPath(p)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	stack, err := ns.MountInfo(func(i *mountinfo.Info) (bool, bool) { return i.Mountpoint != canonical, false })
+	stack, err := ns.MountInfo(func(i *mountinfo.Info) (bool, bool) { return i.Mountpoint != p, false })
 	if err != nil {
 		return nil, err
 	}
 	return mountns.Top(stack), nil
-}
-
-// canonicalPath resolves symlinks in p's parent, as the mount table shows
-// paths; p's own last component is never followed.
-func canonicalPath(p string) (string, error) {
-	dir, err := filepath.EvalSymlinks(filepath.Dir(p))
-	if err != nil {
-		return "", err
-	}
-	return filepath.Join(dir, filepath.Base(p)), nil
 }
 
 func mountByID(ns *mountns.Namespace, id int) (*mountinfo.Info, error) {
@@ -134,12 +163,9 @@ func mountByID(ns *mountns.Namespace, id int) (*mountinfo.Info, error) {
 
 // unmountTree unmounts everything at or below p, newest first, until
 // nothing is left. Run inside the namespace.
-func unmountTree(ns *mountns.Namespace, p string) error {
-	canonical, err := canonicalPath(p)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
+func unmountTree(ns *mountns.Namespace, root *mountns.Root, p string) error {
+	canonical, err := resolvedPath(ns, root, p)
+	if err != nil || canonical == "" {
 		return err
 	}
 	below := func(i *mountinfo.Info) (bool, bool) { return !plan.Within(canonical, i.Mountpoint), false }
@@ -166,10 +192,10 @@ func unmountTree(ns *mountns.Namespace, p string) error {
 // mount point at all, or its root is the very device or file m names. It
 // is not sure (and the caller reads the table) for filesystems without a
 // backing device, for sources that are gone, and for anything else.
-func quickMatch(target string, m plan.Mount) (ours, sure bool) {
-	var tx unix.Statx_t
-	if err := unix.Statx(unix.AT_FDCWD, target, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_INO, &tx); err != nil {
-		return false, errors.Is(err, unix.ENOENT)
+func quickMatch(target *os.File, m plan.Mount) (ours, sure bool) {
+	tx, err := statxOf(target, unix.STATX_INO, false)
+	if err != nil {
+		return false, false
 	}
 	if tx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 && tx.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
 		return false, true

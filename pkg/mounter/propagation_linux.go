@@ -87,10 +87,10 @@ func (g *guard) addTable(file string) error {
 
 // check fails if a mount attached at target would propagate outside. Run
 // inside the namespace.
-func (g *guard) check(ns *mountns.Namespace, target string) error {
-	var st unix.Statx_t
-	if err := unix.Statx(unix.AT_FDCWD, target, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_MNT_ID, &st); err != nil {
-		return &os.PathError{Op: "statx", Path: target, Err: err}
+func (g *guard) check(ns *mountns.Namespace, target *os.File) error {
+	st, err := statxOf(target, unix.STATX_MNT_ID, false)
+	if err != nil {
+		return err
 	}
 	infos, err := ns.MountInfo(nil)
 	if err != nil {
@@ -103,7 +103,7 @@ func (g *guard) check(ns *mountns.Namespace, target string) error {
 		}
 	}
 	if parent == nil {
-		return fmt.Errorf("mount %d under %s is not in the mount table", st.Mnt_id, target)
+		return fmt.Errorf("mount %d under %s is not in the mount table", st.Mnt_id, target.Name())
 	}
 	group := propagationOf(parent).shared
 	if group == 0 || !g.reaches(group, infos) {
@@ -111,7 +111,7 @@ func (g *guard) check(ns *mountns.Namespace, target string) error {
 	}
 	return fmt.Errorf("%s lies on %s, which shares mount events (peer group %d) with the mounter's or the host's namespace, "+
 		"where the volume would outlive the consumer; make that mount private or slave in the consumer: %w",
-		target, parent.Mountpoint, group, errdefs.ErrFailedPrecondition)
+		target.Name(), parent.Mountpoint, group, errdefs.ErrFailedPrecondition)
 }
 
 // reaches reports whether mount events in peer group from arrive in any
