@@ -55,13 +55,30 @@ func (e *Executor) admitConsumer(c plan.Consumer) error {
 	switch {
 	case c.PID == 1:
 		return fmt.Errorf("consumer pid 1 is the host's init: %w", errdefs.ErrPermissionDenied)
-	case c.PID == 0 && e.KubeletDir == "":
-		return fmt.Errorf("this mounter serves no consumer in its own namespace (no kubelet dir): %w", errdefs.ErrPermissionDenied)
-	case c.PID == 0 && (!plan.Within(filepath.Clean(e.KubeletDir), c.MountPoint) || c.MountPoint == filepath.Clean(e.KubeletDir)):
-		return fmt.Errorf("mount point %s in the mounter's own namespace is not below the kubelet dir %s: %w",
+	case c.PID == 0 && e.kubeletRoot(c.MountPoint) == "":
+		return fmt.Errorf("mount point %s in the mounter's own namespace is not below the kubelet dir %q: %w",
 			c.MountPoint, e.KubeletDir, errdefs.ErrPermissionDenied)
 	}
 	return nil
+}
+
+// kubeletRoot returns the kubelet dir that mount point p lies strictly
+// below: KubeletDir as given or, when the admin's path is a symlink (a
+// kubelet dir moved to another disk), as resolved. "" when neither.
+func (e *Executor) kubeletRoot(p string) string {
+	if e.KubeletDir == "" {
+		return ""
+	}
+	dirs := []string{filepath.Clean(e.KubeletDir)}
+	if real, err := filepath.EvalSymlinks(e.KubeletDir); err == nil && real != dirs[0] {
+		dirs = append(dirs, real)
+	}
+	for _, d := range dirs {
+		if plan.IsCleanAbs(d) && plan.Within(d, p) && p != d {
+			return d
+		}
+	}
+	return ""
 }
 
 // checkTargets accepts the targets of a plan that is only to be undone: its

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -259,7 +258,7 @@ func openNamespace(ctx context.Context, c plan.Consumer) (*mountns.Namespace, er
 func (e *Executor) inRoot(c plan.Consumer, fn func(*mountns.Root) error) error {
 	dir := "/"
 	if c.PID == 0 {
-		dir = filepath.Clean(e.KubeletDir)
+		dir = e.kubeletRoot(c.MountPoint) // admitConsumer made sure there is one
 	}
 	root, err := mountns.OpenRoot(dir)
 	if err != nil {

@@ -139,11 +139,20 @@ func TestHostileRequests(t *testing.T) {
 	if err := e.Unmount(ctx, ext4(volume), in); err != nil {
 		t.Fatal(err)
 	}
-	publish := plan.Consumer{MountPoint: filepath.Join(kubelet, "pods", "p", "mount")}
-	if err := e.Mount(ctx, tmpfsPlan, publish); err != nil {
-		t.Fatalf("a publish below the kubelet dir: %v", err)
-	}
-	if err := e.UnmountAll(ctx, publish); err != nil {
+	// The kubelet dir may be named through a symlink (moved to another
+	// disk): a publish below either name is kubelet's.
+	kubeletLink := filepath.Join(dir, "kubelet-link")
+	if err := os.Symlink(kubelet, kubeletLink); err != nil {
 		t.Fatal(err)
+	}
+	e.KubeletDir = kubeletLink
+	for _, mp := range []string{filepath.Join(kubelet, "pods", "p", "mount"), filepath.Join(kubeletLink, "pods", "q", "mount")} {
+		publish := plan.Consumer{MountPoint: mp}
+		if err := e.Mount(ctx, tmpfsPlan, publish); err != nil {
+			t.Fatalf("a publish below the kubelet dir: %v", err)
+		}
+		if err := e.UnmountAll(ctx, publish); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
