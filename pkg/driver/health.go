@@ -30,7 +30,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 	if !ok {
 		return resp, nil
 	}
-	if h := hc.Health(ctx, v); h.Abnormal {
+	if h := hc.Health(ctx, viewOf(v)); h.Abnormal {
 		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
 			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: h.Reason, Message: h.Message}}
 	}

@@ -74,7 +74,11 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Vol
 	if !ok {
 		return nil, invalid("volume type %q is not supported (supported: %s)", typ, strings.Join(slices.Sorted(maps.Keys(d.sources)), ", "))
 	}
-	return src.NewVolume(id, vctx)
+	sv, err := src.NewVolume(id, vctx)
+	if err != nil {
+		return nil, err
+	}
+	return recordOf(typ, sv), nil
 }
 
 // stage activates v, journaling the intent first. Repeating a completed
@@ -95,7 +99,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 			return d.adopt(ctx, v, src)
 		}
 		// An intent left by a crash: undo what may be half done, then stage anew.
-		if err := src.Unstage(ctx, v); err != nil {
+		if err := src.Unstage(ctx, viewOf(v)); err != nil {
 			return err
 		}
 	}
@@ -106,7 +110,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, v, source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Save: d.vols.Put})
+	state, err := src.Stage(ctx, viewOf(v), source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.vols, v}})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
@@ -117,7 +121,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 
 // adopt makes sure a staged volume's handles are live in this process.
 func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source) error {
-	state, err := src.Adopt(ctx, v)
+	state, err := src.Adopt(ctx, viewOf(v))
 	if err != nil {
 		return err
 	}
@@ -180,7 +184,7 @@ func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
-	if err := src.Unstage(ctx, v); err != nil {
+	if err := src.Unstage(ctx, viewOf(v)); err != nil {
 		return err
 	}
 	v.Stage = nil

@@ -142,7 +142,7 @@ func (d *Driver) planFor(v *journal.Volume, req source.PlanRequest) ([]plan.Moun
 	if err != nil {
 		return nil, err
 	}
-	mounts, err := src.Plan(v, req)
+	mounts, err := src.Plan(viewOf(v), req)
 	if err != nil {
 		return nil, err
 	}
@@ -276,7 +276,7 @@ func (d *Driver) statsOf(ctx context.Context, v *journal.Volume, path string) (*
 		return nil, err
 	}
 	if st, ok := src.(source.Statter); ok {
-		u, err = st.Stats(ctx, v, path)
+		u, err = st.Stats(ctx, viewOf(v), path)
 	} else {
 		u, err = fsutil.Stats(path)
 	}
@@ -328,7 +328,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if !ok {
 		return nil, fmt.Errorf("%s volumes cannot be expanded: %w", v.Type, errdefs.ErrUnimplemented)
 	}
-	size, err := exp.Expand(ctx, v, mountPath, filepath.Join(d.opts.StateDir, "expand", id))
+	size, err := exp.Expand(ctx, viewOf(v), mountPath, filepath.Join(d.opts.StateDir, "expand", id))
 	if err != nil {
 		return nil, err
 	}

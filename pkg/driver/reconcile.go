@@ -98,7 +98,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 	}
 	if !v.Staged() {
 		klog.FromContext(ctx).Info("Undoing a stage step a crash interrupted", "phase", v.Stage.Phase)
-		if err := src.Unstage(ctx, v); err != nil {
+		if err := src.Unstage(ctx, viewOf(v)); err != nil {
 			return err
 		}
 		v.Stage = nil

@@ -23,29 +23,29 @@ type fakeSource struct {
 	adoptState        json.RawMessage
 }
 
-func (f *fakeSource) NewVolume(id string, _ map[string]string) (*journal.Volume, error) {
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: "fake"}, nil
+func (f *fakeSource) NewVolume(id string, _ map[string]string) (source.Volume, error) {
+	return source.Volume{ID: id, Kind: journal.KindStatic}, nil
 }
 
-func (f *fakeSource) Stage(context.Context, *journal.Volume, source.StageRequest) (json.RawMessage, error) {
+func (f *fakeSource) Stage(context.Context, source.Volume, source.StageRequest) (json.RawMessage, error) {
 	return json.RawMessage(`{}`), nil
 }
 
-func (f *fakeSource) Plan(*journal.Volume, source.PlanRequest) ([]plan.Mount, error) {
+func (f *fakeSource) Plan(source.Volume, source.PlanRequest) ([]plan.Mount, error) {
 	return []plan.Mount{{Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev"}}}, nil
 }
 
-func (f *fakeSource) Unstage(_ context.Context, v *journal.Volume) error {
+func (f *fakeSource) Unstage(_ context.Context, v source.Volume) error {
 	f.unstaged = append(f.unstaged, v.ID)
 	return nil
 }
 
-func (f *fakeSource) Adopt(_ context.Context, v *journal.Volume) (json.RawMessage, error) {
+func (f *fakeSource) Adopt(_ context.Context, v source.Volume) (json.RawMessage, error) {
 	f.adopted = append(f.adopted, v.ID)
 	if f.adoptState != nil {
 		return f.adoptState, nil
 	}
-	return v.Stage.Source, nil
+	return v.State, nil
 }
 
 // deadPID returns the PID of a process that has exited and been reaped.

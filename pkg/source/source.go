@@ -2,6 +2,13 @@
 // activated at stage time and turned into a mount plan. Each kind lives in
 // its own package and is registered with the driver by its type name: a new
 // kind is a new package, not a new case in a switch.
+//
+// The driver owns every volume's record and its lock. A source sees a copy
+// of what it needs of a record (Volume) and persists its own part only
+// through the Recorder it is handed (a format, its state before a side
+// effect) or, for work of its own such as a supervisor restarting a
+// daemon, through the Host, which takes the volume's lock. A source never
+// opens the journal.
 package source
 
 import (
@@ -25,11 +32,42 @@ type StageRequest struct {
 	Secrets map[string]string
 	// FsType to create when the device holds no filesystem yet.
 	FsType string
-	// Save persists v (with an intent such as a pending format) before the
-	// source performs the side effect the intent names. Durable for what
-	// describes the disk (a format), Runtime for what a reboot erases too
-	// (a device being connected).
-	Save func(v *journal.Volume, d journal.Durability) error
+	// Record persists the source's part of the record before the side
+	// effect it names.
+	Record Recorder
+}
+
+// Volume is what a source sees of a volume's record: a copy, which the
+// source may not change the record through.
+type Volume struct {
+	ID            string
+	Kind          journal.Kind
+	Image         string
+	CapacityBytes int64
+	FsType        string
+	Parameters    map[string]string
+	// Format is the filesystem made (or being made) on the volume.
+	Format *journal.Format
+	// Staging says a stage is recorded: under way, done, or being undone.
+	Staging bool
+	// State is what the source recorded of the stage (its Stage result or
+	// a SaveIntent); empty when it recorded nothing yet.
+	State json.RawMessage
+}
+
+// Recorder writes a source's part of a volume's record, under the lock
+// the driver holds for the call.
+type Recorder interface {
+	// SetFormat records the filesystem on the volume: at once and durably
+	// when durable (a format about to run, or just done: what describes
+	// the disk survives a machine crash), else with the stage's own final
+	// write (a filesystem found, which changes nothing on disk).
+	SetFormat(f journal.Format, durable bool) error
+	// SaveIntent records the source's state before a side effect (a
+	// device being connected, a daemon being started), so that an undo
+	// after a crash finds what may be half done. It describes runtime
+	// state, which a reboot erases too: no fsync.
+	SaveIntent(state json.RawMessage) error
 }
 
 // PlanRequest is what a publish or prepare asks for.
@@ -42,22 +80,23 @@ type PlanRequest struct {
 // Source activates and deactivates one kind of volume.
 type Source interface {
 	// NewVolume checks the volume_context of a volume this plugin did not
-	// provision (a static PV) and returns its record, not yet saved.
+	// provision (a static PV) and returns what its record holds (Image,
+	// FsType, Parameters); the driver makes the record.
 	// Everything that could name a binary or a host path is checked here
 	// against the admin's config; errors wrap errdefs.ErrInvalidArgument.
-	NewVolume(id string, vctx map[string]string) (*journal.Volume, error)
+	NewVolume(id string, vctx map[string]string) (Volume, error)
 	// Stage activates v's device and returns the state to keep in the
 	// journal. On error it leaves nothing attached.
-	Stage(ctx context.Context, v *journal.Volume, req StageRequest) (json.RawMessage, error)
+	Stage(ctx context.Context, v Volume, req StageRequest) (json.RawMessage, error)
 	// Plan returns the mounts that make a staged v appear at a mount point.
 	// The plan is concrete: every source and option path is final.
-	Plan(v *journal.Volume, req PlanRequest) ([]plan.Mount, error)
+	Plan(v Volume, req PlanRequest) ([]plan.Mount, error)
 	// Unstage deactivates v after checking that what it detaches is still
 	// v's (device numbers are reused quickly). Idempotent.
-	Unstage(ctx context.Context, v *journal.Volume) error
+	Unstage(ctx context.Context, v Volume) error
 	// Adopt re-establishes in-memory handles for a staged v after a plugin
 	// restart, repairing what it can. It returns the (possibly updated) state.
-	Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error)
+	Adopt(ctx context.Context, v Volume) (json.RawMessage, error)
 }
 
 // Expander is a Source whose volumes can grow.
@@ -65,7 +104,7 @@ type Expander interface {
 	// Expand makes the staged v's device and filesystem see its new size
 	// and returns the size. mountPath is where v is mounted in this
 	// namespace, if anywhere; scratch is a private directory it may use.
-	Expand(ctx context.Context, v *journal.Volume, mountPath, scratch string) (int64, error)
+	Expand(ctx context.Context, v Volume, mountPath, scratch string) (int64, error)
 }
 
 // Health is a source's view of a staged volume.
@@ -80,14 +119,14 @@ type Health struct {
 // Check must not block on a dead mount or daemon: it answers from probes
 // with timeouts.
 type HealthChecker interface {
-	Health(ctx context.Context, v *journal.Volume) Health
+	Health(ctx context.Context, v Volume) Health
 }
 
 // Statter is a Source that answers NodeGetVolumeStats itself, for volumes
 // where a plain statfs could hang (a FUSE mount whose daemon stopped
 // answering).
 type Statter interface {
-	Stats(ctx context.Context, v *journal.Volume, path string) (fsutil.Usage, error)
+	Stats(ctx context.Context, v Volume, path string) (fsutil.Usage, error)
 }
 
 // Host is what the driver offers a source that acts on its own, such as a
@@ -111,16 +150,16 @@ type HostUser interface {
 // accepts and ignores them.
 const ReservedPrefix = "csi.storage.k8s.io/"
 
-// DecodeState reads the state a source's Stage returned, as the journal
-// keeps it in v.Stage.Source. A volume without one is not staged: an error
-// wrapping errdefs.ErrFailedPrecondition. State that does not decode into T
-// is corrupt: an error naming the volume.
-func DecodeState[T any](v *journal.Volume) (T, error) {
+// DecodeState reads the state a source recorded of v's stage. A volume
+// without one is not staged: an error wrapping
+// errdefs.ErrFailedPrecondition. State that does not decode into T is
+// corrupt: an error naming the volume.
+func DecodeState[T any](v Volume) (T, error) {
 	var st T
-	if v.Stage == nil || len(v.Stage.Source) == 0 {
+	if len(v.State) == 0 {
 		return st, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
-	if err := json.Unmarshal(v.Stage.Source, &st); err != nil {
+	if err := json.Unmarshal(v.State, &st); err != nil {
 		return st, fmt.Errorf("volume %s: corrupt %T: %w", v.ID, st, err)
 	}
 	return st, nil

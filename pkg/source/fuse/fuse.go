@@ -182,17 +182,17 @@ func (s *Source) layout(id string) (layout, error) {
 
 // NewVolume checks a static FUSE volume's context: a profile of the
 // admin's, a source that profile accepts, and only options it allows.
-func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
+func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, error) {
 	params, _, err := fuseprofile.VolumeParams(s.profiles, vctx)
 	if err != nil {
-		return nil, fmt.Errorf("volume %s: %w", id, err)
+		return source.Volume{}, fmt.Errorf("volume %s: %w", id, err)
 	}
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: Type, Parameters: params}, nil
+	return source.Volume{ID: id, Kind: journal.KindStatic, Parameters: params}, nil
 }
 
 // Stage starts the daemon on <state-dir>/fuse/<id>/mnt, waits until its
 // FUSE mount appears, and starts supervising it.
-func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
+func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
 	if req.Block {
 		return nil, invalid("fuse volumes have no block access")
 	}
@@ -441,7 +441,7 @@ func (s *Source) unmountUnder(dir string) error {
 }
 
 // Plan binds the daemon's mount, nosuid and nodev always.
-func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
@@ -460,7 +460,7 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 // unmounts what is left under the volume's directory, and removes its
 // secrets and files. It works from the disk alone when the record has no
 // state (a stage interrupted by a crash). Idempotent.
-func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
+func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
 	unlock, err := s.locks.Lock(ctx, v.ID, "unstage")
 	if err != nil {
 		return err
@@ -514,7 +514,7 @@ func (s *Source) teardown(ctx context.Context, id string, known Daemon) error {
 // restart. A daemon that is alive, with its mount in place, is kept (same
 // PID); one that is gone is restarted by the supervisor, which then
 // re-attaches the consumers. It returns the state with the newest daemon.
-func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
+func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
@@ -548,7 +548,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 
 // Health answers from the supervisor's view and the process table; it
 // never touches the mount.
-func (s *Source) Health(_ context.Context, v *journal.Volume) source.Health {
+func (s *Source) Health(_ context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
@@ -573,7 +573,7 @@ const statsTimeout = 2 * time.Second
 // Stats measures the daemon's mount with a deadline: a daemon that does
 // not answer gives Unavailable, never a hung call. One statfs at most is
 // in flight per volume.
-func (s *Source) Stats(ctx context.Context, v *journal.Volume, _ string) (fsutil.Usage, error) {
+func (s *Source) Stats(ctx context.Context, v source.Volume, _ string) (fsutil.Usage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return fsutil.Usage{}, err

@@ -38,7 +38,7 @@ func TestNewVolumeChecksContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]string{"profile": "sshfs", "source": "me@example.org:/srv", "port": "2222"}
-	if v.Type != Type || v.Kind != journal.KindStatic || !mapsEqual(v.Parameters, want) {
+	if v.ID != "v1" || v.Kind != journal.KindStatic || !mapsEqual(v.Parameters, want) {
 		t.Errorf("volume %+v, want parameters %v", v, want)
 	}
 	for name, vctx := range map[string]map[string]string{
@@ -128,7 +128,7 @@ func TestPlan(t *testing.T) {
 		t.Fatal(err)
 	}
 	st, _ := json.Marshal(State{BindSource: "/var/lib/mountplan/fuse/v/mnt", MountPoint: "/var/lib/mountplan/fuse/v/mnt"})
-	v := &journal.Volume{ID: "v", Type: Type, Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: st}}
+	v := source.Volume{ID: "v", Staging: true, State: st}
 	got, err := s.Plan(v, source.PlanRequest{ReadOnly: true, MountFlags: []string{"noexec"}})
 	if err != nil {
 		t.Fatal(err)

@@ -13,7 +13,8 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/sourcetest"
 	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
@@ -134,7 +135,7 @@ func (n *fakeNode) iscsiadm(_ context.Context, _ string, args []string) ([]byte,
 
 // stage stages volume "v1" (LUN fakeLUN, CHAP) through the plugin's join
 // and waitDisk, as Stage does after discovery, and returns its record.
-func (n *fakeNode) stage(id string) *journal.Volume {
+func (n *fakeNode) stage(id string) source.Volume {
 	n.t.Helper()
 	v, err := n.s.NewVolume(id, map[string]string{"portals": fakePortal, "iqn": fakeIQN, "lun": strconv.Itoa(fakeLUN)})
 	if err != nil {
@@ -150,7 +151,7 @@ func (n *fakeNode) stage(id string) *journal.Volume {
 	}
 	st.FsType = "ext4"
 	b, _ := json.Marshal(st)
-	v.Stage = &journal.Stage{Phase: journal.PhaseStaged, Source: b}
+	v = sourcetest.Staged(v, b)
 	return v
 }
 
@@ -180,7 +181,7 @@ func stateOf(t *testing.T, raw json.RawMessage) State {
 func TestAdoptLogsInAgain(t *testing.T) {
 	n := newFakeNode(t)
 	v := n.stage("v1")
-	old := stateOf(t, v.Stage.Source)
+	old := stateOf(t, v.State)
 	rec := filepath.Join(n.recordDir(), "default")
 	recBefore, _ := os.ReadFile(rec)
 	if !strings.Contains(string(recBefore), "canary-pw") {
@@ -190,7 +191,7 @@ func TestAdoptLogsInAgain(t *testing.T) {
 	if h := n.s.Health(ctx, v); h.Abnormal {
 		t.Fatalf("health after stage: %+v", h)
 	}
-	if raw, err := n.s.Adopt(ctx, v); err != nil || string(raw) != string(v.Stage.Source) {
+	if raw, err := n.s.Adopt(ctx, v); err != nil || string(raw) != string(v.State) {
 		t.Fatalf("Adopt of a healthy volume = %s, %v; want the state unchanged", raw, err)
 	}
 
@@ -221,7 +222,7 @@ func TestAdoptLogsInAgain(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(n.s.sessionDir(st.Session), "users", "v1")); err != nil {
 		t.Fatalf("volume marker: %v", err)
 	}
-	v.Stage.Source = raw
+	v.State = raw
 	if h := n.s.Health(ctx, v); h.Abnormal {
 		t.Fatalf("health after Adopt: %+v", h)
 	}
@@ -245,7 +246,7 @@ func TestAdoptLogsInAgain(t *testing.T) {
 func TestAdoptRecordGone(t *testing.T) {
 	n := newFakeNode(t)
 	v := n.stage("v1")
-	st := stateOf(t, v.Stage.Source)
+	st := stateOf(t, v.State)
 	n.dropSession(st.SID)
 	os.RemoveAll(filepath.Join(n.s.Config.NodeDBDir, fakeIQN))
 	n.calls = nil
@@ -269,7 +270,7 @@ func TestAdoptRecordGone(t *testing.T) {
 func TestAdoptLoginFails(t *testing.T) {
 	n := newFakeNode(t)
 	v := n.stage("v1")
-	st := stateOf(t, v.Stage.Source)
+	st := stateOf(t, v.State)
 	n.dropSession(st.SID)
 	n.loginStatus = 8
 	if _, err := n.s.Adopt(context.Background(), v); err == nil {
@@ -297,7 +298,7 @@ func TestAdoptSharedSession(t *testing.T) {
 	n := newFakeNode(t)
 	a := n.stage("a")
 	b := n.stage("b")
-	sa, sb := stateOf(t, a.Stage.Source), stateOf(t, b.Stage.Source)
+	sa, sb := stateOf(t, a.State), stateOf(t, b.State)
 	if sa.SID != sb.SID {
 		t.Fatalf("two sessions: %d, %d", sa.SID, sb.SID)
 	}

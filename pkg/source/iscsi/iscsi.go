@@ -128,24 +128,24 @@ var iqnPattern = regexp.MustCompile(`^(iqn\.\d{4}-\d{2}\.[a-z0-9.\-]+(:[a-z0-9.\
 
 // NewVolume checks a static iSCSI volume's context: portals the admin
 // allows, a target name, a LUN and an optional fsType.
-func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
+func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, error) {
 	if s.rulesErr != nil {
-		return nil, s.rulesErr
+		return source.Volume{}, s.rulesErr
 	}
 	for k := range vctx {
 		switch {
 		case k == "type", k == CtxPortals, k == CtxIQN, k == CtxLUN, k == CtxFsType, strings.HasPrefix(k, source.ReservedPrefix):
 		default:
-			return nil, fmt.Errorf("unknown iscsi volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
+			return source.Volume{}, fmt.Errorf("unknown iscsi volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}
 	}
 	iqn := vctx[CtxIQN]
 	if len(iqn) > 223 || !iqnPattern.MatchString(iqn) {
-		return nil, fmt.Errorf("iscsi volume %s: %q is not a valid target name (iqn., eui. or naa.): %w", id, iqn, errdefs.ErrInvalidArgument)
+		return source.Volume{}, fmt.Errorf("iscsi volume %s: %q is not a valid target name (iqn., eui. or naa.): %w", id, iqn, errdefs.ErrInvalidArgument)
 	}
 	lun, err := strconv.Atoi(vctx[CtxLUN])
 	if err != nil || lun < 0 || lun > 16383 {
-		return nil, fmt.Errorf("iscsi volume %s: lun %q must be a number from 0 to 16383: %w", id, vctx[CtxLUN], errdefs.ErrInvalidArgument)
+		return source.Volume{}, fmt.Errorf("iscsi volume %s: lun %q must be a number from 0 to 16383: %w", id, vctx[CtxLUN], errdefs.ErrInvalidArgument)
 	}
 	var portals []string
 	for _, p := range strings.Split(vctx[CtxPortals], ",") {
@@ -154,18 +154,18 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, 
 		}
 		ep, err := config.ParseEndpoint(p, config.ISCSIDefaultPort)
 		if err != nil {
-			return nil, err
+			return source.Volume{}, err
 		}
 		if err := config.AllowEndpoint(s.rules, ep, "iscsi.allowedPortals"); err != nil {
-			return nil, err
+			return source.Volume{}, err
 		}
 		portals = append(portals, ep.String())
 	}
 	if len(portals) == 0 {
-		return nil, fmt.Errorf("iscsi volume %s: attribute %q names no portal: %w", id, CtxPortals, errdefs.ErrInvalidArgument)
+		return source.Volume{}, fmt.Errorf("iscsi volume %s: attribute %q names no portal: %w", id, CtxPortals, errdefs.ErrInvalidArgument)
 	}
 	params := map[string]string{CtxPortals: strings.Join(portals, ","), CtxIQN: iqn, CtxLUN: strconv.Itoa(lun)}
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: Type, FsType: vctx[CtxFsType], Parameters: params}, nil
+	return source.Volume{ID: id, Kind: journal.KindStatic, FsType: vctx[CtxFsType], Parameters: params}, nil
 }
 
 // credentials are the CHAP secrets of a stage. Their String hides them.
@@ -219,7 +219,7 @@ type target struct {
 	lun     int
 }
 
-func targetOf(v *journal.Volume) target {
+func targetOf(v source.Volume) target {
 	lun, _ := strconv.Atoi(v.Parameters[CtxLUN])
 	return target{portals: strings.Split(v.Parameters[CtxPortals], ","), iqn: v.Parameters[CtxIQN], lun: lun}
 }
@@ -227,7 +227,7 @@ func targetOf(v *journal.Volume) target {
 // Stage discovers the target, logs in (or joins a session the target
 // already has), waits for the LUN's disk and, for mount access, makes sure
 // it holds a filesystem. The disk is not mounted.
-func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
+func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
 	creds, err := credentialsFrom(req.Secrets)
 	if err != nil {
 		return nil, err
@@ -313,7 +313,7 @@ func (s *Source) initiatorName() string {
 }
 
 // Plan mounts the disk (mount access) or binds its node (block access).
-func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
@@ -324,7 +324,7 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 // Unstage leaves the volume's session, logging it out when the plugin
 // created it and no other volume uses it. It works from the session
 // registry, so a stage a crash interrupted is undone too.
-func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
+func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
 	return s.release(ctx, v.ID)
 }
 
@@ -336,14 +336,14 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 // and returns the state with the new session and disk. The session is
 // registered as Stage registers it, the plugin's own when it logged in.
 // A session that shows but is not logged in is iscsid's to recover.
-func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
+func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
 	switch h := s.check(st); h.Reason {
 	case "":
-		return v.Stage.Source, nil
+		return v.State, nil
 	case "SessionFailed":
 		return nil, fmt.Errorf("volume %s: %s; iscsid is recovering it: %w", v.ID, h.Message, errdefs.ErrUnavailable)
 	default:
@@ -371,7 +371,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 }
 
 // Health reports a session that is gone or failed, or a disk that vanished.
-func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
+func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}

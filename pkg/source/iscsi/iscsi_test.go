@@ -10,9 +10,9 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
+	"github.com/mountplan/mountplan/pkg/source/sourcetest"
 )
 
 func newSource(t *testing.T, portals ...string) *Source {
@@ -130,13 +130,13 @@ func TestStageWithoutKernelSupport(t *testing.T) {
 	s.SysDir = t.TempDir()
 	ctx := context.Background()
 	req := source.StageRequest{FsType: "ext4", Secrets: map[string]string{SecretUsername: "u", SecretPassword: "canary-pw"},
-		Save: func(*journal.Volume, journal.Durability) error { return nil }}
+		Record: &sourcetest.Recorder{}}
 	stage := func(iqn, portal string) error {
 		v, err := s.NewVolume("v1", map[string]string{"portals": portal, "iqn": iqn, "lun": "1"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		v.Stage = &journal.Stage{Phase: journal.PhaseStaging}
+		v.Staging = true
 		_, err = s.Stage(ctx, v, req)
 		if err != nil && strings.Contains(err.Error(), "canary-pw") {
 			t.Errorf("error shows the CHAP password: %v", err)

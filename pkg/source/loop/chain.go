@@ -14,10 +14,10 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
-	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/pkg/source"
 )
 
 // Volume parameters of a chained (overlay) volume.
@@ -51,11 +51,11 @@ func (c *Chain) dataDir() string { return filepath.Join(c.Upper, "data") }
 func (c *Chain) workDir() string { return filepath.Join(c.Upper, "work") }
 
 // wantsChain reports whether v asks for an overlay over its image.
-func wantsChain(v *journal.Volume) bool { return v.Parameters[ParamOverlay] == "true" }
+func wantsChain(v source.Volume) bool { return v.Parameters[ParamOverlay] == "true" }
 
 // buildChain mounts the lower image and a fresh upper under the state dir.
 // On error it undoes every step it took.
-func (s *Source) buildChain(ctx context.Context, v *journal.Volume, lowerDev, lowerType string) (c *Chain, err error) {
+func (s *Source) buildChain(ctx context.Context, v source.Volume, lowerDev, lowerType string) (c *Chain, err error) {
 	c = s.chainAt(v.ID)
 	dir := c.Dir
 	defer func() {
@@ -84,7 +84,7 @@ func (s *Source) buildChain(ctx context.Context, v *journal.Volume, lowerDev, lo
 	return c, nil
 }
 
-func (s *Source) mountUpper(ctx context.Context, v *journal.Volume, c *Chain) error {
+func (s *Source) mountUpper(ctx context.Context, v source.Volume, c *Chain) error {
 	size := v.Parameters[ParamUpperSize]
 	if size == "" {
 		return mountAt("tmpfs", c.Upper, "tmpfs", 0, "mode=0700")

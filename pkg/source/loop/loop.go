@@ -22,7 +22,6 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
-	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -101,7 +100,7 @@ func (s *Source) held(id string) *loopdev.Device {
 
 // Stage attaches v.Image and, for mount access, makes sure it holds a
 // filesystem. The device is not mounted anywhere: the plan mounts it.
-func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
+func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
 	chained := wantsChain(v)
 	if chained && req.Block {
 		return nil, fmt.Errorf("overlay volumes have no block access: %w", errdefs.ErrInvalidArgument)
@@ -142,7 +141,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 
 // stageChain checks that the image holds a read-only filesystem and builds
 // the overlay's layers over it.
-func (s *Source) stageChain(ctx context.Context, v *journal.Volume, device string) (string, *Chain, error) {
+func (s *Source) stageChain(ctx context.Context, v source.Volume, device string) (string, *Chain, error) {
 	fsType, err := fsutil.Detect(ctx, device)
 	if err != nil {
 		return "", nil, err
@@ -156,12 +155,12 @@ func (s *Source) stageChain(ctx context.Context, v *journal.Volume, device strin
 
 // ensureFilesystem returns the filesystem on device, making one only when
 // the device is blank or when a format of ours was interrupted.
-func (s *Source) ensureFilesystem(ctx context.Context, v *journal.Volume, device string, req source.StageRequest) (string, error) {
+func (s *Source) ensureFilesystem(ctx context.Context, v source.Volume, device string, req source.StageRequest) (string, error) {
 	return blockdev.EnsureFilesystem(ctx, v, device, req, blockdev.Filesystem{What: "image " + v.Image, Mountable: s.MountableTypes, Metrics: s.Metrics})
 }
 
 // Plan mounts the device (mount access) or binds its node (block access).
-func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
@@ -173,8 +172,8 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 }
 
 // Unstage detaches the device if it is still backed by v's image.
-func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
-	if v.Stage != nil && len(v.Stage.Source) == 0 {
+func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
+	if v.Staging && len(v.State) == 0 {
 		return s.undoUnrecorded(ctx, v)
 	}
 	st, err := source.DecodeState[State](v)
@@ -193,7 +192,7 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 // Its devices were attached with autoclear and went with the process that
 // held them, unless a chain's layer mount still holds one; those layers
 // sit at paths fixed by the volume ID, so they can be found without state.
-func (s *Source) undoUnrecorded(ctx context.Context, v *journal.Volume) error {
+func (s *Source) undoUnrecorded(ctx context.Context, v source.Volume) error {
 	if err := s.teardownChain(ctx, v.ID, s.chainAt(v.ID)); err != nil {
 		return err
 	}
@@ -225,13 +224,13 @@ func (s *Source) detach(ctx context.Context, key, device string, id loopdev.Iden
 
 // Adopt reopens the device of a staged volume, or attaches the image again
 // when the kernel cleared it after the plugin died (autoclear).
-func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
+func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
 	if s.held(v.ID) != nil {
-		return v.Stage.Source, nil
+		return v.State, nil
 	}
 	dev, err := loopdev.Adopt(st.Device, st.Identity)
 	if errors.Is(err, errdefs.ErrNotFound) {
@@ -266,7 +265,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 }
 
 // Device returns the held device of a staged volume (for expansion).
-func (s *Source) Device(v *journal.Volume) (*loopdev.Device, error) {
+func (s *Source) Device(v source.Volume) (*loopdev.Device, error) {
 	if d := s.held(v.ID); d != nil {
 		return d, nil
 	}
@@ -278,7 +277,7 @@ func (s *Source) Device(v *journal.Volume) (*loopdev.Device, error) {
 // mounted there, else through a private mount at scratch, because an
 // offline resize2fs would need a full fsck first and xfs can only grow
 // mounted.
-func (s *Source) Expand(ctx context.Context, v *journal.Volume, mountPath, scratch string) (int64, error) {
+func (s *Source) Expand(ctx context.Context, v source.Volume, mountPath, scratch string) (int64, error) {
 	dev, err := s.Device(v)
 	if err != nil {
 		return 0, err
@@ -318,7 +317,7 @@ func growMounted(ctx context.Context, device, fsType, mountPath, scratch string)
 
 // Health reports a staged volume whose loop device is no longer backed by
 // its image (detached behind the plugin's back).
-func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
+func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}

@@ -13,6 +13,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/sourcetest"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -57,16 +58,16 @@ func TestOverlayChain(t *testing.T) {
 			ctx := context.Background()
 			stateDir := filepath.Join(dir, "state")
 			s := New(stateDir)
-			v := &journal.Volume{ID: "chain-" + tc.kind, Kind: journal.KindStatic, Type: Type, Image: readOnlyImage(t, dir, tc.kind),
+			v := source.Volume{ID: "chain-" + tc.kind, Kind: journal.KindStatic, Image: readOnlyImage(t, dir, tc.kind),
 				Parameters: map[string]string{ParamOverlay: "true", ParamUpperSize: tc.upperSize}}
 			if tc.upperSize == "" {
 				delete(v.Parameters, ParamUpperSize)
 			}
-			raw, err := s.Stage(ctx, v, source.StageRequest{FsType: "ext4", Save: func(*journal.Volume, journal.Durability) error { return nil }})
+			raw, err := s.Stage(ctx, v, source.StageRequest{FsType: "ext4", Record: &sourcetest.Recorder{}})
 			if err != nil {
 				t.Fatalf("Stage: %v", err)
 			}
-			v.Stage = &journal.Stage{Phase: journal.PhaseStaged, Source: raw}
+			v = sourcetest.Staged(v, raw)
 			var st State
 			if err := json.Unmarshal(raw, &st); err != nil || st.Chain == nil || st.FsType != tc.kind {
 				t.Fatalf("state %s: %v", raw, err)
@@ -135,8 +136,8 @@ func TestOverlayRefusesWritableImage(t *testing.T) {
 		t.Fatalf("mkfs: %v %s", err, out)
 	}
 	s := New(filepath.Join(dir, "state"))
-	v := &journal.Volume{ID: "rw", Type: Type, Image: img, Parameters: map[string]string{ParamOverlay: "true"}}
-	if _, err := s.Stage(context.Background(), v, source.StageRequest{Save: func(*journal.Volume, journal.Durability) error { return nil }}); err == nil {
+	v := source.Volume{ID: "rw", Image: img, Parameters: map[string]string{ParamOverlay: "true"}}
+	if _, err := s.Stage(context.Background(), v, source.StageRequest{Record: &sourcetest.Recorder{}}); err == nil {
 		t.Fatal("overlay over an ext4 image was accepted")
 	}
 }

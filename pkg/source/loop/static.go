@@ -17,9 +17,9 @@ const (
 
 // NewVolume checks a static loop volume's context: an image under one of
 // the admin's roots, an optional fsType, and optional overlay settings.
-func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
+func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, error) {
 	if vctx[CtxImage] == "" {
-		return nil, fmt.Errorf("volume %s does not exist and its context names no image: %w", id, errdefs.ErrNotFound)
+		return source.Volume{}, fmt.Errorf("volume %s does not exist and its context names no image: %w", id, errdefs.ErrNotFound)
 	}
 	params := map[string]string{}
 	for k, val := range vctx {
@@ -27,19 +27,19 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, 
 		case k == "type":
 		case k == ParamOverlay:
 			if val != "true" && val != "false" {
-				return nil, fmt.Errorf("%s must be true or false, not %q: %w", k, val, errdefs.ErrInvalidArgument)
+				return source.Volume{}, fmt.Errorf("%s must be true or false, not %q: %w", k, val, errdefs.ErrInvalidArgument)
 			}
 			params[k] = val
 		case k == ParamUpperSize:
 			params[k] = val
 		case k == CtxImage || k == CtxFsType || strings.HasPrefix(k, source.ReservedPrefix):
 		default:
-			return nil, fmt.Errorf("unknown loop volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
+			return source.Volume{}, fmt.Errorf("unknown loop volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}
 	}
 	image, err := ResolveStaticImage(vctx[CtxImage], s.ImageRoots)
 	if err != nil {
-		return nil, err
+		return source.Volume{}, err
 	}
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: Type, Image: image, FsType: vctx[CtxFsType], Parameters: params}, nil
+	return source.Volume{ID: id, Kind: journal.KindStatic, Image: image, FsType: vctx[CtxFsType], Parameters: params}, nil
 }

@@ -113,41 +113,41 @@ func (s *Source) timeout() time.Duration {
 // NewVolume checks a static NBD volume's context: an address the admin
 // allows (host:port, or a unix socket under a socket root), an export name,
 // an optional fsType and tls.
-func (s *Source) NewVolume(id string, vctx map[string]string) (*journal.Volume, error) {
+func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, error) {
 	for k := range vctx {
 		switch {
 		case k == "type", k == CtxAddress, k == CtxExport, k == CtxFsType, k == CtxTLS, strings.HasPrefix(k, source.ReservedPrefix):
 		default:
-			return nil, fmt.Errorf("unknown nbd volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
+			return source.Volume{}, fmt.Errorf("unknown nbd volume attribute %q: %w", k, errdefs.ErrInvalidArgument)
 		}
 	}
 	if s.rulesErr != nil {
-		return nil, s.rulesErr
+		return source.Volume{}, s.rulesErr
 	}
 	addr := vctx[CtxAddress]
 	if addr == "" {
-		return nil, fmt.Errorf("nbd volume %s: attribute %q is required: %w", id, CtxAddress, errdefs.ErrInvalidArgument)
+		return source.Volume{}, fmt.Errorf("nbd volume %s: attribute %q is required: %w", id, CtxAddress, errdefs.ErrInvalidArgument)
 	}
 	server, err := s.checkAddress(addr)
 	if err != nil {
-		return nil, err
+		return source.Volume{}, err
 	}
 	wantTLS, err := s.wantTLS(vctx[CtxTLS])
 	if err != nil {
-		return nil, err
+		return source.Volume{}, err
 	}
 	if wantTLS && strings.HasPrefix(server, "/") {
-		return nil, fmt.Errorf("nbd volume %s: TLS over a unix socket is not supported: %w", id, errdefs.ErrInvalidArgument)
+		return source.Volume{}, fmt.Errorf("nbd volume %s: TLS over a unix socket is not supported: %w", id, errdefs.ErrInvalidArgument)
 	}
 	export := vctx[CtxExport]
 	if len(export) > 4096 || strings.ContainsRune(export, 0) {
-		return nil, fmt.Errorf("nbd volume %s: export name is not a valid NBD name: %w", id, errdefs.ErrInvalidArgument)
+		return source.Volume{}, fmt.Errorf("nbd volume %s: export name is not a valid NBD name: %w", id, errdefs.ErrInvalidArgument)
 	}
 	params := map[string]string{CtxAddress: server, CtxExport: export}
 	if wantTLS {
 		params[CtxTLS] = "true"
 	}
-	return &journal.Volume{ID: id, Kind: journal.KindStatic, Type: Type, FsType: vctx[CtxFsType], Parameters: params}, nil
+	return source.Volume{ID: id, Kind: journal.KindStatic, FsType: vctx[CtxFsType], Parameters: params}, nil
 }
 
 // checkAddress returns the canonical form of addr if the admin allows it.
@@ -217,7 +217,7 @@ type target struct {
 	tls            bool
 }
 
-func targetOf(v *journal.Volume) target {
+func targetOf(v source.Volume) target {
 	return target{server: v.Parameters[CtxAddress], export: v.Parameters[CtxExport], tls: v.Parameters[CtxTLS] == "true"}
 }
 
@@ -269,7 +269,7 @@ func (s *Source) tlsConfig(server string) (*tls.Config, error) {
 
 // Stage probes the export, connects a free NBD device to it and, for mount
 // access, makes sure it holds a filesystem. The device is not mounted.
-func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
+func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
 	t := targetOf(v)
 	exp, err := s.probe(ctx, t, s.timeout())
 	if err != nil {
@@ -278,7 +278,7 @@ func (s *Source) Stage(ctx context.Context, v *journal.Volume, req source.StageR
 	if exp.ReadOnly && !req.ReadOnly {
 		return nil, fmt.Errorf("%s is read-only; stage it with a read-only access mode: %w", t, errdefs.ErrFailedPrecondition)
 	}
-	st, err := s.connect(ctx, v, t, exp, req.ReadOnly, req.Save)
+	st, err := s.connect(ctx, t, exp, req.ReadOnly, req.Record)
 	if err != nil {
 		return nil, err
 	}
@@ -310,7 +310,7 @@ func (s *Source) probe(ctx context.Context, t target, timeout time.Duration) (Ex
 
 // connect claims a free device, records it as an intent, runs nbd-client
 // and records the kernel's pid of the connection.
-func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp Export, readOnly bool, save func(*journal.Volume, journal.Durability) error) (State, error) {
+func (s *Source) connect(ctx context.Context, t target, exp Export, readOnly bool, rec source.Recorder) (State, error) {
 	if err := s.kernelReady(); err != nil {
 		return State{}, err
 	}
@@ -321,7 +321,7 @@ func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp E
 			return State{}, err
 		}
 		st := State{Device: dev, Pending: true, Server: t.server, Export: t.export, Size: exp.Size, TLS: t.tls, ReadOnly: readOnly}
-		if err := recordState(v, st, save); err != nil {
+		if err := recordState(st, rec); err != nil {
 			release()
 			return State{}, err
 		}
@@ -335,7 +335,7 @@ func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp E
 		release()
 		if err == nil {
 			st.Pending = false
-			return st, recordState(v, st, save)
+			return st, recordState(st, rec)
 		}
 		lastErr = err
 		if pid, _ := s.devicePID(dev); pid == 0 || errors.Is(err, errdefs.ErrFailedPrecondition) {
@@ -345,22 +345,21 @@ func (s *Source) connect(ctx context.Context, v *journal.Volume, t target, exp E
 	return State{}, lastErr
 }
 
-// recordState keeps st in v's stage record and saves it, so that a crash
-// leaves a record that names the device.
-func recordState(v *journal.Volume, st State, save func(*journal.Volume, journal.Durability) error) error {
-	if v.Stage == nil || save == nil {
+// recordState saves st as the stage's intent, so that a crash leaves a
+// record that names the device.
+func recordState(st State, rec source.Recorder) error {
+	if rec == nil {
 		return nil
 	}
 	raw, err := json.Marshal(st)
 	if err != nil {
 		return err
 	}
-	v.Stage.Source = raw
-	return save(v, journal.Runtime) // a connection does not outlive a reboot
+	return rec.SaveIntent(raw)
 }
 
 // Plan mounts the device (mount access) or binds its node (block access).
-func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
@@ -373,8 +372,8 @@ func (s *Source) Plan(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, 
 
 // Unstage disconnects the device if it is still the connection stage made.
 // A server that is gone does not matter: the disconnect is local.
-func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
-	if v.Stage == nil || len(v.Stage.Source) == 0 {
+func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
+	if len(v.State) == 0 {
 		return nil // a crash before the intent: nothing was connected
 	}
 	st, err := source.DecodeState[State](v)
@@ -386,13 +385,13 @@ func (s *Source) Unstage(ctx context.Context, v *journal.Volume) error {
 
 // Adopt checks that a staged volume's device is still connected, and
 // connects it again when it is not (a node reboot).
-func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage, error) {
+func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
 	if ours, _ := s.owns(st); ours {
-		return v.Stage.Source, nil
+		return v.State, nil
 	}
 	klog.FromContext(ctx).Info("NBD device no longer connected; connecting again", "volume", v.ID, "device", st.Device, "server", st.Server)
 	t := targetOf(v)
@@ -400,7 +399,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 	if err != nil {
 		return nil, err
 	}
-	fresh, err := s.connect(ctx, v, t, exp, st.ReadOnly, nil)
+	fresh, err := s.connect(ctx, t, exp, st.ReadOnly, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -410,7 +409,7 @@ func (s *Source) Adopt(ctx context.Context, v *journal.Volume) (json.RawMessage,
 
 // Health reports a device that was disconnected behind the plugin's back,
 // and a server that no longer answers.
-func (s *Source) Health(ctx context.Context, v *journal.Volume) source.Health {
+func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}

@@ -24,6 +24,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
+	"github.com/mountplan/mountplan/pkg/source/sourcetest"
 )
 
 func newSource(t *testing.T, cfg config.NBDConfig) *Source {
@@ -72,7 +73,7 @@ func TestNewVolume(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if v.Parameters[CtxAddress] != tt.want || v.Type != Type || v.Kind != journal.KindStatic {
+			if v.Parameters[CtxAddress] != tt.want || v.ID == "" || v.Kind != journal.KindStatic {
 				t.Fatalf("volume %+v, want address %s", v, tt.want)
 			}
 		})
@@ -190,20 +191,20 @@ func TestStageWithoutKernelSupport(t *testing.T) {
 	s := newSource(t, config.NBDConfig{AllowedServers: []string{"127.0.0.1:*"}})
 	s.SysDir = t.TempDir() // a kernel without the module, whatever this one has
 	ctx := context.Background()
-	saves := 0
-	req := source.StageRequest{FsType: "ext4", Save: func(*journal.Volume, journal.Durability) error { saves++; return nil }}
+	rec := &sourcetest.Recorder{}
+	req := source.StageRequest{FsType: "ext4", Record: rec}
 
 	v, err := s.NewVolume("v1", map[string]string{"address": srv.Address, "export": "disk1"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	v.Stage = &journal.Stage{Phase: journal.PhaseStaging}
+	v.Staging = true
 	_, err = s.Stage(ctx, v, req)
 	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "module nbd") {
 		t.Fatalf("Stage without kernel support = %v, want FailedPrecondition naming the nbd module", err)
 	}
-	if saves != 0 || len(v.Stage.Source) != 0 || len(s.claimed) != 0 {
-		t.Fatalf("stage left state behind: %d saves, source %s, claims %v", saves, v.Stage.Source, s.claimed)
+	if rec.Saves() != 0 || len(s.claimed) != 0 {
+		t.Fatalf("stage left state behind: %d saves, claims %v", rec.Saves(), s.claimed)
 	}
 	if err := s.Unstage(ctx, v); err != nil {
 		t.Fatalf("Unstage after a failed stage: %v", err)
@@ -213,7 +214,7 @@ func TestStageWithoutKernelSupport(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	missing.Stage = &journal.Stage{Phase: journal.PhaseStaging}
+	missing.Staging = true
 	if _, err := s.Stage(ctx, missing, req); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("Stage of a missing export = %v, want NotFound", err)
 	}

@@ -33,10 +33,10 @@ type Filesystem struct {
 
 // EnsureFilesystem returns the filesystem on device, making one only when
 // the device is blank or when a format of ours was interrupted. Before mkfs
-// it saves v with a pending format intent (req.Save), after it the intent
+// it records a pending format durably (req.Record), after it the format
 // done: a format interrupted by a crash is redone from scratch instead of
 // trusting a half-written superblock.
-func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req source.StageRequest, f Filesystem) (string, error) {
+func EnsureFilesystem(ctx context.Context, v source.Volume, device string, req source.StageRequest, f Filesystem) (string, error) {
 	if v.Format != nil && v.Format.Done {
 		return v.Format.FsType, nil
 	}
@@ -56,8 +56,7 @@ func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req
 			}
 			// Recorded with the stage's own final write: finding a
 			// filesystem changes nothing on disk, so no durable write.
-			v.Format = &journal.Format{FsType: found, Done: true}
-			return found, nil
+			return found, req.Record.SetFormat(journal.Format{FsType: found, Done: true}, false)
 		}
 	}
 	if req.ReadOnly {
@@ -67,15 +66,13 @@ func EnsureFilesystem(ctx context.Context, v *journal.Volume, device string, req
 	if interrupted {
 		fsType = v.Format.FsType
 	}
-	v.Format = &journal.Format{FsType: fsType}
-	if err := req.Save(v, journal.Durable); err != nil {
+	if err := req.Record.SetFormat(journal.Format{FsType: fsType}, true); err != nil {
 		return "", err
 	}
 	if err := f.Metrics.Step("format", func() error { return fsutil.Format(ctx, device, fsType) }); err != nil {
 		return "", err
 	}
-	v.Format.Done = true
-	return fsType, req.Save(v, journal.Durable)
+	return fsType, req.Record.SetFormat(journal.Format{FsType: fsType, Done: true}, true)
 }
 
 // Plan mounts device with fsType (mount access) or binds the device node

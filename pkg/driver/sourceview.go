@@ -1,0 +1,57 @@
+package driver
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/source"
+)
+
+// viewOf is what v's source sees of it: a copy of the facts and of the
+// source's own state, nothing it could change the record through.
+func viewOf(v *journal.Volume) source.Volume {
+	sv := source.Volume{ID: v.ID, Kind: v.Kind, Image: v.Image, CapacityBytes: v.CapacityBytes,
+		FsType: v.FsType, Parameters: maps.Clone(v.Parameters)}
+	if v.Format != nil {
+		f := *v.Format
+		sv.Format = &f
+	}
+	if v.Stage != nil {
+		sv.Staging, sv.State = true, slices.Clone(v.Stage.Source)
+	}
+	return sv
+}
+
+// recordOf makes the record of a static volume from what its source
+// checked (NewVolume); it is not saved yet.
+func recordOf(typ string, sv source.Volume) *journal.Volume {
+	return &journal.Volume{ID: sv.ID, Kind: journal.KindStatic, Type: typ, Image: sv.Image,
+		FsType: sv.FsType, Parameters: sv.Parameters}
+}
+
+// recorder writes what a source records of v during a call the driver
+// holds v's lock for.
+type recorder struct {
+	vols *volumes
+	v    *journal.Volume
+}
+
+func (r recorder) SetFormat(f journal.Format, durable bool) error {
+	r.v.Format = &f
+	if !durable {
+		return nil // written with the stage's own final write
+	}
+	return r.vols.Put(r.v, journal.Durable)
+}
+
+func (r recorder) SaveIntent(state json.RawMessage) error {
+	if r.v.Stage == nil {
+		return fmt.Errorf("volume %s: an intent outside a stage: %w", r.v.ID, errdefs.ErrFailedPrecondition)
+	}
+	r.v.Stage.Source = slices.Clone(state)
+	return r.vols.Put(r.v, journal.Runtime)
+}
