@@ -53,22 +53,29 @@ type MountPolicy struct {
 // Load reads path; an empty path gives the defaults. Unknown fields are an
 // error so that a typo does not silently weaken the policy.
 func Load(path string) (*Config, error) {
+	if path == "" {
+		return Parse(nil, "")
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return Parse(b, path)
+}
+
+// Parse reads a config file's contents (name is for errors) and checks
+// them as Load does.
+func Parse(data []byte, name string) (*Config, error) {
 	c := &Config{}
-	if path != "" {
-		b, err := os.ReadFile(path)
-		if err != nil {
-			return nil, fmt.Errorf("config: %w", err)
-		}
-		if err := yaml.UnmarshalStrict(b, c); err != nil {
-			return nil, fmt.Errorf("config %s: %w", path, err)
-		}
+	if err := yaml.UnmarshalStrict(data, c); err != nil {
+		return nil, fmt.Errorf("config %s: %w", name, err)
 	}
 	if c.DefaultFsType == "" {
 		c.DefaultFsType = "ext4"
 	}
 	for _, check := range []func() error{c.validateFuse, c.validateNBD, c.validateISCSI} {
 		if err := check(); err != nil {
-			return nil, fmt.Errorf("config %s: %w", path, err)
+			return nil, fmt.Errorf("config %s: %w", name, err)
 		}
 	}
 	if err := checkRoots("imageRoots", c.ImageRoots); err != nil {

@@ -3,7 +3,9 @@ package plan
 import (
 	"errors"
 	"os"
+	"path"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -89,13 +91,17 @@ func FuzzValidateTarget(f *testing.F) {
 		if ValidateTarget(s) != nil {
 			return
 		}
-		// Anything accepted must stay under the mount point once joined.
-		if s != "" && !Within("/mnt/point", "/mnt/point/"+s) {
+		if s == "" {
+			return
+		}
+		// Anything accepted stays under the mount point once joined, and
+		// has no empty, "." or ".." element ("..0" is a name like any).
+		if !Within("/mnt/point", path.Join("/mnt/point", s)) || strings.ContainsRune(s, 0) {
 			t.Fatalf("accepted target %q escapes", s)
 		}
-		for _, part := range []string{"..", "/"} {
-			if len(s) >= 2 && s[:2] == part {
-				t.Fatalf("accepted %q", s)
+		for _, part := range strings.Split(s, "/") {
+			if part == "" || part == "." || part == ".." {
+				t.Fatalf("accepted %q with element %q", s, part)
 			}
 		}
 	})
