@@ -36,6 +36,7 @@ type flags struct {
 	reconcileInterval                                                                               time.Duration
 	fuseProbeInterval, fuseProbeTimeout                                                             time.Duration
 	kubelet                                                                                         kubeletFlags
+	nri                                                                                             bool
 }
 
 func main() {
@@ -52,6 +53,7 @@ func main() {
 	flag.DurationVar(&f.fuseProbeInterval, "fuse-probe-interval", 2*time.Second, "how often each FUSE daemon is checked")
 	flag.DurationVar(&f.fuseProbeTimeout, "fuse-probe-timeout", 5*time.Second, "a FUSE daemon that leaves a statfs unanswered this long is restarted")
 	f.kubelet.define()
+	flag.BoolVar(&f.nri, "nri", false, "let volumes with the attribute nri: \"true\" reach containers only through the mounter's NRI hook (mountplan-sidecar serve --nri)")
 	klog.InitFlags(nil)
 	flag.Parse()
 	if err := run(f); err != nil {
@@ -92,7 +94,7 @@ func run(f flags) error {
 		return err
 	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
-		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Mounter: m, Metrics: mx,
+		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Mounter: m, Metrics: mx, NRI: f.nri,
 		Sources: map[string]source.Source{fuse.Type: fuseSource,
 			nbd.Type: nbd.New(cfg.NBD, mx), iscsi.Type: iscsi.New(cfg.ISCSI, f.stateDir, mx)}})
 	if err != nil {

@@ -90,6 +90,7 @@ func runServe(ctx context.Context, args []string) error {
 	fs.StringVar(&ef.kubeletDir, "kubelet-dir", config.DefaultKubeletDir,
 		"kubelet's root directory: plans for the mounter's own namespace (kubelet's publishes) are performed only below it")
 	configPath := fs.String("config", "", "the plugin's admin config (YAML): plan policy, image roots, and the fuseProfiles SpawnDaemon renders daemons from; empty: no daemons")
+	nf := addNRIFlags(fs)
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err
 	}
@@ -110,7 +111,15 @@ func runServe(ctx context.Context, args []string) error {
 	daemons := policy.For(cfg, ef.roots.values())
 	logger := klog.Background().WithName("mounter")
 	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "kubeletDir", ef.kubeletDir, "fuseProfiles", daemons.Names())
-	err = service.Serve(klog.NewContext(ctx, logger), l, ef.executor(cfg), service.WithDaemons(daemons))
+	ctx = klog.NewContext(ctx, logger)
+	exec := ef.executor(cfg)
+	waitNRI, err := nf.start(ctx, exec, ef.kubeletDir)
+	if err != nil {
+		l.Close()
+		return err
+	}
+	defer waitNRI()
+	err = service.Serve(ctx, l, exec, service.WithDaemons(daemons))
 	logger.Info("Stopped", "err", err)
 	return err
 }

@@ -17,10 +17,11 @@ import (
 // plugin is a NodePrepareClient that answers with a fixed plan and records
 // the requests it gets.
 type plugin struct {
-	mounts     []plan.Mount
-	inode, id  uint64
-	prepared   *api.NodePrepareVolumeRequest
-	unprepared []*api.NodeUnprepareVolumeRequest
+	api.NodePrepareClient // what the prepare flow does not call
+	mounts                []plan.Mount
+	inode, id             uint64
+	prepared              *api.NodePrepareVolumeRequest
+	unprepared            []*api.NodeUnprepareVolumeRequest
 }
 
 func (p *plugin) NodePrepareVolume(_ context.Context, req *api.NodePrepareVolumeRequest, _ ...grpc.CallOption) (*api.NodePrepareVolumeResponse, error) {

@@ -75,9 +75,13 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 			}
 		case k == paramFsType || k == paramCSIFsType:
 			p.fsType = v
+		case k == ctxNRI:
+			if _, err := parseNRI(req.GetParameters()); err != nil {
+				return p, err
+			}
 		case strings.HasPrefix(k, source.ReservedPrefix):
 		default:
-			return p, invalid("unknown parameter %q (known: %s, %s, %s)", k, paramType, paramFsType, paramCSIFsType)
+			return p, invalid("unknown parameter %q (known: %s, %s, %s, %s)", k, paramType, paramFsType, paramCSIFsType, ctxNRI)
 		}
 	}
 	if p.fsType == "" {
@@ -227,10 +231,14 @@ func compatible(v *journal.Volume, r *csi.CapacityRange, p createParams) error {
 }
 
 func (d *Driver) createResponse(v *journal.Volume) *csi.CreateVolumeResponse {
+	vctx := map[string]string{paramType: v.Type, paramFsType: v.FsType}
+	if nri, ok := v.Parameters[ctxNRI]; ok {
+		vctx[ctxNRI] = nri // the StorageClass's choice reaches every publish
+	}
 	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
 		VolumeId:           v.ID,
 		CapacityBytes:      v.CapacityBytes,
-		VolumeContext:      map[string]string{paramType: v.Type, paramFsType: v.FsType},
+		VolumeContext:      vctx,
 		AccessibleTopology: []*csi.Topology{d.topology()},
 	}}
 }

@@ -44,6 +44,9 @@ type Options struct {
 	Metrics *metrics.Metrics
 	// Sources are the volume kinds besides loop, by volume_context type.
 	Sources map[string]source.Source
+	// NRI lets volumes ask for NRI mode (attribute nri: "true"): the
+	// mounter's NRI hook gives them to containers through the runtime.
+	NRI bool
 }
 
 // Driver implements the services. Create it with New.

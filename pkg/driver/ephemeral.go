@@ -82,6 +82,7 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 			}
 		case k == ctxFsType:
 			fsType = val
+		case k == ctxNRI: // read by publish
 		case strings.HasPrefix(k, source.ReservedPrefix):
 		default:
 			return 0, "", invalid("unknown inline volume attribute %q", k)

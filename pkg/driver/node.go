@@ -74,7 +74,7 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Vol
 	if !ok {
 		return nil, invalid("volume type %q is not supported (supported: %s)", typ, strings.Join(slices.Sorted(maps.Keys(d.sources)), ", "))
 	}
-	sv, err := src.NewVolume(id, vctx)
+	sv, err := src.NewVolume(id, withoutDriverAttributes(vctx))
 	if err != nil {
 		return nil, err
 	}
@@ -204,6 +204,9 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		return nil, err
 	}
 	pub := findPublish(v, req.GetVolumePath())
+	if pub != nil && pub.NRI {
+		return d.statsNRI(ctx, v, pub)
+	}
 	if pub == nil || !d.isMountPoint(pub.TargetPath) {
 		return nil, fmt.Errorf("volume %s is not published at %s: %w", v.ID, req.GetVolumePath(), errdefs.ErrNotFound)
 	}

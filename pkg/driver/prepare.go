@@ -21,6 +21,9 @@ import (
 // who will perform it. Nothing is mounted here: the caller mounts inside
 // the consumer's namespace.
 func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolumeRequest) (*api.NodePrepareVolumeResponse, error) {
+	if req.GetPublished() != nil {
+		return d.preparePublished(ctx, req)
+	}
 	id := req.GetVolumeId()
 	c, err := d.checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
@@ -30,8 +33,8 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
-	if cons.PID == 0 {
-		return nil, invalid("consumer.pid must be a positive process id")
+	if cons.PID == 0 || cons.ContainerID != "" {
+		return nil, invalid("consumer.pid must be a positive process id (a container consumer names the volume by its publish)")
 	}
 	v, unlock, err := d.locked(id, "NodePrepareVolume")
 	defer unlock()
@@ -130,6 +133,9 @@ func namespaceOf(pid int) (plan.Namespace, error) {
 // container's namespace outlives any one of its processes). A record
 // without identity (none is written) names no namespace.
 func namespaceAlive(c plan.Consumer) bool {
+	if pendingContainer(c) {
+		return true
+	}
 	if c.Namespace.Inode == 0 {
 		return false
 	}
@@ -154,9 +160,13 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 	return len(v.Consumers) != n
 }
 
-// sameConsumer matches the record of the same namespace and mount point.
+// sameConsumer matches the record of the same namespace and mount point,
+// or of the same container and mount point.
 func sameConsumer(a plan.Consumer) func(journal.Claim) bool {
 	return func(b journal.Claim) bool {
+		if a.ContainerID != "" || b.ContainerID != "" {
+			return a.ContainerID == b.ContainerID && a.MountPoint == b.MountPoint
+		}
 		return a.Namespace == b.Namespace && a.MountPoint == b.MountPoint
 	}
 }
@@ -168,6 +178,9 @@ func releasedBy(req plan.Consumer) func(journal.Claim) bool {
 	return func(c journal.Claim) bool {
 		if c.MountPoint != req.MountPoint {
 			return false
+		}
+		if req.ContainerID != "" || c.ContainerID != "" {
+			return c.ContainerID == req.ContainerID
 		}
 		if req.Namespace.Inode != 0 {
 			return c.Namespace.Inode == req.Namespace.Inode && (req.Namespace.ID == 0 || c.Namespace.ID == 0 || c.Namespace.ID == req.Namespace.ID)

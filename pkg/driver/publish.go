@@ -35,6 +35,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
+	if c.nri, err = parseNRI(req.GetVolumeContext()); err != nil {
+		return nil, err
+	}
 	ephemeral := req.GetVolumeContext()[ctxEphemeral] == "true"
 	if !ephemeral {
 		if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
@@ -76,6 +79,9 @@ func checkStagingPath(v *journal.Volume, stagingPath string) error {
 // asked, with the time it was asked: after a crash of either side the
 // mount may still appear, and the record lets unpublish remove it.
 func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, c capability, readOnly bool) error {
+	if c.nri {
+		return d.publishNRI(ctx, v, target, c, readOnly)
+	}
 	if !v.Staged() {
 		return fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}

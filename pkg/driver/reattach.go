@@ -29,6 +29,9 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string) error {
 	changed := d.dropDeadConsumers(ctx, v)
 	var errs []error
 	for _, c := range v.Consumers {
+		if pendingContainer(c.Consumer) {
+			continue // nothing mounted yet: its runtime will mount the new plan
+		}
 		errs = append(errs, d.replace(ctx, c.Mounts, plan.Consumer{PID: c.PID, MountPoint: c.MountPoint, Namespace: plan.Namespace{Inode: c.Namespace.Inode, ID: c.Namespace.ID}}))
 	}
 	for _, p := range v.Publishes {

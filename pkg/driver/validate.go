@@ -56,6 +56,7 @@ type capability struct {
 	readOnly   bool // the access mode allows no writer
 	fsType     string
 	mountFlags []string
+	nri        bool // the volume's attributes ask for NRI mode (publish only)
 }
 
 func checkCapability(c *csi.VolumeCapability) (capability, error) {

@@ -98,6 +98,12 @@ type Publish struct {
 	// the mounter, a target that is not mounted yet may still be, since
 	// the mounter may still be at work.
 	Asked time.Time `json:"asked,omitzero"`
+	// NRI marks a publish for containers only: Mounts is what stands at the
+	// target instead of the volume (a guard, or for block access the plan
+	// whose device node is there), and each container's runtime gets the
+	// volume's plan, built with MountFlags (the CO's mount flags).
+	NRI        bool     `json:"nri,omitempty"`
+	MountFlags []string `json:"mountFlags,omitempty"`
 }
 
 // Claim records a consumer of a prepared plan (with the identity of its

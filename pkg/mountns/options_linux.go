@@ -53,7 +53,7 @@ func (o *options) addFlag(m plan.Mount, opt string, bind bool) error {
 		// "ro" stays per mount: a read-only superblock would refuse to
 		// share the device with a writable mount of it ("would change RO
 		// state"), and one consumer's ro must not bind another's.
-		if strings.HasPrefix(m.Source, "/dev/") && !bind && readOnlyDevice(m.Source) {
+		if strings.HasPrefix(m.Source, "/dev/") && !bind && ReadOnlyDevice(m.Source) {
 			o.sbFlags = append(o.sbFlags, "ro")
 		}
 	case "sync", "dirsync", "lazytime":
@@ -99,10 +99,10 @@ func atimeMode(opt string) (uint64, bool) {
 	return 0, false
 }
 
-// readOnlyDevice reports whether the block device at p is read-only
+// ReadOnlyDevice reports whether the block device at p is read-only
 // (BLKROGET). Anything it cannot tell counts as writable: the mount then
 // fails with the kernel's own message if it was not.
-func readOnlyDevice(p string) bool {
+func ReadOnlyDevice(p string) bool {
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return false

@@ -3,224 +3,377 @@
 // volume mounted in the host's.
 //
 // kubelet publishes a volume in NRI mode at its target path; the plugin's
-// publish leaves there a guard instead of the volume (see Guard). When the
-// runtime creates a container whose mounts name such a target, the hook
-// asks the plugin for the volume's plan on behalf of that container
+// publish leaves a guard there instead of the volume (pkg/nri/guard), or a
+// device node for block access. When the runtime creates a container whose
+// mounts bind such a target (or whose devices include such a device), the
+// hook asks the plugin for the volume's plan on behalf of that container
 // (NodePrepareVolume, the container being the consumer) and replaces the
 // container's bind of the target with the plan's mounts, which the runtime
-// then performs inside the container's namespace (see docs/nri.md for why
-// this, and not the mounter entering the namespace itself).
+// then performs inside the container's namespace (docs/nri.md says why this
+// and not the mounter entering the namespace itself).
+//
+// The hook keeps no state: what it claimed for a container is written in an
+// annotation of that container, which the runtime hands back with every
+// later event and at Synchronize after a restart.
 package nri
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
+	"os"
+	"strings"
 	"sync"
 
 	nriapi "github.com/containerd/nri/pkg/api"
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/nri/guard"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
+// Annotation is the container annotation where the hook records its claims.
+const Annotation = "mountplan.csi.io/volumes"
+
 // Claim is one container's use of one volume.
 type Claim struct {
-	// Target is kubelet's target path of the volume's publish: the source
-	// of the container's bind mount.
-	Target string
-	// ContainerID is the runtime's ID of the container.
-	ContainerID string
-	// Destination is where the container mounts the volume, as it sees it.
-	Destination string
-	// ReadOnly is set when the container mounts it read-only.
-	ReadOnly bool
-	// PID is the container's process once it exists (StartContainer); 0
-	// before.
-	PID int
+	// VolumeID is the plugin's answer; empty before the first prepare.
+	VolumeID string `json:"volumeID"`
+	// Target is kubelet's target path of the volume's publish (the source
+	// of the container's bind), for mount access.
+	Target string `json:"target,omitempty"`
+	// Major and Minor are the device's number, for block access.
+	Major uint32 `json:"major,omitempty"`
+	Minor uint32 `json:"minor,omitempty"`
+	// Destination is where the container has the volume, as it sees it: a
+	// mount point, or a device path.
+	Destination string `json:"destination"`
+	ReadOnly    bool   `json:"readOnly,omitempty"`
+	// AtStart: the mounter performs the plan at StartContainer, inside the
+	// container's namespace, over the guard the runtime bound there (see
+	// sharedReadOnly).
+	AtStart bool `json:"atStart,omitempty"`
+	// ContainerID and PID are not recorded: they come with each event.
+	ContainerID string `json:"-"`
+	PID         int    `json:"-"`
 }
 
-// Prepared is the plugin's answer to a claim.
-type Prepared struct {
-	VolumeID string
-	Mounts   []plan.Mount
-}
+func (c Claim) block() bool { return c.Target == "" }
 
-// Volumes is what the hook needs from the plugin.
+// Volumes is what the hook needs from the plugin (its NodePrepare service).
 type Volumes interface {
-	// Prepare records c as a consumer of the volume published at c.Target
-	// and returns its plan. Repeating it for the same container and
-	// destination (now with its PID) returns the same plan.
-	Prepare(ctx context.Context, c Claim) (Prepared, error)
-	// Release forgets the claim. Idempotent.
-	Release(ctx context.Context, volumeID string, c Claim) error
+	// Prepare records c's container as a consumer of the volume published
+	// in NRI mode at c.Target (or of c's device) and returns the volume's
+	// ID and plan. Repeating it (with the container's PID once it runs)
+	// returns the same plan. NotFound: no such publish.
+	Prepare(ctx context.Context, c Claim) (volumeID string, mounts []plan.Mount, err error)
+	// Release forgets c. Idempotent.
+	Release(ctx context.Context, c Claim) error
+	// Sync releases the claims of containers other than ids.
+	Sync(ctx context.Context, ids []string) error
 }
-
-// Mode is how a container receives a volume's plan.
-type Mode int
-
-const (
-	// ModeAdjust turns the plan into the container's OCI mounts at
-	// CreateContainer: the runtime performs them inside the container's
-	// namespace.
-	ModeAdjust Mode = iota
-	// ModeMount (a prototype kept for the measurement in docs/nri.md)
-	// replaces the target's bind by an empty read-only placeholder at
-	// CreateContainer and has the mounter perform the plan over it, inside
-	// the container's namespace, at StartContainer: after the namespace
-	// exists and before the container's process runs.
-	ModeMount
-)
 
 // Hook handles the runtime's container events.
 type Hook struct {
-	volumes Volumes
-	mode    Mode
-	mounter mounter.Interface // ModeMount only
-	// isTarget says whether a container mount binds a target published in
-	// NRI mode.
-	isTarget func(m *nriapi.Mount) bool
+	volumes    Volumes
+	mounter    mounter.Interface // performs the plans the runtime cannot
+	stateDir   string            // where the guard lives (the plugin's state dir)
+	kubeletDir string            // where targets bound to a dead guard are re-armed
 
-	mu     sync.Mutex
-	claims map[string][]held // by container ID
+	mu    sync.Mutex
+	guard *guard.Guard // while registered with the runtime
 }
 
-// held is a claim the plugin accepted.
-type held struct {
-	Claim
-	volumeID string
-	mounts   []plan.Mount
+// NewHook returns a hook; Run registers it with the runtime.
+func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) *Hook {
+	return &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir}
 }
 
-// Options configure a Hook.
-type Options struct {
-	Volumes  Volumes
-	Mode     Mode
-	Mounter  mounter.Interface
-	IsTarget func(m *nriapi.Mount) bool
-}
-
-// NewHook returns a hook; it does nothing until a Stub runs it.
-func NewHook(o Options) *Hook {
-	return &Hook{volumes: o.Volumes, mode: o.Mode, mounter: o.Mounter, isTarget: o.IsTarget, claims: map[string][]held{}}
-}
-
-// CreateContainer claims every NRI-mode volume among the container's mounts
-// and answers with the mounts that replace the target's bind. Any failure
-// fails the container's creation: it must never start without its volume.
+// CreateContainer claims every NRI-mode volume among the container's
+// mounts and block devices, and answers with the mounts and devices that
+// replace them. Any failure fails the container's creation: it must never
+// run without its volume.
 func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (_ *nriapi.ContainerAdjustment, _ []*nriapi.ContainerUpdate, err error) {
-	var claims []held
+	var claims []Claim
 	defer func() {
 		if err != nil {
-			h.release(ctx, claims)
+			err = fmt.Errorf("mountplan: container %s of pod %s/%s: %w", ctr.GetName(), pod.GetNamespace(), pod.GetName(), err)
+			if rerr := h.release(ctx, ctr.GetId(), claims); rerr != nil {
+				klog.FromContext(ctx).Error(rerr, "Releasing the claims of a container that failed")
+			}
 		}
 	}()
 	adj := &nriapi.ContainerAdjustment{}
 	for _, m := range ctr.GetMounts() {
-		if !h.isTarget(m) {
+		if m.GetType() != "bind" && !hasOption(m, "bind") && !hasOption(m, "rbind") {
 			continue
 		}
-		c := Claim{Target: m.Source, ContainerID: ctr.GetId(), Destination: m.Destination, ReadOnly: readOnly(m)}
-		mounts, err := h.adjust(ctx, adj, c)
+		ours, err := h.owns(m.GetSource())
 		if err != nil {
-			return nil, nil, fmt.Errorf("mountplan: volume at %s of container %s in pod %s/%s: %w",
-				m.Destination, ctr.GetName(), pod.GetNamespace(), pod.GetName(), err)
+			return nil, nil, err
 		}
-		claims = append(claims, mounts)
+		if !ours {
+			continue
+		}
+		c := Claim{Target: m.GetSource(), Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId()}
+		if err := h.claimMount(ctx, adj, &c); err != nil {
+			return nil, nil, err
+		}
+		claims = append(claims, c)
+	}
+	for _, d := range ctr.GetLinux().GetDevices() {
+		if d.GetType() != "b" {
+			continue
+		}
+		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId()}
+		ours, err := h.claimDevice(ctx, adj, &c, d)
+		if err != nil {
+			return nil, nil, err
+		}
+		if ours {
+			claims = append(claims, c)
+		}
 	}
 	if len(claims) == 0 {
 		return nil, nil, nil
 	}
-	h.mu.Lock()
-	h.claims[ctr.GetId()] = append(h.claims[ctr.GetId()], claims...)
-	h.mu.Unlock()
-	klog.FromContext(ctx).V(2).Info("Container gets its volumes from the runtime", "container", ctr.GetId(), "pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "volumes", len(claims))
+	rec, err := json.Marshal(claims)
+	if err != nil {
+		return nil, nil, err
+	}
+	adj.AddAnnotation(Annotation, string(rec))
+	klog.FromContext(ctx).V(2).Info("Container gets its volumes through the runtime", "container", ctr.GetId(),
+		"pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "volumes", len(claims))
 	return adj, nil, nil
 }
 
-// adjust claims one volume for the container and adds to adj what the
-// runtime must mount in its place.
-func (h *Hook) adjust(ctx context.Context, adj *nriapi.ContainerAdjustment, c Claim) (held, error) {
-	if h.mode == ModeMount {
-		// The runtime needs something at the destination; the volume is
-		// mounted over it at StartContainer.
-		adj.AddMount(&nriapi.Mount{Destination: c.Destination, Type: "tmpfs", Source: "mountplan-pending",
-			Options: []string{"ro", "nosuid", "nodev", "noexec", "size=4k", "mode=0755", "rprivate"}})
-		return held{Claim: c}, nil
+// owns says whether a container bind's source is a target published in NRI
+// mode: bound to the live guard.
+func (h *Hook) owns(source string) (bool, error) {
+	h.mu.Lock()
+	g := h.guard
+	h.mu.Unlock()
+	if g == nil {
+		// Not registered (yet): whatever binds a guard must fail, and will,
+		// since no guard answers.
+		return false, nil
 	}
-	p, err := h.volumes.Prepare(ctx, c)
+	return g.Owns(source)
+}
+
+// claimMount prepares the volume at c.Target and replaces the container's
+// bind of it with the plan's mounts.
+func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim) error {
+	id, mounts, err := h.volumes.Prepare(ctx, *c)
 	if err != nil {
-		return held{}, err
+		return fmt.Errorf("volume at %s: %w", c.Destination, err)
 	}
-	hc := held{Claim: c, volumeID: p.VolumeID, mounts: p.Mounts}
-	oci, err := ociMounts(c.Destination, p.Mounts)
+	c.VolumeID = id
+	if sharedReadOnly(mounts) {
+		c.AtStart = true // the runtime binds the guard; StartContainer mounts over it
+		return nil
+	}
+	oci, err := ociMounts(c.Destination, mounts)
 	if err != nil {
-		return hc, err
+		return fmt.Errorf("volume %s at %s: %w", id, c.Destination, err)
 	}
 	for _, m := range oci {
 		adj.AddMount(m)
 	}
-	return hc, nil
+	return nil
 }
 
-// StartContainer comes once the container's namespace exists and before
-// its process runs. In ModeMount the mounter performs the plans there.
-func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	if h.mode != ModeMount {
-		return nil
+// claimDevice prepares the volume published in NRI mode with the
+// container's device d, if there is one, and gives the container the
+// plan's device in its place (with access to it in its device cgroup).
+func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, d *nriapi.LinuxDevice) (bool, error) {
+	id, mounts, err := h.volumes.Prepare(ctx, *c)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return false, nil // a device that is not one of our volumes
 	}
-	h.mu.Lock()
-	claims := slices.Clone(h.claims[ctr.GetId()])
-	h.mu.Unlock()
-	for i := range claims {
-		c := &claims[i]
+	if err != nil {
+		return false, fmt.Errorf("block volume at %s: %w", c.Destination, err)
+	}
+	c.VolumeID = id
+	dev, err := deviceOf(mounts)
+	if err != nil {
+		return true, fmt.Errorf("block volume %s at %s: %w", id, c.Destination, err)
+	}
+	dev.Path, dev.FileMode, dev.Uid, dev.Gid = d.GetPath(), d.GetFileMode(), d.GetUid(), d.GetGid()
+	adj.AddDevice(dev)
+	return true, nil
+}
+
+// deviceOf turns a block plan (a bind of a device node) into the device
+// the runtime creates in the container.
+func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, error) {
+	for _, m := range mounts {
+		if !m.IsDeviceBind() {
+			continue
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(m.Source, &st); err != nil {
+			return nil, &os.PathError{Op: "stat", Path: m.Source, Err: err}
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+			return nil, fmt.Errorf("%s is not a block device", m.Source)
+		}
+		return &nriapi.LinuxDevice{Type: "b", Major: int64(unix.Major(uint64(st.Rdev))), Minor: int64(unix.Minor(uint64(st.Rdev)))}, nil //nolint:unconvert // Rdev is uint32 on some architectures
+	}
+	return nil, errors.New("the plan binds no device")
+}
+
+// StartContainer comes once the container's process exists and before it
+// runs: the plugin records the container's namespace with its claims, so
+// that it can tell when the container is gone, and the mounter performs
+// the plans the runtime could not (AtStart). The other volumes are already
+// in place: a failure to record only delays that record until the next
+// Synchronize, and does not stop the container.
+func (h *Hook) StartContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	for _, c := range claimsOf(ctr) {
 		c.PID = int(ctr.GetPid())
-		p, err := h.volumes.Prepare(ctx, c.Claim)
-		if err != nil {
-			return fmt.Errorf("mountplan: volume at %s of container %s: %w", c.Destination, ctr.GetName(), err)
+		_, mounts, err := h.volumes.Prepare(ctx, c)
+		if !c.AtStart {
+			if err != nil {
+				klog.FromContext(ctx).Error(err, "Recording a started container's namespace", "container", ctr.GetId(), "volume", c.VolumeID)
+			}
+			continue
 		}
-		c.volumeID, c.mounts = p.VolumeID, p.Mounts
-		if err := h.mounter.Mount(ctx, p.Mounts, plan.Consumer{PID: c.PID, MountPoint: c.Destination}); err != nil {
-			return fmt.Errorf("mountplan: mounting the volume at %s of container %s: %w", c.Destination, ctr.GetName(), err)
+		if err == nil {
+			err = h.mounter.Mount(ctx, mounts, plan.Consumer{PID: c.PID, MountPoint: c.Destination})
+		}
+		if err != nil {
+			return fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
 		}
 	}
-	h.mu.Lock()
-	h.claims[ctr.GetId()] = claims
-	h.mu.Unlock()
 	return nil
 }
 
 // StopContainer releases the container's claims: its namespace, and the
 // volume's mounts in it, are gone or about to be.
 func (h *Hook) StopContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
-	return nil, h.forget(ctx, ctr.GetId())
+	return nil, h.release(ctx, ctr.GetId(), claimsOf(ctr))
 }
 
-// RemoveContainer releases what StopContainer did not (a container created
-// and removed without running).
+// RemoveContainer releases what StopContainer did not: a container created
+// and removed without running, a creation the runtime undid.
 func (h *Hook) RemoveContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	return h.forget(ctx, ctr.GetId())
+	return h.release(ctx, ctr.GetId(), claimsOf(ctr))
 }
 
-func (h *Hook) forget(ctx context.Context, id string) error {
-	h.mu.Lock()
-	claims := h.claims[id]
-	delete(h.claims, id)
-	h.mu.Unlock()
-	return h.release(ctx, claims)
-}
-
-func (h *Hook) release(ctx context.Context, claims []held) error {
+func (h *Hook) release(ctx context.Context, containerID string, claims []Claim) error {
 	var errs []error
 	for _, c := range claims {
-		if c.volumeID == "" {
+		if c.VolumeID == "" {
 			continue
 		}
-		if err := h.volumes.Release(ctx, c.volumeID, c.Claim); err != nil {
-			errs = append(errs, fmt.Errorf("releasing volume %s of container %s: %w", c.volumeID, c.ContainerID, err))
+		c.ContainerID = containerID
+		if err := h.volumes.Release(ctx, c); err != nil {
+			errs = append(errs, fmt.Errorf("releasing volume %s of container %s: %w", c.VolumeID, containerID, err))
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// claimsOf reads the hook's annotation of a container.
+func claimsOf(ctr *nriapi.Container) []Claim {
+	rec, ok := ctr.GetAnnotations()[Annotation]
+	if !ok {
+		return nil
+	}
+	var claims []Claim
+	if err := json.Unmarshal([]byte(rec), &claims); err != nil {
+		return nil
+	}
+	for i := range claims {
+		claims[i].ContainerID = ctr.GetId()
+	}
+	return claims
+}
+
+// Synchronize runs when the hook (re)registers: the guard starts (targets
+// left bound to a dead one are re-armed), the plugin re-learns the claims
+// of every container the runtime has (with its namespace when it runs)
+// and forgets those of containers that are gone. Until it returns, the
+// runtime creates no container.
+func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
+	if err := h.startGuard(ctx); err != nil {
+		return nil, err
+	}
+	podUID := map[string]string{}
+	for _, p := range pods {
+		podUID[p.GetId()] = p.GetUid()
+	}
+	ids := make([]string, 0, len(ctrs))
+	var errs []error
+	for _, ctr := range ctrs {
+		ids = append(ids, ctr.GetId())
+		for _, c := range claimsOf(ctr) {
+			if !c.block() && !strings.Contains(c.Target, "/pods/"+podUID[ctr.GetPodSandboxId()]+"/") {
+				continue // an annotation that does not describe its own pod's volume
+			}
+			if ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
+				c.PID = int(ctr.GetPid())
+			}
+			if _, _, err := h.volumes.Prepare(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+				errs = append(errs, fmt.Errorf("container %s, volume %s: %w", ctr.GetId(), c.VolumeID, err))
+			}
+		}
+	}
+	if err := h.volumes.Sync(ctx, ids); err != nil {
+		errs = append(errs, err)
+	}
+	if err := errors.Join(errs...); err != nil {
+		// Not fatal: the claims that were restored are; the rest are
+		// retried at the next registration.
+		klog.FromContext(ctx).Error(err, "Synchronizing container claims")
+	}
+	klog.FromContext(ctx).Info("Synchronized with the runtime", "pods", len(pods), "containers", len(ctrs))
+	return nil, nil
+}
+
+// startGuard starts the guard (once per registration) and re-arms the
+// targets a dead guard left.
+func (h *Hook) startGuard(ctx context.Context) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.guard == nil {
+		g, err := guard.Start(h.stateDir)
+		if err != nil {
+			return fmt.Errorf("starting the guard: %w", err)
+		}
+		h.guard = g
+	}
+	n, err := h.guard.Rearm(h.kubeletDir)
+	if n > 0 {
+		klog.FromContext(ctx).Info("Re-armed targets left bound to a dead guard", "targets", n)
+	}
+	return err
+}
+
+// stopGuard stops the guard: from now on no container can bind a target
+// published in NRI mode, until the hook registers again.
+func (h *Hook) stopGuard(ctx context.Context) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.guard == nil {
+		return
+	}
+	if err := h.guard.Stop(); err != nil {
+		klog.FromContext(ctx).Error(err, "Stopping the guard")
+	}
+	h.guard = nil
+}
+
+func hasOption(m *nriapi.Mount, opt string) bool {
+	for _, o := range m.GetOptions() {
+		if o == opt {
+			return true
+		}
+	}
+	return false
 }

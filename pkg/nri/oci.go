@@ -4,9 +4,11 @@ import (
 	"fmt"
 	"path"
 	"slices"
+	"strings"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -44,8 +46,18 @@ func ociMounts(dest string, mounts []plan.Mount) ([]*nriapi.Mount, error) {
 	return out, nil
 }
 
-// readOnly reports whether a container mount is read-only: kubelet's
-// readOnly volume mounts reach the runtime as "ro" (or "rro").
-func readOnly(m *nriapi.Mount) bool {
-	return slices.Contains(m.Options, "ro") || slices.Contains(m.Options, "rro")
+// sharedReadOnly reports whether the plan mounts, read-only, a filesystem
+// of a writable device. Its superblock is shared with the volume's other
+// consumers, writable ones too, so it can only be read-only per mount
+// (mount_setattr, as pkg/mountns does). OCI runtimes cannot say that for a
+// new filesystem mount: "ro" reaches the mount call, which then fails
+// (EBUSY) while a writable consumer exists, and runc ignores "rro" there,
+// leaving the mount writable. Such plans are performed by the mounter.
+func sharedReadOnly(mounts []plan.Mount) bool {
+	for _, m := range mounts {
+		if m.Type != plan.TypeBind && m.HasOption("ro") && strings.HasPrefix(m.Source, "/dev/") && !mountns.ReadOnlyDevice(m.Source) {
+			return true
+		}
+	}
+	return false
 }

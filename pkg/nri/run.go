@@ -2,6 +2,7 @@ package nri
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -16,24 +17,21 @@ const (
 	PluginIndex = "50"
 )
 
-// Run registers h (a *Hook, or anything that wraps one and implements the
-// stub's handler interfaces) with the runtime's NRI socket and serves its events until
-// ctx ends, connecting again (after a second, then backing off up to 10s)
-// whenever the runtime goes away or is not there yet. registered, when not
-// nil, is told true once the runtime has configured and synchronized the
-// hook and false when the connection is lost.
-func Run(ctx context.Context, socket string, h stub.Plugin, registered func(bool)) error {
+// Run registers h with the runtime's NRI socket and serves its events
+// until ctx ends, connecting again (after a second, backing off up to 10s)
+// whenever the runtime goes away or is not there yet. The guard runs from
+// each Synchronize until that connection ends.
+func Run(ctx context.Context, socket string, h *Hook) error {
 	logger := klog.FromContext(ctx).WithValues("nriSocket", socket)
+	ctx = klog.NewContext(ctx, logger)
 	backoff := time.Second
 	for {
-		err := runOnce(ctx, socket, h, registered)
-		if registered != nil {
-			registered(false)
-		}
+		err := runOnce(ctx, socket, h)
+		h.stopGuard(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
-		logger.Info("NRI connection ended; connecting again", "err", err, "after", backoff)
+		logger.Info("No NRI connection; connecting again", "err", err, "after", backoff)
 		select {
 		case <-ctx.Done():
 			return nil
@@ -43,7 +41,7 @@ func Run(ctx context.Context, socket string, h stub.Plugin, registered func(bool
 	}
 }
 
-func runOnce(ctx context.Context, socket string, h stub.Plugin, registered func(bool)) error {
+func runOnce(ctx context.Context, socket string, h *Hook) error {
 	s, err := stub.New(h,
 		stub.WithPluginName(PluginName), stub.WithPluginIdx(PluginIndex),
 		stub.WithSocketPath(socket), stub.WithLogger(logAdapter{klog.FromContext(ctx)}))
@@ -53,9 +51,7 @@ func runOnce(ctx context.Context, socket string, h stub.Plugin, registered func(
 	if err := s.Start(ctx); err != nil {
 		return fmt.Errorf("registering with the runtime: %w", err)
 	}
-	if registered != nil {
-		registered(true)
-	}
+	klog.FromContext(ctx).Info("Registered with the runtime", "plugin", PluginIndex+"-"+PluginName)
 	done := make(chan struct{})
 	go func() { s.Wait(); close(done) }()
 	select {
@@ -63,7 +59,7 @@ func runOnce(ctx context.Context, socket string, h stub.Plugin, registered func(
 		s.Stop()
 	case <-done:
 	}
-	return nil
+	return errors.New("connection closed")
 }
 
 // logAdapter sends the NRI library's log lines to klog.

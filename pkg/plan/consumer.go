@@ -3,6 +3,7 @@ package plan
 import (
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
@@ -49,10 +50,17 @@ type Consumer struct {
 	// longer names it. Embedded so that a recorded consumer's JSON stays
 	// flat (pid, mountPoint, nsInode, nsId).
 	Namespace
+	// ContainerID, when set, is the container runtime's ID of a container
+	// that receives the plan through its runtime (the NRI hook): the
+	// runtime mounts it, and PID is 0 until its process exists.
+	ContainerID string `json:"containerID,omitempty"`
 }
 
 func (c Consumer) String() string {
 	s := fmt.Sprintf("pid %d at %s", c.PID, c.MountPoint)
+	if c.ContainerID != "" {
+		s = fmt.Sprintf("container %s at %s", c.ContainerID, c.MountPoint)
+	}
 	if c.Namespace != (Namespace{}) {
 		s += " (mount namespace " + c.Namespace.String() + ")"
 	}
@@ -70,5 +78,14 @@ func (c Consumer) Validate() error {
 	if !IsCleanAbs(c.MountPoint) || c.MountPoint == "/" {
 		return fmt.Errorf("consumer mount point %q must be a clean absolute path other than /: %w", c.MountPoint, errdefs.ErrInvalidArgument)
 	}
+	if len(c.ContainerID) > 128 || strings.ContainsFunc(c.ContainerID, func(r rune) bool { return !isIDRune(r) }) {
+		return fmt.Errorf("consumer container id %q: %w", c.ContainerID, errdefs.ErrInvalidArgument)
+	}
 	return nil
+}
+
+// isIDRune accepts what runtimes put in container IDs (containerd's are
+// 64 hex digits; others use names).
+func isIDRune(r rune) bool {
+	return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.'
 }

@@ -33,7 +33,7 @@ func FromProto(in []*api.Mount) []Mount {
 
 // ConsumerToProto converts a consumer to its wire form.
 func ConsumerToProto(c Consumer) *api.Consumer {
-	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.Namespace.Inode, MntNsId: c.Namespace.ID}
+	return &api.Consumer{Pid: int64(c.PID), MountPoint: c.MountPoint, MntNsInode: c.Namespace.Inode, MntNsId: c.Namespace.ID, ContainerId: c.ContainerID}
 }
 
 // ConsumerFromProto converts a consumer from its wire form and validates
@@ -46,6 +46,7 @@ func ConsumerFromProto(c *api.Consumer) (Consumer, error) {
 	if c.GetPid() < 0 || c.GetPid() > math.MaxInt32 {
 		return Consumer{}, fmt.Errorf("consumer pid %d is out of range: %w", c.GetPid(), errdefs.ErrInvalidArgument)
 	}
-	out := Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), Namespace: Namespace{Inode: c.GetMntNsInode(), ID: c.GetMntNsId()}}
+	out := Consumer{PID: int(c.GetPid()), MountPoint: c.GetMountPoint(), Namespace: Namespace{Inode: c.GetMntNsInode(), ID: c.GetMntNsId()},
+		ContainerID: c.GetContainerId()}
 	return out, out.Validate()
 }

@@ -45,7 +45,13 @@ type Consumer struct {
 	// the ID tells the namespace apart from a later one with the same inode and
 	// lets it be found through any process still in it once PID has exited.
 	// Filled in by the plugin like mnt_ns_inode; when set, it is checked too.
-	MntNsId       uint64 `protobuf:"varint,4,opt,name=mnt_ns_id,json=mntNsId,proto3" json:"mnt_ns_id,omitempty"`
+	MntNsId uint64 `protobuf:"varint,4,opt,name=mnt_ns_id,json=mntNsId,proto3" json:"mnt_ns_id,omitempty"`
+	// The container runtime's ID of a container that receives the plan through
+	// its runtime (the NRI hook): the runtime performs the mounts itself, inside
+	// the container's namespace. pid is 0 until the container's process exists;
+	// a later prepare with its pid records the namespace. Claims are matched by
+	// container_id and mount_point.
+	ContainerId   string `protobuf:"bytes,5,opt,name=container_id,json=containerId,proto3" json:"container_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -106,6 +112,13 @@ func (x *Consumer) GetMntNsId() uint64 {
 		return x.MntNsId
 	}
 	return 0
+}
+
+func (x *Consumer) GetContainerId() string {
+	if x != nil {
+		return x.ContainerId
+	}
+	return ""
 }
 
 // Mount is one step of a plan, performed in order.
@@ -190,8 +203,12 @@ type NodePrepareVolumeRequest struct {
 	VolumeContext     map[string]string      `protobuf:"bytes,5,rep,name=volume_context,json=volumeContext,proto3" json:"volume_context,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	Secrets           map[string]string      `protobuf:"bytes,6,rep,name=secrets,proto3" json:"secrets,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	Consumer          *Consumer              `protobuf:"bytes,7,opt,name=consumer,proto3" json:"consumer,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Instead of volume_id, staging_target_path and volume_capability: the
+	// volume that kubelet published in NRI mode and a container uses, named by
+	// what its runtime knows. Only for a consumer with container_id.
+	Published     *PublishedVolume `protobuf:"bytes,8,opt,name=published,proto3" json:"published,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NodePrepareVolumeRequest) Reset() {
@@ -273,19 +290,91 @@ func (x *NodePrepareVolumeRequest) GetConsumer() *Consumer {
 	return nil
 }
 
+func (x *NodePrepareVolumeRequest) GetPublished() *PublishedVolume {
+	if x != nil {
+		return x.Published
+	}
+	return nil
+}
+
+// PublishedVolume names a volume published in NRI mode: by the target path of
+// the publish (a container's bind mount source), or, for block access, by the
+// device number (a container's device).
+type PublishedVolume struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	TargetPath    string                 `protobuf:"bytes,1,opt,name=target_path,json=targetPath,proto3" json:"target_path,omitempty"`
+	DeviceMajor   uint32                 `protobuf:"varint,2,opt,name=device_major,json=deviceMajor,proto3" json:"device_major,omitempty"`
+	DeviceMinor   uint32                 `protobuf:"varint,3,opt,name=device_minor,json=deviceMinor,proto3" json:"device_minor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishedVolume) Reset() {
+	*x = PublishedVolume{}
+	mi := &file_mountplan_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishedVolume) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishedVolume) ProtoMessage() {}
+
+func (x *PublishedVolume) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishedVolume.ProtoReflect.Descriptor instead.
+func (*PublishedVolume) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *PublishedVolume) GetTargetPath() string {
+	if x != nil {
+		return x.TargetPath
+	}
+	return ""
+}
+
+func (x *PublishedVolume) GetDeviceMajor() uint32 {
+	if x != nil {
+		return x.DeviceMajor
+	}
+	return 0
+}
+
+func (x *PublishedVolume) GetDeviceMinor() uint32 {
+	if x != nil {
+		return x.DeviceMinor
+	}
+	return 0
+}
+
 type NodePrepareVolumeResponse struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Mounts []*Mount               `protobuf:"bytes,1,rep,name=mounts,proto3" json:"mounts,omitempty"`
 	// The consumer as recorded (mnt_ns_inode and mnt_ns_id filled in); pass it back to
 	// NodeUnprepareVolume.
-	Consumer      *Consumer `protobuf:"bytes,2,opt,name=consumer,proto3" json:"consumer,omitempty"`
+	Consumer *Consumer `protobuf:"bytes,2,opt,name=consumer,proto3" json:"consumer,omitempty"`
+	// The volume prepared (the one a PublishedVolume named).
+	VolumeId      string `protobuf:"bytes,3,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NodePrepareVolumeResponse) Reset() {
 	*x = NodePrepareVolumeResponse{}
-	mi := &file_mountplan_proto_msgTypes[3]
+	mi := &file_mountplan_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -297,7 +386,7 @@ func (x *NodePrepareVolumeResponse) String() string {
 func (*NodePrepareVolumeResponse) ProtoMessage() {}
 
 func (x *NodePrepareVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[3]
+	mi := &file_mountplan_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -310,7 +399,7 @@ func (x *NodePrepareVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePrepareVolumeResponse.ProtoReflect.Descriptor instead.
 func (*NodePrepareVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{3}
+	return file_mountplan_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *NodePrepareVolumeResponse) GetMounts() []*Mount {
@@ -327,6 +416,13 @@ func (x *NodePrepareVolumeResponse) GetConsumer() *Consumer {
 	return nil
 }
 
+func (x *NodePrepareVolumeResponse) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
 type NodeUnprepareVolumeRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
@@ -337,7 +433,7 @@ type NodeUnprepareVolumeRequest struct {
 
 func (x *NodeUnprepareVolumeRequest) Reset() {
 	*x = NodeUnprepareVolumeRequest{}
-	mi := &file_mountplan_proto_msgTypes[4]
+	mi := &file_mountplan_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -349,7 +445,7 @@ func (x *NodeUnprepareVolumeRequest) String() string {
 func (*NodeUnprepareVolumeRequest) ProtoMessage() {}
 
 func (x *NodeUnprepareVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[4]
+	mi := &file_mountplan_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -362,7 +458,7 @@ func (x *NodeUnprepareVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeUnprepareVolumeRequest.ProtoReflect.Descriptor instead.
 func (*NodeUnprepareVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{4}
+	return file_mountplan_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *NodeUnprepareVolumeRequest) GetVolumeId() string {
@@ -387,7 +483,7 @@ type NodeUnprepareVolumeResponse struct {
 
 func (x *NodeUnprepareVolumeResponse) Reset() {
 	*x = NodeUnprepareVolumeResponse{}
-	mi := &file_mountplan_proto_msgTypes[5]
+	mi := &file_mountplan_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -399,7 +495,7 @@ func (x *NodeUnprepareVolumeResponse) String() string {
 func (*NodeUnprepareVolumeResponse) ProtoMessage() {}
 
 func (x *NodeUnprepareVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[5]
+	mi := &file_mountplan_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -412,7 +508,97 @@ func (x *NodeUnprepareVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeUnprepareVolumeResponse.ProtoReflect.Descriptor instead.
 func (*NodeUnprepareVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{5}
+	return file_mountplan_proto_rawDescGZIP(), []int{6}
+}
+
+type NodeSyncContainersRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Every container the runtime knows, running or not.
+	ContainerIds  []string `protobuf:"bytes,1,rep,name=container_ids,json=containerIds,proto3" json:"container_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeSyncContainersRequest) Reset() {
+	*x = NodeSyncContainersRequest{}
+	mi := &file_mountplan_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeSyncContainersRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeSyncContainersRequest) ProtoMessage() {}
+
+func (x *NodeSyncContainersRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeSyncContainersRequest.ProtoReflect.Descriptor instead.
+func (*NodeSyncContainersRequest) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *NodeSyncContainersRequest) GetContainerIds() []string {
+	if x != nil {
+		return x.ContainerIds
+	}
+	return nil
+}
+
+type NodeSyncContainersResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How many claims were released.
+	Released      uint32 `protobuf:"varint,1,opt,name=released,proto3" json:"released,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeSyncContainersResponse) Reset() {
+	*x = NodeSyncContainersResponse{}
+	mi := &file_mountplan_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeSyncContainersResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeSyncContainersResponse) ProtoMessage() {}
+
+func (x *NodeSyncContainersResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeSyncContainersResponse.ProtoReflect.Descriptor instead.
+func (*NodeSyncContainersResponse) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *NodeSyncContainersResponse) GetReleased() uint32 {
+	if x != nil {
+		return x.Released
+	}
+	return 0
 }
 
 type MountRequest struct {
@@ -426,7 +612,7 @@ type MountRequest struct {
 
 func (x *MountRequest) Reset() {
 	*x = MountRequest{}
-	mi := &file_mountplan_proto_msgTypes[6]
+	mi := &file_mountplan_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -438,7 +624,7 @@ func (x *MountRequest) String() string {
 func (*MountRequest) ProtoMessage() {}
 
 func (x *MountRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[6]
+	mi := &file_mountplan_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -451,7 +637,7 @@ func (x *MountRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MountRequest.ProtoReflect.Descriptor instead.
 func (*MountRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{6}
+	return file_mountplan_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *MountRequest) GetMounts() []*Mount {
@@ -476,7 +662,7 @@ type MountResponse struct {
 
 func (x *MountResponse) Reset() {
 	*x = MountResponse{}
-	mi := &file_mountplan_proto_msgTypes[7]
+	mi := &file_mountplan_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -488,7 +674,7 @@ func (x *MountResponse) String() string {
 func (*MountResponse) ProtoMessage() {}
 
 func (x *MountResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[7]
+	mi := &file_mountplan_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -501,7 +687,7 @@ func (x *MountResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MountResponse.ProtoReflect.Descriptor instead.
 func (*MountResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{7}
+	return file_mountplan_proto_rawDescGZIP(), []int{10}
 }
 
 type UnmountRequest struct {
@@ -514,7 +700,7 @@ type UnmountRequest struct {
 
 func (x *UnmountRequest) Reset() {
 	*x = UnmountRequest{}
-	mi := &file_mountplan_proto_msgTypes[8]
+	mi := &file_mountplan_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -526,7 +712,7 @@ func (x *UnmountRequest) String() string {
 func (*UnmountRequest) ProtoMessage() {}
 
 func (x *UnmountRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[8]
+	mi := &file_mountplan_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -539,7 +725,7 @@ func (x *UnmountRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnmountRequest.ProtoReflect.Descriptor instead.
 func (*UnmountRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{8}
+	return file_mountplan_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *UnmountRequest) GetMounts() []*Mount {
@@ -564,7 +750,7 @@ type UnmountResponse struct {
 
 func (x *UnmountResponse) Reset() {
 	*x = UnmountResponse{}
-	mi := &file_mountplan_proto_msgTypes[9]
+	mi := &file_mountplan_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -576,7 +762,7 @@ func (x *UnmountResponse) String() string {
 func (*UnmountResponse) ProtoMessage() {}
 
 func (x *UnmountResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[9]
+	mi := &file_mountplan_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -589,7 +775,7 @@ func (x *UnmountResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnmountResponse.ProtoReflect.Descriptor instead.
 func (*UnmountResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{9}
+	return file_mountplan_proto_rawDescGZIP(), []int{12}
 }
 
 // SpawnDaemonRequest names what to start, never how: the mounter renders
@@ -616,7 +802,7 @@ type SpawnDaemonRequest struct {
 
 func (x *SpawnDaemonRequest) Reset() {
 	*x = SpawnDaemonRequest{}
-	mi := &file_mountplan_proto_msgTypes[10]
+	mi := &file_mountplan_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -628,7 +814,7 @@ func (x *SpawnDaemonRequest) String() string {
 func (*SpawnDaemonRequest) ProtoMessage() {}
 
 func (x *SpawnDaemonRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[10]
+	mi := &file_mountplan_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -641,7 +827,7 @@ func (x *SpawnDaemonRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SpawnDaemonRequest.ProtoReflect.Descriptor instead.
 func (*SpawnDaemonRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{10}
+	return file_mountplan_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SpawnDaemonRequest) GetProfile() string {
@@ -693,7 +879,7 @@ type DaemonPaths struct {
 
 func (x *DaemonPaths) Reset() {
 	*x = DaemonPaths{}
-	mi := &file_mountplan_proto_msgTypes[11]
+	mi := &file_mountplan_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -705,7 +891,7 @@ func (x *DaemonPaths) String() string {
 func (*DaemonPaths) ProtoMessage() {}
 
 func (x *DaemonPaths) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[11]
+	mi := &file_mountplan_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -718,7 +904,7 @@ func (x *DaemonPaths) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonPaths.ProtoReflect.Descriptor instead.
 func (*DaemonPaths) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{11}
+	return file_mountplan_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DaemonPaths) GetMountPoint() string {
@@ -762,7 +948,7 @@ type SpawnDaemonResponse struct {
 
 func (x *SpawnDaemonResponse) Reset() {
 	*x = SpawnDaemonResponse{}
-	mi := &file_mountplan_proto_msgTypes[12]
+	mi := &file_mountplan_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -774,7 +960,7 @@ func (x *SpawnDaemonResponse) String() string {
 func (*SpawnDaemonResponse) ProtoMessage() {}
 
 func (x *SpawnDaemonResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[12]
+	mi := &file_mountplan_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -787,7 +973,7 @@ func (x *SpawnDaemonResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SpawnDaemonResponse.ProtoReflect.Descriptor instead.
 func (*SpawnDaemonResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{12}
+	return file_mountplan_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *SpawnDaemonResponse) GetPid() int64 {
@@ -808,19 +994,20 @@ var File_mountplan_proto protoreflect.FileDescriptor
 
 const file_mountplan_proto_rawDesc = "" +
 	"\n" +
-	"\x0fmountplan.proto\x12\x12mountplan.v1alpha1\x1a\tcsi.proto\"{\n" +
+	"\x0fmountplan.proto\x12\x12mountplan.v1alpha1\x1a\tcsi.proto\"\x9e\x01\n" +
 	"\bConsumer\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x03R\x03pid\x12\x1f\n" +
 	"\vmount_point\x18\x02 \x01(\tR\n" +
 	"mountPoint\x12 \n" +
 	"\fmnt_ns_inode\x18\x03 \x01(\x04R\n" +
 	"mntNsInode\x12\x1a\n" +
-	"\tmnt_ns_id\x18\x04 \x01(\x04R\amntNsId\"e\n" +
+	"\tmnt_ns_id\x18\x04 \x01(\x04R\amntNsId\x12!\n" +
+	"\fcontainer_id\x18\x05 \x01(\tR\vcontainerId\"e\n" +
 	"\x05Mount\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x16\n" +
 	"\x06source\x18\x02 \x01(\tR\x06source\x12\x16\n" +
 	"\x06target\x18\x03 \x01(\tR\x06target\x12\x18\n" +
-	"\aoptions\x18\x04 \x03(\tR\aoptions\"\xc4\x04\n" +
+	"\aoptions\x18\x04 \x03(\tR\aoptions\"\x87\x05\n" +
 	"\x18NodePrepareVolumeRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12.\n" +
 	"\x13staging_target_path\x18\x02 \x01(\tR\x11stagingTargetPath\x12E\n" +
@@ -828,20 +1015,31 @@ const file_mountplan_proto_rawDesc = "" +
 	"\breadonly\x18\x04 \x01(\bR\breadonly\x12f\n" +
 	"\x0evolume_context\x18\x05 \x03(\v2?.mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntryR\rvolumeContext\x12X\n" +
 	"\asecrets\x18\x06 \x03(\v29.mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntryB\x03\x98B\x01R\asecrets\x128\n" +
-	"\bconsumer\x18\a \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\x1a@\n" +
+	"\bconsumer\x18\a \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\x12A\n" +
+	"\tpublished\x18\b \x01(\v2#.mountplan.v1alpha1.PublishedVolumeR\tpublished\x1a@\n" +
 	"\x12VolumeContextEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fSecretsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x88\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"x\n" +
+	"\x0fPublishedVolume\x12\x1f\n" +
+	"\vtarget_path\x18\x01 \x01(\tR\n" +
+	"targetPath\x12!\n" +
+	"\fdevice_major\x18\x02 \x01(\rR\vdeviceMajor\x12!\n" +
+	"\fdevice_minor\x18\x03 \x01(\rR\vdeviceMinor\"\xa5\x01\n" +
 	"\x19NodePrepareVolumeResponse\x121\n" +
 	"\x06mounts\x18\x01 \x03(\v2\x19.mountplan.v1alpha1.MountR\x06mounts\x128\n" +
-	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\"s\n" +
+	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\x12\x1b\n" +
+	"\tvolume_id\x18\x03 \x01(\tR\bvolumeId\"s\n" +
 	"\x1aNodeUnprepareVolumeRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x128\n" +
 	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\"\x1d\n" +
-	"\x1bNodeUnprepareVolumeResponse\"{\n" +
+	"\x1bNodeUnprepareVolumeResponse\"@\n" +
+	"\x19NodeSyncContainersRequest\x12#\n" +
+	"\rcontainer_ids\x18\x01 \x03(\tR\fcontainerIds\"8\n" +
+	"\x1aNodeSyncContainersResponse\x12\x1a\n" +
+	"\breleased\x18\x01 \x01(\rR\breleased\"{\n" +
 	"\fMountRequest\x121\n" +
 	"\x06mounts\x18\x01 \x03(\v2\x19.mountplan.v1alpha1.MountR\x06mounts\x128\n" +
 	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\"\x0f\n" +
@@ -873,10 +1071,11 @@ const file_mountplan_proto_rawDesc = "" +
 	"\x13SpawnDaemonResponse\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x03R\x03pid\x12\x1d\n" +
 	"\n" +
-	"start_time\x18\x02 \x01(\x04R\tstartTime2\xfb\x01\n" +
+	"start_time\x18\x02 \x01(\x04R\tstartTime2\xf2\x02\n" +
 	"\vNodePrepare\x12r\n" +
 	"\x11NodePrepareVolume\x12,.mountplan.v1alpha1.NodePrepareVolumeRequest\x1a-.mountplan.v1alpha1.NodePrepareVolumeResponse\"\x00\x12x\n" +
-	"\x13NodeUnprepareVolume\x12..mountplan.v1alpha1.NodeUnprepareVolumeRequest\x1a/.mountplan.v1alpha1.NodeUnprepareVolumeResponse\"\x002\x91\x02\n" +
+	"\x13NodeUnprepareVolume\x12..mountplan.v1alpha1.NodeUnprepareVolumeRequest\x1a/.mountplan.v1alpha1.NodeUnprepareVolumeResponse\"\x00\x12u\n" +
+	"\x12NodeSyncContainers\x12-.mountplan.v1alpha1.NodeSyncContainersRequest\x1a..mountplan.v1alpha1.NodeSyncContainersResponse\"\x002\x91\x02\n" +
 	"\aMounter\x12N\n" +
 	"\x05Mount\x12 .mountplan.v1alpha1.MountRequest\x1a!.mountplan.v1alpha1.MountResponse\"\x00\x12T\n" +
 	"\aUnmount\x12\".mountplan.v1alpha1.UnmountRequest\x1a#.mountplan.v1alpha1.UnmountResponse\"\x00\x12`\n" +
@@ -894,55 +1093,61 @@ func file_mountplan_proto_rawDescGZIP() []byte {
 	return file_mountplan_proto_rawDescData
 }
 
-var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_mountplan_proto_goTypes = []any{
 	(*Consumer)(nil),                    // 0: mountplan.v1alpha1.Consumer
 	(*Mount)(nil),                       // 1: mountplan.v1alpha1.Mount
 	(*NodePrepareVolumeRequest)(nil),    // 2: mountplan.v1alpha1.NodePrepareVolumeRequest
-	(*NodePrepareVolumeResponse)(nil),   // 3: mountplan.v1alpha1.NodePrepareVolumeResponse
-	(*NodeUnprepareVolumeRequest)(nil),  // 4: mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	(*NodeUnprepareVolumeResponse)(nil), // 5: mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	(*MountRequest)(nil),                // 6: mountplan.v1alpha1.MountRequest
-	(*MountResponse)(nil),               // 7: mountplan.v1alpha1.MountResponse
-	(*UnmountRequest)(nil),              // 8: mountplan.v1alpha1.UnmountRequest
-	(*UnmountResponse)(nil),             // 9: mountplan.v1alpha1.UnmountResponse
-	(*SpawnDaemonRequest)(nil),          // 10: mountplan.v1alpha1.SpawnDaemonRequest
-	(*DaemonPaths)(nil),                 // 11: mountplan.v1alpha1.DaemonPaths
-	(*SpawnDaemonResponse)(nil),         // 12: mountplan.v1alpha1.SpawnDaemonResponse
-	nil,                                 // 13: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	nil,                                 // 14: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
-	nil,                                 // 15: mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
-	(*csi.VolumeCapability)(nil),        // 16: csi.v1.VolumeCapability
+	(*PublishedVolume)(nil),             // 3: mountplan.v1alpha1.PublishedVolume
+	(*NodePrepareVolumeResponse)(nil),   // 4: mountplan.v1alpha1.NodePrepareVolumeResponse
+	(*NodeUnprepareVolumeRequest)(nil),  // 5: mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	(*NodeUnprepareVolumeResponse)(nil), // 6: mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	(*NodeSyncContainersRequest)(nil),   // 7: mountplan.v1alpha1.NodeSyncContainersRequest
+	(*NodeSyncContainersResponse)(nil),  // 8: mountplan.v1alpha1.NodeSyncContainersResponse
+	(*MountRequest)(nil),                // 9: mountplan.v1alpha1.MountRequest
+	(*MountResponse)(nil),               // 10: mountplan.v1alpha1.MountResponse
+	(*UnmountRequest)(nil),              // 11: mountplan.v1alpha1.UnmountRequest
+	(*UnmountResponse)(nil),             // 12: mountplan.v1alpha1.UnmountResponse
+	(*SpawnDaemonRequest)(nil),          // 13: mountplan.v1alpha1.SpawnDaemonRequest
+	(*DaemonPaths)(nil),                 // 14: mountplan.v1alpha1.DaemonPaths
+	(*SpawnDaemonResponse)(nil),         // 15: mountplan.v1alpha1.SpawnDaemonResponse
+	nil,                                 // 16: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	nil,                                 // 17: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	nil,                                 // 18: mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
+	(*csi.VolumeCapability)(nil),        // 19: csi.v1.VolumeCapability
 }
 var file_mountplan_proto_depIdxs = []int32{
-	16, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
-	13, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	14, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	19, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
+	16, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	17, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
 	0,  // 3: mountplan.v1alpha1.NodePrepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	1,  // 4: mountplan.v1alpha1.NodePrepareVolumeResponse.mounts:type_name -> mountplan.v1alpha1.Mount
-	0,  // 5: mountplan.v1alpha1.NodePrepareVolumeResponse.consumer:type_name -> mountplan.v1alpha1.Consumer
-	0,  // 6: mountplan.v1alpha1.NodeUnprepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	1,  // 7: mountplan.v1alpha1.MountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
-	0,  // 8: mountplan.v1alpha1.MountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	1,  // 9: mountplan.v1alpha1.UnmountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
-	0,  // 10: mountplan.v1alpha1.UnmountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	15, // 11: mountplan.v1alpha1.SpawnDaemonRequest.parameters:type_name -> mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
-	11, // 12: mountplan.v1alpha1.SpawnDaemonRequest.paths:type_name -> mountplan.v1alpha1.DaemonPaths
-	2,  // 13: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
-	4,  // 14: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	6,  // 15: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
-	8,  // 16: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
-	10, // 17: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
-	3,  // 18: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
-	5,  // 19: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	7,  // 20: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
-	9,  // 21: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
-	12, // 22: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
-	18, // [18:23] is the sub-list for method output_type
-	13, // [13:18] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	3,  // 4: mountplan.v1alpha1.NodePrepareVolumeRequest.published:type_name -> mountplan.v1alpha1.PublishedVolume
+	1,  // 5: mountplan.v1alpha1.NodePrepareVolumeResponse.mounts:type_name -> mountplan.v1alpha1.Mount
+	0,  // 6: mountplan.v1alpha1.NodePrepareVolumeResponse.consumer:type_name -> mountplan.v1alpha1.Consumer
+	0,  // 7: mountplan.v1alpha1.NodeUnprepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
+	1,  // 8: mountplan.v1alpha1.MountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
+	0,  // 9: mountplan.v1alpha1.MountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
+	1,  // 10: mountplan.v1alpha1.UnmountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
+	0,  // 11: mountplan.v1alpha1.UnmountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
+	18, // 12: mountplan.v1alpha1.SpawnDaemonRequest.parameters:type_name -> mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
+	14, // 13: mountplan.v1alpha1.SpawnDaemonRequest.paths:type_name -> mountplan.v1alpha1.DaemonPaths
+	2,  // 14: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
+	5,  // 15: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	7,  // 16: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:input_type -> mountplan.v1alpha1.NodeSyncContainersRequest
+	9,  // 17: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
+	11, // 18: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
+	13, // 19: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
+	4,  // 20: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
+	6,  // 21: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	8,  // 22: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:output_type -> mountplan.v1alpha1.NodeSyncContainersResponse
+	10, // 23: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
+	12, // 24: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
+	15, // 25: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
+	20, // [20:26] is the sub-list for method output_type
+	14, // [14:20] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_mountplan_proto_init() }
@@ -956,7 +1161,7 @@ func file_mountplan_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_mountplan_proto_rawDesc), len(file_mountplan_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

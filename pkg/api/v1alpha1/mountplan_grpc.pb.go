@@ -26,6 +26,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	NodePrepare_NodePrepareVolume_FullMethodName   = "/mountplan.v1alpha1.NodePrepare/NodePrepareVolume"
 	NodePrepare_NodeUnprepareVolume_FullMethodName = "/mountplan.v1alpha1.NodePrepare/NodeUnprepareVolume"
+	NodePrepare_NodeSyncContainers_FullMethodName  = "/mountplan.v1alpha1.NodePrepare/NodeSyncContainers"
 )
 
 // NodePrepareClient is the client API for NodePrepare service.
@@ -37,6 +38,11 @@ type NodePrepareClient interface {
 	NodePrepareVolume(ctx context.Context, in *NodePrepareVolumeRequest, opts ...grpc.CallOption) (*NodePrepareVolumeResponse, error)
 	// NodeUnprepareVolume releases a consumer's claim. Idempotent.
 	NodeUnprepareVolume(ctx context.Context, in *NodeUnprepareVolumeRequest, opts ...grpc.CallOption) (*NodeUnprepareVolumeResponse, error)
+	// NodeSyncContainers releases the claims of every container consumer
+	// (consumer.container_id set) whose container is not among the ones
+	// given: the container runtime's hook, after a restart, lists what the
+	// runtime still runs.
+	NodeSyncContainers(ctx context.Context, in *NodeSyncContainersRequest, opts ...grpc.CallOption) (*NodeSyncContainersResponse, error)
 }
 
 type nodePrepareClient struct {
@@ -67,6 +73,16 @@ func (c *nodePrepareClient) NodeUnprepareVolume(ctx context.Context, in *NodeUnp
 	return out, nil
 }
 
+func (c *nodePrepareClient) NodeSyncContainers(ctx context.Context, in *NodeSyncContainersRequest, opts ...grpc.CallOption) (*NodeSyncContainersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(NodeSyncContainersResponse)
+	err := c.cc.Invoke(ctx, NodePrepare_NodeSyncContainers_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodePrepareServer is the server API for NodePrepare service.
 // All implementations must embed UnimplementedNodePrepareServer
 // for forward compatibility.
@@ -76,6 +92,11 @@ type NodePrepareServer interface {
 	NodePrepareVolume(context.Context, *NodePrepareVolumeRequest) (*NodePrepareVolumeResponse, error)
 	// NodeUnprepareVolume releases a consumer's claim. Idempotent.
 	NodeUnprepareVolume(context.Context, *NodeUnprepareVolumeRequest) (*NodeUnprepareVolumeResponse, error)
+	// NodeSyncContainers releases the claims of every container consumer
+	// (consumer.container_id set) whose container is not among the ones
+	// given: the container runtime's hook, after a restart, lists what the
+	// runtime still runs.
+	NodeSyncContainers(context.Context, *NodeSyncContainersRequest) (*NodeSyncContainersResponse, error)
 	mustEmbedUnimplementedNodePrepareServer()
 }
 
@@ -91,6 +112,9 @@ func (UnimplementedNodePrepareServer) NodePrepareVolume(context.Context, *NodePr
 }
 func (UnimplementedNodePrepareServer) NodeUnprepareVolume(context.Context, *NodeUnprepareVolumeRequest) (*NodeUnprepareVolumeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method NodeUnprepareVolume not implemented")
+}
+func (UnimplementedNodePrepareServer) NodeSyncContainers(context.Context, *NodeSyncContainersRequest) (*NodeSyncContainersResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method NodeSyncContainers not implemented")
 }
 func (UnimplementedNodePrepareServer) mustEmbedUnimplementedNodePrepareServer() {}
 func (UnimplementedNodePrepareServer) testEmbeddedByValue()                     {}
@@ -149,6 +173,24 @@ func _NodePrepare_NodeUnprepareVolume_Handler(srv interface{}, ctx context.Conte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodePrepare_NodeSyncContainers_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(NodeSyncContainersRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodePrepareServer).NodeSyncContainers(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodePrepare_NodeSyncContainers_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodePrepareServer).NodeSyncContainers(ctx, req.(*NodeSyncContainersRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodePrepare_ServiceDesc is the grpc.ServiceDesc for NodePrepare service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -163,6 +205,10 @@ var NodePrepare_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "NodeUnprepareVolume",
 			Handler:    _NodePrepare_NodeUnprepareVolume_Handler,
+		},
+		{
+			MethodName: "NodeSyncContainers",
+			Handler:    _NodePrepare_NodeSyncContainers_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

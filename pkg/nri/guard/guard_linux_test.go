@@ -1,4 +1,4 @@
-package nri_test
+package guard_test
 
 import (
 	"errors"
@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/mountns"
-	"github.com/mountplan/mountplan/pkg/nri"
+	"github.com/mountplan/mountplan/pkg/nri/guard"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -18,11 +18,11 @@ import (
 // NRI-mode publish does through the mounter.
 func bindGuard(t *testing.T, stateDir, target string) error {
 	t.Helper()
-	src, err := filepath.EvalSymlinks(nri.GuardPath(stateDir))
+	src, err := filepath.EvalSymlinks(guard.Path(stateDir))
 	if err != nil {
 		return err
 	}
-	fd, err := mountns.Build(nri.BindOf(src))
+	fd, err := mountns.Build(guard.Bind(src))
 	if err != nil {
 		return err
 	}
@@ -39,7 +39,7 @@ func TestGuardLifecycle(t *testing.T) {
 	if err := os.MkdirAll(target, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	g, err := nri.StartGuard(state)
+	g, err := guard.Start(state)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func TestGuardLifecycle(t *testing.T) {
 	if err == nil {
 		t.Errorf("stat of a dead guard's target in a new mount namespace succeeded: %s", out)
 	}
-	if _, err := os.Lstat(nri.GuardPath(state)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Lstat(guard.Path(state)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("GuardPath after Stop: %v, want it gone", err)
 	}
 	if err := bindGuard(t, state, filepath.Join(dir, "kubelet")); err == nil {
@@ -90,7 +90,7 @@ func TestGuardLifecycle(t *testing.T) {
 	}
 
 	// A new guard re-arms the target.
-	g2, err := nri.StartGuard(state)
+	g2, err := guard.Start(state)
 	if err != nil {
 		t.Fatal(err)
 	}

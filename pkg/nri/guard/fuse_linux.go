@@ -1,4 +1,4 @@
-package nri
+package guard
 
 import (
 	"encoding/binary"

@@ -1,4 +1,6 @@
-package nri
+// Package guard is what stands at kubelet's target path of a volume
+// published in NRI mode, instead of the volume (see Guard).
+package guard
 
 import (
 	"errors"
@@ -16,15 +18,15 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// GuardFSType is the guard's filesystem type as mount tables show it.
-const GuardFSType = "fuse." + guardName
+// FSType is the guard's filesystem type as mount tables show it.
+const FSType = "fuse." + guardName
 
 const guardName = "mountplan-nri-guard"
 
-// GuardPath is where the live guard is reached under the state dir: a
-// symlink to its mount point, which the plugin's NRI-mode publish binds at
+// Path is where the live guard is reached under the state dir: a symlink
+// to its mount point, which the plugin's NRI-mode publish binds at
 // kubelet's target path. Nothing is there while no hook is registered.
-func GuardPath(stateDir string) string { return filepath.Join(stateDir, "nri", "guard") }
+func Path(stateDir string) string { return filepath.Join(stateDir, "nri", "guard") }
 
 // Guard is what stands at kubelet's target path of a volume published in
 // NRI mode instead of the volume: an empty, read-only FUSE filesystem that
@@ -49,10 +51,10 @@ type Guard struct {
 	done  chan struct{}
 }
 
-// StartGuard mounts a new guard under stateDir, serves it, points
-// GuardPath at it and removes what earlier guards left there.
-func StartGuard(stateDir string) (_ *Guard, err error) {
-	g := &Guard{dir: filepath.Dir(GuardPath(stateDir)), done: make(chan struct{})}
+// Start mounts a new guard under stateDir, serves it, points Path at it
+// and removes what earlier guards left there.
+func Start(stateDir string) (_ *Guard, err error) {
+	g := &Guard{dir: filepath.Dir(Path(stateDir)), done: make(chan struct{})}
 	if err := os.MkdirAll(g.dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -73,12 +75,12 @@ func StartGuard(stateDir string) (_ *Guard, err error) {
 		return nil, &os.PathError{Op: "stat", Path: g.mnt, Err: err}
 	}
 	g.devno = uint64(st.Dev) //nolint:unconvert // Dev is uint32 on some architectures
-	tmp := GuardPath(stateDir) + ".new"
+	tmp := Path(stateDir) + ".new"
 	_ = os.Remove(tmp)
 	if err := os.Symlink(filepath.Base(g.mnt), tmp); err != nil {
 		return nil, err
 	}
-	if err := os.Rename(tmp, GuardPath(stateDir)); err != nil {
+	if err := os.Rename(tmp, Path(stateDir)); err != nil {
 		return nil, err
 	}
 	return g, g.removeStale()
@@ -92,9 +94,9 @@ func (g *Guard) mount() error {
 		return &os.PathError{Op: "open", Path: "/dev/fuse", Err: err}
 	}
 	opts := fmt.Sprintf("fd=%d,rootmode=40555,user_id=0,group_id=0", fd)
-	if err := unix.Mount(guardName, g.mnt, GuardFSType, unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
+	if err := unix.Mount(guardName, g.mnt, FSType, unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
 		unix.Close(fd)
-		return &os.PathError{Op: "mount " + GuardFSType, Path: g.mnt, Err: err}
+		return &os.PathError{Op: "mount " + FSType, Path: g.mnt, Err: err}
 	}
 	// Only now, with a connection behind it, can the device be polled:
 	// made non-blocking, os.NewFile hands it to Go's poller, and Close can
@@ -112,7 +114,7 @@ func (g *Guard) mount() error {
 // Source is the mount point of this guard's filesystem.
 func (g *Guard) Source() string { return g.mnt }
 
-// Stop unpoints GuardPath, aborts the connection (every target still bound
+// Stop unpoints Path, aborts the connection (every target still bound
 // to this guard now fails with ENOTCONN) and unmounts the guard's own
 // mount point.
 func (g *Guard) Stop() error {
@@ -182,7 +184,7 @@ func (g *Guard) Owns(path string) (bool, error) {
 // returns how many it re-armed.
 func (g *Guard) Rearm(root string) (int, error) {
 	stale, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
-		return i.FSType != GuardFSType || !plan.Within(root, i.Mountpoint) ||
+		return i.FSType != FSType || !plan.Within(root, i.Mountpoint) ||
 			unix.Mkdev(uint32(i.Major), uint32(i.Minor)) == g.devno, false
 	})
 	if err != nil {
@@ -205,7 +207,7 @@ func (g *Guard) arm(target string) error {
 	if err := mountns.Unmount(target, true); err != nil {
 		return err
 	}
-	fd, err := mountns.Build(BindOf(g.mnt))
+	fd, err := mountns.Build(Bind(g.mnt))
 	if err != nil {
 		return err
 	}
@@ -213,7 +215,7 @@ func (g *Guard) arm(target string) error {
 	return mountns.Attach(fd, target)
 }
 
-// BindOf is the plan that binds a guard at a target.
-func BindOf(source string) plan.Mount {
+// Bind is the plan that binds a guard at a target.
+func Bind(source string) plan.Mount {
 	return plan.Mount{Type: plan.TypeBind, Source: source, Options: []string{"ro", "nosuid", "nodev", "noexec"}}
 }

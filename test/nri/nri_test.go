@@ -1,0 +1,261 @@
+package nri_test
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	"github.com/mountplan/mountplan/pkg/nri/guard"
+	"github.com/mountplan/mountplan/test/testutil"
+)
+
+// TestNRIVolumeInContainers: a loop ext4 volume in NRI mode reaches two
+// containers of a pod and a container of a second pod as an ext4 mount
+// of the loop device inside each container's namespace, made by the
+// runtime; data persists between them; each container is a consumer while
+// it exists; a read-only mount is read-only; kubelet's target holds only
+// the guard, and after the pods are gone the volume unstages.
+func TestNRIVolumeInContainers(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, vctx := e.createVolume("nri-ext4", mountCap())
+	e.stage(id, mountCap(), vctx)
+	dev := e.record(id).Stage.Source // for the message only
+
+	podA := e.cri.RunPod(t, "a")
+	targetA := e.target(podA.UID, "pv-ext4", false)
+	e.mustPublish(id, targetA, mountCap(), vctx, publishOptions{})
+	e.mustPublish(id, targetA, mountCap(), vctx, publishOptions{}) // idempotent
+
+	c1 := podA.RunContainer(t, "c1", volumeMount("/data", targetA, false))
+	fsType, src := e.fsAt(c1, "/data")
+	if fsType != "ext4" || !strings.HasPrefix(src, "/dev/loop") {
+		t.Fatalf("container c1: /data is %s from %s, want ext4 from the volume's loop device (%s)", fsType, src, dev)
+	}
+	e.exec(c1, "echo from-c1 > /data/f && sync")
+	e.wantConsumers(id, c1)
+
+	c2 := podA.RunContainer(t, "c2", volumeMount("/data", targetA, false))
+	if got := e.exec(c2, "cat /data/f"); got != "from-c1\n" {
+		t.Errorf("second container reads %q, want from-c1", got)
+	}
+	e.wantConsumers(id, c1, c2)
+	ro := podA.RunContainer(t, "ro", volumeMount("/data", targetA, true))
+	if got := e.exec(ro, "grep ' /data ' /proc/self/mountinfo"); !strings.Contains(strings.Fields(got)[5], "ro") {
+		t.Errorf("read-only container mount: %s", got)
+	}
+	if _, err := e.cri.Exec(ro, "touch", "/data/nope"); err == nil {
+		t.Error("a read-only container could write to the volume")
+	}
+	e.removeContainer(c1)
+	e.removeContainer(ro)
+	e.wantConsumers(id, c2)
+
+	podB := e.cri.RunPod(t, "b")
+	targetB := e.target(podB.UID, "pv-ext4", false)
+	e.mustPublish(id, targetB, mountCap(), vctx, publishOptions{})
+	c3 := podB.RunContainer(t, "c3", volumeMount("/data", targetB, false))
+	if got := e.exec(c3, "cat /data/f"); got != "from-c1\n" {
+		t.Errorf("container of a second pod reads %q, want from-c1", got)
+	}
+	e.wantConsumers(id, c2, c3)
+	if err := e.unstage(id); err == nil {
+		t.Error("NodeUnstageVolume succeeded while containers use the volume")
+	}
+
+	for _, p := range []*testutil.Pod{podA, podB} {
+		if err := p.Remove(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.wantConsumers(id)
+	e.unpublish(id, targetA)
+	e.unpublish(id, targetB)
+	if err := e.unstage(id); err != nil {
+		t.Fatalf("NodeUnstageVolume after the pods are gone: %v", err)
+	}
+	e.deleteVolume(id)
+	if e.poller.count() < 100 {
+		t.Errorf("the host's mount table was sampled only %d times", e.poller.count())
+	}
+}
+
+// guardAt reports whether target holds the guard in the host's mount
+// table.
+func guardAt(t *testing.T, target string) bool {
+	t.Helper()
+	infos, err := testutil.MountInfoOf(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, i := range infos {
+		if i.Mountpoint == target && i.FSType == guard.FSType {
+			return true
+		}
+	}
+	return false
+}
+
+// TestNRIHookAbsent proves the safeguard: with no hook registered a volume
+// in NRI mode cannot be published; once published, a container created
+// while the hook is down (its mounter stopped, killed, or not registered)
+// fails to be created, with the runtime saying why, instead of starting
+// with an empty directory of the node's disk at the volume's path; with
+// the hook back, the same container config starts with its volume.
+func TestNRIHookAbsent(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, vctx := e.createVolume("nri-absent", mountCap())
+	e.stage(id, mountCap(), vctx)
+	pod := e.cri.RunPod(t, "p")
+	target := e.target(pod.UID, "pv", false)
+
+	e.sidecar.stop(syscall.SIGTERM)
+	err := e.publish(id, target, mountCap(), vctx, publishOptions{})
+	testutil.WantCode(t, "NodePublishVolume without a hook", err, codes.Unavailable, "no mountplan NRI hook is registered")
+	if guardAt(t, target) {
+		t.Fatal("a failed publish left a guard")
+	}
+
+	e.sidecar.start()
+	e.waitHook()
+	e.mustPublish(id, target, mountCap(), vctx, publishOptions{})
+	if !guardAt(t, target) {
+		t.Fatal("the publish left no guard at the target")
+	}
+
+	// The hook goes away (a clean stop; kill -9 is TestNRIMounterKilled's).
+	e.sidecar.stop(syscall.SIGTERM)
+	ctr, err := pod.CreateContainer("without-hook", volumeMount("/data", target, false))
+	if err == nil {
+		err = e.cri.StartContainer(ctr)
+	}
+	if err == nil {
+		fsType, _ := e.fsAt(ctr, "/data")
+		t.Fatalf("a container started without the hook; /data in it is %q", fsType)
+	}
+	if !strings.Contains(err.Error(), "transport endpoint is not connected") {
+		t.Errorf("the runtime's error does not say the target is unusable: %v", err)
+	}
+	t.Logf("without the hook the runtime refuses the container: %v", err)
+
+	e.sidecar.start()
+	e.waitHook()
+	ctr = pod.RunContainer(t, "with-hook", volumeMount("/data", target, false))
+	if fsType, _ := e.fsAt(ctr, "/data"); fsType != "ext4" {
+		t.Fatalf("with the hook back, /data is %q, want ext4", fsType)
+	}
+	e.removeContainer(ctr)
+	if err := pod.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	e.unpublish(id, target)
+	if err := e.unstage(id); err != nil {
+		t.Fatal(err)
+	}
+	e.deleteVolume(id)
+}
+
+// TestNRIPluginWithoutNRI: a volume that asks for NRI mode on a node whose
+// plugin does not offer it is refused, never published the classic way.
+func TestNRIPluginWithoutNRI(t *testing.T) {
+	e := newEnv(t, envOptions{noNRIPlugin: true})
+	id, vctx := e.createVolume("nri-off", mountCap())
+	e.stage(id, mountCap(), vctx)
+	target := e.target("uid-x", "pv", false)
+	err := e.publish(id, target, mountCap(), vctx, publishOptions{})
+	testutil.WantCode(t, "NodePublishVolume in NRI mode with a plugin without --nri", err, codes.FailedPrecondition, "--nri")
+	if err := e.unstage(id); err != nil {
+		t.Fatal(err)
+	}
+	e.deleteVolume(id)
+}
+
+// TestNRIMounterKilled kills the sidecar (the hook and the guard's server)
+// with SIGKILL while a pod runs and while containers are being created: the
+// running container keeps its volume; a container created meanwhile either
+// has its volume or fails with the runtime's error; after a restart the
+// plugin's consumers are the containers the runtime runs (the claim of a
+// container removed meanwhile is released), and new containers work.
+func TestNRIMounterKilled(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, vctx := e.createVolume("nri-kill", mountCap())
+	e.stage(id, mountCap(), vctx)
+	pod := e.cri.RunPod(t, "p")
+	target := e.target(pod.UID, "pv", false)
+	e.mustPublish(id, target, mountCap(), vctx, publishOptions{})
+	keep := pod.RunContainer(t, "keep", volumeMount("/data", target, false))
+	gone := pod.RunContainer(t, "gone", volumeMount("/data", target, false))
+	e.exec(keep, "echo before > /data/f")
+	e.wantConsumers(id, keep, gone)
+
+	e.sidecar.stop(syscall.SIGKILL)
+	if got := e.exec(keep, "cat /data/f && echo after > /data/g && cat /data/g"); got != "before\nafter\n" {
+		t.Errorf("the running container lost its volume when the mounter died: %q", got)
+	}
+	e.removeContainer(gone) // the dead hook hears nothing of it
+	if _, err := pod.CreateContainer("while-dead", volumeMount("/data", target, false)); err == nil ||
+		!strings.Contains(err.Error(), "transport endpoint is not connected") {
+		t.Errorf("creating a container while the mounter is dead: %v, want the runtime's ENOTCONN", err)
+	}
+
+	// Killed in the middle of creations: stopped first (the runtime then
+	// waits on the guard or on the hook), or at a random moment.
+	var started []string
+	rounds := []struct {
+		stopFirst bool
+		delay     time.Duration
+	}{{true, 300 * time.Millisecond}, {false, 0}, {false, 5 * time.Millisecond}, {false, 20 * time.Millisecond}, {false, 60 * time.Millisecond}}
+	for round, r := range rounds {
+		e.sidecar.start()
+		e.waitHook()
+		if r.stopFirst {
+			e.sidecar.signal(syscall.SIGSTOP)
+		}
+		result := make(chan error, 1)
+		var ctr string
+		go func() {
+			var err error
+			if ctr, err = pod.CreateContainer(fmt.Sprintf("race-%d", round), volumeMount("/data", target, false)); err == nil {
+				err = e.cri.StartContainer(ctr)
+			}
+			result <- err
+		}()
+		time.Sleep(r.delay)
+		e.sidecar.stop(syscall.SIGKILL)
+		if err := <-result; err != nil {
+			msg := err.Error()
+			t.Logf("round %d (stopped first %t, killed after %v): the container was refused: ...%s", round, r.stopFirst, r.delay, msg[max(0, len(msg)-160):])
+			if ctr != "" {
+				_ = e.cri.RemoveContainer(ctr)
+			}
+			continue
+		}
+		if fsType, _ := e.fsAt(ctr, "/data"); fsType != "ext4" {
+			t.Fatalf("round %d: a container created while the mounter was killed runs with /data of type %q", round, fsType)
+		}
+		t.Logf("round %d (stopped first %t, killed after %v): the container got its volume", round, r.stopFirst, r.delay)
+		started = append(started, ctr)
+	}
+
+	e.sidecar.start()
+	e.waitHook()
+	e.wantConsumers(id, append(started, keep)...)
+	again := pod.RunContainer(t, "again", volumeMount("/data", target, false))
+	if got := e.exec(again, "cat /data/g"); got != "after\n" {
+		t.Errorf("a container after the restart reads %q", got)
+	}
+	e.wantConsumers(id, append(started, keep, again)...)
+	if err := pod.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	e.wantConsumers(id)
+	e.unpublish(id, target)
+	if err := e.unstage(id); err != nil {
+		t.Fatal(err)
+	}
+	e.deleteVolume(id)
+}
