@@ -199,6 +199,8 @@ func (k kubeletDir) removeTarget(p string) error {
 			return nil
 		}
 		err = unix.Unlinkat(int(parent.Fd()), name, 0)
+	case unix.S_IFBLK: // the device node of a block publish in NRI mode
+		err = unix.Unlinkat(int(parent.Fd()), name, 0)
 	default:
 		return nil
 	}

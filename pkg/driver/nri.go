@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -84,7 +85,11 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 			return nil
 		}
 	}
-	pub := journal.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags}
+	if err := d.applyMountGroup(ctx, v, c, readOnly); err != nil {
+		return err
+	}
+	prev := findPublish(v, target)
+	pub := journal.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC()}
 	if c.block {
 		mounts, err := d.planFor(v, source.PlanRequest{Block: true, ReadOnly: readOnly})
 		if err != nil {
@@ -99,20 +104,32 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 		}
 		pub.Mounts = []plan.Mount{guard.Bind(src)}
 	}
+	var created bool
+	var err error
+	if c.block {
+		created, err = d.makeDeviceNode(target, pub.Mounts)
+	} else {
+		created, err = d.kubelet.makeTarget(target, false)
+	}
+	if err != nil {
+		return err
+	}
+	pub.CreatedTarget = created || (prev != nil && prev.CreatedTarget)
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, pub)
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
-	var err error
-	if c.block {
-		err = makeDeviceNode(target, pub.Mounts)
-	} else {
+	if !c.block {
 		err = d.opts.Mounter.Mount(ctx, pub.Mounts, plan.Consumer{MountPoint: target})
 	}
-	if err != nil && !d.nriPublished(&pub) {
+	if err != nil && !d.nriPublished(&pub) && !mayStillMount(err) {
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
-		return errors.Join(err, d.vols.Put(v, journal.Runtime))
+		var rmErr error
+		if pub.CreatedTarget {
+			rmErr = d.kubelet.removeTarget(target)
+		}
+		return errors.Join(err, rmErr, d.vols.Put(v, journal.Runtime))
 	}
 	klog.FromContext(ctx).V(2).Info("Published for containers only (NRI)", "volume", v.ID, "target", target, "block", c.block)
 	return err
@@ -143,32 +160,40 @@ func deviceOf(mounts []plan.Mount) (uint64, bool) {
 }
 
 // makeDeviceNode creates at target a block device node of the device the
-// plan binds: kubelet and the runtime see a device there (the runtime
-// creates it in the container), and nothing is mounted. An empty regular
-// file that kubelet may have left there is replaced.
-func makeDeviceNode(target string, mounts []plan.Mount) error {
+// plan binds, beneath kubelet's directory without following symlinks:
+// kubelet and the runtime see a device there (the runtime creates it in
+// the container), and nothing is mounted. An empty regular file (which
+// kubelet or an earlier publish may have left) is replaced. It reports
+// whether it created the node.
+func (d *Driver) makeDeviceNode(target string, mounts []plan.Mount) (bool, error) {
 	dev, ok := deviceOf(mounts)
 	if !ok {
-		return fmt.Errorf("block plan names no block device: %w", errdefs.ErrFailedPrecondition)
+		return false, fmt.Errorf("block plan names no block device: %w", errdefs.ErrFailedPrecondition)
 	}
+	parent, err := d.kubelet.openParent("target_path", target, true)
+	if err != nil {
+		return false, err
+	}
+	defer parent.Close()
+	dirfd, name := int(parent.Fd()), filepath.Base(target)
 	var st unix.Stat_t
-	switch err := unix.Lstat(target, &st); {
+	switch err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); {
 	case errors.Is(err, unix.ENOENT):
 	case err != nil:
-		return &os.PathError{Op: "lstat", Path: target, Err: err}
+		return false, &os.PathError{Op: "stat", Path: target, Err: err}
 	case st.Mode&unix.S_IFMT == unix.S_IFBLK && uint64(st.Rdev) == dev: //nolint:unconvert // Rdev is uint32 on some architectures
-		return nil
+		return false, nil
 	case st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size == 0:
-		if err := unix.Unlink(target); err != nil {
-			return &os.PathError{Op: "unlink", Path: target, Err: err}
+		if err := unix.Unlinkat(dirfd, name, 0); err != nil {
+			return false, &os.PathError{Op: "unlink", Path: target, Err: err}
 		}
 	default:
-		return fmt.Errorf("%s exists and is not the volume's device node: %w", target, errdefs.ErrAlreadyExists)
+		return false, fmt.Errorf("%s exists and is not the volume's device node: %w", target, errdefs.ErrAlreadyExists)
 	}
-	if err := unix.Mknod(target, unix.S_IFBLK|0o600, int(dev)); err != nil {
-		return &os.PathError{Op: "mknod", Path: target, Err: err}
+	if err := unix.Mknodat(dirfd, name, unix.S_IFBLK|0o600, int(dev)); err != nil {
+		return false, &os.PathError{Op: "mknod", Path: target, Err: err}
 	}
-	return nil
+	return true, nil
 }
 
 // preparePublished answers NodePrepareVolume for a container consumer that

@@ -102,6 +102,9 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if err != nil {
 		return err
 	}
+	if err := d.applyMountGroup(ctx, v, c, readOnly); err != nil {
+		return err
+	}
 	created, err := d.kubelet.makeTarget(target, c.block)
 	if err != nil {
 		return err

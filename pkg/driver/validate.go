@@ -57,6 +57,9 @@ type capability struct {
 	fsType     string
 	mountFlags []string
 	nri        bool // the volume's attributes ask for NRI mode (publish only)
+	// mountGroup is volume_mount_group (kubelet's fsGroup), when set.
+	mountGroup    uint32
+	mountGroupSet bool
 }
 
 func checkCapability(c *csi.VolumeCapability) (capability, error) {
@@ -77,6 +80,10 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 	case c.GetMount() != nil:
 		out.fsType = c.GetMount().GetFsType()
 		out.mountFlags = c.GetMount().GetMountFlags()
+		var err error
+		if out.mountGroup, out.mountGroupSet, err = parseMountGroup(c.GetMount().GetVolumeMountGroup()); err != nil {
+			return capability{}, err
+		}
 		for _, f := range out.mountFlags {
 			if f == "" || strings.ContainsAny(f, ",\x00") || strings.Contains(f, "/") {
 				return capability{}, invalid("mount flag %q is not allowed", f)

@@ -23,6 +23,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/endpoint"
@@ -70,7 +71,7 @@ func newEnv(t *testing.T, o envOptions) *env {
 		}
 	}
 	mounterEP := "unix://" + filepath.Join(e.cri.Dir, "mounter.sock")
-	args := []string{"--config", cfg, "--mounter-endpoint", mounterEP, "--v=4"}
+	args := []string{"--config", cfg, "--mounter-endpoint", mounterEP, "--kubelet-dir", e.kubelet, "--v=4"}
 	if !o.noNRIPlugin {
 		args = append(args, "--nri")
 	}
@@ -216,10 +217,7 @@ func (e *env) deleteVolume(id string) {
 }
 
 func cloneCap(c *csi.VolumeCapability) *csi.VolumeCapability {
-	b, _ := json.Marshal(c)
-	out := &csi.VolumeCapability{}
-	_ = json.Unmarshal(b, out)
-	return out
+	return proto.Clone(c).(*csi.VolumeCapability)
 }
 
 // --- the journal, read from its files ---

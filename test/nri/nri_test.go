@@ -1,13 +1,18 @@
 package nri_test
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/pkg/nri/guard"
@@ -253,6 +258,151 @@ func TestNRIMounterKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.wantConsumers(id)
+	e.unpublish(id, target)
+	if err := e.unstage(id); err != nil {
+		t.Fatal(err)
+	}
+	e.deleteVolume(id)
+}
+
+// TestNRIBlock: a block volume in NRI mode is published as a device node
+// (no mount, no bind of the device in the host), and the container gets
+// the volume's device from the runtime, as a device adjustment of the
+// hook, which also records the container as a consumer.
+func TestNRIBlock(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, vctx := e.createVolume("nri-block", blockCap())
+	e.stage(id, blockCap(), vctx)
+	pod := e.cri.RunPod(t, "p")
+	target := e.target(pod.UID, "pv-block", true)
+	e.mustPublish(id, target, blockCap(), vctx, publishOptions{})
+	var st unix.Stat_t
+	if err := unix.Lstat(target, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		t.Fatalf("the block publish left %v (mode %o), want a block device node", err, st.Mode)
+	}
+	if mounted, err := mountinfo.Mounted(target); err != nil || mounted {
+		t.Fatalf("the block publish mounted something at %s (%v)", target, err)
+	}
+	spec := testutil.ContainerSpec{Devices: []testutil.CRIDevice{{ContainerPath: "/dev/xvda", HostPath: target, Permissions: "rwm"}}}
+	c1 := pod.RunContainer(t, "c1", spec)
+	e.exec(c1, "test -b /dev/xvda && echo block-data | dd of=/dev/xvda bs=512 conv=sync,notrunc 2>/dev/null && sync")
+	e.wantConsumers(id, c1)
+	c2 := pod.RunContainer(t, "c2", spec)
+	if got := e.exec(c2, "dd if=/dev/xvda bs=512 count=1 2>/dev/null | head -c 10"); got != "block-data" {
+		t.Errorf("a second container reads %q from the device", got)
+	}
+	e.wantConsumers(id, c1, c2)
+	if err := pod.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	e.wantConsumers(id)
+	e.unpublish(id, target)
+	if err := unix.Lstat(target, &st); !errors.Is(err, unix.ENOENT) {
+		t.Errorf("the device node is still at %s after unpublish: %v", target, err)
+	}
+	if err := e.unstage(id); err != nil {
+		t.Fatal(err)
+	}
+	e.deleteVolume(id)
+}
+
+// TestNRIChainAndFUSE: an overlay chain over a squashfs image and a FUSE
+// volume (squashfuse) in NRI mode reach containers as an overlay mount and
+// a bind of the daemon's mount, made by the runtime inside the container;
+// their host-side sources live under the state dir, never at a kubelet
+// path.
+func TestNRIChainAndFUSE(t *testing.T) {
+	testutil.RequireCommands(t, "mksquashfs", "squashfuse")
+	dir := t.TempDir()
+	images := filepath.Join(dir, "images")
+	content := filepath.Join(dir, "content")
+	for _, d := range []string{images, content} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(content, "hello.txt"), []byte("from the image\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	image := filepath.Join(images, "tools.sqfs")
+	if out, err := exec.Command("mksquashfs", content, image, "-noappend", "-quiet", "-no-progress").CombinedOutput(); err != nil {
+		t.Fatalf("mksquashfs: %v\n%s", err, out)
+	}
+	cfg := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`defaultFsType: ext4
+imageRoots: [%q]
+fuseProfiles:
+- name: squashfuse
+  binary: /usr/bin/squashfuse
+  args: [-f, "{source}", "{mountpoint}", -o, allow_other]
+  source: {roots: [%q]}
+  readyTimeout: 10s
+`, images, images)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t, envOptions{config: cfg})
+	pod := e.cri.RunPod(t, "p")
+	cases := []struct {
+		id, fsType string
+		vctx       map[string]string
+		writable   bool
+	}{
+		{"chain", "overlay", map[string]string{"type": "loop", "image": image, "overlay": "true", "nri": "true"}, true},
+		{"fuse", "fuse.squashfuse", map[string]string{"type": "fuse", "profile": "squashfuse", "source": image, "nri": "true"}, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.id, func(t *testing.T) {
+			e.stage(tc.id, mountCap(), tc.vctx)
+			target := e.target(pod.UID, tc.id, false)
+			e.mustPublish(tc.id, target, mountCap(), tc.vctx, publishOptions{})
+			c1 := pod.RunContainer(t, tc.id+"-1", volumeMount("/data", target, false))
+			if fsType, _ := e.fsAt(c1, "/data"); fsType != tc.fsType {
+				t.Errorf("/data in the container is %q, want %s", fsType, tc.fsType)
+			}
+			if got := e.exec(c1, "cat /data/hello.txt"); got != "from the image\n" {
+				t.Errorf("reading the image's file: %q", got)
+			}
+			if tc.writable {
+				e.exec(c1, "echo upper > /data/new.txt")
+			}
+			e.wantConsumers(tc.id, c1)
+			e.removeContainer(c1)
+			c2 := pod.RunContainer(t, tc.id+"-2", volumeMount("/data", target, false))
+			if tc.writable {
+				if got := e.exec(c2, "cat /data/new.txt"); got != "upper\n" {
+					t.Errorf("the next container reads %q from the chain's upper layer", got)
+				}
+			}
+			e.wantConsumers(tc.id, c2)
+			e.removeContainer(c2)
+			e.wantConsumers(tc.id)
+			e.unpublish(tc.id, target)
+			if err := e.unstage(tc.id); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestNRIFSGroup: with VOLUME_MOUNT_GROUP kubelet hands the pod's fsGroup
+// to the driver, which gives the volume to that group (kubelet would only
+// have reached the guard); a non-root container of the group writes.
+func TestNRIFSGroup(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, vctx := e.createVolume("nri-fsgroup", mountCap())
+	e.stage(id, mountCap(), vctx)
+	pod := e.cri.RunPod(t, "p")
+	target := e.target(pod.UID, "pv", false)
+	e.mustPublish(id, target, mountCap(), vctx, publishOptions{mountGroup: "2000"})
+	spec := volumeMount("/data", target, false)
+	spec.RunAsUser, spec.SupplementalGroups = 1000, []int64{2000}
+	c := pod.RunContainer(t, "app", spec)
+	if got := e.exec(c, "id -u; stat -c '%g %A' /data; echo hi > /data/by-1000 && stat -c %g /data/by-1000"); got != "1000\n2000 drwxrwsr-x\n2000\n" {
+		t.Errorf("a non-root container of the fsGroup: %q, want uid 1000, /data group 2000 setgid, and a file it wrote of group 2000", got)
+	}
+	if err := pod.Remove(); err != nil {
+		t.Fatal(err)
+	}
 	e.unpublish(id, target)
 	if err := e.unstage(id); err != nil {
 		t.Fatal(err)
