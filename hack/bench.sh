@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Latency of a volume cycle through mountplan-plugin's socket against the
 # kernel work it asks for (direct syscalls) and against util-linux tools, on
-# a 64 MiB ext4 loop volume. Prints markdown tables and a leak check.
+# a 64 MiB ext4 loop volume. Prints markdown tables and a leak check. Then
+# container start latency with and without the NRI hook (BenchmarkContainerStart
+# in test/nri, median of 20).
 #
 #   make bench                      # builds bin/ first
 #   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5] [-strace FILE] [-v]
@@ -27,4 +29,8 @@ if [[ ! -x $plugin ]]; then
 	go build -trimpath -o bin/ ./cmd/mountplan-plugin
 fi
 
-exec go run ./hack/bench -plugin "$plugin" "$@"
+go run ./hack/bench -plugin "$plugin" "$@"
+
+# Container start latency with and without the NRI hook (test/nri): a private
+# containerd 2 with CRI and NRI (hack/tools/build.sh builds it), crictl, runc.
+go test -count=1 -run '^$' -bench ContainerStart -benchtime 1x ./test/nri

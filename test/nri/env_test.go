@@ -37,7 +37,7 @@ func TestMain(m *testing.M) { testutil.Main(m) }
 const rpcTimeout = time.Minute
 
 type env struct {
-	t       *testing.T
+	t       testing.TB
 	cri     *testutil.CRI
 	plugin  *testutil.Plugin
 	sidecar *proc
@@ -54,15 +54,18 @@ type envOptions struct {
 	sidecarArgs []string // more sidecar serve flags
 	noNRIPlugin bool     // run the plugin without --nri
 	config      string   // the plugin's config file (YAML); empty: ext4 default only
+	noPoller    bool     // no poller of the host's mount table (a benchmark: it costs CPU)
 }
 
-func newEnv(t *testing.T, o envOptions) *env {
+func newEnv(t testing.TB, o envOptions) *env {
 	t.Helper()
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	pluginBin, sidecarBin := testutil.BuildBinaries(t)
 	e := &env{t: t, cri: testutil.StartCRI(t), kubelet: filepath.Join(t.TempDir(), "kubelet")}
-	e.poller = startHostPoller(t, e.kubelet)
+	if !o.noPoller {
+		e.poller = startHostPoller(t, e.kubelet)
+	}
 	cfg := o.config
 	if cfg == "" {
 		cfg = filepath.Join(t.TempDir(), "config.yaml")

@@ -1,0 +1,38 @@
+package chart_test
+
+import (
+	"path/filepath"
+	"testing"
+)
+
+// TestNRIWiring: off by default (no flag, no socket); with nri.enabled the
+// plugin offers NRI mode and the mounter registers with the runtime's NRI
+// socket (its directory from the node), reaches the plugin's socket, and
+// knows the state and kubelet directories.
+func TestNRIWiring(t *testing.T) {
+	r := render(t, nil)
+	for _, name := range []string{"plugin", "mounter"} {
+		if _, ok := args(t, r.container(t, name))["--nri"]; ok {
+			t.Errorf("%s has --nri by default", name)
+		}
+	}
+	const sock = "/run/containerd-nri/nri.sock"
+	r = render(t, map[string]any{"nri": map[string]any{"enabled": true, "socketPath": sock}})
+	wantArg(t, r.container(t, "plugin"), "--nri", "")
+	c := r.container(t, "mounter")
+	wantArg(t, c, "--nri", "")
+	wantArg(t, c, "--nri-socket", sock)
+	wantArg(t, c, "--state-dir", r.stateDir(t))
+	wantArg(t, c, "--kubelet-dir", r.kubeletDir(t))
+	checkHostMount(t, r, c, "nri-socket-dir", filepath.Dir(sock), "")
+	// --plugin-endpoint is the plugin's own --endpoint, through the same volume.
+	pe, pluginEP := args(t, c)["--plugin-endpoint"], args(t, r.container(t, "plugin"))["--endpoint"]
+	if pe != pluginEP {
+		t.Errorf("mounter --plugin-endpoint=%s, plugin --endpoint=%s", pe, pluginEP)
+	}
+	_, v := r.mountAt(t, c, filepath.Dir(socketPath(t, pe)))
+	_, pv := r.mountAt(t, r.container(t, "plugin"), filepath.Dir(socketPath(t, pluginEP)))
+	if v.Name != pv.Name {
+		t.Errorf("the mounter reaches the plugin's socket dir through %s, the plugin serves it from %s", v.Name, pv.Name)
+	}
+}
