@@ -1,12 +1,17 @@
 package driver
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"testing"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/test/testutil"
@@ -76,5 +81,53 @@ func TestApplyMountGroup(t *testing.T) {
 	var st unix.Stat_t
 	if err := unix.Stat(secret, &st); err != nil || st.Gid == 2000 || st.Mode&0o7777 != 0o600 {
 		t.Errorf("the symlink's target outside the volume changed: gid %d mode %o (%v)", st.Gid, st.Mode&0o7777, err)
+	}
+}
+
+// Requests of the NRI hook that are malformed or name nothing get the
+// right code, before anything is looked up or recorded.
+func TestNRIBadInput(t *testing.T) {
+	d, _ := newTestDriver(t)
+	ctx := context.Background()
+	tgt := d.kubelet.root + "/pods/p/volumes/kubernetes.io~csi/pv/mount"
+	prep := func(pub *api.PublishedVolume, c *api.Consumer) func() error {
+		return func() error {
+			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{Published: pub, Consumer: c})
+			return err
+		}
+	}
+	ctr := &api.Consumer{ContainerId: "0123abcd", MountPoint: "/data"}
+	for _, tc := range []struct {
+		name string
+		call func() error
+		want codes.Code
+	}{
+		{"published without a container", prep(&api.PublishedVolume{TargetPath: tgt}, &api.Consumer{Pid: 1, MountPoint: "/data"}), codes.InvalidArgument},
+		{"published naming nothing", prep(&api.PublishedVolume{}, ctr), codes.InvalidArgument},
+		{"published at a relative path", prep(&api.PublishedVolume{TargetPath: "pods/../x"}, ctr), codes.InvalidArgument},
+		{"bad container id", prep(&api.PublishedVolume{TargetPath: tgt}, &api.Consumer{ContainerId: "a/b", MountPoint: "/data"}), codes.InvalidArgument},
+		{"no such publish", prep(&api.PublishedVolume{TargetPath: tgt}, ctr), codes.NotFound},
+		{"no such device", prep(&api.PublishedVolume{DeviceMajor: 7, DeviceMinor: 99}, ctr), codes.NotFound},
+		{"container consumer by volume id", func() error {
+			_, err := d.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{VolumeId: "v", StagingTargetPath: d.kubelet.root + "/plugins/x/globalmount",
+				VolumeCapability: rwo, Consumer: &api.Consumer{Pid: 1, ContainerId: "0123abcd", MountPoint: "/data"}})
+			return err
+		}, codes.InvalidArgument},
+		{"publish with nri: yes", func() error {
+			_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: d.kubelet.root + "/plugins/x/globalmount",
+				TargetPath: tgt, VolumeCapability: rwo, VolumeContext: map[string]string{"nri": "yes"}})
+			return err
+		}, codes.InvalidArgument},
+		{"sync with nothing to release", func() error {
+			resp, err := d.NodeSyncContainers(ctx, &api.NodeSyncContainersRequest{ContainerIds: []string{"a"}})
+			if err == nil && resp.GetReleased() != 0 {
+				t.Errorf("released %d claims of an empty journal", resp.GetReleased())
+			}
+			return err
+		}, codes.OK},
+	} {
+		if got := errdefs.Code(tc.call()); got != tc.want {
+			t.Errorf("%s: got %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

@@ -132,6 +132,9 @@ const publishGrace = 10 * time.Minute
 // publish stays, so that the unpublish kubelet sends removes a mount that
 // appears late instead of finding no record of it.
 func (d *Driver) publishGone(p journal.Publish) bool {
+	if p.NRI {
+		return !d.nriPublished(&p) && time.Since(p.Asked) > publishGrace
+	}
 	return !d.isMountPoint(p.TargetPath) && time.Since(p.Asked) > publishGrace
 }
 

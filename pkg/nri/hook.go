@@ -25,6 +25,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"time"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 	"golang.org/x/sys/unix"
@@ -99,6 +100,7 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 // run without its volume.
 func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (_ *nriapi.ContainerAdjustment, _ []*nriapi.ContainerUpdate, err error) {
 	var claims []Claim
+	start := time.Now()
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("mountplan: container %s of pod %s/%s: %w", ctr.GetName(), pod.GetNamespace(), pod.GetName(), err)
@@ -147,7 +149,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 	}
 	adj.AddAnnotation(Annotation, string(rec))
 	klog.FromContext(ctx).V(2).Info("Container gets its volumes through the runtime", "container", ctr.GetId(),
-		"pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "volumes", len(claims))
+		"pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "volumes", len(claims), "took", time.Since(start))
 	return adj, nil, nil
 }
 
@@ -234,7 +236,14 @@ func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, error) {
 // in place: a failure to record only delays that record until the next
 // Synchronize, and does not stop the container.
 func (h *Hook) StartContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	for _, c := range claimsOf(ctr) {
+	start := time.Now()
+	claims := claimsOf(ctr)
+	defer func() {
+		if len(claims) > 0 {
+			klog.FromContext(ctx).V(4).Info("Container starts", "container", ctr.GetId(), "pid", ctr.GetPid(), "took", time.Since(start))
+		}
+	}()
+	for _, c := range claims {
 		c.PID = int(ctr.GetPid())
 		_, mounts, err := h.volumes.Prepare(ctx, c)
 		if !c.AtStart {

@@ -212,6 +212,38 @@ func (e *env) unpublish(id, target string) {
 	}
 }
 
+// podWithVolume provisions a volume in NRI mode for capability c, stages
+// it, runs a pod and publishes the volume for it, as kubelet would.
+func (e *env) podWithVolume(name string, c *csi.VolumeCapability, o publishOptions) (id string, pod *testutil.Pod, target string) {
+	e.t.Helper()
+	id, vctx := e.createVolume(name, c)
+	e.stage(id, c, vctx)
+	pod = e.cri.RunPod(e.t, "p-"+name)
+	target = e.target(pod.UID, "pv-"+name, c.GetBlock() != nil)
+	e.mustPublish(id, target, c, vctx, o)
+	return id, pod, target
+}
+
+// finish does what kubelet and the provisioner do once a volume's pods are
+// gone: the pods removed, it has no consumer left; it is unpublished from
+// each target, unstaged and deleted.
+func (e *env) finish(id string, pods []*testutil.Pod, targets ...string) {
+	e.t.Helper()
+	for _, p := range pods {
+		if err := p.Remove(); err != nil {
+			e.t.Fatal(err)
+		}
+	}
+	e.wantConsumers(id)
+	for _, target := range targets {
+		e.unpublish(id, target)
+	}
+	if err := e.unstage(id); err != nil {
+		e.t.Fatalf("NodeUnstageVolume %s once its pods are gone: %v", id, err)
+	}
+	e.deleteVolume(id)
+}
+
 func (e *env) deleteVolume(id string) {
 	e.t.Helper()
 	if _, err := e.ctl.DeleteVolume(e.ctx(), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
@@ -359,12 +391,6 @@ func (p *proc) start() {
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
 	p.cmd, p.done = cmd, done
-}
-
-func (p *proc) pid() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cmd.Process.Pid
 }
 
 // signal sends sig without waiting.

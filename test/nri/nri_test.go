@@ -72,18 +72,7 @@ func TestNRIVolumeInContainers(t *testing.T) {
 		t.Error("NodeUnstageVolume succeeded while containers use the volume")
 	}
 
-	for _, p := range []*testutil.Pod{podA, podB} {
-		if err := p.Remove(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	e.wantConsumers(id)
-	e.unpublish(id, targetA)
-	e.unpublish(id, targetB)
-	if err := e.unstage(id); err != nil {
-		t.Fatalf("NodeUnstageVolume after the pods are gone: %v", err)
-	}
-	e.deleteVolume(id)
+	e.finish(id, []*testutil.Pod{podA, podB}, targetA, targetB)
 	if e.poller.count() < 100 {
 		t.Errorf("the host's mount table was sampled only %d times", e.poller.count())
 	}
@@ -154,14 +143,7 @@ func TestNRIHookAbsent(t *testing.T) {
 		t.Fatalf("with the hook back, /data is %q, want ext4", fsType)
 	}
 	e.removeContainer(ctr)
-	if err := pod.Remove(); err != nil {
-		t.Fatal(err)
-	}
-	e.unpublish(id, target)
-	if err := e.unstage(id); err != nil {
-		t.Fatal(err)
-	}
-	e.deleteVolume(id)
+	e.finish(id, []*testutil.Pod{pod}, target)
 }
 
 // TestNRIPluginWithoutNRI: a volume that asks for NRI mode on a node whose
@@ -187,11 +169,7 @@ func TestNRIPluginWithoutNRI(t *testing.T) {
 // container removed meanwhile is released), and new containers work.
 func TestNRIMounterKilled(t *testing.T) {
 	e := newEnv(t, envOptions{})
-	id, vctx := e.createVolume("nri-kill", mountCap())
-	e.stage(id, mountCap(), vctx)
-	pod := e.cri.RunPod(t, "p")
-	target := e.target(pod.UID, "pv", false)
-	e.mustPublish(id, target, mountCap(), vctx, publishOptions{})
+	id, pod, target := e.podWithVolume("nri-kill", mountCap(), publishOptions{})
 	keep := pod.RunContainer(t, "keep", volumeMount("/data", target, false))
 	gone := pod.RunContainer(t, "gone", volumeMount("/data", target, false))
 	e.exec(keep, "echo before > /data/f")
@@ -254,15 +232,7 @@ func TestNRIMounterKilled(t *testing.T) {
 		t.Errorf("a container after the restart reads %q", got)
 	}
 	e.wantConsumers(id, append(started, keep, again)...)
-	if err := pod.Remove(); err != nil {
-		t.Fatal(err)
-	}
-	e.wantConsumers(id)
-	e.unpublish(id, target)
-	if err := e.unstage(id); err != nil {
-		t.Fatal(err)
-	}
-	e.deleteVolume(id)
+	e.finish(id, []*testutil.Pod{pod}, target)
 }
 
 // TestNRIBlock: a block volume in NRI mode is published as a device node
@@ -271,11 +241,7 @@ func TestNRIMounterKilled(t *testing.T) {
 // hook, which also records the container as a consumer.
 func TestNRIBlock(t *testing.T) {
 	e := newEnv(t, envOptions{})
-	id, vctx := e.createVolume("nri-block", blockCap())
-	e.stage(id, blockCap(), vctx)
-	pod := e.cri.RunPod(t, "p")
-	target := e.target(pod.UID, "pv-block", true)
-	e.mustPublish(id, target, blockCap(), vctx, publishOptions{})
+	id, pod, target := e.podWithVolume("nri-block", blockCap(), publishOptions{})
 	var st unix.Stat_t
 	if err := unix.Lstat(target, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
 		t.Fatalf("the block publish left %v (mode %o), want a block device node", err, st.Mode)
@@ -292,18 +258,10 @@ func TestNRIBlock(t *testing.T) {
 		t.Errorf("a second container reads %q from the device", got)
 	}
 	e.wantConsumers(id, c1, c2)
-	if err := pod.Remove(); err != nil {
-		t.Fatal(err)
-	}
-	e.wantConsumers(id)
-	e.unpublish(id, target)
+	e.finish(id, []*testutil.Pod{pod}, target)
 	if err := unix.Lstat(target, &st); !errors.Is(err, unix.ENOENT) {
 		t.Errorf("the device node is still at %s after unpublish: %v", target, err)
 	}
-	if err := e.unstage(id); err != nil {
-		t.Fatal(err)
-	}
-	e.deleteVolume(id)
 }
 
 // TestNRIChainAndFUSE: an overlay chain over a squashfs image and a FUSE
@@ -389,23 +347,12 @@ fuseProfiles:
 // have reached the guard); a non-root container of the group writes.
 func TestNRIFSGroup(t *testing.T) {
 	e := newEnv(t, envOptions{})
-	id, vctx := e.createVolume("nri-fsgroup", mountCap())
-	e.stage(id, mountCap(), vctx)
-	pod := e.cri.RunPod(t, "p")
-	target := e.target(pod.UID, "pv", false)
-	e.mustPublish(id, target, mountCap(), vctx, publishOptions{mountGroup: "2000"})
+	id, pod, target := e.podWithVolume("nri-fsgroup", mountCap(), publishOptions{mountGroup: "2000"})
 	spec := volumeMount("/data", target, false)
 	spec.RunAsUser, spec.SupplementalGroups = 1000, []int64{2000}
 	c := pod.RunContainer(t, "app", spec)
 	if got := e.exec(c, "id -u; stat -c '%g %A' /data; echo hi > /data/by-1000 && stat -c %g /data/by-1000"); got != "1000\n2000 drwxrwsr-x\n2000\n" {
 		t.Errorf("a non-root container of the fsGroup: %q, want uid 1000, /data group 2000 setgid, and a file it wrote of group 2000", got)
 	}
-	if err := pod.Remove(); err != nil {
-		t.Fatal(err)
-	}
-	e.unpublish(id, target)
-	if err := e.unstage(id); err != nil {
-		t.Fatal(err)
-	}
-	e.deleteVolume(id)
+	e.finish(id, []*testutil.Pod{pod}, target)
 }
