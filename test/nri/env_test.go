@@ -11,6 +11,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -135,12 +136,24 @@ func blockCap() *csi.VolumeCapability {
 		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}}
 }
 
-// createVolume provisions a loop volume as a StorageClass with nri: "true"
-// would, and returns its ID and the context the PV would carry.
+// createVolume provisions a 32 MiB ext4 loop volume as a StorageClass with
+// nri: "true" would, and returns its ID and the context the PV would carry.
 func (e *env) createVolume(name string, c *csi.VolumeCapability) (string, map[string]string) {
 	e.t.Helper()
-	resp, err := e.ctl.CreateVolume(e.ctx(), &csi.CreateVolumeRequest{Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 32 << 20},
-		Parameters: map[string]string{"nri": "true"}, VolumeCapabilities: []*csi.VolumeCapability{c}})
+	return e.createVolumeOf(name, c, 32<<20, nil)
+}
+
+// createVolumeOf is createVolume with a size and more StorageClass
+// parameters.
+func (e *env) createVolumeOf(name string, c *csi.VolumeCapability, size int64, params map[string]string) (string, map[string]string) {
+	e.t.Helper()
+	params = maps.Clone(params)
+	if params == nil {
+		params = map[string]string{}
+	}
+	params["nri"] = "true"
+	resp, err := e.ctl.CreateVolume(e.ctx(), &csi.CreateVolumeRequest{Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+		Parameters: params, VolumeCapabilities: []*csi.VolumeCapability{c}})
 	if err != nil {
 		e.t.Fatalf("CreateVolume %s: %v", name, err)
 	}

@@ -270,7 +270,7 @@ func TestNRIBlock(t *testing.T) {
 // their host-side sources live under the state dir, never at a kubelet
 // path.
 func TestNRIChainAndFUSE(t *testing.T) {
-	testutil.RequireCommands(t, "mksquashfs", "squashfuse")
+	testutil.RequireCommands(t, "mksquashfs", "mkfs.erofs", "squashfuse")
 	dir := t.TempDir()
 	images := filepath.Join(dir, "images")
 	content := filepath.Join(dir, "content")
@@ -282,9 +282,11 @@ func TestNRIChainAndFUSE(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(content, "hello.txt"), []byte("from the image\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	image := filepath.Join(images, "tools.sqfs")
-	if out, err := exec.Command("mksquashfs", content, image, "-noappend", "-quiet", "-no-progress").CombinedOutput(); err != nil {
-		t.Fatalf("mksquashfs: %v\n%s", err, out)
+	image, erofs := filepath.Join(images, "tools.sqfs"), filepath.Join(images, "tools.erofs")
+	for _, cmd := range [][]string{{"mksquashfs", content, image, "-noappend", "-quiet", "-no-progress"}, {"mkfs.erofs", "--quiet", erofs, content}} {
+		if out, err := exec.Command(cmd[0], cmd[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", cmd[0], err, out)
+		}
 	}
 	cfg := filepath.Join(dir, "config.yaml")
 	if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`defaultFsType: ext4
@@ -306,6 +308,7 @@ fuseProfiles:
 		writable   bool
 	}{
 		{"chain", "overlay", map[string]string{"type": "loop", "image": image, "overlay": "true", "nri": "true"}, true},
+		{"chain-erofs", "overlay", map[string]string{"type": "loop", "image": erofs, "overlay": "true", "upperSize": "33554432", "nri": "true"}, true},
 		{"fuse", "fuse.squashfuse", map[string]string{"type": "fuse", "profile": "squashfuse", "source": image, "nri": "true"}, false},
 	}
 	for _, tc := range cases {
@@ -354,5 +357,23 @@ func TestNRIFSGroup(t *testing.T) {
 	if got := e.exec(c, "id -u; stat -c '%g %A' /data; echo hi > /data/by-1000 && stat -c %g /data/by-1000"); got != "1000\n2000 drwxrwsr-x\n2000\n" {
 		t.Errorf("a non-root container of the fsGroup: %q, want uid 1000, /data group 2000 setgid, and a file it wrote of group 2000", got)
 	}
+	e.finish(id, []*testutil.Pod{pod}, target)
+}
+
+// TestNRIXFS: an xfs volume in NRI mode, mounted by the runtime inside the
+// container.
+func TestNRIXFS(t *testing.T) {
+	testutil.RequireCommands(t, "mkfs.xfs")
+	e := newEnv(t, envOptions{})
+	id, vctx := e.createVolumeOf("nri-xfs", mountCap(), 300<<20, map[string]string{"fsType": "xfs"})
+	e.stage(id, mountCap(), vctx)
+	pod := e.cri.RunPod(t, "p")
+	target := e.target(pod.UID, "pv", false)
+	e.mustPublish(id, target, mountCap(), vctx, publishOptions{})
+	c := pod.RunContainer(t, "c", volumeMount("/data", target, false))
+	if fsType, src := e.fsAt(c, "/data"); fsType != "xfs" || !strings.HasPrefix(src, "/dev/loop") {
+		t.Errorf("/data in the container is %s from %s, want xfs from the volume's loop device", fsType, src)
+	}
+	e.exec(c, "echo x > /data/f")
 	e.finish(id, []*testutil.Pod{pod}, target)
 }
