@@ -13,13 +13,15 @@ TESTFLAGS ?= -p 1 -count=1 -timeout 80m
 # The VM test and its guest build only with these tags (make test-vm), so
 # that `go test ./...` neither runs nor skips them; verify checks them too.
 VMTAGS    := vmtest,vmguest
+# The cluster test builds only with its tag (make test-cluster).
+CLUSTERTAGS := clustertest
 
-.PHONY: all build test test-unit test-sanity test-vm verify bench demo clean codegen deploy fuzz
+.PHONY: all build test test-unit test-sanity test-vm test-cluster verify bench demo clean codegen deploy fuzz
 
 all: build
 
 build:
-	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./hack/csictl
+	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./hack/csictl
 
 # Every test but the VM's. hack/testreport prints go test's usual lines, then
 # the counts of passed, failed and skipped tests with the reason of each
@@ -44,13 +46,19 @@ test-unit:
 test-vm:
 	$(GO) test -tags vmtest -count=1 -v -timeout 20m ./test/vm/
 
+# A real single-node Kubernetes cluster (built from the module proxy into
+# /var/cache/mountplan-tools, started in namespaces of its own), the chart
+# installed with helm, and the flows of test/cluster; see hack/cluster/test.sh.
+test-cluster:
+	hack/cluster/test.sh
+
 test-sanity: build
 	$(GO) test -count=1 -v ./test/sanity/...
 
 verify:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }
-	$(GO) vet -tags $(VMTAGS) $(PKGS)
-	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 -tags $(VMTAGS) $(PKGS)
+	$(GO) vet -tags $(VMTAGS),$(CLUSTERTAGS) $(PKGS)
+	$(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2 -tags $(VMTAGS),$(CLUSTERTAGS) $(PKGS)
 	hack/verify-codegen.sh
 	hack/verify-deploy.sh
 

@@ -567,6 +567,7 @@ func TestPlugin(t *testing.T) {
 		envFromNodeName(t, c, "NODE_NAME")
 		wantArg(t, c, "--driver-name", r.str(t, "driverName"))
 		wantArg(t, c, "--state-dir", r.stateDir(t))
+		wantArg(t, c, "--kubelet-dir", r.kubeletDir(t))
 		wantArg(t, c, "--config", configPath)
 		wantArg(t, c, "--mounter-endpoint", mounterEndpoint)
 		wantArg(t, c, "--v", r.str(t, "logVerbosity"))
@@ -715,6 +716,7 @@ func TestMounter(t *testing.T) {
 		}
 		wantArg(t, c, "--endpoint", mounterEndpoint)
 		wantArg(t, c, "--allowed-root", r.stateDir(t))
+		wantArg(t, c, "--kubelet-dir", r.kubeletDir(t))
 		// Same socket dir as the plugin's --mounter-endpoint.
 		_, v := r.mountAt(t, c, filepath.Dir(socketPath(t, mounterEndpoint)))
 		_, pv := r.mountAt(t, r.container(t, "plugin"), filepath.Dir(socketPath(t, mounterEndpoint)))

@@ -1,7 +1,6 @@
 package chart_test
 
 import (
-	"bufio"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -17,11 +16,12 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/internal/testenv"
+	"github.com/mountplan/mountplan/test/dockerfile"
 )
 
 var (
-	repoRoot   = filepath.Join("..", "..")
-	dockerfile = filepath.Join(repoRoot, "Dockerfile")
+	repoRoot       = filepath.Join("..", "..")
+	dockerfilePath = filepath.Join(repoRoot, "Dockerfile")
 )
 
 // execTools is the one table of external programs mountplan runs on a node and
@@ -57,156 +57,23 @@ var extraPackages = map[string]string{
 	"ca-certificates": "TLS for rclone and other FUSE daemons",
 }
 
-type dockerStage struct {
-	from, name string
-	instrs     []dockerInstr
-}
-
-type dockerInstr struct {
-	line      int
-	cmd, args string
-}
-
-// parseDockerfile splits a Dockerfile into stages of instructions, joining
-// continuation lines and dropping comments.
-func parseDockerfile(t *testing.T, file string) []dockerStage {
+func parseDockerfile(t *testing.T, file string) []dockerfile.Stage {
 	t.Helper()
-	f, err := os.Open(file)
+	stages, err := dockerfile.Parse(file)
 	if err != nil {
 		t.Fatal(err)
-	}
-	defer f.Close()
-	var stages []dockerStage
-	var cur strings.Builder
-	start, n := 0, 0
-	flush := func() {
-		text := strings.TrimSpace(cur.String())
-		cur.Reset()
-		if text == "" {
-			return
-		}
-		cmd, args, _ := strings.Cut(text, " ")
-		in := dockerInstr{line: start, cmd: strings.ToUpper(cmd), args: strings.TrimSpace(args)}
-		if in.cmd == "FROM" {
-			fields := strings.Fields(in.args)
-			var s dockerStage
-			for i := 0; i < len(fields); i++ {
-				switch {
-				case strings.HasPrefix(fields[i], "--"):
-				case strings.EqualFold(fields[i], "AS") && i+1 < len(fields):
-					s.name = fields[i+1]
-					i++
-				case s.from == "":
-					s.from = fields[i]
-				}
-			}
-			stages = append(stages, s)
-		}
-		if len(stages) == 0 {
-			if in.cmd != "ARG" {
-				t.Fatalf("%s:%d: %s before the first FROM", file, in.line, in.cmd)
-			}
-			return
-		}
-		stages[len(stages)-1].instrs = append(stages[len(stages)-1].instrs, in)
-	}
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		n++
-		line := sc.Text()
-		trimmed := strings.TrimSpace(line)
-		if strings.HasPrefix(trimmed, "#") {
-			continue // comment, also inside a continued instruction
-		}
-		if cur.Len() == 0 {
-			if trimmed == "" {
-				continue
-			}
-			start = n
-		}
-		if body, ok := strings.CutSuffix(strings.TrimRight(line, " \t"), "\\"); ok {
-			cur.WriteString(body + " ")
-			continue
-		}
-		cur.WriteString(line)
-		flush()
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	flush()
-	if len(stages) == 0 {
-		t.Fatalf("%s has no FROM", file)
 	}
 	return stages
 }
 
-// shellWords splits a RUN line into words and shell operators.
-func shellWords(s string) []string {
-	var words []string
-	for _, w := range strings.Fields(s) {
-		for w != "" {
-			i := strings.IndexAny(w, ";&|")
-			if i < 0 {
-				words = append(words, w)
-				break
-			}
-			if i > 0 {
-				words = append(words, w[:i])
-			}
-			j := i + 1
-			for j < len(w) && strings.ContainsRune(";&|", rune(w[j])) {
-				j++
-			}
-			words = append(words, w[i:j])
-			w = w[j:]
-		}
-	}
-	return words
-}
-
-// aptInstalls returns the packages a stage installs with apt-get/apt install,
-// and whether every such install passes --no-install-recommends.
-func aptInstalls(s dockerStage) (pkgs []string, noRecommends bool) {
-	noRecommends = true
-	for _, in := range s.instrs {
-		if in.cmd != "RUN" {
-			continue
-		}
-		words := shellWords(in.args)
-		for i := 0; i+1 < len(words); i++ {
-			if (words[i] != "apt-get" && words[i] != "apt") || words[i+1] != "install" {
-				continue
-			}
-			seen := false
-			for j := i + 2; j < len(words); j++ {
-				w := words[j]
-				if strings.ContainsAny(w, ";&|") {
-					break
-				}
-				if w == "--no-install-recommends" {
-					seen = true
-				}
-				if strings.HasPrefix(w, "-") {
-					continue
-				}
-				name, _, _ := strings.Cut(w, "=") // pkg=version
-				pkgs = append(pkgs, name)
-			}
-			noRecommends = noRecommends && seen
-		}
-	}
-	return pkgs, noRecommends
-}
-
 func TestDockerfilePinnedBases(t *testing.T) {
-	stages := parseDockerfile(t, dockerfile)
+	stages := parseDockerfile(t, dockerfilePath)
 	names := map[string]bool{}
 	for _, s := range stages {
-		if names[s.from] {
+		if names[s.From] {
 			continue // a previous stage
 		}
-		ref := s.from
+		ref := s.From
 		switch {
 		case strings.Contains(ref, "$"):
 			t.Errorf("FROM %s: base image from a build argument is not pinned", ref)
@@ -219,47 +86,32 @@ func TestDockerfilePinnedBases(t *testing.T) {
 				t.Errorf("FROM %s: not pinned", ref)
 			}
 		}
-		if s.name != "" {
-			names[s.name] = true
+		if s.Name != "" {
+			names[s.Name] = true
 		}
 	}
 	if len(stages) < 2 {
 		t.Errorf("the Dockerfile has %d stage(s), want a builder and a runtime stage", len(stages))
 	}
-	if final := stages[len(stages)-1].from; !strings.HasPrefix(final, "debian:") || !strings.Contains(final, "slim") {
+	if final := stages[len(stages)-1].From; !strings.HasPrefix(final, "debian:") || !strings.Contains(final, "slim") {
 		t.Errorf("runtime stage FROM %s, want a Debian slim image", final)
 	}
 }
 
 func TestDockerfileBinaries(t *testing.T) {
-	stages := parseDockerfile(t, dockerfile)
+	stages := parseDockerfile(t, dockerfilePath)
 	final := stages[len(stages)-1]
 
-	// The builder builds both commands statically and reproducibly.
+	// The builder builds the commands statically and reproducibly.
 	built := map[string]string{} // output path → package
-	for _, s := range stages[:len(stages)-1] {
-		for _, in := range s.instrs {
-			if in.cmd != "RUN" {
-				continue
-			}
-			for _, cmd := range splitCommands(shellWords(in.args)) {
-				i := slices.Index(cmd, "build")
-				if i < 1 || cmd[i-1] != "go" {
-					continue
-				}
-				if !slices.Contains(cmd[:i], "CGO_ENABLED=0") {
-					t.Errorf("Dockerfile:%d: go build without CGO_ENABLED=0: %q", in.line, cmd)
-				}
-				if !slices.Contains(cmd, "-trimpath") {
-					t.Errorf("Dockerfile:%d: go build without -trimpath: %q", in.line, cmd)
-				}
-				out := ""
-				if j := slices.Index(cmd, "-o"); j >= 0 && j+1 < len(cmd) {
-					out = cmd[j+1]
-				}
-				built[out] = cmd[len(cmd)-1]
-			}
+	for _, b := range dockerfile.GoBuilds(stages[:len(stages)-1]) {
+		if !slices.Contains(b.Env, "CGO_ENABLED=0") {
+			t.Errorf("Dockerfile:%d: go build without CGO_ENABLED=0: %q %q", b.Line, b.Env, b.Flags)
 		}
+		if !slices.Contains(b.Flags, "-trimpath") {
+			t.Errorf("Dockerfile:%d: go build without -trimpath: %q", b.Line, b.Flags)
+		}
+		built[b.Out] = b.Package
 	}
 	for _, c := range []string{"mountplan-plugin", "mountplan-sidecar", "mountplan-resizer"} {
 		found := false
@@ -273,27 +125,8 @@ func TestDockerfileBinaries(t *testing.T) {
 
 	// The runtime stage copies them to the paths the chart runs.
 	installed := map[string]bool{}
-	for _, in := range final.instrs {
-		if in.cmd != "COPY" {
-			continue
-		}
-		var words []string
-		for _, w := range strings.Fields(in.args) {
-			if !strings.HasPrefix(w, "--") {
-				words = append(words, w)
-			}
-		}
-		if len(words) < 2 {
-			continue
-		}
-		dst := words[len(words)-1]
-		for _, src := range words[:len(words)-1] {
-			if strings.HasSuffix(dst, "/") || len(words) > 2 {
-				installed[path.Join(dst, path.Base(src))] = true
-			} else {
-				installed[dst] = true
-			}
-		}
+	for dst := range dockerfile.Copies(final) {
+		installed[dst] = true
 	}
 	r := render(t, nil)
 	for _, c := range r.ds.Spec.Template.Spec.Containers {
@@ -308,24 +141,9 @@ func TestDockerfileBinaries(t *testing.T) {
 	}
 }
 
-// splitCommands splits shell words at operators into simple commands.
-func splitCommands(words []string) [][]string {
-	var cmds [][]string
-	var cur []string
-	for _, w := range words {
-		if strings.ContainsAny(w, ";&|") {
-			cmds = append(cmds, cur)
-			cur = nil
-			continue
-		}
-		cur = append(cur, w)
-	}
-	return append(cmds, cur)
-}
-
 func TestDockerfileTools(t *testing.T) {
-	stages := parseDockerfile(t, dockerfile)
-	pkgs, noRecommends := aptInstalls(stages[len(stages)-1])
+	stages := parseDockerfile(t, dockerfilePath)
+	pkgs, noRecommends := dockerfile.AptInstalls(stages[len(stages)-1])
 	if !noRecommends {
 		t.Error("the runtime stage runs apt-get install without --no-install-recommends")
 	}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# make test-cluster: a real single-node Kubernetes cluster on this machine,
+# mountplan installed on it with helm, and the flows of test/cluster.
+#
+# 1. Builds (cached under $MOUNTPLAN_TOOLS_CACHE, default
+#    /var/cache/mountplan-tools) Kubernetes, etcd, containerd, crictl, helm
+#    and external-provisioner from the Go module proxy (hack/tools/build.sh),
+#    and the images (hack/cluster/images: the Dockerfile's runtime stage from
+#    a Debian root made by mmdebstrap, and single-binary images).
+# 2. Runs test/cluster (build tag clustertest) holding the shared test lock:
+#    it starts etcd, the control plane, containerd and kubelet in PID, mount
+#    and network namespaces of their own under /var/lib/mountplan-cluster,
+#    installs charts/mountplan with chart values only, runs the flows, tears
+#    everything down and checks that nothing leaked.
+#
+# Needs root and the packages of hack/install-deps.sh. Under CI=true a
+# missing prerequisite fails.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PATH="/usr/local/go/bin:$PATH"
+cache=${MOUNTPLAN_TOOLS_CACHE:-/var/cache/mountplan-tools}
+start=$SECONDS
+
+dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner)
+path=$(tr '\n' ':' <<<"$dirs")
+provisioner=$(grep external-provisioner <<<"$dirs")/csi-provisioner
+go run ./hack/cluster/images -out "$cache/cluster-images" -cache "$cache/images" -provisioner "$provisioner" -tag test
+go test -c -tags clustertest -o "$cache/cluster.test" ./test/cluster
+echo "test-cluster: built in $((SECONDS - start))s"
+
+cd test/cluster
+flock /run/mountplan-tests.lock env MOUNTPLAN_CLUSTER_PATH="${path%:}" \
+  MOUNTPLAN_CLUSTER_IMAGES="$cache/cluster-images" MOUNTPLAN_CLUSTER_TAG=test \
+  "$cache/cluster.test" -test.v -test.count=1 -test.timeout 45m "$@"
+echo "test-cluster: done in $((SECONDS - start))s"

@@ -1,0 +1,255 @@
+//go:build clustertest
+
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Cluster is a running single-node cluster: its node process (PID 1 of the
+// node's namespaces, seen from the host) and its directory.
+type Cluster struct {
+	cfg     nodeConfig
+	node    *exec.Cmd
+	created []string // fixed host paths created for covering, removed at the end
+	started time.Time
+}
+
+// programs the node needs, by name; tools maps a name to a bin directory.
+var programs = []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl",
+	"containerd", "containerd-shim-runc-v2", "ctr", "crictl", "helm"}
+
+// fixedPaths are written by kubelet, containerd or CNI whatever their
+// configured directories: each is covered inside the node by a directory
+// under the root (created on the host first when missing, removed after).
+var fixedPaths = []string{
+	"/var/lib/kubelet",    // device-plugins
+	"/var/log/pods",       // kubelet
+	"/var/log/containers", // kubelet's symlinks
+	"/var/lib/cni",        // CNI results cache
+	"/run/netns",          // pod network namespaces
+	"/run/containerd",     // shim sockets
+	"/var/lib/containerd",
+	"/run/nri",
+	"/etc/cni/net.d",
+}
+
+// startCluster builds the root directory and starts the node; the node is
+// Ready when it returns.
+func startCluster(t *testing.T, root string, path []string) *Cluster {
+	t.Helper()
+	cfg := nodeConfig{Root: root, Bin: map[string]string{}, Fixed: fixedPaths}
+	for _, name := range programs {
+		p, err := lookPath(name, path)
+		if err != nil {
+			t.Fatalf("%v (make test-cluster builds them with hack/tools/build.sh)", err)
+		}
+		cfg.Bin[name] = p
+	}
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c := &Cluster{cfg: cfg, started: time.Now()}
+	for _, p := range fixedPaths {
+		top, err := mkdirRecording(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if top != "" {
+			c.created = append(c.created, top)
+		}
+	}
+	// Recorded for an interrupted run's successor (cleanStale).
+	if err := os.WriteFile(cfg.path("created"), []byte(strings.Join(c.created, "\n")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := writePKI(cfg.path("pki")); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeConfigs(cfg); err != nil {
+		t.Fatal(err)
+	}
+	js, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log, err := os.Create(cfg.path("logs", "node.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer log.Close()
+	c.node = exec.Command(os.Args[0])
+	c.node.Env = append(os.Environ(), nodeEnv+"="+string(js))
+	c.node.Stdout, c.node.Stderr = log, log
+	c.node.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags: unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET,
+		Pdeathsig:  unix.SIGTERM, // the test died: the node stops in order
+	}
+	if err := c.node.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = c.node.Wait(); close(exited) }()
+	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
+		if _, err := os.Stat(cfg.path("node", "ready")); err == nil {
+			break
+		}
+		if b, err := os.ReadFile(cfg.path("node", "failed")); err == nil {
+			t.Fatalf("node failed: %s\n%s", b, tail(cfg.path("logs", "node.log"), 30))
+		}
+		select {
+		case <-exited:
+			t.Fatalf("node exited: %v\n%s", c.node.ProcessState, tail(cfg.path("logs", "node.log"), 30))
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node not up after 3 minutes\n%s", tail(cfg.path("logs", "node.log"), 30))
+		}
+	}
+	t.Logf("control plane, containerd and kubelet up in %v", time.Since(c.started).Round(time.Millisecond))
+	return c
+}
+
+func lookPath(name string, path []string) (string, error) {
+	for _, d := range path {
+		p := filepath.Join(d, name)
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%s not found in %v", name, path)
+}
+
+// mkdirRecording creates p and returns the topmost directory it created
+// ("" when p existed).
+func mkdirRecording(p string) (string, error) {
+	top := ""
+	for d := p; d != "/"; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil {
+			break
+		}
+		top = d
+	}
+	return top, os.MkdirAll(p, 0o755)
+}
+
+// nodePID is the node process's PID on the host.
+func (c *Cluster) nodePID() int { return c.node.Process.Pid }
+
+// inNode runs a program inside the node's network namespace (the API
+// server and kubelet listen there) and returns its output.
+func (c *Cluster) inNode(ctx context.Context, stdin []byte, prog string, args ...string) (string, error) {
+	full := append([]string{"--target", strconv.Itoa(c.nodePID()), "--net", "--", c.cfg.Bin[prog]}, args...)
+	cmd := exec.CommandContext(ctx, "nsenter", full...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.cfg.path("pki", "admin.kubeconfig"),
+		"HELM_CACHE_HOME="+c.cfg.path("helm", "cache"), "HELM_CONFIG_HOME="+c.cfg.path("helm", "config"),
+		"HELM_DATA_HOME="+c.cfg.path("helm", "data"))
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	if err != nil {
+		return out.String(), fmt.Errorf("%s %s: %w: %s", prog, strings.Join(args, " "), err, strings.TrimSpace(errb.String()))
+	}
+	return out.String(), nil
+}
+
+// kubectl runs kubectl with a minute's timeout.
+func (c *Cluster) kubectl(args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	return c.inNode(ctx, nil, "kubectl", args...)
+}
+
+// apply applies a manifest.
+func (c *Cluster) apply(manifest string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err := c.inNode(ctx, []byte(manifest), "kubectl", "apply", "-f", "-")
+	return err
+}
+
+// stop stops the node in order (kubelet, sandboxes, containerd, control
+// plane), then removes the fixed paths it created. It returns what the node
+// found still running (a leak).
+func (c *Cluster) stop() ([]string, error) {
+	var errs []error
+	if c.node.ProcessState == nil {
+		_ = c.node.Process.Signal(unix.SIGTERM)
+		done := make(chan struct{})
+		go func() {
+			for c.node.ProcessState == nil {
+				if err := unix.Kill(c.nodePID(), 0); err != nil {
+					break
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			close(done)
+		}()
+		select {
+		case <-done:
+		case <-time.After(3 * time.Minute):
+			_ = c.node.Process.Kill()
+			errs = append(errs, errors.New("node did not stop in 3 minutes: killed"))
+		}
+	}
+	var left []string
+	if b, err := os.ReadFile(c.cfg.path("node", "leftover")); err == nil && len(bytes.TrimSpace(b)) > 0 {
+		left = strings.Split(strings.TrimSpace(string(b)), "\n")
+	}
+	for i := len(c.created) - 1; i >= 0; i-- {
+		if err := removeEmptyTree(c.created[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return left, errors.Join(errs...)
+}
+
+// removeEmptyTree removes a tree of empty directories (it was only a mount
+// point): anything else in it is an error.
+func removeEmptyTree(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		if os.IsNotExist(err) {
+			return nil
+		}
+		return err
+	}
+	for _, e := range entries {
+		if !e.IsDir() {
+			return fmt.Errorf("%s: written on the host, outside the node's covered paths", filepath.Join(dir, e.Name()))
+		}
+		if err := removeEmptyTree(filepath.Join(dir, e.Name())); err != nil {
+			return err
+		}
+	}
+	return os.Remove(dir)
+}
+
+func tail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}

@@ -1,0 +1,90 @@
+//go:build clustertest
+
+package cluster
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mountplan/mountplan/internal/testenv"
+)
+
+// Environment of the test, set by hack/cluster/test.sh (make test-cluster).
+const (
+	envPath   = "MOUNTPLAN_CLUSTER_PATH"   // bin directories of the cluster's programs
+	envImages = "MOUNTPLAN_CLUSTER_IMAGES" // directory of image archives (hack/cluster/images)
+	envTag    = "MOUNTPLAN_CLUSTER_TAG"    // tag of the mountplan image in it
+	envRoot   = "MOUNTPLAN_CLUSTER_ROOT"   // the cluster's directory (default below)
+)
+
+const defaultRoot = "/var/lib/mountplan-cluster"
+
+func TestCluster(t *testing.T) {
+	testenv.RequireRoot(t)
+	testenv.RequireCommands(t, "nsenter", "ip", "mkfs.ext4", "mksquashfs", "losetup")
+	path := filepath.SplitList(os.Getenv(envPath))
+	images, tag := os.Getenv(envImages), os.Getenv(envTag)
+	if len(path) == 0 || images == "" || tag == "" {
+		testenv.Missing(t, "%s, %s and %s (run make test-cluster)", envPath, envImages, envTag)
+	}
+	root := os.Getenv(envRoot)
+	if root == "" {
+		root = defaultRoot
+	}
+	repo, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanStale(t, root)
+	before := takeSnapshot(t, root)
+	c := startCluster(t, root, path)
+	defer func() {
+		left, err := c.stop()
+		if err != nil {
+			t.Error(err)
+		}
+		for _, l := range left {
+			t.Errorf("leak: process still running in the node at its stop: %s", l)
+		}
+		after := takeSnapshot(t, root)
+		for _, l := range before.diff(after) {
+			t.Errorf("leak: %s", l)
+		}
+		if t.Failed() {
+			t.Logf("logs kept under %s", c.cfg.path("logs"))
+			return
+		}
+		if err := os.RemoveAll(root); err != nil {
+			t.Error(err)
+		}
+	}()
+	c.importImages(t, images)
+	c.waitNodeReady(t)
+
+	e := newEnv(t, c, repo, tag)
+	start := time.Now()
+	e.install(t)
+	t.Logf("helm install to DaemonSet ready: %v", time.Since(start).Round(time.Millisecond))
+	must(t)(c.kubectl("create", "namespace", testNS))
+
+	var pending []string
+	for _, f := range flows {
+		if f.pending != "" {
+			pending = append(pending, fmt.Sprintf("%s: %s", f.name, f.pending))
+			continue
+		}
+		if !t.Run(f.name, func(t *testing.T) { f.run(t, e) }) {
+			t.Logf("flow %s failed; logs under %s", f.name, c.cfg.path("logs"))
+		}
+	}
+	for _, p := range pending {
+		t.Logf("pending (not run): %s", p)
+	}
+	e.memory(t)
+	e.deleteEverything(t)
+	_ = strings.TrimSpace
+}

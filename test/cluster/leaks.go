@@ -1,0 +1,212 @@
+//go:build clustertest
+
+package cluster
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// snapshot is the host state the cluster must leave as it found it.
+type snapshot struct {
+	loops   map[string]string // loop device → "dev:inode" of its backing file
+	mounts  []string          // the host's mount table: mount point, source, type
+	fixed   map[string]string // each fixed path: "absent" or its listing
+	cgroups []string          // cgroup directories two levels deep
+	links   []string          // network interfaces
+}
+
+func takeSnapshot(t *testing.T, root string) snapshot {
+	t.Helper()
+	s := snapshot{loops: loopDevices(), fixed: map[string]string{}}
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		i := slices.Index(fields, "-")
+		if i < 0 || i+2 >= len(fields) {
+			continue
+		}
+		s.mounts = append(s.mounts, fields[4]+" "+fields[i+2]+" "+fields[i+1])
+	}
+	for _, p := range fixedPaths {
+		entries, err := os.ReadDir(p)
+		if err != nil {
+			s.fixed[p] = "absent"
+			continue
+		}
+		var names []string
+		for _, e := range entries {
+			names = append(names, e.Name())
+		}
+		s.fixed[p] = strings.Join(names, ",")
+	}
+	ctrls, _ := os.ReadDir("/sys/fs/cgroup")
+	for _, c := range ctrls {
+		dirs, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", c.Name(), "*", "*"))
+		top, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", c.Name(), "*"))
+		for _, d := range append(top, dirs...) {
+			if fi, err := os.Stat(d); err == nil && fi.IsDir() {
+				s.cgroups = append(s.cgroups, d)
+			}
+		}
+	}
+	links, _ := os.ReadDir("/sys/class/net")
+	for _, l := range links {
+		s.links = append(s.links, l.Name())
+	}
+	return s
+}
+
+// loopDevices maps each attached loop device to its backing file's device
+// and inode (LOOP_GET_STATUS64): a path says little once the plugin's
+// container, in whose mount namespace it was attached, is gone.
+func loopDevices() map[string]string {
+	m := map[string]string{}
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	for _, f := range files {
+		name := filepath.Base(filepath.Dir(filepath.Dir(f)))
+		fd, err := unix.Open("/dev/"+name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			m[name] = "unknown: " + err.Error()
+			continue
+		}
+		st, err := unix.IoctlLoopGetStatus64(fd)
+		unix.Close(fd)
+		if err != nil {
+			continue // detached meanwhile
+		}
+		m[name] = fmt.Sprintf("%d:%d", st.Device, st.Inode)
+	}
+	return m
+}
+
+// diff lists what after has that s had not (or lost), as leaks.
+func (s snapshot) diff(after snapshot) []string {
+	var leaks []string
+	for dev, id := range after.loops {
+		if s.loops[dev] != id {
+			leaks = append(leaks, fmt.Sprintf("loop device %s (backing file %s)", dev, id))
+		}
+	}
+	for _, m := range after.mounts {
+		if !slices.Contains(s.mounts, m) {
+			leaks = append(leaks, "host mount "+m)
+		}
+	}
+	for p, was := range s.fixed {
+		if now := after.fixed[p]; now != was {
+			leaks = append(leaks, fmt.Sprintf("fixed path %s: %q before, %q after", p, was, now))
+		}
+	}
+	for _, cg := range after.cgroups {
+		if !slices.Contains(s.cgroups, cg) {
+			leaks = append(leaks, "cgroup "+cg)
+		}
+	}
+	for _, l := range after.links {
+		if !slices.Contains(s.links, l) {
+			leaks = append(leaks, "network interface on the host "+l)
+		}
+	}
+	return leaks
+}
+
+// cleanStale removes what an interrupted earlier run left: its node is
+// gone with its namespaces, but loop devices and files stay.
+func cleanStale(t *testing.T, root string) {
+	t.Helper()
+	if _, err := os.Stat(root); os.IsNotExist(err) {
+		return
+	}
+	t.Logf("removing %s left by an earlier run", root)
+	var st unix.Stat_t
+	if err := unix.Stat(root, &st); err != nil {
+		t.Fatal(err)
+	}
+	inodes := map[string]bool{}
+	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			var fst unix.Stat_t
+			if unix.Lstat(p, &fst) == nil {
+				inodes[fmt.Sprintf("%d:%d", fst.Dev, fst.Ino)] = true
+			}
+		}
+		return nil
+	})
+	for dev, id := range loopDevices() {
+		if inodes[id] {
+			if fd, err := unix.Open("/dev/"+dev, unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
+				_ = unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0)
+				unix.Close(fd)
+			}
+		}
+	}
+	if b, err := os.ReadFile(filepath.Join(root, "created")); err == nil {
+		for _, d := range strings.Fields(string(b)) {
+			if err := removeEmptyTree(d); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := os.RemoveAll(root); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkNodeClean checks inside the node, once every volume is deleted: no
+// mount under the state dir or kubelet's volume directories in the node's
+// mount namespace, no volume image file, no loop device backed by a file
+// under the cluster's directory.
+func (e *env) checkNodeClean(t *testing.T) {
+	t.Helper()
+	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", e.c.nodePID()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	state, kubelet := e.c.cfg.path("state"), e.c.cfg.path("kubelet")
+	for _, l := range strings.Split(string(mi), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 5 {
+			continue
+		}
+		mp := f[4]
+		if strings.HasPrefix(mp, state+"/") ||
+			strings.HasPrefix(mp, kubelet+"/pods/") && strings.Contains(mp, "kubernetes.io~csi") ||
+			strings.HasPrefix(mp, kubelet+"/plugins/kubernetes.io/csi/") {
+			t.Errorf("leak: mount in the node: %s", l)
+		}
+	}
+	_ = filepath.WalkDir(e.c.cfg.path("state", "images"), func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			t.Errorf("leak: volume image left: %s", p)
+		}
+		return nil
+	})
+	inodes := map[string]string{}
+	_ = filepath.WalkDir(e.c.cfg.Root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			var st unix.Stat_t
+			if unix.Lstat(p, &st) == nil {
+				inodes[fmt.Sprintf("%d:%d", st.Dev, st.Ino)] = p
+			}
+		}
+		return nil
+	})
+	for dev, id := range loopDevices() {
+		if p, ok := inodes[id]; ok {
+			t.Errorf("leak: %s still backed by %s", dev, p)
+		}
+	}
+}

@@ -1,0 +1,424 @@
+//go:build clustertest
+
+package cluster
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The node's fixed addresses, inside its own network namespace: nothing of
+// them is visible on the host.
+const (
+	nodeName   = "mp-node"
+	nodeIP     = "10.200.0.1" // on lo: kubelet refuses a loopback node IP
+	serviceIP  = "10.96.0.1"  // the kubernetes Service; no kube-proxy, so it is on lo and the API server listens on :443
+	serviceNet = "10.96.0.0/16"
+	podNet     = "10.244.0.0/24"
+)
+
+// nodeEnv carries the node's configuration (JSON) to the re-executed test
+// binary that becomes the node's first process.
+const nodeEnv = "MOUNTPLAN_CLUSTER_NODE"
+
+// nodeConfig is what the node process needs.
+type nodeConfig struct {
+	// Root is the cluster's directory on the host: every file the cluster
+	// writes lies under it, except what kubelet and the runtime write at
+	// fixed paths, which are covered by directories under Root.
+	Root string
+	// Bin maps a program (etcd, kube-apiserver, ..., containerd, crictl) to its path.
+	Bin map[string]string
+	// Fixed are the host paths covered by private directories.
+	Fixed []string
+}
+
+func (c nodeConfig) path(p ...string) string { return filepath.Join(append([]string{c.Root}, p...)...) }
+
+// fixedSource is the private directory that covers a fixed host path.
+func (c nodeConfig) fixedSource(p string) string {
+	return c.path("fixed", strings.ReplaceAll(strings.Trim(p, "/"), "/", "_"))
+}
+
+// nodeMain runs as the first process of the node's PID, mount and network
+// namespaces: it sets them up, starts the control plane, containerd and
+// kubelet, restarts any of them that exits, and on SIGTERM stops them in
+// order and reports what was left.
+func nodeMain() int {
+	var cfg nodeConfig
+	if err := json.Unmarshal([]byte(os.Getenv(nodeEnv)), &cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "node config:", err)
+		return 2
+	}
+	n := &node{cfg: cfg, procs: map[int]*proc{}}
+	if err := n.run(); err != nil {
+		n.logf("node failed: %v", err)
+		_ = os.WriteFile(cfg.path("node", "failed"), []byte(err.Error()), 0o644)
+		n.stopAll()
+		return 1
+	}
+	return 0
+}
+
+type node struct {
+	cfg   nodeConfig
+	mu    sync.Mutex
+	procs map[int]*proc // by PID, alive ones
+	stop  bool
+}
+
+// proc is a process the node started: a component (restarted when it
+// exits) or a one-shot command.
+type proc struct {
+	name    string
+	argv    []string
+	restart bool
+	pid     int
+	exited  chan struct{}
+	status  unix.WaitStatus
+}
+
+func (n *node) logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "%s node: %s\n", time.Now().Format("15:04:05.000"), fmt.Sprintf(format, args...))
+}
+
+func (n *node) run() error {
+	// Reap everything: the node is PID 1 of its namespace, orphans (shims,
+	// daemons) end up here. Reaping runs apart from stopping, which waits
+	// for what it reaps.
+	chld, term := make(chan os.Signal, 64), make(chan os.Signal, 1)
+	signal.Notify(chld, unix.SIGCHLD)
+	signal.Notify(term, unix.SIGTERM, unix.SIGINT)
+	go func() {
+		for range chld {
+			n.reap()
+		}
+	}()
+	go func() {
+		s := <-term
+		n.logf("%v: stopping", s)
+		n.stopAll()
+		os.Exit(0)
+	}()
+	if err := n.setupMounts(); err != nil {
+		return fmt.Errorf("mounts: %w", err)
+	}
+	for _, args := range [][]string{
+		{"ip", "link", "set", "lo", "up"},
+		{"ip", "addr", "add", nodeIP + "/32", "dev", "lo"},
+		{"ip", "addr", "add", serviceIP + "/32", "dev", "lo"},
+	} {
+		if err := n.runCmd(args...); err != nil {
+			return err
+		}
+	}
+	for _, c := range n.components() {
+		if err := n.start(c.name, true, c.argv...); err != nil {
+			return err
+		}
+		if c.ready != nil {
+			if err := waitUntil(90*time.Second, c.ready); err != nil {
+				return fmt.Errorf("%s not ready: %w (log: %s)", c.name, err, n.cfg.path("logs", c.name+".log"))
+			}
+		}
+		n.logf("%s started", c.name)
+	}
+	if err := os.WriteFile(n.cfg.path("node", "ready"), nil, 0o644); err != nil {
+		return err
+	}
+	select {} // until SIGTERM
+}
+
+// setupMounts: nothing mounted here reaches the host (/ is made private
+// first), /proc is this PID namespace's, each fixed path kubelet or the
+// runtime writes is covered by a directory under Root, and / becomes shared
+// inside so that Bidirectional mounts of the plugin's pod work.
+func (n *node) setupMounts() error {
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make / private: %w", err)
+	}
+	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount /proc: %w", err)
+	}
+	for _, p := range n.cfg.Fixed {
+		src := n.cfg.fixedSource(p)
+		if err := os.MkdirAll(src, 0o755); err != nil {
+			return err
+		}
+		if err := unix.Mount(src, p, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("cover %s: %w", p, err)
+		}
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SHARED, ""); err != nil {
+		return fmt.Errorf("make / shared: %w", err)
+	}
+	return nil
+}
+
+type component struct {
+	name  string
+	argv  []string
+	ready func() error
+}
+
+func (n *node) components() []component {
+	c := n.cfg
+	pki := func(f string) string { return c.path("pki", f) }
+	sock := c.path("run", "containerd.sock")
+	return []component{
+		{name: "etcd", argv: []string{c.Bin["etcd"], "--name=mp", "--data-dir=" + c.path("etcd"),
+			"--listen-client-urls=http://127.0.0.1:2379", "--advertise-client-urls=http://127.0.0.1:2379",
+			"--listen-peer-urls=http://127.0.0.1:2380", "--initial-advertise-peer-urls=http://127.0.0.1:2380",
+			"--initial-cluster=mp=http://127.0.0.1:2380", "--log-level=warn", "--unsafe-no-fsync"},
+			ready: dialable("tcp", "127.0.0.1:2379")},
+		{name: "kube-apiserver", argv: []string{c.Bin["kube-apiserver"],
+			"--etcd-servers=http://127.0.0.1:2379", "--bind-address=0.0.0.0", "--secure-port=443",
+			"--advertise-address=" + nodeIP, "--service-cluster-ip-range=" + serviceNet,
+			"--tls-cert-file=" + pki("apiserver.crt"), "--tls-private-key-file=" + pki("apiserver.key"),
+			"--client-ca-file=" + pki("ca.crt"), "--token-auth-file=" + pki("tokens.csv"),
+			"--authorization-mode=Node,RBAC", "--allow-privileged=true",
+			"--service-account-issuer=https://kubernetes.default.svc", "--service-account-key-file=" + pki("sa.pub"),
+			"--service-account-signing-key-file=" + pki("sa.key"),
+			"--kubelet-preferred-address-types=InternalIP,Hostname", "--profiling=false"},
+			ready: apiReady(pki("admin.kubeconfig"))},
+		{name: "kube-controller-manager", argv: []string{c.Bin["kube-controller-manager"],
+			"--kubeconfig=" + pki("controller-manager.kubeconfig"), "--leader-elect=false", "--secure-port=0",
+			"--service-account-private-key-file=" + pki("sa.key"), "--root-ca-file=" + pki("ca.crt"), "--use-service-account-credentials=true",
+			"--controllers=*,-nodeipam", "--profiling=false"}},
+		{name: "kube-scheduler", argv: []string{c.Bin["kube-scheduler"],
+			"--kubeconfig=" + pki("scheduler.kubeconfig"), "--leader-elect=false", "--secure-port=0", "--profiling=false"}},
+		{name: "containerd", argv: []string{c.Bin["containerd"], "--config=" + c.path("containerd.toml")},
+			ready: dialable("unix", sock)},
+		{name: "kubelet", argv: []string{c.Bin["kubelet"], "--config=" + c.path("kubelet.yaml"),
+			"--kubeconfig=" + pki("kubelet.kubeconfig"), "--root-dir=" + c.path("kubelet"),
+			"--node-ip=" + nodeIP, "--hostname-override=" + nodeName, "--cert-dir=" + c.path("kubelet-pki"),
+			"--v=2"}},
+	}
+}
+
+func dialable(network, addr string) func() error {
+	return func() error {
+		c, err := net.DialTimeout(network, addr, time.Second)
+		if err == nil {
+			c.Close()
+		}
+		return err
+	}
+}
+
+// apiReady asks /readyz with the admin's token.
+func apiReady(kubeconfigFile string) func() error {
+	return func() error {
+		b, err := os.ReadFile(kubeconfigFile)
+		if err != nil {
+			return err
+		}
+		_, rest, _ := strings.Cut(string(b), "token: \"")
+		token, _, _ := strings.Cut(rest, "\"")
+		req, err := http.NewRequest(http.MethodGet, "https://"+nodeIP+":443/readyz", nil)
+		if err != nil {
+			return err
+		}
+		req.Header.Set("Authorization", "Bearer "+token)
+		cl := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+		resp, err := cl.Do(req)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("readyz: %s", resp.Status)
+		}
+		return nil
+	}
+}
+
+func waitUntil(d time.Duration, f func() error) error {
+	deadline := time.Now().Add(d)
+	for {
+		err := f()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// start starts a component whose output goes to logs/<name>.log.
+func (n *node) start(name string, restart bool, argv ...string) error {
+	_, err := n.spawn(&proc{name: name, argv: argv, restart: restart})
+	return err
+}
+
+func (n *node) spawn(p *proc) (*proc, error) {
+	if err := os.MkdirAll(n.cfg.path("logs"), 0o755); err != nil {
+		return nil, err
+	}
+	log, err := os.OpenFile(n.cfg.path("logs", p.name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer log.Close()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.stop && p.restart {
+		return nil, errors.New("stopping")
+	}
+	pr, err := os.StartProcess(p.argv[0], p.argv, &os.ProcAttr{
+		Env:   n.environ(),
+		Files: []*os.File{nil, log, log},
+		Sys:   &syscall.SysProcAttr{Setsid: true},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("start %s: %w", p.name, err)
+	}
+	p.pid = pr.Pid
+	p.exited = make(chan struct{})
+	_ = pr.Release() // reaped by reap, not by os.Process
+	n.procs[p.pid] = p
+	return p, nil
+}
+
+// environ is the components' environment: the node's own without PATH and
+// the node's configuration, and a PATH on which containerd finds its shim,
+// ours before Debian's (containerd 1.6, which other tests use, in /usr/bin).
+func (n *node) environ() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "PATH=") && !strings.HasPrefix(kv, nodeEnv+"=") {
+			env = append(env, kv)
+		}
+	}
+	return append(env, "PATH="+filepath.Dir(n.cfg.Bin["containerd"])+":/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+}
+
+// runCmd runs a one-shot command to its end.
+func (n *node) runCmd(argv ...string) error {
+	p, err := n.spawn(&proc{name: "cmd-" + filepath.Base(argv[0]), argv: resolve(argv)})
+	if err != nil {
+		return err
+	}
+	<-p.exited
+	if !p.status.Exited() || p.status.ExitStatus() != 0 {
+		return fmt.Errorf("%q: %v (log: %s)", argv, p.status, n.cfg.path("logs", p.name+".log"))
+	}
+	return nil
+}
+
+func resolve(argv []string) []string {
+	if !strings.Contains(argv[0], "/") {
+		for _, d := range []string{"/usr/sbin", "/usr/bin", "/sbin", "/bin"} {
+			if _, err := os.Stat(filepath.Join(d, argv[0])); err == nil {
+				return append([]string{filepath.Join(d, argv[0])}, argv[1:]...)
+			}
+		}
+	}
+	return argv
+}
+
+// reap collects every exited child; a component that exited while the node
+// runs is started again after a second.
+func (n *node) reap() {
+	for {
+		var ws unix.WaitStatus
+		pid, err := unix.Wait4(-1, &ws, unix.WNOHANG, nil)
+		if pid <= 0 || err != nil {
+			return
+		}
+		n.mu.Lock()
+		p := n.procs[pid]
+		delete(n.procs, pid)
+		stopping := n.stop
+		n.mu.Unlock()
+		if p == nil {
+			continue // an orphan
+		}
+		p.status = ws
+		close(p.exited)
+		if p.restart && !stopping {
+			n.logf("%s (pid %d) exited: %v; restarting", p.name, pid, ws)
+			go func() {
+				time.Sleep(time.Second)
+				if _, err := n.spawn(&proc{name: p.name, argv: p.argv, restart: true}); err != nil {
+					n.logf("restart %s: %v", p.name, err)
+				}
+			}()
+		}
+	}
+}
+
+// stopAll stops kubelet, removes every pod sandbox left (so that runc
+// removes their cgroups), stops containerd and the control plane, and
+// writes what was still running to node/leftover before killing it.
+func (n *node) stopAll() {
+	n.mu.Lock()
+	n.stop = true
+	n.mu.Unlock()
+	n.terminate("kubelet", 30*time.Second)
+	if crictl := n.cfg.Bin["crictl"]; crictl != "" {
+		sock := "unix://" + n.cfg.path("run", "containerd.sock")
+		if err := n.runCmd(crictl, "--runtime-endpoint", sock, "--timeout", "60s", "rmp", "--all", "--force"); err != nil {
+			n.logf("crictl rmp: %v", err)
+		}
+	}
+	for _, name := range []string{"containerd", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"} {
+		n.terminate(name, 20*time.Second)
+	}
+	// Whatever is left (shims, daemons of pods that were not deleted):
+	// recorded as a leak, then killed.
+	var left []string
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == 1 {
+			continue
+		}
+		comm, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "comm"))
+		left = append(left, fmt.Sprintf("%d %s", pid, strings.TrimSpace(string(comm))))
+		_ = unix.Kill(pid, unix.SIGKILL)
+	}
+	_ = os.WriteFile(n.cfg.path("node", "leftover"), []byte(strings.Join(left, "\n")), 0o644)
+	n.logf("stopped; %d processes left", len(left))
+}
+
+// terminate sends SIGTERM to every process of a component, SIGKILL after d.
+func (n *node) terminate(name string, d time.Duration) {
+	n.mu.Lock()
+	var ps []*proc
+	for _, p := range n.procs {
+		if p.name == name {
+			ps = append(ps, p)
+		}
+	}
+	n.mu.Unlock()
+	for _, p := range ps {
+		_ = unix.Kill(p.pid, unix.SIGTERM)
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		select {
+		case <-p.exited:
+		case <-ctx.Done():
+			n.logf("%s did not stop in %v: killed", name, d)
+			_ = unix.Kill(p.pid, unix.SIGKILL)
+			<-p.exited
+		}
+		cancel()
+	}
+}
