@@ -126,6 +126,8 @@ var CommandPackages = map[string]string{
 	"iscsid":             "open-iscsi",
 	"iscsiadm":           "open-iscsi",
 	"qemu-system-x86_64": "qemu-system-x86",
+	"ip":                 "iproute2",
+	"mmdebstrap":         "mmdebstrap",
 	"modprobe":           "kmod",
 	"depmod":             "kmod",
 	"xz":                 "xz-utils",

@@ -804,13 +804,24 @@ func TestAdminRoots(t *testing.T) {
 			}
 		}
 		plugin, mounter := r.container(t, "plugin"), r.container(t, "mounter")
-		for _, root := range r.config.ImageRoots {
-			visible(plugin, filepath.Clean(root))
-		}
+		fuseRoots := map[string]bool{}
 		for _, p := range r.config.FuseProfiles {
 			for _, root := range p.Source.Roots {
 				visible(plugin, root)  // checks the source
-				visible(mounter, root) // the daemon reads it
+				visible(mounter, root) // the daemon reads and writes it
+				fuseRoots[root] = true
+			}
+		}
+		for _, root := range r.config.ImageRoots {
+			visible(plugin, root) // attaches the images
+			// The mounter checks that a loop device's backing file is one it
+			// sees: read-only is enough, unless the root is a FUSE root too.
+			visible(mounter, root)
+			if fuseRoots[root] || root == stateDir || strings.HasPrefix(root, stateDir+"/") {
+				continue
+			}
+			if m, _ := r.mountAt(t, mounter, root); !m.ReadOnly {
+				t.Errorf("mounter: image root %s is writable", root)
 			}
 		}
 	})

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -25,7 +24,8 @@ const defaultRoot = "/var/lib/mountplan-cluster"
 
 func TestCluster(t *testing.T) {
 	testenv.RequireRoot(t)
-	testenv.RequireCommands(t, "nsenter", "ip", "mkfs.ext4", "mksquashfs", "losetup")
+	testenv.RequireCommands(t, "nsenter", "ip", "runc", "mkfs.ext4", "mksquashfs", "mkfs.erofs", "losetup")
+	testenv.RequireFile(t, "/usr/lib/cni/bridge", "CNI plugins (Debian package containernetworking-plugins)")
 	path := filepath.SplitList(os.Getenv(envPath))
 	images, tag := os.Getenv(envImages), os.Getenv(envTag)
 	if len(path) == 0 || images == "" || tag == "" {
@@ -85,6 +85,21 @@ func TestCluster(t *testing.T) {
 		t.Logf("pending (not run): %s", p)
 	}
 	e.memory(t)
+	holdOnFailure(t, c)
 	e.deleteEverything(t)
-	_ = strings.TrimSpace
+}
+
+// holdOnFailure keeps a failed cluster up for a look (MOUNTPLAN_CLUSTER_HOLD=1,
+// by hand only) until <root>/release exists or 30 minutes pass.
+func holdOnFailure(t *testing.T, c *Cluster) {
+	if !t.Failed() || os.Getenv("MOUNTPLAN_CLUSTER_HOLD") != "1" {
+		return
+	}
+	t.Logf("holding the cluster: KUBECONFIG=%s nsenter -t %d -n kubectl ...; touch %s to go on",
+		c.cfg.path("pki", "admin.kubeconfig"), c.nodePID(), c.cfg.path("release"))
+	for deadline := time.Now().Add(30 * time.Minute); time.Now().Before(deadline); time.Sleep(time.Second) {
+		if _, err := os.Stat(c.cfg.path("release")); err == nil {
+			return
+		}
+	}
 }

@@ -4,9 +4,14 @@ package cluster
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // flow is one scenario of the issue, run in order against the same
@@ -21,6 +26,21 @@ var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
+	{name: "InlineEphemeral", run: inlineEphemeral},
+	{name: "FSGroupNonRoot", run: fsGroupNonRoot},
+	{name: "SubPath", run: subPath},
+	{name: "ReadOnly", run: readOnly},
+	{name: "RawBlock", run: rawBlock},
+	{name: "XFSStorageClass", run: xfsClass},
+	{name: "StaticPVAdminRoot", run: staticPV},
+	{name: "ChainOverlay", run: chainOverlay},
+	{name: "FUSE", run: fuseVolumes},
+	{name: "ExpandOnline", run: expandOnline},
+	{name: "ExpandOffline", run: expandOffline},
+	{name: "ExpandExt4", run: expandExt4},
+	{name: "KillFUSEDaemonAndMounter", pending: "needs the heal of every container's copy of a FUSE mount after a daemon restart (issue 9 item 2, another helper)"},
+	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},
+	{name: "HelmUninstallInUseAndReinstall", run: helmUninstallInUse},
 }
 
 // dynamicPVC: a claim of the chart's StorageClass, provisioned on the node
@@ -108,4 +128,454 @@ func (e *env) deleteEverything(t *testing.T) {
 		return nil
 	})
 	e.checkNodeClean(t)
+}
+
+// inlineEphemeral: a CSI inline volume lives and dies with its pod.
+func inlineEphemeral(t *testing.T, e *env) {
+	before := len(e.records(t))
+	e.run(t, pod("eph", func(spec, ctr obj) {
+		addVolume(spec, obj{"name": "scratch", "csi": obj{"driver": driverName, "volumeAttributes": obj{"size": "32Mi"}}})
+		addMount(ctr, obj{"name": "scratch", "mountPath": "/scratch"})
+	}))
+	e.write(t, "eph", "/scratch/token")
+	if n := len(e.records(t)); n != before+1 {
+		t.Errorf("%d journal records with the inline volume staged, want %d", n, before+1)
+	}
+	e.c.deleteAndWait(t, "pod", "eph")
+	waitFor(t, 30*time.Second, "the inline volume's record removed", func() error {
+		if n := len(e.records(t)); n != before {
+			return fmt.Errorf("%d records, want %d", n, before)
+		}
+		return nil
+	})
+}
+
+// fsGroupNonRoot: a pod running as uid 1000 writes to a volume that kubelet
+// gave to its fsGroup (CSIDriver fsGroupPolicy File).
+func fsGroupNonRoot(t *testing.T, e *env) {
+	e.apply(t, pvc("fsg", storageClass, "32Mi"))
+	e.run(t, pod("fsg", withClaim("fsg", "/data", false), func(spec, _ obj) {
+		spec["securityContext"] = obj{"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000, "runAsNonRoot": true}
+	}))
+	if out := strings.TrimSpace(must(t)(e.c.podExec("fsg", "id", "-u"))); out != "1000" {
+		t.Fatalf("id -u = %s", out)
+	}
+	e.write(t, "fsg", "/data/token")
+	if out := strings.TrimSpace(must(t)(e.c.podExec("fsg", "stat", "-c", "%g", "/data", "/data/token"))); out != "2000\n2000" {
+		t.Errorf("groups of /data and the new file: %q, want 2000 for both", out)
+	}
+	e.c.deleteAndWait(t, "pod", "fsg")
+	e.c.deleteAndWait(t, "pvc", "fsg")
+}
+
+// subPath: a directory of the volume mounted alone, and the whole volume
+// next to it in the same pod.
+func subPath(t *testing.T, e *env) {
+	e.apply(t, pvc("sub", storageClass, "32Mi"))
+	e.run(t, pod("sub", func(spec, ctr obj) {
+		addVolume(spec, obj{"name": "v", "persistentVolumeClaim": obj{"claimName": "sub"}})
+		addMount(ctr, obj{"name": "v", "mountPath": "/sub", "subPath": "dir/inner"})
+		addMount(ctr, obj{"name": "v", "mountPath": "/all"})
+	}))
+	tok := e.write(t, "sub", "/sub/token")
+	e.expect(t, "sub", "/all/dir/inner/token", tok)
+	e.c.deleteAndWait(t, "pod", "sub")
+	e.c.deleteAndWait(t, "pvc", "sub")
+}
+
+// readOnly: a claim mounted read-only (the pod's volume says so) is read,
+// and a write fails with EROFS.
+func readOnly(t *testing.T, e *env) {
+	e.run(t, pod("ro", withClaim("data", "/data", true)))
+	e.expect(t, "ro", "/data/token", e.shared["data"])
+	out, err := e.c.podExec("ro", "sh", "-c", "echo x > /data/other")
+	if err == nil || !strings.Contains(out+err.Error(), "Read-only file system") {
+		t.Errorf("write to a read-only volume: %v %s", err, out)
+	}
+	e.c.deleteAndWait(t, "pod", "ro")
+}
+
+// rawBlock: a block claim is a device in the pod; bytes written to it are
+// read back, also by the next pod.
+func rawBlock(t *testing.T, e *env) {
+	claim := pvc("blk", storageClass, "32Mi")
+	claim["spec"].(obj)["volumeMode"] = "Block"
+	e.apply(t, claim)
+	withDevice := func(spec, ctr obj) {
+		addVolume(spec, obj{"name": "blk", "persistentVolumeClaim": obj{"claimName": "blk"}})
+		ctr["volumeDevices"] = []obj{{"name": "blk", "devicePath": "/dev/xvda"}}
+	}
+	e.run(t, pod("blk1", withDevice))
+	must(t)(e.c.podExec("blk1", "sh", "-c",
+		"dd if=/dev/urandom of=/tmp/x bs=4096 count=64 2>/dev/null && dd if=/tmp/x of=/dev/xvda bs=4096 count=64 conv=fsync 2>/dev/null && md5sum < /tmp/x"))
+	sum := strings.TrimSpace(must(t)(e.c.podExec("blk1", "sh", "-c", "md5sum < /tmp/x")))
+	read := func(p string) string {
+		return strings.TrimSpace(must(t)(e.c.podExec(p, "sh", "-c", "dd if=/dev/xvda bs=4096 count=64 2>/dev/null | md5sum")))
+	}
+	if got := read("blk1"); got != sum {
+		t.Fatalf("device reads %s, wrote %s", got, sum)
+	}
+	e.c.deleteAndWait(t, "pod", "blk1")
+	e.run(t, pod("blk2", withDevice))
+	if got := read("blk2"); got != sum {
+		t.Fatalf("the next pod reads %s, wrote %s", got, sum)
+	}
+	e.c.deleteAndWait(t, "pod", "blk2")
+	e.c.deleteAndWait(t, "pvc", "blk")
+}
+
+// xfsClass: a StorageClass of the admin's asking for xfs.
+func xfsClass(t *testing.T, e *env) {
+	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": "mountplan-xfs"},
+		"provisioner": driverName, "parameters": obj{"type": "loop", "csi.storage.k8s.io/fstype": "xfs"},
+		"volumeBindingMode": "WaitForFirstConsumer", "allowVolumeExpansion": true, "reclaimPolicy": "Delete"})
+	e.apply(t, pvc("xfs", "mountplan-xfs", "300Mi"))
+	e.run(t, pod("xfs", withClaim("xfs", "/data", false)))
+	if out := strings.TrimSpace(must(t)(e.c.podExec("xfs", "stat", "-f", "-c", "%T", "/data"))); out != "xfs" {
+		t.Errorf("filesystem type %q, want xfs", out)
+	}
+	e.shared["xfs"] = e.write(t, "xfs", "/data/token")
+	// The pod stays for ExpandOnline.
+}
+
+// staticPV: an admin's ext4 image under config.imageRoots, as a static PV
+// (issue 9 item 1: the root was not mounted into the plugin's container).
+func staticPV(t *testing.T, e *env) {
+	dir := t.TempDir()
+	tok := token()
+	if err := os.WriteFile(filepath.Join(dir, "tool"), []byte(tok+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	img := e.c.cfg.path("srv", "images", "tools.ext4")
+	hostRun(t, "mkfs.ext4", "-q", "-F", "-d", dir, img, "32M")
+	e.apply(t, staticVolume("tools", "32Mi", obj{"type": "loop", "image": img}, "ReadWriteOnce"), boundClaim("tools", "32Mi", "ReadWriteOnce"))
+	e.run(t, pod("tools", withClaim("tools", "/tools", false)))
+	e.expect(t, "tools", "/tools/tool", tok)
+	e.write(t, "tools", "/tools/new")
+	e.c.deleteAndWait(t, "pod", "tools")
+	e.c.deleteAndWait(t, "pvc", "tools")
+	must(t)(e.c.kubectl("delete", "pv", "tools", "--wait=true", "--timeout=60s"))
+}
+
+// staticVolume is a static PV of the driver (Retain: the image is the admin's).
+func staticVolume(name, size string, attrs obj, mode string) obj {
+	return obj{"apiVersion": "v1", "kind": "PersistentVolume", "metadata": obj{"name": name},
+		"spec": obj{"capacity": obj{"storage": size}, "accessModes": []string{mode}, "storageClassName": "",
+			"persistentVolumeReclaimPolicy": "Retain",
+			"csi":                           obj{"driver": driverName, "volumeHandle": name, "volumeAttributes": attrs}}}
+}
+
+// boundClaim is a claim bound to the PV of the same name.
+func boundClaim(name, size, mode string) obj {
+	c := pvc(name, "", size, mode)
+	c["spec"].(obj)["storageClassName"] = ""
+	c["spec"].(obj)["volumeName"] = name
+	return c
+}
+
+// chainOverlay: squashfs and erofs images under an admin root, each with a
+// writable overlay: the base is read, writes land in the overlay.
+func chainOverlay(t *testing.T, e *env) {
+	dir := t.TempDir()
+	tok := token()
+	if err := os.WriteFile(filepath.Join(dir, "base"), []byte(tok+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sq, ero := e.c.cfg.path("srv", "images", "base.sqfs"), e.c.cfg.path("srv", "images", "base.erofs")
+	hostRun(t, "mksquashfs", dir, sq, "-quiet", "-noappend")
+	hostRun(t, "mkfs.erofs", ero, dir)
+	for _, v := range []struct{ name, image string }{{"chain-sqfs", sq}, {"chain-erofs", ero}} {
+		e.apply(t, staticVolume(v.name, "64Mi", obj{"type": "loop", "image": v.image, "overlay": "true"}, "ReadWriteOnce"),
+			boundClaim(v.name, "64Mi", "ReadWriteOnce"))
+		e.run(t, pod(v.name, withClaim(v.name, "/data", false)))
+		e.expect(t, v.name, "/data/base", tok)
+		e.write(t, v.name, "/data/upper")
+		if out := strings.TrimSpace(must(t)(e.c.podExec(v.name, "awk", "$2 == \"/data\" { print $3 }", "/proc/mounts"))); out != "overlay" {
+			t.Errorf("%s: filesystem %q at /data, want overlay", v.name, out)
+		}
+		e.c.deleteAndWait(t, "pod", v.name)
+		e.c.deleteAndWait(t, "pvc", v.name)
+		must(t)(e.c.kubectl("delete", "pv", v.name, "--wait=true", "--timeout=60s"))
+	}
+}
+
+// fuseVolumes: a squashfuse volume whose image lies under the profile's
+// root (item 1 again, now for the daemons in the mounter's container), and
+// an rclone volume whose remote is configured by a Secret delivered as a
+// node-stage secret.
+func fuseVolumes(t *testing.T, e *env) {
+	dir := t.TempDir()
+	tok := token()
+	if err := os.WriteFile(filepath.Join(dir, "file"), []byte(tok+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	img := e.c.cfg.path("srv", "fuse", "tree.sqfs")
+	hostRun(t, "mksquashfs", dir, img, "-quiet", "-noappend")
+	// Node-local volumes have SINGLE_NODE_* modes only: a read-only
+	// filesystem is a ReadWriteOnce claim the pod mounts read-only.
+	e.apply(t, staticVolume("sqfuse", "16Mi", obj{"type": "fuse", "profile": "squashfuse", "source": img}, "ReadWriteOnce"),
+		boundClaim("sqfuse", "16Mi", "ReadWriteOnce"))
+	e.run(t, pod("sqfuse", withClaim("sqfuse", "/data", true)))
+	e.expect(t, "sqfuse", "/data/file", tok)
+
+	remote := e.c.cfg.path("srv", "fuse", "rclone")
+	e.apply(t, obj{"apiVersion": "v1", "kind": "Secret", "metadata": obj{"name": "rclone-conf", "namespace": testNS},
+		"stringData": obj{"rcloneConf": "[data]\ntype = alias\nremote = " + remote + "\n"}})
+	v := staticVolume("rclone", "16Mi", obj{"type": "fuse", "profile": "rclone", "source": "data:"}, "ReadWriteOnce")
+	v["spec"].(obj)["csi"].(obj)["nodeStageSecretRef"] = obj{"name": "rclone-conf", "namespace": testNS}
+	e.apply(t, v, boundClaim("rclone", "16Mi", "ReadWriteOnce"))
+	e.run(t, pod("rclone", withClaim("rclone", "/data", false)))
+	tok = e.write(t, "rclone", "/data/file")
+	waitFor(t, 10*time.Second, "the write through rclone on the remote", func() error {
+		b, err := os.ReadFile(filepath.Join(remote, "file"))
+		if err != nil || strings.TrimSpace(string(b)) != tok {
+			return fmt.Errorf("%q %v", b, err)
+		}
+		return nil
+	})
+	for _, n := range []string{"sqfuse", "rclone"} {
+		e.c.deleteAndWait(t, "pod", n)
+		e.c.deleteAndWait(t, "pvc", n)
+		must(t)(e.c.kubectl("delete", "pv", n, "--wait=true", "--timeout=60s"))
+	}
+}
+
+// fsSize is the size of the filesystem at path in a pod, in KiB.
+func (e *env) fsSize(t *testing.T, pod, path string) int {
+	t.Helper()
+	out := must(t)(e.c.podExec(pod, "df", "-k", path))
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	f := strings.Fields(lines[len(lines)-1])
+	n, err := strconv.Atoi(f[1])
+	if err != nil {
+		t.Fatalf("df: %s", out)
+	}
+	return n
+}
+
+// resize asks for a new size and waits until the claim reports it.
+func (e *env) resize(t *testing.T, claim, size string) {
+	t.Helper()
+	must(t)(e.c.kubectl("-n", testNS, "patch", "pvc", claim, "--type=merge", "-p",
+		fmt.Sprintf(`{"spec":{"resources":{"requests":{"storage":%q}}}}`, size)))
+}
+
+func (e *env) waitCapacity(t *testing.T, claim, size string) {
+	t.Helper()
+	waitFor(t, 90*time.Second, claim+" capacity "+size, func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o", "jsonpath={.status.capacity.storage} {.status.conditions}")
+		if err != nil {
+			return err
+		}
+		if !strings.HasPrefix(out, size+" ") && out != size {
+			return fmt.Errorf("%s", out)
+		}
+		return nil
+	})
+}
+
+// expandOnline: the xfs claim grows while its pod runs (mountplan-resizer,
+// then kubelet's NodeExpandVolume on the mounted filesystem).
+func expandOnline(t *testing.T, e *env) {
+	before := e.fsSize(t, "xfs", "/data")
+	e.resize(t, "xfs", "600Mi")
+	e.waitCapacity(t, "xfs", "600Mi")
+	if after := e.fsSize(t, "xfs", "/data"); after < before+250*1024 {
+		t.Errorf("filesystem %d KiB after the resize, was %d", after, before)
+	}
+	e.expect(t, "xfs", "/data/token", e.shared["xfs"])
+	e.write(t, "xfs", "/data/token")
+	e.c.deleteAndWait(t, "pod", "xfs")
+	e.c.deleteAndWait(t, "pvc", "xfs")
+}
+
+// expandOffline: an xfs claim grows while no pod uses it; the filesystem
+// grows when the next pod mounts it (kubelet's NodeExpandVolume after the
+// publish).
+func expandOffline(t *testing.T, e *env) {
+	e.apply(t, pvc("grow", "mountplan-xfs", "300Mi"))
+	e.run(t, pod("grow1", withClaim("grow", "/data", false)))
+	tok := e.write(t, "grow1", "/data/token")
+	before := e.fsSize(t, "grow1", "/data")
+	e.c.deleteAndWait(t, "pod", "grow1")
+	e.resize(t, "grow", "600Mi")
+	e.waitResizeState(t, "grow", "NodeResizePending")
+	e.run(t, pod("grow2", withClaim("grow", "/data", false)))
+	e.waitCapacity(t, "grow", "600Mi")
+	if after := e.fsSize(t, "grow2", "/data"); after < before+250*1024 {
+		t.Errorf("filesystem %d KiB after the resize, was %d", after, before)
+	}
+	e.expect(t, "grow2", "/data/token", tok)
+	e.c.deleteAndWait(t, "pod", "grow2")
+	e.c.deleteAndWait(t, "pvc", "grow")
+}
+
+// waitResizeState waits for the claim's allocatedResourceStatuses.storage.
+func (e *env) waitResizeState(t *testing.T, claim, state string) {
+	t.Helper()
+	waitFor(t, 60*time.Second, claim+" resize state "+state, func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o", "jsonpath={.status.allocatedResourceStatuses.storage}")
+		if err != nil {
+			return err
+		}
+		if out != state {
+			return fmt.Errorf("allocatedResourceStatuses %q", out)
+		}
+		return nil
+	})
+}
+
+// expandExt4: kubelet grows a filesystem only once it is published, so an
+// ext4 volume always grows online (resize2fs through the kernel's resize
+// ioctl), which needs CAP_SYS_RESOURCE in the plugin's container. Where the
+// container has it, the claim grows; where it has not (this kind of machine:
+// not even privileged containers get it), the claim must say why, and the
+// volume keeps working at its old size.
+func expandExt4(t *testing.T, e *env) {
+	e.apply(t, pvc("ext", storageClass, "32Mi"))
+	e.run(t, pod("ext", withClaim("ext", "/data", false)))
+	tok := e.write(t, "ext", "/data/token")
+	before := e.fsSize(t, "ext", "/data")
+	e.resize(t, "ext", "64Mi")
+	if e.pluginHas(t, capSysResource) {
+		e.waitCapacity(t, "ext", "64Mi")
+		if after := e.fsSize(t, "ext", "/data"); after < before+20*1024 {
+			t.Errorf("filesystem %d KiB after the resize, was %d", after, before)
+		}
+	} else {
+		waitFor(t, 60*time.Second, "the claim's NodeResizeError naming CAP_SYS_RESOURCE", func() error {
+			out, err := e.c.kubectl("-n", testNS, "get", "pvc", "ext", "-o", `jsonpath={.status.conditions[?(@.type=="NodeResizeError")].message}`)
+			if err != nil {
+				return err
+			}
+			if !strings.Contains(out, "CAP_SYS_RESOURCE") {
+				return fmt.Errorf("NodeResizeError %q", out)
+			}
+			return nil
+		})
+		t.Logf("ext4 online growth needs CAP_SYS_RESOURCE, which this machine's containers lack: the claim says so")
+	}
+	e.expect(t, "ext", "/data/token", tok)
+	e.write(t, "ext", "/data/token")
+	e.c.deleteAndWait(t, "pod", "ext")
+	e.c.deleteAndWait(t, "pvc", "ext")
+}
+
+// capSysResource is the capability's bit in /proc/PID/status CapEff.
+const capSysResource = 24
+
+// pluginHas says whether the plugin's process holds a capability.
+func (e *env) pluginHas(t *testing.T, bit uint) bool {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", e.pidOf(t, "mountplan-plugi")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "CapEff:"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return caps&(1<<bit) != 0
+		}
+	}
+	t.Fatal("no CapEff in the plugin's status")
+	return false
+}
+
+// writer is a pod that appends a counter to a file every 100 ms and notes
+// every failed write apart.
+func writer(name, claim string) obj {
+	return pod(name, withClaim(claim, "/data", false), withScript(
+		"trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo $i >> /data/log || echo $i >> /tmp/failed; sleep 0.1; done"))
+}
+
+// checkWrites: no write failed, none is missing, and the counter moves.
+func (e *env) checkWrites(t *testing.T, pod string, last *int) {
+	t.Helper()
+	if out, err := e.c.podExec(pod, "sh", "-c", "cat /tmp/failed 2>/dev/null | wc -l"); err != nil || strings.TrimSpace(out) != "0" {
+		t.Fatalf("failed writes: %s %v", out, err)
+	}
+	out := must(t)(e.c.podExec(pod, "awk", "$1 != NR { print \"gap at line \" NR \": \" $1; exit 1 } END { print NR }", "/data/log"))
+	n, err := strconv.Atoi(strings.TrimSpace(out))
+	if err != nil {
+		t.Fatalf("log: %s", out)
+	}
+	if n <= *last {
+		t.Fatalf("%d writes, %d before: the writer is stuck", n, *last)
+	}
+	*last = n
+}
+
+// writesSurviveRestarts: a pod writes every 100 ms through a plugin
+// container restart, a DaemonSet rolling update and a kubelet restart.
+func writesSurviveRestarts(t *testing.T, e *env) {
+	e.apply(t, pvc("w", storageClass, "32Mi"))
+	e.run(t, writer("w", "w"))
+	last := 0
+	sleep(time.Second)
+	e.checkWrites(t, "w", &last)
+
+	// The plugin's container: its process killed, kubelet restarts it.
+	restarts := func() string {
+		return must(t)(e.c.kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=mountplan",
+			"-o", `jsonpath={.items[0].status.containerStatuses[?(@.name=="plugin")].restartCount}`))
+	}
+	was := restarts()
+	if err := unix.Kill(e.pidOf(t, "mountplan-plugi"), unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 90*time.Second, "the plugin container restarted", func() error {
+		if now := restarts(); now == was {
+			return fmt.Errorf("restartCount %s", now)
+		}
+		return nil
+	})
+	must(t)(e.c.kubectl("-n", "kube-system", "wait", "--for=condition=Ready", "pod", "-l", "app.kubernetes.io/name=mountplan", "--timeout=90s"))
+	sleep(2 * time.Second)
+	e.checkWrites(t, "w", &last)
+
+	// A rolling update of the DaemonSet: every container of the node pod replaced.
+	e.rollout++
+	e.install(t)
+	sleep(2 * time.Second)
+	e.checkWrites(t, "w", &last)
+
+	// kubelet restarted (the node restarts it).
+	kubelet := e.pidOf(t, "kubelet")
+	if err := unix.Kill(kubelet, unix.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 60*time.Second, "a new kubelet", func() error {
+		if unix.Kill(kubelet, 0) == nil {
+			return fmt.Errorf("kubelet %d still running", kubelet)
+		}
+		for _, c := range e.nodeProcs() {
+			if c == "kubelet" {
+				return nil
+			}
+		}
+		return fmt.Errorf("no kubelet")
+	})
+	e.c.waitNodeReady(t)
+	sleep(5 * time.Second)
+	e.checkWrites(t, "w", &last)
+	// The writer stays for HelmUninstallInUseAndReinstall.
+}
+
+// helmUninstallInUse: the chart uninstalled while a pod writes to a volume
+// and installed again; the pod keeps writing, and its volume is unpublished,
+// unstaged and deleted by the new installation.
+func helmUninstallInUse(t *testing.T, e *env) {
+	last := 0
+	e.checkWrites(t, "w", &last)
+	must(t)(e.c.helm("uninstall", "mountplan", "--namespace", "kube-system", "--wait", "--timeout", "3m"))
+	sleep(3 * time.Second)
+	e.checkWrites(t, "w", &last)
+	e.install(t)
+	sleep(2 * time.Second)
+	e.checkWrites(t, "w", &last)
+	e.c.deleteAndWait(t, "pod", "w")
+	e.c.deleteAndWait(t, "pvc", "w")
 }

@@ -100,22 +100,23 @@ app.kubernetes.io/part-of: mountplan
 
 {{/*
 Host directories the admin config lets volumes name (config.imageRoots, and the
-source.roots of config.fuseProfiles), as YAML: path -> "plugin" (loop images:
-the plugin attaches them) or "both" (FUSE sources: the plugin checks them, the
-daemons in the mounter's container read them). Roots under the state dir are
-left out: the state dir is mounted already.
+source.roots of config.fuseProfiles), as YAML: path -> "image" (loop images:
+the plugin attaches them, the mounter checks that a loop device's backing file
+is one it sees too) or "fuse" (FUSE sources: the plugin checks them, the
+daemons in the mounter's container read and write them). Roots under the
+state dir are left out: the state dir is mounted already.
 */}}
 {{- define "mountplan.adminRoots" -}}
 {{- $stateDir := include "mountplan.stateDir" . -}}
 {{- $roots := dict -}}
 {{- range $i, $r := .Values.config.imageRoots -}}
 {{- $p := include "mountplan.root" (dict "name" (printf "config.imageRoots[%d]" $i) "value" $r) -}}
-{{- if not (get $roots $p) -}}{{- $_ := set $roots $p "plugin" -}}{{- end -}}
+{{- if not (get $roots $p) -}}{{- $_ := set $roots $p "image" -}}{{- end -}}
 {{- end -}}
 {{- range $i, $prof := .Values.config.fuseProfiles -}}
 {{- range $j, $r := (dig "source" "roots" list $prof) -}}
 {{- $p := include "mountplan.root" (dict "name" (printf "config.fuseProfiles[%d].source.roots[%d]" $i $j) "value" $r) -}}
-{{- $_ := set $roots $p "both" -}}
+{{- $_ := set $roots $p "fuse" -}}
 {{- end -}}
 {{- end -}}
 {{- range $p, $_ := $roots -}}

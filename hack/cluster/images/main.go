@@ -89,8 +89,8 @@ func run(out, cache, provisioner, tag string) error {
 		{"busybox.tar", BusyboxImage, busybox, "/bin/busybox", strings.Fields(string(applets))},
 	}
 	for _, s := range single {
-		var files []file
-		files = append(files, file{name: s.at, src: s.bin, mode: 0o755})
+		// /tmp: the test's pods write there.
+		files := []file{{name: s.at, src: s.bin, mode: 0o755}, {name: "/tmp", dir: true, mode: 0o1777}}
 		for _, l := range s.links {
 			if l != "busybox" {
 				files = append(files, file{name: "/bin/" + l, link: "busybox"})
@@ -248,9 +248,11 @@ func goBuild(pkg string) (string, error) {
 	return f.Name(), cmd.Run()
 }
 
-// file is one entry of a layer: a regular file copied from src, or a symlink.
+// file is one entry of a layer: a regular file copied from src, a symlink
+// or a directory.
 type file struct {
 	name, src, link string
+	dir             bool
 	mode            int64
 }
 
@@ -272,6 +274,13 @@ func layerOf(files []file) (string, error) {
 			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: d + "/", Mode: 0o755, ModTime: mtime}); err != nil {
 				return "", err
 			}
+		}
+		if fl.dir {
+			written[name] = true
+			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: name + "/", Mode: fl.mode, ModTime: mtime}); err != nil {
+				return "", err
+			}
+			continue
 		}
 		if fl.link != "" {
 			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeSymlink, Name: name, Linkname: fl.link, Mode: 0o777, ModTime: mtime}); err != nil {
