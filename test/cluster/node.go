@@ -66,13 +66,13 @@ func nodeMain() int {
 		return 2
 	}
 	n := &node{cfg: cfg, procs: map[int]*proc{}}
-	if err := n.run(); err != nil {
-		n.logf("node failed: %v", err)
-		_ = os.WriteFile(cfg.path("node", "failed"), []byte(err.Error()), 0o644)
-		n.stopAll()
-		return 1
-	}
-	return 0
+	// run returns only when the node could not start; SIGTERM ends the
+	// process from its handler.
+	err := n.run()
+	n.logf("node failed: %v", err)
+	_ = os.WriteFile(cfg.path("node", "failed"), []byte(err.Error()), 0o644)
+	n.stopAll()
+	return 1
 }
 
 type node struct {

@@ -159,7 +159,7 @@ func mountplanImage(archive, cache, name string) error {
 	built := map[string]string{} // the builder's output path → the file here
 	for _, b := range dockerfile.GoBuilds(stages[:len(stages)-1]) {
 		if b.Out == "" {
-			return fmt.Errorf("Dockerfile:%d: go build without -o", b.Line)
+			return fmt.Errorf("the Dockerfile, line %d: go build without -o", b.Line)
 		}
 		local := filepath.Join(tmp, path.Base(b.Out))
 		flags := slices.Clone(b.Flags)
@@ -168,7 +168,7 @@ func mountplanImage(archive, cache, name string) error {
 		cmd.Env = append(os.Environ(), b.Env...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("Dockerfile:%d: go build %s: %w", b.Line, b.Package, err)
+			return fmt.Errorf("the Dockerfile, line %d: go build %s: %w", b.Line, b.Package, err)
 		}
 		built[b.Out] = local
 	}
