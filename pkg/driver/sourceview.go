@@ -1,7 +1,9 @@
 package driver
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -14,7 +16,7 @@ import (
 // viewOf is what v's source sees of it: a copy of the facts and of the
 // source's own state, nothing it could change the record through.
 func viewOf(v *journal.Volume) source.Volume {
-	sv := source.Volume{ID: v.ID, Kind: v.Kind, Image: v.Image, CapacityBytes: v.CapacityBytes,
+	sv := source.Volume{ID: v.ID, Kind: v.Kind, Type: v.Type, Image: v.Image, CapacityBytes: v.CapacityBytes,
 		FsType: v.FsType, Parameters: maps.Clone(v.Parameters)}
 	if v.Format != nil {
 		f := *v.Format
@@ -54,4 +56,22 @@ func (r recorder) SaveIntent(state json.RawMessage) error {
 	}
 	r.v.Stage.Source = slices.Clone(state)
 	return r.vols.Put(r.v, journal.Runtime)
+}
+
+// WithVolume runs a source's background work (a supervisor restarting a
+// daemon, an orphan sweep) under the volume's lock, as an RPC would run.
+func (d *Driver) WithVolume(ctx context.Context, id, op string, fn func(v source.Volume, found bool, rec source.Recorder) error) error {
+	unlock, err := d.vols.lock(ctx, id, op)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	v, err := d.vols.Get(id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return fn(source.Volume{ID: id}, false, nil)
+	}
+	if err != nil {
+		return err
+	}
+	return fn(viewOf(v), true, recorder{d.vols, v})
 }

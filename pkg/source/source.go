@@ -42,6 +42,7 @@ type StageRequest struct {
 type Volume struct {
 	ID            string
 	Kind          journal.Kind
+	Type          string // the source kind the record names
 	Image         string
 	CapacityBytes int64
 	FsType        string
@@ -137,6 +138,11 @@ type Host interface {
 	// replacing what is there: a restarted daemon's new mount heals its
 	// consumers in place. It takes the volume's lock, waiting for it.
 	Reattach(ctx context.Context, volumeID string) error
+	// WithVolume runs fn holding the volume's lock, waiting for it like
+	// any background work (bounded by ctx), with the volume as its record
+	// stands and a Recorder for the source's state. found is false when
+	// there is no record (fn then gets only the ID and a nil Recorder).
+	WithVolume(ctx context.Context, volumeID, op string, fn func(v Volume, found bool, rec Recorder) error) error
 }
 
 // HostUser is a Source that wants the Host; the driver hands it over when
@@ -163,4 +169,17 @@ func DecodeState[T any](v Volume) (T, error) {
 		return st, fmt.Errorf("volume %s: corrupt %T: %w", v.ID, st, err)
 	}
 	return st, nil
+}
+
+// SaveState records st (marshalled) through rec before a side effect; a
+// nil rec (a test without a driver) records nothing.
+func SaveState(rec Recorder, st any) error {
+	if rec == nil {
+		return nil
+	}
+	raw, err := json.Marshal(st)
+	if err != nil {
+		return err
+	}
+	return rec.SaveIntent(raw)
 }

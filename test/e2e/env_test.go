@@ -27,6 +27,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/endpoint"
@@ -331,9 +333,17 @@ func (e *env) tryUnstage(id string) error {
 	return err
 }
 
+// unstage unstages id as kubelet does: a volume busy with another
+// operation (Aborted: a FUSE supervisor restarting its daemon holds the
+// volume's lock) is asked again.
 func (e *env) unstage(id string) {
 	e.t.Helper()
-	if err := e.tryUnstage(id); err != nil {
+	var err error
+	testutil.Poll(30*time.Second, 50*time.Millisecond, func() bool {
+		err = e.tryUnstage(id)
+		return status.Code(err) != codes.Aborted
+	})
+	if err != nil {
 		e.t.Fatalf("NodeUnstageVolume %s: %v", id, err)
 	}
 }
@@ -537,13 +547,23 @@ func (m *mounterProc) stop(t *testing.T) int {
 
 func (e *env) recordPath(id string) string { return filepath.Join(e.stateDir(), "volumes", id+".json") }
 
+// record reads id's journal record straight from its file. The plugin
+// rewrites runtime records in place, so a read can meet a write half done:
+// that one is read again (the plugin's own readers never read the file).
 func (e *env) record(id string) (*journal.Volume, error) {
-	b, err := os.ReadFile(e.recordPath(id))
-	if err != nil {
-		return nil, err
+	var err error
+	for range 50 {
+		var b []byte
+		if b, err = os.ReadFile(e.recordPath(id)); err != nil {
+			return nil, err
+		}
+		v := &journal.Volume{}
+		if err = json.Unmarshal(b, v); err == nil {
+			return v, nil
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
-	v := &journal.Volume{}
-	return v, json.Unmarshal(b, v)
+	return nil, err
 }
 
 func (e *env) mustRecord(id string) *journal.Volume {

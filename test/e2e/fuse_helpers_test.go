@@ -55,18 +55,11 @@ func (e *fuseEnv) state(id string) fuse.State {
 // volDir is the volume's directory under the state dir.
 func (e *fuseEnv) volDir(id string) string { return filepath.Join(e.plugin.StateDir, "fuse", id) }
 
-// daemon reads daemon.json: the supervisor's latest incarnation.
+// daemon is the daemon the journal records for id: the supervisor
+// records every incarnation there.
 func (e *fuseEnv) daemon(id string) fuse.Daemon {
 	e.t.Helper()
-	var d fuse.Daemon
-	b, err := os.ReadFile(filepath.Join(e.volDir(id), "daemon.json"))
-	if err != nil {
-		e.t.Fatalf("daemon record of %s: %v", id, err)
-	}
-	if err := json.Unmarshal(b, &d); err != nil {
-		e.t.Fatal(err)
-	}
-	return d
+	return e.state(id).Daemon
 }
 
 // checkClean proves that nothing of volume id is left: no directory, no

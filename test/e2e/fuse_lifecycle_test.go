@@ -231,7 +231,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	second := e.daemon(id)
 	fuseCheckBind(t, ctr.PID(), target, second.Conn)
 	if second.PID == first.PID || second.Generation != 2 || !fuseAlive(second) {
-		t.Errorf("after the heal daemon.json records %+v; want a new live daemon, generation 2", second)
+		t.Errorf("after the heal the journal records %+v; want a new live daemon, generation 2", second)
 	}
 	if fuseAlive(first) {
 		t.Errorf("the killed daemon %d still runs", first.PID)

@@ -119,7 +119,7 @@ func TestFuseHungDaemon(t *testing.T) {
 	}
 	second := e.daemon(id)
 	if second.PID == first.PID || second.Generation != 2 || !fuseAlive(second) {
-		t.Errorf("after the hang daemon.json records %+v", second)
+		t.Errorf("after the hang the journal records %+v", second)
 	}
 	if testutil.Poll(5*time.Second, 20*time.Millisecond, func() bool { return !fuseAlive(first) }) == false {
 		t.Errorf("the hung daemon %d still runs", first.PID)

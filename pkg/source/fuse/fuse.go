@@ -34,7 +34,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/fuseprofile"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/keylock"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -90,9 +89,8 @@ type Source struct {
 	deadline time.Duration
 	grace    time.Duration
 
-	ctl   fusectl
-	locks keylock.Locks // per volume: stage, unstage and adopt wait (Lock); a sweep skips a busy one (TryLock)
-	log   klog.Logger
+	ctl fusectl
+	log klog.Logger
 
 	mu       sync.Mutex
 	host     source.Host
@@ -216,11 +214,6 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := s.locks.Lock(ctx, v.ID, "stage")
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	if sup := s.takeSupervisor(v.ID); sup != nil {
 		sup.halt() // of an earlier incarnation of this volume
 	}
@@ -230,9 +223,10 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 			return nil, err
 		}
 	}
+	var started Daemon
 	defer func() {
 		if err != nil {
-			if terr := s.teardown(context.WithoutCancel(ctx), v.ID, Daemon{}); terr != nil {
+			if terr := s.teardown(context.WithoutCancel(ctx), v.ID, started); terr != nil {
 				klog.FromContext(ctx).Error(terr, "Rollback of a failed FUSE stage left something behind", "dir", l.dir)
 			}
 		}
@@ -243,10 +237,11 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}
 	st.BindSource = filepath.Join(s.stateDir, "fuse", v.ID, "mnt")
 	klog.FromContext(ctx).V(4).Info("Starting FUSE daemon", "profile", p.Name, "path", st.Command.Path, "args", st.Command.Args)
-	st.Daemon, err = s.start(ctx, l, st, 1, red)
+	st.Daemon, err = s.start(ctx, l, st, 1, red, req.Record)
 	if err != nil {
 		return nil, err
 	}
+	started = st.Daemon
 	raw, err := json.Marshal(st)
 	if err != nil {
 		return nil, err
@@ -310,10 +305,11 @@ func (s *Source) makeDirAndCommand(l layout, p *fuseprofile.Profile, params map[
 }
 
 // start spawns one incarnation of the daemon and waits until its FUSE
-// mount appears at the mount point. The process is recorded in
-// daemon.json as soon as it exists, so a crash of the plugin while it
-// waits cannot lose it. On failure the daemon is stopped again.
-func (s *Source) start(ctx context.Context, l layout, st State, gen int, red redactor) (d Daemon, err error) {
+// mount appears at the mount point. The process is recorded (st with the
+// new daemon, through rec) as soon as it exists, so a crash of the plugin
+// while it waits cannot lose it; the caller records the daemon once
+// ready. On failure the daemon is stopped again.
+func (s *Source) start(ctx context.Context, l layout, st State, gen int, red redactor, rec source.Recorder) (d Daemon, err error) {
 	w, err := newMountWatch()
 	if err != nil {
 		return Daemon{}, err
@@ -329,7 +325,8 @@ func (s *Source) start(ctx context.Context, l layout, st State, gen int, red red
 			s.stopDaemon(context.WithoutCancel(ctx), l, d)
 		}
 	}()
-	if err := l.writeDaemon(d); err != nil {
+	st.Daemon = d
+	if err := source.SaveState(rec, st); err != nil {
 		return d, err
 	}
 	conn, err := s.waitReady(ctx, l.mnt(), proc, st.ReadyTimeout, w)
@@ -341,7 +338,7 @@ func (s *Source) start(ctx context.Context, l layout, st State, gen int, red red
 		return d, err
 	}
 	s.metrics.ObserveStep("daemon_start", time.Since(d.Started))
-	return d, l.writeDaemon(d)
+	return d, nil
 }
 
 // waitReady waits until a FUSE mount sits on top of mnt, reading the mount
@@ -461,11 +458,6 @@ func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, er
 // secrets and files. It works from the disk alone when the record has no
 // state (a stage interrupted by a crash). Idempotent.
 func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
-	unlock, err := s.locks.Lock(ctx, v.ID, "unstage")
-	if err != nil {
-		return err
-	}
-	defer unlock()
 	var known Daemon
 	if sup := s.takeSupervisor(v.ID); sup != nil {
 		sup.halt()
@@ -477,8 +469,9 @@ func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
 	return s.teardown(ctx, v.ID, known)
 }
 
-// teardown removes everything of a volume's directory: daemons recorded
-// in daemon.json or known to the caller, mounts, secrets, files.
+// teardown removes everything of a volume's directory: the daemon known
+// to the caller (and one a plugin of an earlier version recorded in
+// daemon.json), mounts, secrets, files.
 func (s *Source) teardown(ctx context.Context, id string, known Daemon) error {
 	l, err := s.layout(id)
 	if err != nil {
@@ -487,7 +480,7 @@ func (s *Source) teardown(ctx context.Context, id string, known Daemon) error {
 	if _, err := os.Lstat(l.dir); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
-	recorded, err := l.readDaemon()
+	recorded, err := l.readLegacyDaemon()
 	if err != nil {
 		s.log.Error(err, "Unreadable daemon record; cleaning up from the mount table", "volume", id)
 	}
@@ -526,12 +519,7 @@ func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, e
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := s.locks.Lock(ctx, v.ID, "adopt")
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	if d, err := l.readDaemon(); err == nil && d.Generation > st.Daemon.Generation {
+	if d, err := l.readLegacyDaemon(); err == nil && d.Generation > st.Daemon.Generation {
 		st.Daemon = d
 	}
 	if _, err := os.Lstat(l.dir); err != nil {

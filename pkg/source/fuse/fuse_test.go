@@ -144,16 +144,22 @@ func TestPlan(t *testing.T) {
 	}
 }
 
-func TestDaemonRecordRoundTrip(t *testing.T) {
+// TestLegacyDaemonRecord: an upgraded plugin still reads the daemon.json
+// an earlier version wrote, and removeFiles removes it.
+func TestLegacyDaemonRecord(t *testing.T) {
 	l := layout{dir: t.TempDir()}
-	if d, err := l.readDaemon(); err != nil || d.Generation != 0 {
+	if d, err := l.readLegacyDaemon(); err != nil || d.Generation != 0 {
 		t.Fatalf("missing record: %+v %v", d, err)
 	}
 	want := Daemon{Generation: 3, Proc: daemon.Proc{PID: 42, StartTime: 7}, Conn: 51, Started: time.Unix(1, 0).UTC()}
-	if err := l.writeDaemon(want); err != nil {
+	b, err := json.Marshal(want)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := l.readDaemon(); err != nil || got != want {
+	if err := os.WriteFile(filepath.Join(l.dir, "daemon.json"), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := l.readLegacyDaemon(); err != nil || got != want {
 		t.Fatalf("read back %+v %v, want %+v", got, err, want)
 	}
 	if err := l.removeFiles(); err != nil {

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/pkg/daemon"
-	"github.com/mountplan/mountplan/pkg/fsutil"
 )
 
 // layout is a volume's directory, <state-dir>/fuse/<volume-id>/, which
@@ -19,8 +18,8 @@ import (
 //	mnt/         the daemon's mount point; the plan binds it
 //	secrets/     a tmpfs (mode 0700) with one 0600 file per secret
 //	work/        private scratch space for the daemon ({workdir})
-//	daemon.json  the current daemon: generation, pid, start time, FUSE
-//	             connection; rewritten by the supervisor on each restart
+//	daemon.json  only from plugins of earlier versions, which kept the
+//	             current daemon here; the journal's record holds it now
 //	daemon.log   the daemon's standard output and error
 type layout struct{ dir string }
 
@@ -41,8 +40,11 @@ type Daemon struct {
 	Started time.Time `json:"started"`
 }
 
-// readDaemon reads daemon.json; a missing file gives the zero Daemon.
-func (l layout) readDaemon() (Daemon, error) {
+// readLegacyDaemon reads daemon.json, where plugins before the driver
+// owned all volume state recorded a restarted daemon; a missing file gives
+// the zero Daemon. The journal's record now holds the current daemon; an
+// upgraded plugin still honours a newer one found here.
+func (l layout) readLegacyDaemon() (Daemon, error) {
 	var d Daemon
 	b, err := os.ReadFile(l.daemonFile())
 	if errors.Is(err, fs.ErrNotExist) {
@@ -55,19 +57,6 @@ func (l layout) readDaemon() (Daemon, error) {
 		return Daemon{}, fmt.Errorf("%s: %w", l.daemonFile(), err)
 	}
 	return d, nil
-}
-
-// writeDaemon replaces daemon.json atomically (temp file and rename). It
-// is not fsynced: a daemon does not survive a machine crash either.
-func (l layout) writeDaemon(d Daemon) error {
-	b, err := json.Marshal(d)
-	if err != nil {
-		return err
-	}
-	if err := fsutil.WriteFileAtomic(l.daemonFile(), b, 0o600, false); err != nil {
-		return fmt.Errorf("record daemon of %s: %w", l.dir, err)
-	}
-	return nil
 }
 
 // removeFiles removes what the plugin itself wrote in the volume's

@@ -10,13 +10,16 @@ import (
 	"github.com/go-logr/logr"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/source"
 )
 
-// supervisor watches one staged volume's daemon. It never blocks an RPC:
-// requests read its state under a mutex; its probes run in goroutines of
-// their own with deadlines.
+// supervisor watches one staged volume's daemon. It never makes an RPC
+// wait: requests read its state under a mutex; its probes run in
+// goroutines of their own with deadlines; while it restarts a daemon it
+// holds the volume's lock, so a request on that volume is Aborted for the
+// CO to retry, as during any other operation on it.
 type supervisor struct {
 	src *Source
 	id  string
@@ -240,10 +243,26 @@ func (sup *supervisor) checkMount(d Daemon) (reason, msg string) {
 	return "", ""
 }
 
-// restart replaces the daemon: its connection is aborted (callers blocked
-// on it return), its session killed, the dead mounts lazily unmounted, and
-// a new daemon started on the same mount point.
+// restart replaces the daemon, holding the volume's lock as an RPC
+// would: its connection is aborted (callers blocked on it return), its
+// session killed, the dead mounts lazily unmounted, and a new daemon
+// started on the same mount point. The volume's record follows every
+// incarnation (through the driver's Recorder), so a crash of the plugin
+// at any point leaves the newest daemon recorded for the next to adopt.
 func (sup *supervisor) restart(ctx context.Context) error {
+	host := sup.src.getHost()
+	if host == nil {
+		return sup.replaceDaemon(ctx, nil) // a test without a driver
+	}
+	return host.WithVolume(ctx, sup.id, "fuse-restart", func(_ source.Volume, found bool, rec source.Recorder) error {
+		if !found {
+			return fmt.Errorf("volume %s has no record any more: %w", sup.id, errdefs.ErrNotFound)
+		}
+		return sup.replaceDaemon(ctx, rec)
+	})
+}
+
+func (sup *supervisor) replaceDaemon(ctx context.Context, rec source.Recorder) error {
 	st := sup.state()
 	if st.Secrets {
 		if info, err := topMountAt(sup.l.secrets()); err == nil && info == nil {
@@ -261,7 +280,7 @@ func (sup *supervisor) restart(ctx context.Context) error {
 	if err := sup.src.unmountUnder(sup.l.mnt()); err != nil {
 		return err
 	}
-	d, err := sup.src.start(ctx, sup.l, st, old.Generation+1, readRedactor(sup.l.secrets()))
+	d, err := sup.src.start(ctx, sup.l, st, old.Generation+1, readRedactor(sup.l.secrets()), rec)
 	if err != nil {
 		// start stopped the new process; it stays the current incarnation
 		// so that the next attempt counts generations on from it.
@@ -272,7 +291,7 @@ func (sup *supervisor) restart(ctx context.Context) error {
 	}
 	sup.setDaemon(d)
 	sup.src.metrics.DaemonRestarted(st.Profile)
-	return nil
+	return source.SaveState(rec, sup.state())
 }
 
 // reattach has the driver replace the mount at every consumer and

@@ -3,6 +3,7 @@ package fuse
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/periodic"
+	"github.com/mountplan/mountplan/pkg/source"
 )
 
 // Run sweeps orphans at once and then every interval until ctx ends; then
@@ -31,10 +33,15 @@ func (s *Source) Run(ctx context.Context, interval time.Duration) {
 }
 
 // Sweep tears down what lies under <state-dir>/fuse without a staged fuse
-// record in the journal: its FUSE connections are aborted, its mounts
-// lazily unmounted, its daemon (from daemon.json) killed, its files
-// removed. A volume busy with an operation is left for the next sweep.
+// record: its FUSE connections are aborted, its mounts lazily unmounted,
+// its files removed. It asks the driver (Host) about each volume, holding
+// the volume's lock as any operation on it does, so a stage in flight is
+// never taken for an orphan.
 func (s *Source) Sweep(ctx context.Context) error {
+	host := s.getHost()
+	if host == nil {
+		return fmt.Errorf("fuse: no driver to ask which volumes are staged: %w", errdefs.ErrFailedPrecondition)
+	}
 	root, err := s.root()
 	if err != nil {
 		return err
@@ -58,43 +65,28 @@ func (s *Source) Sweep(ctx context.Context) error {
 			ids[strings.SplitN(rel, "/", 2)[0]] = true
 		}
 	}
-	if len(ids) == 0 {
-		return nil
-	}
-	store, err := journal.Open(s.stateDir)
-	if err != nil {
-		return err
-	}
 	var errs []error
 	for id := range ids {
 		if journal.ValidID(id) != nil {
 			klog.FromContext(ctx).Info("Leaving alone an entry that is not a volume's", "path", filepath.Join(root, id))
 			continue
 		}
-		unlock, err := s.locks.TryLock(id, "sweep")
-		if err != nil {
-			continue
-		}
-		errs = append(errs, s.sweepOne(ctx, store, id))
-		unlock()
+		errs = append(errs, host.WithVolume(ctx, id, "fuse-sweep", func(v source.Volume, found bool, _ source.Recorder) error {
+			if found && v.Type == Type && v.Staging {
+				return nil // staged, or a step in flight: Adopt and Unstage own it
+			}
+			return s.sweepOne(ctx, id)
+		}))
 	}
 	return errors.Join(errs...)
 }
 
-func (s *Source) sweepOne(ctx context.Context, store *journal.Store, id string) error {
-	v, err := store.Get(id)
-	switch {
-	case err == nil && v.Type == Type && v.Stage != nil:
-		return nil // staged, or a step in flight: Adopt and Unstage own it
-	case err != nil && !errors.Is(err, errdefs.ErrNotFound):
-		return err // cannot tell: leave it
-	}
+func (s *Source) sweepOne(ctx context.Context, id string) error {
+	klog.FromContext(ctx).Info("Tearing down an orphaned FUSE volume", "volume", id)
 	l, err := s.layout(id)
 	if err != nil {
 		return err
 	}
-	d, _ := l.readDaemon()
-	klog.FromContext(ctx).Info("Tearing down an orphaned FUSE volume", "volume", id, "pid", d.PID)
 	// Orphans are cut off first: aborting the connection also ends a daemon
 	// that is not recorded anywhere.
 	if err := s.unmountUnder(l.dir); err != nil {

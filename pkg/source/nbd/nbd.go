@@ -321,7 +321,7 @@ func (s *Source) connect(ctx context.Context, t target, exp Export, readOnly boo
 			return State{}, err
 		}
 		st := State{Device: dev, Pending: true, Server: t.server, Export: t.export, Size: exp.Size, TLS: t.tls, ReadOnly: readOnly}
-		if err := recordState(st, rec); err != nil {
+		if err := source.SaveState(rec, st); err != nil {
 			release()
 			return State{}, err
 		}
@@ -335,7 +335,7 @@ func (s *Source) connect(ctx context.Context, t target, exp Export, readOnly boo
 		release()
 		if err == nil {
 			st.Pending = false
-			return st, recordState(st, rec)
+			return st, source.SaveState(rec, st)
 		}
 		lastErr = err
 		if pid, _ := s.devicePID(dev); pid == 0 || errors.Is(err, errdefs.ErrFailedPrecondition) {
@@ -343,19 +343,6 @@ func (s *Source) connect(ctx context.Context, t target, exp Export, readOnly boo
 		}
 	}
 	return State{}, lastErr
-}
-
-// recordState saves st as the stage's intent, so that a crash leaves a
-// record that names the device.
-func recordState(st State, rec source.Recorder) error {
-	if rec == nil {
-		return nil
-	}
-	raw, err := json.Marshal(st)
-	if err != nil {
-		return err
-	}
-	return rec.SaveIntent(raw)
 }
 
 // Plan mounts the device (mount access) or binds its node (block access).
