@@ -23,6 +23,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -84,6 +86,10 @@ type Hook struct {
 	mounter    mounter.Interface // performs the plans the runtime cannot
 	stateDir   string            // where the guard lives (the plugin's state dir)
 	kubeletDir string            // where targets bound to a dead guard are re-armed
+	// podsDirs is kubelet's pods directory, as given and with symlinks
+	// resolved (the runtime hands over resolved mount sources): only
+	// binds from below it can be targets.
+	podsDirs []string
 
 	mu    sync.Mutex
 	guard *guard.Guard // while registered with the runtime
@@ -91,7 +97,12 @@ type Hook struct {
 
 // NewHook returns a hook; Run registers it with the runtime.
 func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) *Hook {
-	return &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir}
+	pods := filepath.Join(kubeletDir, "pods")
+	dirs := []string{pods}
+	if resolved, err := filepath.EvalSymlinks(pods); err == nil && resolved != pods {
+		dirs = append(dirs, resolved)
+	}
+	return &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs}
 }
 
 // CreateContainer claims every NRI-mode volume among the container's
@@ -156,6 +167,12 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 // owns says whether a container bind's source is a target published in NRI
 // mode: bound to the live guard.
 func (h *Hook) owns(source string) (bool, error) {
+	// Only kubelet's directory is looked at: a container's other binds
+	// (hostPath volumes) may sit on file systems that hang a stat, and the
+	// runtime gives up on a plugin that takes more than 2 seconds.
+	if !slices.ContainsFunc(h.podsDirs, func(d string) bool { return plan.Within(d, source) }) {
+		return false, nil
+	}
 	h.mu.Lock()
 	g := h.guard
 	h.mu.Unlock()
@@ -378,11 +395,4 @@ func (h *Hook) stopGuard(ctx context.Context) {
 	h.guard = nil
 }
 
-func hasOption(m *nriapi.Mount, opt string) bool {
-	for _, o := range m.GetOptions() {
-		if o == opt {
-			return true
-		}
-	}
-	return false
-}
+func hasOption(m *nriapi.Mount, opt string) bool { return slices.Contains(m.GetOptions(), opt) }

@@ -61,6 +61,14 @@ func TestGuardLifecycle(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(target, "f"), nil, 0o644); err == nil {
 		t.Error("a file could be created in the armed target")
 	}
+	// What kubelet does to prepare a subPath: make the subdirectory, then
+	// bind it. Neither works on the guard.
+	if err := os.Mkdir(filepath.Join(target, "sub"), 0o755); err == nil {
+		t.Error("a subdirectory could be made in the armed target")
+	}
+	if _, err := os.Stat(filepath.Join(target, "sub")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("stat of a subPath in the armed target: %v, want ENOENT", err)
+	}
 	if ours, err := g.Owns(target); !ours || err != nil {
 		t.Errorf("Owns(target) = %v, %v; want true", ours, err)
 	}
