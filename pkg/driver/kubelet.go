@@ -167,6 +167,29 @@ func (k kubeletDir) makeTarget(p string, block bool) (created bool, err error) {
 	}
 }
 
+// targetMissing reports whether the publish target p does not exist yet
+// (nor its parent), without following symlinks: whether it is the
+// plugin's to make.
+func (k kubeletDir) targetMissing(p string) (bool, error) {
+	parent, err := k.openParent("target_path", p, false)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer parent.Close()
+	var st unix.Stat_t
+	err = unix.Fstatat(int(parent.Fd()), filepath.Base(p), &st, unix.AT_SYMLINK_NOFOLLOW)
+	if errors.Is(err, unix.ENOENT) {
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("stat %s: %w", p, err)
+	}
+	return false, nil
+}
+
 // removeTarget removes a target the plugin created, and only if it is
 // still what it made: an empty directory or an empty regular file. A
 // target that is gone is fine; one that now holds something (written

@@ -105,15 +105,22 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if err := d.applyMountGroup(ctx, v, c, readOnly); err != nil {
 		return err
 	}
-	created, err := d.kubelet.makeTarget(target, c.block)
+	// Recorded before the target is made: a crash between making it and
+	// recording that the plugin made it would leave a target that no
+	// unpublish removes.
+	missing, err := d.kubelet.targetMissing(target)
 	if err != nil {
 		return err
 	}
-	rec := journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: created || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
+	rec := journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
+	}
+	if _, err := d.kubelet.makeTarget(target, c.block); err != nil {
+		v.Publishes = v.Publishes[:len(v.Publishes)-1]
+		return errors.Join(err, d.vols.Put(v, journal.Runtime))
 	}
 	err = d.opts.Metrics.Step("mount", func() error {
 		return d.opts.Mounter.Mount(ctx, mounts, plan.Consumer{MountPoint: target})
