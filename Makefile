@@ -16,7 +16,7 @@ VMTAGS    := vmtest,vmguest
 # The cluster test builds only with its tag (make test-cluster).
 CLUSTERTAGS := clustertest
 
-.PHONY: all build test test-unit test-sanity test-vm test-cluster verify bench demo clean codegen deploy fuzz
+.PHONY: all build test test-unit test-crash test-sanity test-vm test-cluster verify bench demo clean codegen deploy fuzz
 
 all: build
 
@@ -38,6 +38,12 @@ fuzz:
 
 test-unit:
 	set -o pipefail; $(GO) test -json -short -vet=off -count=1 $(PKGS) | $(GO) run ./hack/testreport
+
+# The crash test at length: N kills of the plugin, its mounter or a
+# one-shot sidecar inside every kind of operation (make test runs 88).
+N ?= 1000
+test-crash: build
+	$(GO) test -count=1 -v -timeout 0 -run '^TestCrash$$' ./test/e2e/ -crash.kills=$(N)
 
 # Boots Debian's kernel (it has nbd and iscsi_tcp) under qemu TCG and runs
 # the NBD and iSCSI flows inside it; about 25 s once the kernel package is

@@ -470,13 +470,14 @@ func (m *mounterProc) log() string {
 
 // startMounter starts `mountplan-sidecar serve` with the env's config and
 // its state dir as the allowed root, in cgroup ("" for the test's own),
-// and waits until it listens; the plugin started next uses it. A cleanup
-// kills it and logs its log when the test failed.
+// and waits until it listens; the plugin started next uses it. Called
+// again (after a kill), it starts a new one on the same socket and log. A
+// cleanup kills it and logs its log when the test failed.
 func (e *env) startMounter(cgroup string, args ...string) *mounterProc {
 	t := e.t
 	t.Helper()
 	m := &mounterProc{done: make(chan struct{}), socket: filepath.Join(e.short, "mounter.sock"), logPath: filepath.Join(e.short, "mounter.log")}
-	logf, err := os.Create(m.logPath)
+	logf, err := os.OpenFile(m.logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -529,6 +530,13 @@ func (e *env) startMounter(cgroup string, args ...string) *mounterProc {
 	}
 	e.mounter = m
 	return m
+}
+
+// kill9 kills the mounter with SIGKILL, as a crash would, and waits until
+// it is gone.
+func (m *mounterProc) kill9() {
+	_ = m.cmd.Process.Kill()
+	<-m.done
 }
 
 // stop sends SIGTERM and returns the exit status.
