@@ -63,11 +63,28 @@ func removeStale(p string) error {
 	if fi.Mode().Type() != fs.ModeSocket {
 		return fmt.Errorf("%s exists and is not a socket: %w", p, errdefs.ErrFailedPrecondition)
 	}
-	if c, err := net.DialTimeout("unix", p, time.Second); err == nil {
-		c.Close()
-		return fmt.Errorf("%s: another process is serving on it: %w", p, errdefs.ErrAlreadyExists)
+	// A socket that answers may still be the listener of a process just
+	// killed: a child it was starting holds a copy of its descriptors
+	// until that child execs. Such a listener goes within moments; a
+	// server does not.
+	for deadline := time.Now().Add(staleGrace); serving(p); time.Sleep(staleGrace / 40) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: another process is serving on it: %w", p, errdefs.ErrAlreadyExists)
+		}
 	}
 	return os.Remove(p)
+}
+
+// staleGrace is how long a socket may keep answering before removeStale
+// takes it for a live server's.
+var staleGrace = 2 * time.Second
+
+func serving(p string) bool {
+	c, err := net.DialTimeout("unix", p, time.Second)
+	if err == nil {
+		c.Close()
+	}
+	return err == nil
 }
 
 // Dial opens a gRPC client connection to ep; it connects on the first call.

@@ -6,11 +6,13 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
 func TestListen(t *testing.T) {
+	staleGrace = 300 * time.Millisecond
 	dir := t.TempDir()
 	stale := filepath.Join(dir, "stale.sock")
 	l, err := net.Listen("unix", stale)
@@ -25,6 +27,15 @@ func TestListen(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ll.Close()
+	// A listener that goes within the grace, as one that a killed
+	// process's child holds until it execs.
+	dying := filepath.Join(dir, "dying.sock")
+	dl, err := net.Listen("unix", dying)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dl.(*net.UnixListener).SetUnlinkOnClose(false)
+	time.AfterFunc(staleGrace/3, func() { dl.Close() })
 	file := filepath.Join(dir, "file")
 	if err := os.WriteFile(file, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -33,6 +44,7 @@ func TestListen(t *testing.T) {
 		endpoint string
 		want     error
 	}{
+		{"unix://" + dying, nil}, // first: it must still be listening
 		{"unix://" + stale, nil},
 		{"unix://" + filepath.Join(dir, "new.sock"), nil},
 		{"unix://" + live, errdefs.ErrAlreadyExists},
