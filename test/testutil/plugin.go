@@ -173,7 +173,7 @@ func (p *Plugin) start() {
 	})
 	select {
 	case <-done:
-		p.t.Fatalf("plugin exited at start (%v); log:\n%s", cmd.ProcessState, tailFile(p.LogPath, 50))
+		p.t.Fatalf("plugin exited at start (%v); processes holding its socket: %v; log:\n%s", cmd.ProcessState, SocketHolders(p.Socket), tailFile(p.LogPath, 50))
 	default:
 	}
 	if !up {

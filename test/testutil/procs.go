@@ -117,3 +117,38 @@ func descendants(procs map[int]ProcInfo, pid int) []int {
 	}
 	return out
 }
+
+// SocketHolders lists the processes that hold a unix socket bound to path
+// (from /proc/net/unix and /proc/*/fd): who still serves on a socket whose
+// owner is gone.
+func SocketHolders(path string) []ProcInfo {
+	b, err := os.ReadFile("/proc/net/unix")
+	if err != nil {
+		return nil
+	}
+	inodes := map[string]bool{}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 8 && f[len(f)-1] == path {
+			inodes["socket:["+f[6]+"]"] = true
+		}
+	}
+	var out []ProcInfo
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		fds, _ := os.ReadDir(filepath.Join("/proc", e.Name(), "fd"))
+		for _, fd := range fds {
+			if l, err := os.Readlink(filepath.Join("/proc", e.Name(), "fd", fd.Name())); err == nil && inodes[l] {
+				if p, ok := readProc(pid); ok {
+					out = append(out, p)
+				}
+				break
+			}
+		}
+	}
+	return out
+}
