@@ -29,13 +29,13 @@ build:
 test: build
 	set -o pipefail; $(GO) test -json $(TESTFLAGS) $(PKGS) | $(GO) run ./hack/testreport
 
-# The tests that need no root, no device, no external tool and no server,
-# as any user: in -short mode every internal/testenv Require* skips.
 # Every Go fuzz test for FUZZTIME seconds each (default 5).
 FUZZTIME ?= 5
 fuzz:
 	hack/fuzz.sh $(FUZZTIME)
 
+# The tests that need no root, no device, no external tool and no server,
+# as any user: in -short mode every internal/testenv Require* skips.
 test-unit:
 	set -o pipefail; $(GO) test -json -short -vet=off -count=1 $(PKGS) | $(GO) run ./hack/testreport
 
