@@ -242,14 +242,11 @@ func removeEmptyTree(dir string) error {
 	return os.Remove(dir)
 }
 
+// tail is the end of a log file.
 func tail(path string, n int) string {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return err.Error()
 	}
-	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
+	return lastLines(string(b), n)
 }
