@@ -75,3 +75,22 @@ func (d *Driver) WithVolume(ctx context.Context, id, op string, fn func(v source
 	}
 	return fn(viewOf(v), true, recorder{d.vols, v})
 }
+
+// WithShared runs fn under the lock of a source's shared record. The lock
+// is the volumes' lock table's, under a key no volume ID can take (IDs
+// hold no '/').
+func (d *Driver) WithShared(ctx context.Context, kind, key, op string, fn func(data []byte, save func([]byte) error) error) error {
+	unlock, err := d.vols.lock(ctx, "shared/"+kind+"/"+key, op)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	data, err := d.vols.store.GetShared(kind, key)
+	if err != nil {
+		return err
+	}
+	return fn(data, func(b []byte) error { return d.vols.store.PutShared(kind, key, b) })
+}
+
+// SharedKeys lists the keys of a source's shared records of kind.
+func (d *Driver) SharedKeys(kind string) ([]string, error) { return d.vols.store.SharedKeys(kind) }

@@ -143,6 +143,14 @@ type Host interface {
 	// stands and a Recorder for the source's state. found is false when
 	// there is no record (fn then gets only the ID and a nil Recorder).
 	WithVolume(ctx context.Context, volumeID, op string, fn func(v Volume, found bool, rec Recorder) error) error
+	// WithShared runs fn holding the lock of a record the source keeps
+	// about something several volumes share (kind "iscsi-session", key a
+	// session's), waiting for it (bounded by ctx). fn gets the record
+	// (nil: none) and save, which writes it durably (nil: deletes it)
+	// before the side effect it describes.
+	WithShared(ctx context.Context, kind, key, op string, fn func(data []byte, save func([]byte) error) error) error
+	// SharedKeys lists the keys of kind's records.
+	SharedKeys(kind string) ([]string, error)
 }
 
 // HostUser is a Source that wants the Host; the driver hands it over when

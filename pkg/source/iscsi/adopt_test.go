@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/sourcetest"
@@ -155,14 +156,19 @@ func (n *fakeNode) stage(id string) source.Volume {
 	return v
 }
 
-func (n *fakeNode) owner(key string) *owner {
+// session is the record the driver keeps of the session key (zero: none).
+func (n *fakeNode) session(key string) session {
 	n.t.Helper()
-	own, err := readOwner(n.s.sessionDir(key))
-	if err != nil {
-		n.t.Fatal(err)
+	var rec session
+	if b := n.s.getHost().(*sourcetest.Host).Shared(sharedKind, key); b != nil {
+		if err := json.Unmarshal(b, &rec); err != nil {
+			n.t.Fatal(err)
+		}
 	}
-	return own
+	return rec
 }
+
+func (n *fakeNode) owner(key string) *owner { return n.session(key).Owner }
 
 func stateOf(t *testing.T, raw json.RawMessage) State {
 	t.Helper()
@@ -219,8 +225,8 @@ func TestAdoptLogsInAgain(t *testing.T) {
 	if own := n.owner(st.Session); own == nil || own.SID != st.SID || !own.CreatedRecord {
 		t.Fatalf("owner record %+v, want SID %d and createdRecord", own, st.SID)
 	}
-	if _, err := os.Stat(filepath.Join(n.s.sessionDir(st.Session), "users", "v1")); err != nil {
-		t.Fatalf("volume marker: %v", err)
+	if !slices.Contains(n.session(st.Session).Users, "v1") {
+		t.Fatalf("volume marker: %+v", n.session(st.Session))
 	}
 	v.State = raw
 	if h := n.s.Health(ctx, v); h.Abnormal {
@@ -257,8 +263,8 @@ func TestAdoptRecordGone(t *testing.T) {
 	if len(n.calls) != 0 {
 		t.Fatalf("iscsiadm called: %q", n.calls)
 	}
-	if _, err := os.Stat(filepath.Join(n.s.sessionDir(st.Session), "users", "v1")); err != nil {
-		t.Fatalf("volume marker gone: %v", err)
+	if !slices.Contains(n.session(st.Session).Users, "v1") {
+		t.Fatalf("volume marker gone: %+v", n.session(st.Session))
 	}
 	if err := n.s.Unstage(context.Background(), v); err != nil {
 		t.Fatal(err)
@@ -279,8 +285,8 @@ func TestAdoptLoginFails(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(n.recordDir(), "default")); err != nil {
 		t.Fatalf("node record gone after a failed re-login: %v", err)
 	}
-	if _, err := os.Stat(filepath.Join(n.s.sessionDir(st.Session), "users", "v1")); err != nil {
-		t.Fatalf("volume marker gone after a failed re-login: %v", err)
+	if !slices.Contains(n.session(st.Session).Users, "v1") {
+		t.Fatalf("volume marker gone after a failed re-login: %+v", n.session(st.Session))
 	}
 	n.loginStatus = 0
 	raw, err := n.s.Adopt(context.Background(), v)
@@ -342,4 +348,38 @@ func admOutput(t *testing.T, out string, c credentials) string {
 		t.Fatal("adm of a failing run succeeded")
 	}
 	return err.Error()
+}
+
+// TestLegacyRegistryTakenOver: the session registry a plugin of an
+// earlier version kept in files of its own becomes the driver's records
+// when the driver is handed over, and the files go.
+func TestLegacyRegistryTakenOver(t *testing.T) {
+	s := New(config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, NodeDBDir: t.TempDir()}, t.TempDir(), nil)
+	key := sessionKey(fakeIQN, fakePortal)
+	dir := filepath.Join(s.StateDir, "iscsi", "sessions", key)
+	if err := os.MkdirAll(filepath.Join(dir, "users"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []struct{ path, data string }{
+		{filepath.Join(dir, "users", "v1"), fakeIQN + " " + fakePortal + "\n"},
+		{filepath.Join(dir, "users", "v2"), fakeIQN + " " + fakePortal + "\n"},
+		{filepath.Join(dir, "owner.json"), `{"target":"` + fakeIQN + `","portal":"` + fakePortal + `","tpgt":1,"sid":7,"createdRecord":true}`},
+	} {
+		if err := os.WriteFile(f.path, []byte(f.data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	host := &sourcetest.Host{}
+	s.SetHost(host)
+	var rec session
+	if err := json.Unmarshal(host.Shared(sharedKind, key), &rec); err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(rec.Users)
+	if !slices.Equal(rec.Users, []string{"v1", "v2"}) || rec.Owner == nil || rec.Owner.SID != 7 || !rec.Owner.CreatedRecord {
+		t.Fatalf("taken over: %+v (owner %+v)", rec, rec.Owner)
+	}
+	if _, err := os.Lstat(dir); !os.IsNotExist(err) {
+		t.Fatalf("the old registry is still there: %v", err)
+	}
 }

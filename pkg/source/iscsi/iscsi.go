@@ -10,10 +10,10 @@
 // the password in /proc/PID/cmdline, is never used.
 //
 // Several volumes may be LUNs of one target and share its session. The
-// plugin keeps, under <state-dir>/iscsi/sessions/<key>/, a marker per
-// volume using the session and an owner record when the plugin itself
-// logged the session in; unstage logs out only a session the plugin
-// created and no volume uses any more.
+// driver keeps a record per session for this source (Host.WithShared):
+// the volumes using it, and the owner when the plugin itself logged the
+// session in; unstage logs out only a session the plugin created and no
+// volume uses any more.
 package iscsi
 
 import (
@@ -25,6 +25,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -32,7 +33,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/keylock"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -81,21 +81,43 @@ type Source struct {
 	Metrics *metrics.Metrics
 	// SysDir and DevDir are /sys and /dev.
 	SysDir, DevDir string
-	// StateDir holds the session registry (<StateDir>/iscsi/sessions).
+	// StateDir is the plugin's state dir, where plugins of earlier
+	// versions kept their session registry (<StateDir>/iscsi/sessions).
 	StateDir string
 
 	rules    []config.EndpointRule
-	rulesErr error         // a config that bypassed config.Load: every volume is refused
-	locks    keylock.Locks // per session key: logins and logouts wait for each other
+	rulesErr error // a config that bypassed config.Load: every volume is refused
 	// runner runs iscsiadm; its zero value runs the real one from PATH
 	// (tests put a fake here).
 	runner toolrun.Runner
+
+	mu   sync.Mutex
+	host source.Host // keeps the session records and their locks
 }
 
 var (
 	_ source.Source        = (*Source)(nil)
 	_ source.HealthChecker = (*Source)(nil)
+	_ source.HostUser      = (*Source)(nil)
 )
+
+// SetHost receives the driver, which keeps the session records. Sessions
+// a plugin of an earlier version registered in files of its own are
+// taken over at once.
+func (s *Source) SetHost(h source.Host) {
+	s.mu.Lock()
+	s.host = h
+	s.mu.Unlock()
+	if err := s.adoptLegacyRegistry(context.Background()); err != nil {
+		klog.Background().Error(err, "Taking over the iSCSI session registry of an earlier version")
+	}
+}
+
+func (s *Source) getHost() source.Host {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.host
+}
 
 // New returns an iSCSI source with the admin's policy (checked by
 // config.Load), keeping its session registry under stateDir and timing its

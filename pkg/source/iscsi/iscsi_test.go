@@ -17,7 +17,9 @@ import (
 
 func newSource(t *testing.T, portals ...string) *Source {
 	t.Helper()
-	return New(config.ISCSIConfig{AllowedPortals: portals, NodeDBDir: t.TempDir()}, t.TempDir(), nil)
+	s := New(config.ISCSIConfig{AllowedPortals: portals, NodeDBDir: t.TempDir()}, t.TempDir(), nil)
+	s.SetHost(&sourcetest.Host{})
+	return s
 }
 
 func TestNewVolume(t *testing.T) {

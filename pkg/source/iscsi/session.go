@@ -53,8 +53,54 @@ func sessionKey(iqn, portal string) string {
 	return hex.EncodeToString(sum[:12])
 }
 
-func (s *Source) sessionDir(key string) string {
-	return filepath.Join(s.StateDir, "iscsi", "sessions", key)
+// sharedKind names the driver-kept records of sessions (Host.WithShared).
+const sharedKind = "iscsi-session"
+
+// session is what the plugin keeps of a session several volumes (LUNs of
+// one target) may share: who uses it, and whether the plugin logged it in.
+type session struct {
+	Users []string `json:"users"`
+	Owner *owner   `json:"owner,omitempty"`
+}
+
+// sessionTx is a session's record, read and written under its lock.
+type sessionTx struct {
+	session
+	save func([]byte) error
+}
+
+// commit writes the record before the side effect it describes; a
+// session nobody uses and the plugin does not own is forgotten.
+func (tx *sessionTx) commit() error {
+	if len(tx.Users) == 0 && tx.Owner == nil {
+		return tx.save(nil)
+	}
+	b, err := json.Marshal(tx.session)
+	if err != nil {
+		return err
+	}
+	return tx.save(b)
+}
+
+func (tx *sessionTx) uses(id string) bool { return slices.Contains(tx.Users, id) }
+
+// withSession runs fn with the record of the session key locked. The
+// driver keeps the record and its lock: logins and logouts of volumes
+// sharing a session wait for each other.
+func (s *Source) withSession(ctx context.Context, key, op string, fn func(tx *sessionTx) error) error {
+	host := s.getHost()
+	if host == nil {
+		return fmt.Errorf("iscsi: no driver keeps the session records: %w", errdefs.ErrFailedPrecondition)
+	}
+	return host.WithShared(ctx, sharedKind, key, op, func(data []byte, save func([]byte) error) error {
+		tx := &sessionTx{save: save}
+		if data != nil {
+			if err := json.Unmarshal(data, &tx.session); err != nil {
+				return fmt.Errorf("iscsi session record %s: %w", key, err)
+			}
+		}
+		return fn(tx)
+	})
 }
 
 // join marks volume id as a user of the session to t at p, logging in
@@ -64,45 +110,43 @@ func (s *Source) sessionDir(key string) string {
 // failure leaves the session as it was before. With c nil (Adopt of a
 // staged volume whose session was lost), a login uses the node record as
 // the stage left it, which still holds the CHAP fields, so the secrets
-// never pass through the plugin again; a failure keeps the volume's
-// marker, since the volume is still staged, and the next Adopt tries again.
+// never pass through the plugin again; a failure keeps the volume among
+// the session's users, since the volume is still staged, and the next
+// Adopt tries again.
 func (s *Source) join(ctx context.Context, id string, t target, p Portal, c *credentials) (State, error) {
 	key := sessionKey(t.iqn, p.Address)
-	unlock, err := s.locks.Lock(ctx, key, "login")
-	if err != nil {
-		return State{}, err
-	}
-	defer unlock()
-	dir := s.sessionDir(key)
-	if err := os.MkdirAll(filepath.Join(dir, "users"), 0o700); err != nil {
-		return State{}, err
-	}
-	// Intent first: a crash from here on leaves a marker unstage finds.
-	if err := fsutil.WriteFileAtomic(filepath.Join(dir, "users", id), []byte(t.iqn+" "+p.Address+"\n"), 0o600, true); err != nil {
-		return State{}, err
-	}
 	st := State{Target: t.iqn, Portal: p.Address, TPGT: p.TPGT, LUN: t.lun, Session: key}
-	sid, err := s.findSession(t.iqn, p.Address)
-	if err == nil && sid == 0 {
-		sid, err = s.login(ctx, dir, t.iqn, p, c)
-	}
-	if err != nil {
-		if c != nil {
-			if rerr := s.leave(context.WithoutCancel(ctx), key, id); rerr != nil {
-				klog.FromContext(ctx).Error(rerr, "Rollback: leaving the iSCSI session failed", "target", t.iqn)
+	err := s.withSession(ctx, key, "login", func(tx *sessionTx) error {
+		// Intent first: a crash from here on leaves a user unstage finds.
+		if !tx.uses(id) {
+			tx.Users = append(tx.Users, id)
+			if err := tx.commit(); err != nil {
+				return err
 			}
 		}
-		return State{}, err
-	}
-	st.SID = sid
-	return st, nil
+		sid, err := s.findSession(t.iqn, p.Address)
+		if err == nil && sid == 0 {
+			sid, err = s.login(ctx, tx, t.iqn, p, c)
+		}
+		if err != nil {
+			if c != nil {
+				if rerr := s.leave(context.WithoutCancel(ctx), tx, id); rerr != nil {
+					klog.FromContext(ctx).Error(rerr, "Rollback: leaving the iSCSI session failed", "target", t.iqn)
+				}
+			}
+			return err
+		}
+		st.SID = sid
+		return nil
+	})
+	return st, err
 }
 
 // login logs in to iqn at p and records the new session as the plugin's
 // own. With c it first creates the node record if there is none and writes
 // c's CHAP fields into it; with c nil it logs in with the record as it is,
 // and a missing record is ErrFailedPrecondition: the secrets went with it.
-func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c *credentials) (int, error) {
+func (s *Source) login(ctx context.Context, tx *sessionTx, iqn string, p Portal, c *credentials) (int, error) {
 	own := owner{Target: iqn, Portal: p.Address, TPGT: p.TPGT}
 	rec, existed, err := s.recordPath(iqn, p)
 	if err != nil {
@@ -114,12 +158,10 @@ func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c *creden
 	}
 	// A record the plugin made for an earlier session to the same target
 	// stays the plugin's to delete, whoever made the session that ended.
-	prev, err := readOwner(dir)
-	if err != nil {
-		return 0, err
-	}
+	prev := tx.Owner
 	own.CreatedRecord = !existed || (prev != nil && prev.CreatedRecord && prev.Target == iqn && prev.Portal == p.Address)
-	if err := writeJSON(filepath.Join(dir, "owner.json"), own); err != nil {
+	tx.Owner = &own
+	if err := tx.commit(); err != nil {
 		return 0, err
 	}
 	var redact credentials
@@ -144,7 +186,7 @@ func (s *Source) login(ctx context.Context, dir, iqn string, p Portal, c *creden
 		return 0, err
 	}
 	own.SID = sid
-	return sid, writeJSON(filepath.Join(dir, "owner.json"), own)
+	return sid, tx.commit()
 }
 
 // writeRecord creates iqn's node record at p unless it exists and writes
@@ -164,81 +206,44 @@ func (s *Source) writeRecord(ctx context.Context, iqn string, p Portal, rec stri
 	return writeAuth(rec, c)
 }
 
-// readOwner reads dir's owner record; nil when there is none.
-func readOwner(dir string) (*owner, error) {
-	b, err := os.ReadFile(filepath.Join(dir, "owner.json"))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var own owner
-	if err := json.Unmarshal(b, &own); err != nil {
-		return nil, fmt.Errorf("%s/owner.json: %w", dir, err)
-	}
-	return &own, nil
-}
-
 // release removes volume id from every session it uses (normally one).
+// It looks at every session record rather than the volume's state, so a
+// stage a crash interrupted before it recorded its session is undone too.
 func (s *Source) release(ctx context.Context, id string) error {
-	markers, err := filepath.Glob(filepath.Join(s.StateDir, "iscsi", "sessions", "*", "users", id))
+	host := s.getHost()
+	if host == nil {
+		return fmt.Errorf("iscsi: no driver keeps the session records: %w", errdefs.ErrFailedPrecondition)
+	}
+	keys, err := host.SharedKeys(sharedKind)
 	if err != nil {
 		return err
 	}
 	var errs []error
-	for _, m := range markers {
-		key := filepath.Base(filepath.Dir(filepath.Dir(m)))
-		unlock, err := s.locks.Lock(ctx, key, "logout")
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		errs = append(errs, s.leave(ctx, key, id))
-		unlock()
+	for _, key := range keys {
+		errs = append(errs, s.withSession(ctx, key, "logout", func(tx *sessionTx) error {
+			if !tx.uses(id) {
+				return nil
+			}
+			return s.leave(ctx, tx, id)
+		}))
 	}
 	return errors.Join(errs...)
 }
 
 // leave, when nobody else uses the session and the plugin created it, logs
-// it out and forgets it, then drops id's marker. The marker goes last: if
-// the logout fails, the retry still finds the session as id's to release.
-// Called with key locked.
-func (s *Source) leave(ctx context.Context, key, id string) error {
-	dir := s.sessionDir(key)
-	marker := filepath.Join(dir, "users", id)
-	users, err := os.ReadDir(filepath.Join(dir, "users"))
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
-	if slices.ContainsFunc(users, func(e fs.DirEntry) bool { return e.Name() != id }) {
-		return removeMarker(marker)
-	}
-	own, err := readOwner(dir)
-	if err != nil {
-		return err
-	}
-	if own != nil {
-		if err := s.logout(ctx, *own); err != nil {
+// it out and forgets it, then drops id from its users. The user goes last:
+// if the logout fails, the retry still finds the session as id's to
+// release. Called with the session's record locked.
+func (s *Source) leave(ctx context.Context, tx *sessionTx, id string) error {
+	others := slices.ContainsFunc(tx.Users, func(u string) bool { return u != id })
+	if !others && tx.Owner != nil {
+		if err := s.logout(ctx, *tx.Owner); err != nil {
 			return err
 		}
-		if err := os.Remove(filepath.Join(dir, "owner.json")); err != nil {
-			return err
-		}
+		tx.Owner = nil
 	}
-	if err := removeMarker(marker); err != nil {
-		return err
-	}
-	_ = os.Remove(filepath.Join(dir, "users"))
-	_ = os.Remove(dir)
-	return nil
-}
-
-func removeMarker(p string) error {
-	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
-	return nil
+	tx.Users = slices.DeleteFunc(tx.Users, func(u string) bool { return u == id })
+	return tx.commit()
 }
 
 // logout ends the session own describes, if sysfs still shows it for the
@@ -479,10 +484,47 @@ func (s *Source) check(st State) source.Health {
 	return source.Health{}
 }
 
-func writeJSON(path string, v any) error {
-	b, err := json.Marshal(v)
-	if err != nil {
+// adoptLegacyRegistry moves what a plugin of an earlier version kept under
+// <state-dir>/iscsi/sessions/<key>/ (a file per user volume in users/, and
+// owner.json when it logged the session in) into the driver's session
+// records, then removes those files.
+func (s *Source) adoptLegacyRegistry(ctx context.Context) error {
+	dirs, err := filepath.Glob(filepath.Join(s.StateDir, "iscsi", "sessions", "*"))
+	if err != nil || len(dirs) == 0 {
 		return err
 	}
-	return fsutil.WriteFileAtomic(path, b, 0o600, true)
+	var errs []error
+	for _, dir := range dirs {
+		errs = append(errs, s.withSession(ctx, filepath.Base(dir), "adopt-registry", func(tx *sessionTx) error {
+			users, err := os.ReadDir(filepath.Join(dir, "users"))
+			if err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return err
+			}
+			for _, u := range users {
+				if !tx.uses(u.Name()) {
+					tx.Users = append(tx.Users, u.Name())
+				}
+			}
+			if b, err := os.ReadFile(filepath.Join(dir, "owner.json")); err == nil && tx.Owner == nil {
+				own := &owner{}
+				if err := json.Unmarshal(b, own); err != nil {
+					return fmt.Errorf("%s/owner.json: %w", dir, err)
+				}
+				tx.Owner = own
+			}
+			if err := tx.commit(); err != nil {
+				return err
+			}
+			for _, u := range users {
+				_ = os.Remove(filepath.Join(dir, "users", u.Name()))
+			}
+			for _, p := range []string{filepath.Join(dir, "owner.json"), filepath.Join(dir, "users"), dir} {
+				if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+					return err
+				}
+			}
+			return nil
+		}))
+	}
+	return errors.Join(errs...)
 }

@@ -2,7 +2,11 @@
 package sourcetest
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"slices"
+	"strings"
 	"sync"
 
 	"github.com/mountplan/mountplan/pkg/journal"
@@ -49,4 +53,60 @@ func (r *Recorder) Saves() int {
 func Staged(v source.Volume, state json.RawMessage) source.Volume {
 	v.Staging, v.State = true, state
 	return v
+}
+
+// Host is a source.Host that keeps shared records in memory, for sources
+// tested without a driver. It has no volumes: Reattach and WithVolume
+// fail.
+type Host struct {
+	mu     sync.Mutex
+	shared map[string][]byte // kind + "/" + key
+}
+
+var _ source.Host = (*Host)(nil)
+
+func (h *Host) Reattach(context.Context, string) error { return errNoVolumes }
+
+func (h *Host) WithVolume(context.Context, string, string, func(source.Volume, bool, source.Recorder) error) error {
+	return errNoVolumes
+}
+
+var errNoVolumes = errors.New("sourcetest.Host keeps no volumes")
+
+// WithShared runs fn with every shared record locked.
+func (h *Host) WithShared(_ context.Context, kind, key, _ string, fn func([]byte, func([]byte) error) error) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.shared == nil {
+		h.shared = map[string][]byte{}
+	}
+	id := kind + "/" + key
+	return fn(h.shared[id], func(b []byte) error {
+		if b == nil {
+			delete(h.shared, id)
+		} else {
+			h.shared[id] = append([]byte(nil), b...)
+		}
+		return nil
+	})
+}
+
+func (h *Host) SharedKeys(kind string) ([]string, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var keys []string
+	for id := range h.shared {
+		if k, ok := strings.CutPrefix(id, kind+"/"); ok {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	return keys, nil
+}
+
+// Shared returns a shared record (nil: none).
+func (h *Host) Shared(kind, key string) []byte {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.shared[kind+"/"+key]
 }
