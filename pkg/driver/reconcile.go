@@ -31,9 +31,12 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	}
 	var errs []error
 	for _, v := range vols {
-		unlock, err := d.lock(v.ID, "reconcile")
+		// Background work waits for the volume's lock, as Reattach does:
+		// a volume skipped while busy (a FUSE sweep, a request) would go
+		// unadopted until the next interval.
+		unlock, err := d.vols.lock(ctx, v.ID, "reconcile")
 		if err != nil {
-			continue // busy with a request: that request settles it
+			return errors.Join(append(errs, err)...) // ctx ended
 		}
 		err = d.reconcileVolume(klog.NewContext(ctx, logger.WithValues("volume", v.ID)), v)
 		unlock()
