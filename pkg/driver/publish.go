@@ -204,7 +204,7 @@ func (d *Driver) unpublishUnrecorded(ctx context.Context, v *journal.Volume, tar
 		if err != nil {
 			return err
 		}
-		if err := d.opts.Mounter.Unmount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
+		if err := d.unmountTarget(ctx, mounts, target); err != nil {
 			return err
 		}
 		if !d.isMountPoint(target) {
@@ -222,11 +222,30 @@ func volumeID(v *journal.Volume) string {
 	return v.ID
 }
 
+// unmountTarget has the mounter remove a publish's mounts. A mount that is
+// busy for a moment (a NodeGetVolumeStats statfs holds it while it looks,
+// without the volume's lock) is tried again a few times, for about 300ms
+// in all, before the error stands.
+func (d *Driver) unmountTarget(ctx context.Context, mounts []plan.Mount, target string) error {
+	var err error
+	for wait := 10 * time.Millisecond; ; wait *= 2 {
+		err = d.opts.Mounter.Unmount(ctx, mounts, plan.Consumer{MountPoint: target})
+		if errdefs.Code(err) != codes.FailedPrecondition || wait > 160*time.Millisecond {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+	}
+}
+
 // unpublish removes what the mounter put at target, then the target if
 // the plugin made it, then the record.
 func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string) error {
 	p := findPublish(v, target)
-	if err := d.opts.Mounter.Unmount(ctx, p.Mounts, plan.Consumer{MountPoint: target}); err != nil {
+	if err := d.unmountTarget(ctx, p.Mounts, target); err != nil {
 		return err
 	}
 	if d.isMountPoint(target) {
