@@ -139,7 +139,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		claims = append(claims, c)
 	}
 	for _, d := range ctr.GetLinux().GetDevices() {
-		if d.GetType() != "b" {
+		if d.GetType() != "b" || hostDevice(d) {
 			continue
 		}
 		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId()}
@@ -209,13 +209,21 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 // claimDevice prepares the volume published in NRI mode with the
 // container's device d, if there is one, and gives the container the
 // plan's device in its place (with access to it in its device cgroup).
+//
+// Unlike a mount, a block volume does not depend on the hook: the runtime
+// gives the container the device of kubelet's device node anyway. So when
+// the plugin cannot be asked (the plugin's own container being created,
+// privileged, with the host's devices) the device is left as it is and
+// only its consumer record is missing.
 func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, d *nriapi.LinuxDevice) (bool, error) {
 	id, mounts, err := h.volumes.Prepare(ctx, *c)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return false, nil // a device that is not one of our volumes
 	}
 	if err != nil {
-		return false, fmt.Errorf("block volume at %s: %w", c.Destination, err)
+		klog.FromContext(ctx).Error(err, "Cannot tell whether a container's block device is a volume; leaving it as the runtime has it",
+			"container", c.ContainerID, "device", c.Destination, "major", c.Major, "minor", c.Minor)
+		return false, nil
 	}
 	c.VolumeID = id
 	dev, err := deviceOf(mounts)
@@ -225,6 +233,16 @@ func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment,
 	dev.Path, dev.FileMode, dev.Uid, dev.Gid = d.GetPath(), d.GetFileMode(), d.GetUid(), d.GetGid()
 	adj.AddDevice(dev)
 	return true, nil
+}
+
+// hostDevice reports whether a container's device is a device of the
+// host at the same path (a privileged container has them all): not a
+// block volume, which kubelet places at the path the pod asks for. Telling
+// them apart here spares the plugin a question per host device.
+func hostDevice(d *nriapi.LinuxDevice) bool {
+	var st unix.Stat_t
+	return unix.Stat(d.GetPath(), &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK &&
+		unix.Major(uint64(st.Rdev)) == uint32(d.GetMajor()) && unix.Minor(uint64(st.Rdev)) == uint32(d.GetMinor()) //nolint:unconvert // Rdev is uint32 on some architectures
 }
 
 // deviceOf turns a block plan (a bind of a device node) into the device

@@ -56,6 +56,7 @@ func (e *env) values() string {
 stateDir: %[2]s
 logVerbosity: 4
 registration: builtin
+nri: {enabled: true}
 podAnnotations: {mountplan.io/rollout: "%[7]d"}
 image:
   plugin: {repository: %[3]s, tag: %[4]s, pullPolicy: Never}

@@ -39,6 +39,13 @@ var flows = []flow{
 	{name: "ExpandOnline", run: expandOnline},
 	{name: "ExpandOffline", run: expandOffline},
 	{name: "ExpandExt4", run: expandExt4},
+	// NRI mode (nri_flows_test.go), in this order.
+	{name: "NRIPVC", run: nriPVC},
+	{name: "NRIPodRecreated", run: nriPodRecreated},
+	{name: "NRITwoPodsRWO_RWOPRefused", run: nriTwoPodsRWO},
+	{name: "NRISubPathRefused", run: nriSubPath},
+	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
+	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE,
 		pending: "needs the heal of every container's copy of a FUSE mount after a daemon restart (issue 9 item 2, another helper): drop this line once it is on main"},
 	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},

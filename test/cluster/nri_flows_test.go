@@ -1,0 +1,308 @@
+//go:build clustertest
+
+package cluster
+
+// The flows of NRI mode (issue 10) through kubelet: a StorageClass with
+// nri: "true", its volumes in pods' containers only. A poller reads the
+// node's mount table (the namespace of kubelet and containerd) from the
+// first of these flows to the last and fails the last if anything but the
+// guard was ever mounted under kubelet's directory.
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+
+	"github.com/mountplan/mountplan/pkg/nri/guard"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+const nriClass = "mountplan-nri"
+
+// nriPoll runs from NRIPVC to NRIWritesSurviveMounterRollout; nriPVs are
+// the volumes of these flows.
+var (
+	nriPoll *nodePoller
+	nriPVs  []string
+)
+
+// nriPVC: a claim of the NRI StorageClass in a pod: ext4 of the loop
+// device inside the container, the guard at kubelet's target.
+func nriPVC(t *testing.T, e *env) {
+	nriPoll = startNodePoller(e)
+	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
+		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"})
+	e.apply(t, pvc("ndata", nriClass, "64Mi"))
+	e.run(t, pod("n1", withClaim("ndata", "/data", false)))
+	e.nriPV(t, "ndata")
+	e.wantFSInPod(t, "n1", "/data", "ext4", "/dev/loop")
+	e.shared["ndata"] = e.write(t, "n1", "/data/token")
+	sleep(100 * time.Millisecond) // a few samples
+	if nriPoll.seen(guard.FSType) == 0 {
+		t.Error("no guard in the node's mount table at kubelet's target")
+	}
+}
+
+// nriPodRecreated: the pod deleted, a new one finds the data; the first
+// container's claim is released.
+func nriPodRecreated(t *testing.T, e *env) {
+	e.c.deleteAndWait(t, "pod", "n1")
+	e.run(t, pod("n2", withClaim("ndata", "/data", false)))
+	e.expect(t, "n2", "/data/token", e.shared["ndata"])
+	e.shared["ndata"] = e.write(t, "n2", "/data/token")
+	e.wantContainerConsumers(t, "ndata", 1)
+}
+
+// nriTwoPodsRWO: two pods of the node on one ReadWriteOnce claim, each
+// container a consumer; a ReadWriteOncePod claim's second pod is refused
+// until the first is gone.
+func nriTwoPodsRWO(t *testing.T, e *env) {
+	e.run(t, pod("n3", withClaim("ndata", "/data", false)))
+	e.expect(t, "n3", "/data/token", e.shared["ndata"])
+	tok := e.write(t, "n3", "/data/token")
+	e.expect(t, "n2", "/data/token", tok)
+	e.shared["ndata"] = tok
+	e.wantContainerConsumers(t, "ndata", 2)
+	e.c.deleteAndWait(t, "pod", "n3")
+	e.wantContainerConsumers(t, "ndata", 1)
+
+	e.apply(t, pvc("nonce", nriClass, "32Mi", "ReadWriteOncePod"))
+	e.run(t, pod("no1", withClaim("nonce", "/data", false)))
+	e.nriPV(t, "nonce")
+	tok = e.write(t, "no1", "/data/token")
+	e.apply(t, pod("no2", withClaim("nonce", "/data", false)))
+	waitFor(t, 60*time.Second, "no2 refused for ReadWriteOncePod", func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "pod", "no2", "-o",
+			`jsonpath={.status.phase} {.status.conditions[?(@.type=="PodScheduled")].reason}: {.status.conditions[?(@.type=="PodScheduled")].message}`)
+		if err != nil {
+			return err
+		}
+		if !strings.HasPrefix(out, "Pending Unschedulable") || !strings.Contains(out, "ReadWriteOncePod") {
+			return fmt.Errorf("no2: %s", out)
+		}
+		return nil
+	})
+	e.c.deleteAndWait(t, "pod", "no1")
+	e.c.waitPod(t, "no2")
+	e.expect(t, "no2", "/data/token", tok)
+	e.c.deleteAndWait(t, "pod", "no2")
+	e.c.deleteAndWait(t, "pvc", "nonce")
+}
+
+// nriSubPath: kubelet prepares a subPath by making and binding a directory
+// of the target, which the guard refuses: the container is refused with
+// kubelet's reason, never given a directory of the node's disk.
+func nriSubPath(t *testing.T, e *env) {
+	e.apply(t, pod("nsub", func(spec, ctr obj) {
+		addVolume(spec, obj{"name": "v", "persistentVolumeClaim": obj{"claimName": "ndata"}})
+		addMount(ctr, obj{"name": "v", "mountPath": "/sub", "subPath": "dir"})
+	}))
+	waitFor(t, 90*time.Second, "nsub refused", func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "pod", "nsub", "-o",
+			`jsonpath={.status.phase} {.status.containerStatuses[0].state.waiting.reason}: {.status.containerStatuses[0].state.waiting.message}`)
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(out, "CreateContainerConfigError") || !strings.Contains(strings.ToLower(out), "subpath") {
+			return fmt.Errorf("nsub: %s", out)
+		}
+		t.Logf("subPath in NRI mode: %s", out)
+		return nil
+	})
+	e.c.deleteAndWait(t, "pod", "nsub")
+}
+
+// nriFSGroup: kubelet hands the pod's fsGroup to the driver
+// (VOLUME_MOUNT_GROUP); a non-root pod writes.
+func nriFSGroup(t *testing.T, e *env) {
+	e.apply(t, pvc("nfsg", nriClass, "32Mi"))
+	e.run(t, pod("nfsg", withClaim("nfsg", "/data", false), func(spec, _ obj) {
+		spec["securityContext"] = obj{"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000, "runAsNonRoot": true}
+	}))
+	e.nriPV(t, "nfsg")
+	e.write(t, "nfsg", "/data/token")
+	if out := strings.TrimSpace(must(t)(e.c.podExec("nfsg", "stat", "-c", "%g", "/data", "/data/token"))); out != "2000\n2000" {
+		t.Errorf("groups of /data and the new file: %q, want 2000 for both", out)
+	}
+	e.c.deleteAndWait(t, "pod", "nfsg")
+	e.c.deleteAndWait(t, "pvc", "nfsg")
+}
+
+// nriRollout: a pod writes every 100 ms through a rolling update of the
+// DaemonSet (the mounter, its hook and the guard replaced); afterwards a
+// new pod gets the volume again. Then everything of these flows goes, and
+// the poller's record is checked.
+func nriRollout(t *testing.T, e *env) {
+	e.run(t, writer("nw", "ndata"))
+	last := 0
+	sleep(time.Second)
+	e.checkWrites(t, "nw", &last)
+	e.rollout++
+	e.install(t)
+	sleep(2 * time.Second)
+	e.checkWrites(t, "nw", &last)
+	e.run(t, pod("n4", withClaim("ndata", "/data", false)))
+	e.wantFSInPod(t, "n4", "/data", "ext4", "/dev/loop")
+	e.expect(t, "n4", "/data/token", e.shared["ndata"])
+	e.wantContainerConsumers(t, "ndata", 3)
+
+	e.c.deleteAndWait(t, "pod", "nw", "n2", "n4")
+	e.wantContainerConsumers(t, "ndata", 0)
+	e.c.deleteAndWait(t, "pvc", "ndata")
+	bad, samples, seen := nriPoll.stop(nriPVs)
+	t.Logf("node mount table polled %d times through the NRI flows; under kubelet's directory: %s", samples, strings.Join(seen, "; "))
+	for _, b := range bad {
+		t.Errorf("a volume appeared in the node's mount namespace under kubelet's directory: %s", b)
+	}
+}
+
+// nriPV records the volume of a claim of these flows for the poller.
+func (e *env) nriPV(t *testing.T, claim string) {
+	t.Helper()
+	nriPVs = append(nriPVs, e.pvOf(t, claim))
+}
+
+func (e *env) pvOf(t *testing.T, claim string) string {
+	t.Helper()
+	return strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o", "jsonpath={.spec.volumeName}")))
+}
+
+// wantFSInPod checks the filesystem type and source of the top mount at
+// dir inside a pod's container.
+func (e *env) wantFSInPod(t *testing.T, pod, dir, fsType, sourcePrefix string) {
+	t.Helper()
+	out := must(t)(e.c.podExec(pod, "cat", "/proc/self/mountinfo"))
+	var got, src string
+	for _, l := range strings.Split(out, "\n") {
+		f := strings.Fields(l)
+		if i := slices.Index(f, "-"); len(f) > 4 && f[4] == dir && i > 0 && i+2 < len(f) {
+			got, src = f[i+1], f[i+2]
+		}
+	}
+	if got != fsType || !strings.HasPrefix(src, sourcePrefix) {
+		t.Errorf("%s in pod %s is %s from %s, want %s from %s*", dir, pod, got, src, fsType, sourcePrefix)
+	}
+}
+
+// wantContainerConsumers checks how many containers the plugin's journal
+// records as consumers of a claim's volume, each with its namespace.
+func (e *env) wantContainerConsumers(t *testing.T, claim string, n int) {
+	t.Helper()
+	vol := e.pvOf(t, claim)
+	waitFor(t, 30*time.Second, fmt.Sprintf("%d container consumers of %s", n, claim), func() error {
+		b, err := os.ReadFile(e.c.cfg.path("state", "volumes", vol+".json"))
+		if err != nil {
+			return err
+		}
+		var rec struct {
+			Consumers []struct {
+				ContainerID string `json:"containerID"`
+				NSInode     uint64 `json:"nsInode"`
+			} `json:"consumers"`
+		}
+		if err := json.Unmarshal(b, &rec); err != nil {
+			return err
+		}
+		got := 0
+		for _, c := range rec.Consumers {
+			if c.ContainerID == "" || c.NSInode == 0 {
+				return fmt.Errorf("consumer %+v is not a started container", c)
+			}
+			got++
+		}
+		if got != n {
+			return fmt.Errorf("%d container consumers", got)
+		}
+		return nil
+	})
+}
+
+// nodePoller reads the node's mount table every 5 ms.
+type nodePoller struct {
+	pid     int
+	root    string
+	done    chan struct{}
+	stopped chan struct{}
+	mu      sync.Mutex
+	samples int
+	counts  map[mountKey]int // every mount seen under kubelet's CSI volume dirs
+	types   map[string]int
+}
+
+func startNodePoller(e *env) *nodePoller {
+	p := &nodePoller{pid: e.c.nodePID(), root: e.c.cfg.path("kubelet"), done: make(chan struct{}), stopped: make(chan struct{}),
+		counts: map[mountKey]int{}, types: map[string]int{}}
+	go func() {
+		defer close(p.stopped)
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-p.done:
+				return
+			case <-tick.C:
+				p.sample()
+			}
+		}
+	}()
+	return p
+}
+
+func (p *nodePoller) sample() {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/mountinfo", p.pid))
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, func(i *mountinfo.Info) (bool, bool) {
+		return !plan.Within(p.root, i.Mountpoint) || !strings.Contains(i.Mountpoint, "/volumes/kubernetes.io~csi/"), false
+	})
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err != nil {
+		return
+	}
+	p.samples++
+	for _, i := range infos {
+		k := mountKey{i.FSType, i.Source, i.Mountpoint}
+		p.counts[k]++
+		p.types[i.FSType]++
+	}
+}
+
+type mountKey struct{ fsType, source, mountPoint string }
+
+func (p *nodePoller) seen(fsType string) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.types[fsType]
+}
+
+// stop stops polling and judges what was seen at the targets of the
+// volumes pvs (other flows' classic volumes share kubelet's directory):
+// anything there but the guard is bad.
+func (p *nodePoller) stop(pvs []string) (bad []string, samples int, seen []string) {
+	close(p.done)
+	<-p.stopped
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for k, n := range p.counts {
+		if !slices.ContainsFunc(pvs, func(pv string) bool { return strings.Contains(k.mountPoint, "/kubernetes.io~csi/"+pv+"/") }) {
+			continue
+		}
+		desc := fmt.Sprintf("%s %s at %s", k.fsType, k.source, k.mountPoint)
+		seen = append(seen, fmt.Sprintf("%s (%d samples)", desc, n))
+		if k.fsType != guard.FSType {
+			bad = append(bad, desc)
+		}
+	}
+	slices.Sort(seen)
+	return bad, p.samples, seen
+}
