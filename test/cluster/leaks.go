@@ -52,11 +52,15 @@ func takeSnapshot(t *testing.T, root string) snapshot {
 		}
 		s.fixed[p] = strings.Join(names, ",")
 	}
+	launcher := launcherCgroups()
 	ctrls, _ := os.ReadDir("/sys/fs/cgroup")
 	for _, c := range ctrls {
 		dirs, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", c.Name(), "*", "*"))
 		top, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", c.Name(), "*"))
 		for _, d := range append(top, dirs...) {
+			if filepath.Dir(d) == launcher[c.Name()] {
+				continue
+			}
 			if fi, err := os.Stat(d); err == nil && fi.IsDir() {
 				s.cgroups = append(s.cgroups, d)
 			}
@@ -67,6 +71,28 @@ func takeSnapshot(t *testing.T, root string) snapshot {
 		s.links = append(s.links, l.Name())
 	}
 	return s
+}
+
+// launcherCgroups maps each cgroup v1 controller in which this test runs
+// below the root to the directory that holds its cgroup. Whatever started
+// the test (a CI runner, a job scheduler) may make and remove sibling
+// cgroups there for its other jobs at any time: they are not the cluster's.
+func launcherCgroups() map[string]string {
+	out := map[string]string{}
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return out
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		// hierarchy-ID:controller-list:path
+		f := strings.SplitN(line, ":", 3)
+		if len(f) != 3 || f[1] == "" || f[2] == "/" {
+			continue
+		}
+		ctrl := strings.TrimPrefix(f[1], "name=")
+		out[ctrl] = filepath.Dir(filepath.Join("/sys/fs/cgroup", ctrl, f[2]))
+	}
+	return out
 }
 
 // loopDevices maps each attached loop device to its backing file's device
