@@ -21,6 +21,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/test/chart/chartrender"
 )
 
@@ -75,6 +76,10 @@ var valueSets = []struct {
 				"source": map[string]any{"pattern": "[a-z]+@[a-z.]+:[a-z/]*"}},
 		},
 	}}},
+	// Every source kind: NBD servers, sockets (one shared with an image root, one
+	// under the state dir) and TLS from a Secret; iSCSI portals with the node
+	// records and the initiator name outside /etc/iscsi.
+	{"networkSources", networkSources},
 	{"everything", map[string]any{
 		"kubeletDir":   "/var/snap/microk8s/common/var/lib/kubelet",
 		"driverName":   "other.example.org",
@@ -822,6 +827,19 @@ func TestAdminRoots(t *testing.T) {
 			}
 			if m, _ := r.mountAt(t, mounter, root); !m.ReadOnly {
 				t.Errorf("mounter: image root %s is writable", root)
+			}
+		}
+		// NBD sockets: the plugin and its nbd-client connect to them; the
+		// mounter has no business there.
+		for _, root := range r.config.NBD.SocketRoots {
+			visible(plugin, root)
+			if fuseRoots[root] || slices.Contains(r.config.ImageRoots, root) || plan.Within(stateDir, root) {
+				continue
+			}
+			for _, m := range mounter.VolumeMounts {
+				if m.MountPath == root {
+					t.Errorf("mounter mounts NBD socket root %s", root)
+				}
 			}
 		}
 	})

@@ -99,30 +99,109 @@ app.kubernetes.io/part-of: mountplan
 {{- end -}}
 
 {{/*
-Host directories the admin config lets volumes name (config.imageRoots, and the
-source.roots of config.fuseProfiles), as YAML: path -> "image" (loop images:
-the plugin attaches them, the mounter checks that a loop device's backing file
-is one it sees too) or "fuse" (FUSE sources: the plugin checks them, the
-daemons in the mounter's container read and write them). Roots under the
-state dir are left out: the state dir is mounted already.
+Host directories the admin config lets volumes name, as YAML: path -> the
+kinds of root it is (image: config.imageRoots, loop images the plugin
+attaches and the mounter checks a loop device's backing file against; fuse:
+source.roots of config.fuseProfiles, which the plugin checks and the daemons in
+the mounter's container read and write; nbd: config.nbd.socketRoots, unix
+sockets the plugin and nbd-client connect to). Roots under the state dir are
+left out: the state dir is mounted already.
 */}}
 {{- define "mountplan.adminRoots" -}}
 {{- $stateDir := include "mountplan.stateDir" . -}}
 {{- $roots := dict -}}
 {{- range $i, $r := .Values.config.imageRoots -}}
 {{- $p := include "mountplan.root" (dict "name" (printf "config.imageRoots[%d]" $i) "value" $r) -}}
-{{- if not (get $roots $p) -}}{{- $_ := set $roots $p "image" -}}{{- end -}}
+{{- include "mountplan.addRoot" (dict "roots" $roots "path" $p "kind" "image") -}}
 {{- end -}}
 {{- range $i, $prof := .Values.config.fuseProfiles -}}
 {{- range $j, $r := (dig "source" "roots" list $prof) -}}
 {{- $p := include "mountplan.root" (dict "name" (printf "config.fuseProfiles[%d].source.roots[%d]" $i $j) "value" $r) -}}
-{{- $_ := set $roots $p "fuse" -}}
+{{- include "mountplan.addRoot" (dict "roots" $roots "path" $p "kind" "fuse") -}}
 {{- end -}}
+{{- end -}}
+{{- range $i, $r := (dig "nbd" "socketRoots" list .Values.config) -}}
+{{- $p := include "mountplan.root" (dict "name" (printf "config.nbd.socketRoots[%d]" $i) "value" $r) -}}
+{{- include "mountplan.addRoot" (dict "roots" $roots "path" $p "kind" "nbd") -}}
 {{- end -}}
 {{- range $p, $_ := $roots -}}
 {{- if or (eq $p $stateDir) (hasPrefix (printf "%s/" $stateDir) $p) -}}{{- $_ := unset $roots $p -}}{{- end -}}
 {{- end -}}
 {{- toYaml $roots -}}
+{{- end -}}
+
+{{/* Marks .path in .roots as a root of .kind (see mountplan.adminRoots). */}}
+{{- define "mountplan.addRoot" -}}
+{{- $kinds := get .roots .path -}}
+{{- if not $kinds -}}
+{{- $kinds = dict -}}
+{{- $_ := set .roots .path $kinds -}}
+{{- end -}}
+{{- $_ := set $kinds .kind true -}}
+{{- end -}}
+
+{{/*
+Host paths the plugin's container needs for iSCSI volumes, as YAML: path ->
+hostPath type. Empty unless config.iscsi.allowedPortals allows some portal.
+iscsiadm runs in the plugin's container and talks to the host's iscsid through
+an abstract unix socket, which only the host's network namespace reaches: with
+iSCSI allowed, hostNetwork must be true.
+*/}}
+{{- define "mountplan.iscsiHostPaths" -}}
+{{- $i := .Values.config.iscsi | default dict -}}
+{{- $paths := dict -}}
+{{- if $i.allowedPortals -}}
+{{- if not .Values.hostNetwork -}}
+{{- fail "config.iscsi.allowedPortals needs hostNetwork: true (iscsiadm reaches the host's iscsid through an abstract socket of the host's network)" -}}
+{{- end -}}
+{{- /* Node records (CHAP written by the plugin), iscsid.conf, the initiator name. */ -}}
+{{- $_ := set $paths "/etc/iscsi" "Directory" -}}
+{{- /* iscsiadm's lock of the node records, shared with the host's iscsiadm and iscsid. */ -}}
+{{- $_ := set $paths "/run/lock/iscsi" "DirectoryOrCreate" -}}
+{{- with $i.nodeDBDir -}}
+{{- $p := include "mountplan.root" (dict "name" "config.iscsi.nodeDBDir" "value" .) -}}
+{{- if not (or (eq $p "/etc/iscsi") (hasPrefix "/etc/iscsi/" $p)) -}}{{- $_ := set $paths $p "Directory" -}}{{- end -}}
+{{- end -}}
+{{- with $i.initiatorNameFile -}}
+{{- $p := include "mountplan.root" (dict "name" "config.iscsi.initiatorNameFile" "value" .) -}}
+{{- if not (or (eq $p "/etc/iscsi") (hasPrefix "/etc/iscsi/" $p)) -}}{{- $_ := set $paths $p "File" -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $paths -}}
+{{- end -}}
+
+{{/* Where the Secret nbdTLSSecret is mounted in the plugin's container. */}}
+{{- define "mountplan.nbdTLSDir" -}}/etc/mountplan-nbd-tls{{- end -}}
+
+{{/*
+The Secret that holds config.nbd.tls's files, validated: set when config.nbd.tls
+is, and every file config.nbd.tls names inside its mount.
+*/}}
+{{- define "mountplan.nbdTLSSecret" -}}
+{{- $tls := dig "nbd" "tls" dict .Values.config -}}
+{{- $dir := include "mountplan.nbdTLSDir" . -}}
+{{- if $tls -}}
+{{- if not .Values.nbdTLSSecret -}}
+{{- fail "config.nbd.tls names files the plugin's container reads: set nbdTLSSecret to the Secret that holds them" -}}
+{{- end -}}
+{{- range $k := list "caFile" "certFile" "keyFile" -}}
+{{- with get $tls $k -}}
+{{- if not (hasPrefix (printf "%s/" $dir) (toString .)) -}}
+{{- fail (printf "config.nbd.tls.%s %q must lie in %s, where nbdTLSSecret is mounted" $k (toString .) $dir) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- .Values.nbdTLSSecret -}}
+{{- end -}}
+
+{{/* A table of the config without its empty values (unset settings keep the plugin's defaults). */}}
+{{- define "mountplan.compact" -}}
+{{- $out := dict -}}
+{{- range $k, $v := . -}}
+{{- if $v -}}{{- $_ := set $out $k $v -}}{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
 
 {{/* registration, validated: builtin or sidecar. */}}
