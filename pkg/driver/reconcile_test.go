@@ -9,9 +9,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -170,11 +172,13 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	}
 }
 
-func TestReattachReplacesEveryMount(t *testing.T) {
-	d, m := newTestDriver(t)
+// reattachVolume records a staged volume with a live consumer, a dead one
+// and a publish, all of one FUSE-like bind plan.
+func reattachVolume(t *testing.T, d *Driver) int {
+	t.Helper()
 	d.sources["fake"] = &fakeSource{}
 	pid, ns := liveProcess(t)
-	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v", Options: []string{"nosuid", "nodev"}}}
+	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v/mnt", Options: []string{"nosuid", "nodev"}}}
 	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
 		Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
 		Consumers: []journal.Claim{
@@ -184,7 +188,15 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Reattach(context.Background(), "v"); err != nil {
+	return pid
+}
+
+// A mounter that cannot heal: the recorded places are replaced (unmount,
+// then mount), and the dead consumer is dropped.
+func TestReattachReplacesEveryMount(t *testing.T) {
+	d, m := newTestDriver(t)
+	pid := reattachVolume(t, d)
+	if _, err := d.Reattach(context.Background(), "v", plan.Heal{Dead: []uint64{42}, Source: "/var/lib/mountplan/fuse/v/mnt"}); err != nil {
 		t.Fatal(err)
 	}
 	if m.calls != 4 { // unmount + mount at the live consumer and at the publish
@@ -193,6 +205,73 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	got, err := d.vols.Get("v")
 	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != pid {
 		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
+	}
+}
+
+// healingMounter heals as a sidecar would and counts what it is asked.
+type healingMounter struct {
+	mounts, unmounts int
+	heals            []plan.Heal
+	left             []plan.StaleMount
+	err              error
+}
+
+func (m *healingMounter) Mount(context.Context, []plan.Mount, plan.Consumer) error {
+	m.mounts++
+	return nil
+}
+
+func (m *healingMounter) Unmount(context.Context, []plan.Mount, plan.Consumer) error {
+	m.unmounts++
+	return nil
+}
+
+func (m *healingMounter) HealFuse(_ context.Context, h plan.Heal) (plan.HealResult, error) {
+	m.heals = append(m.heals, h)
+	return plan.HealResult{Left: m.left}, m.err
+}
+
+// A mounter that heals: the dead connections are replaced everywhere
+// first, then the plan is performed again (never unmounted: no moment
+// without the volume) at the live consumer and the publish; what the heal
+// left is passed on; a mounter of an earlier version (Unimplemented) gets
+// the replacement of the recorded places; a failed heal re-attaches
+// nothing.
+func TestReattachHealsFirst(t *testing.T) {
+	heal := plan.Heal{Dead: []uint64{42, 43}, Source: "/var/lib/mountplan/fuse/v/mnt"}
+	left := []plan.StaleMount{{PID: 9, MountPoint: "/x", Conn: 42, Reason: "covered"}}
+	for _, tc := range []struct {
+		name                   string
+		m                      *healingMounter
+		wantMounts, wantUnmnts int
+		wantLeft               int
+		wantErr                bool
+	}{
+		{name: "healed", m: &healingMounter{}, wantMounts: 2},
+		{name: "left", m: &healingMounter{left: left}, wantMounts: 2, wantLeft: 1},
+		{name: "earlier mounter", m: &healingMounter{err: errdefs.ErrUnimplemented}, wantMounts: 2, wantUnmnts: 2},
+		{name: "heal failed", m: &healingMounter{err: errdefs.ErrUnavailable}, wantErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: tc.m})
+			if err != nil {
+				t.Fatal(err)
+			}
+			reattachVolume(t, d)
+			res, err := d.Reattach(context.Background(), "v", heal)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("Reattach: %v, want error %t", err, tc.wantErr)
+			}
+			if len(tc.m.heals) != 1 || !slices.Equal(tc.m.heals[0].Dead, heal.Dead) || tc.m.heals[0].Source != heal.Source {
+				t.Errorf("heals asked: %+v, want one of %+v", tc.m.heals, heal)
+			}
+			if tc.m.mounts != tc.wantMounts || tc.m.unmounts != tc.wantUnmnts {
+				t.Errorf("mounts %d, unmounts %d; want %d, %d", tc.m.mounts, tc.m.unmounts, tc.wantMounts, tc.wantUnmnts)
+			}
+			if len(res.Left) != tc.wantLeft {
+				t.Errorf("left %+v, want %d", res.Left, tc.wantLeft)
+			}
+		})
 	}
 }
 

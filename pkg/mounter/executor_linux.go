@@ -151,27 +151,40 @@ var hostNS = "/proc/1/ns/mnt"
 // admitNamespace refuses a consumer named by a PID whose namespace is the
 // mounter's own or the host's: mounts there would reach the host. The
 // mounter's own namespace is reached only as PID 0, whose mount points
-// admitConsumer keeps below the kubelet dir. When the host's namespace
-// cannot be read (a sandbox that hides PID 1 even from root), only the
-// mounter's own is refused, and the log says so.
+// admitConsumer keeps below the kubelet dir.
 func admitNamespace(ctx context.Context, c plan.Consumer, ns *mountns.Namespace) error {
 	if c.PID == 0 {
 		return nil
 	}
+	which, err := hostSide(ctx, ns)
+	if err != nil {
+		return fmt.Errorf("%w, to tell it from pid %d's", err, c.PID)
+	}
+	if which != "" {
+		return fmt.Errorf("pid %d is in %s mount namespace: %w", c.PID, which, errdefs.ErrPermissionDenied)
+	}
+	return nil
+}
+
+// hostSide names ns when it is the mounter's own ("the mounter's own") or
+// the host's ("the host's") mount namespace, and is "" for any other. When
+// the host's namespace cannot be read (a sandbox that hides PID 1 even
+// from root), only the mounter's own is recognised, and the log says so.
+func hostSide(ctx context.Context, ns *mountns.Namespace) (string, error) {
 	if ns.IsSelf() {
-		return fmt.Errorf("pid %d is in the mounter's own mount namespace: %w", c.PID, errdefs.ErrPermissionDenied)
+		return "the mounter's own", nil
 	}
 	var host unix.Stat_t
 	err := unix.Stat(hostNS, &host)
 	switch {
 	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
-		klog.FromContext(ctx).V(2).Info("Cannot read the host's mount namespace; only the mounter's own is refused", "path", hostNS, "err", err)
+		klog.FromContext(ctx).V(2).Info("Cannot read the host's mount namespace; only the mounter's own is recognised", "path", hostNS, "err", err)
 	case err != nil:
-		return fmt.Errorf("the host's mount namespace (%s), to tell it from pid %d's: %w", hostNS, c.PID, err)
+		return "", fmt.Errorf("the host's mount namespace (%s): %w", hostNS, err)
 	case host.Ino == ns.Inode():
-		return fmt.Errorf("pid %d is in the host's mount namespace: %w", c.PID, errdefs.ErrPermissionDenied)
+		return "the host's", nil
 	}
-	return nil
+	return "", nil
 }
 
 // openDevices opens (and so checks: openDevice) every device the plan

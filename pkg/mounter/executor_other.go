@@ -20,3 +20,8 @@ func (e *Executor) Unmount(context.Context, []plan.Mount, plan.Consumer) error {
 
 // UnmountAll is implemented on Linux only.
 func (e *Executor) UnmountAll(context.Context, plan.Consumer) error { return errNotLinux }
+
+// HealFuse is implemented on Linux only.
+func (e *Executor) HealFuse(context.Context, plan.Heal) (plan.HealResult, error) {
+	return plan.HealResult{}, errNotLinux
+}

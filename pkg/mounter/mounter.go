@@ -24,3 +24,14 @@ type Interface interface {
 	// error either (the kernel dropped its mounts with it).
 	Unmount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error
 }
+
+// Healer replaces, in place and in every mount namespace of the node, the
+// mounts of FUSE connections whose daemon died with the volume's new FUSE
+// mount (plan.Heal). The Executor and the Mounter service's client
+// implement it.
+type Healer interface {
+	// HealFuse returns what it replaced and what is left (with the
+	// reason); an error means the request itself was refused or the node's
+	// mount tables could not be read.
+	HealFuse(ctx context.Context, h plan.Heal) (plan.HealResult, error)
+}

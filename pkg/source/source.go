@@ -133,11 +133,14 @@ type Statter interface {
 // Host is what the driver offers a source that acts on its own, such as a
 // supervisor that restarts a dead daemon.
 type Host interface {
-	// Reattach performs the volume's plan again at every place it is
-	// mounted (each consumer's namespace and each kubelet publish),
-	// replacing what is there: a restarted daemon's new mount heals its
-	// consumers in place. It takes the volume's lock, waiting for it.
-	Reattach(ctx context.Context, volumeID string) error
+	// Reattach heals the volume after its backing mount was restored (a
+	// restarted FUSE daemon): every mount of heal.Dead's connections, in
+	// every mount namespace of the node, is replaced in place with the new
+	// mount at heal.Source, then the plan is performed again at each
+	// recorded consumer and publish that lacks it. The result's Left lists
+	// the mounts of dead connections still in place. It takes the
+	// volume's lock, waiting for it.
+	Reattach(ctx context.Context, volumeID string, heal plan.Heal) (plan.HealResult, error)
 	// WithVolume runs fn holding the volume's lock, waiting for it like
 	// any background work (bounded by ctx), with the volume as its record
 	// stands and a Recorder for the source's state. found is false when

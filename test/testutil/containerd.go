@@ -190,6 +190,15 @@ var execSeq atomic.Int64
 // mount, PID, IPC, UTS and network namespaces. A cleanup kills it.
 func (c *Containerd) Run(t testing.TB, id, rootfs string, argv ...string) *Container {
 	t.Helper()
+	return c.RunWithBinds(t, id, rootfs, nil, argv...)
+}
+
+// RunWithBinds is Run with host paths bound into the container by the
+// runtime (`ctr run --mount type=bind,...,options=rbind:rw`), as a
+// container runtime binds kubelet's publish target into a pod's
+// container: binds maps a path inside the container to the host path.
+func (c *Containerd) RunWithBinds(t testing.TB, id, rootfs string, binds map[string]string, argv ...string) *Container {
+	t.Helper()
 	if len(argv) == 0 {
 		t.Fatal("Containerd.Run: no command")
 	}
@@ -200,8 +209,11 @@ func (c *Containerd) Run(t testing.TB, id, rootfs string, argv ...string) *Conta
 		"--fifo-dir", filepath.Join(c.Dir, "fifo"),
 		"--runc-root", filepath.Join(c.Dir, "runc"),
 		"--pid-file", pidFile,
-		"--env", "PATH=/bin:/sbin:/usr/bin:/usr/sbin",
-		"--rootfs", rootfs, id}
+		"--env", "PATH=/bin:/sbin:/usr/bin:/usr/sbin"}
+	for dst, src := range binds {
+		args = append(args, "--mount", fmt.Sprintf("type=bind,src=%s,dst=%s,options=rbind:rw", src, dst))
+	}
+	args = append(args, "--rootfs", rootfs, id)
 	c.mu.Lock()
 	c.containers[id] = ct
 	c.mu.Unlock()

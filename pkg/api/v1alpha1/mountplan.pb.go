@@ -601,6 +601,203 @@ func (x *NodeSyncContainersResponse) GetReleased() uint32 {
 	return 0
 }
 
+type HealFuseRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Connection IDs (the dead mounts' device numbers, as the kernel encodes
+	// them: major << 20 | minor) of earlier daemons of the volume.
+	DeadConnections []uint64 `protobuf:"varint,1,rep,packed,name=dead_connections,json=deadConnections,proto3" json:"dead_connections,omitempty"`
+	// The volume's new FUSE mount, as the plan's bind source names it.
+	Source        string `protobuf:"bytes,2,opt,name=source,proto3" json:"source,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HealFuseRequest) Reset() {
+	*x = HealFuseRequest{}
+	mi := &file_mountplan_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HealFuseRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HealFuseRequest) ProtoMessage() {}
+
+func (x *HealFuseRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HealFuseRequest.ProtoReflect.Descriptor instead.
+func (*HealFuseRequest) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *HealFuseRequest) GetDeadConnections() []uint64 {
+	if x != nil {
+		return x.DeadConnections
+	}
+	return nil
+}
+
+func (x *HealFuseRequest) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+// StaleMount is one mount of a dead connection in one mount namespace.
+type StaleMount struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	MntNsInode uint64                 `protobuf:"varint,1,opt,name=mnt_ns_inode,json=mntNsInode,proto3" json:"mnt_ns_inode,omitempty"`
+	MntNsId    uint64                 `protobuf:"varint,2,opt,name=mnt_ns_id,json=mntNsId,proto3" json:"mnt_ns_id,omitempty"`
+	// A process of that namespace when it was found.
+	Pid int64 `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
+	// As that namespace sees it.
+	MountPoint string `protobuf:"bytes,4,opt,name=mount_point,json=mountPoint,proto3" json:"mount_point,omitempty"`
+	Connection uint64 `protobuf:"varint,5,opt,name=connection,proto3" json:"connection,omitempty"`
+	// Why it is left (empty for a healed mount).
+	Reason        string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StaleMount) Reset() {
+	*x = StaleMount{}
+	mi := &file_mountplan_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StaleMount) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StaleMount) ProtoMessage() {}
+
+func (x *StaleMount) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StaleMount.ProtoReflect.Descriptor instead.
+func (*StaleMount) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *StaleMount) GetMntNsInode() uint64 {
+	if x != nil {
+		return x.MntNsInode
+	}
+	return 0
+}
+
+func (x *StaleMount) GetMntNsId() uint64 {
+	if x != nil {
+		return x.MntNsId
+	}
+	return 0
+}
+
+func (x *StaleMount) GetPid() int64 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *StaleMount) GetMountPoint() string {
+	if x != nil {
+		return x.MountPoint
+	}
+	return ""
+}
+
+func (x *StaleMount) GetConnection() uint64 {
+	if x != nil {
+		return x.Connection
+	}
+	return 0
+}
+
+func (x *StaleMount) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type HealFuseResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Mounts replaced by this call.
+	Healed []*StaleMount `protobuf:"bytes,1,rep,name=healed,proto3" json:"healed,omitempty"`
+	// Mounts of the dead connections still in place when the call ended.
+	Left          []*StaleMount `protobuf:"bytes,2,rep,name=left,proto3" json:"left,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HealFuseResponse) Reset() {
+	*x = HealFuseResponse{}
+	mi := &file_mountplan_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HealFuseResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HealFuseResponse) ProtoMessage() {}
+
+func (x *HealFuseResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HealFuseResponse.ProtoReflect.Descriptor instead.
+func (*HealFuseResponse) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *HealFuseResponse) GetHealed() []*StaleMount {
+	if x != nil {
+		return x.Healed
+	}
+	return nil
+}
+
+func (x *HealFuseResponse) GetLeft() []*StaleMount {
+	if x != nil {
+		return x.Left
+	}
+	return nil
+}
+
 type MountRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Mounts []*Mount               `protobuf:"bytes,1,rep,name=mounts,proto3" json:"mounts,omitempty"`
@@ -612,7 +809,7 @@ type MountRequest struct {
 
 func (x *MountRequest) Reset() {
 	*x = MountRequest{}
-	mi := &file_mountplan_proto_msgTypes[9]
+	mi := &file_mountplan_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -624,7 +821,7 @@ func (x *MountRequest) String() string {
 func (*MountRequest) ProtoMessage() {}
 
 func (x *MountRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[9]
+	mi := &file_mountplan_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -637,7 +834,7 @@ func (x *MountRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MountRequest.ProtoReflect.Descriptor instead.
 func (*MountRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{9}
+	return file_mountplan_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *MountRequest) GetMounts() []*Mount {
@@ -662,7 +859,7 @@ type MountResponse struct {
 
 func (x *MountResponse) Reset() {
 	*x = MountResponse{}
-	mi := &file_mountplan_proto_msgTypes[10]
+	mi := &file_mountplan_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -674,7 +871,7 @@ func (x *MountResponse) String() string {
 func (*MountResponse) ProtoMessage() {}
 
 func (x *MountResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[10]
+	mi := &file_mountplan_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -687,7 +884,7 @@ func (x *MountResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MountResponse.ProtoReflect.Descriptor instead.
 func (*MountResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{10}
+	return file_mountplan_proto_rawDescGZIP(), []int{13}
 }
 
 type UnmountRequest struct {
@@ -700,7 +897,7 @@ type UnmountRequest struct {
 
 func (x *UnmountRequest) Reset() {
 	*x = UnmountRequest{}
-	mi := &file_mountplan_proto_msgTypes[11]
+	mi := &file_mountplan_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -712,7 +909,7 @@ func (x *UnmountRequest) String() string {
 func (*UnmountRequest) ProtoMessage() {}
 
 func (x *UnmountRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[11]
+	mi := &file_mountplan_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -725,7 +922,7 @@ func (x *UnmountRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnmountRequest.ProtoReflect.Descriptor instead.
 func (*UnmountRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{11}
+	return file_mountplan_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *UnmountRequest) GetMounts() []*Mount {
@@ -750,7 +947,7 @@ type UnmountResponse struct {
 
 func (x *UnmountResponse) Reset() {
 	*x = UnmountResponse{}
-	mi := &file_mountplan_proto_msgTypes[12]
+	mi := &file_mountplan_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -762,7 +959,7 @@ func (x *UnmountResponse) String() string {
 func (*UnmountResponse) ProtoMessage() {}
 
 func (x *UnmountResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[12]
+	mi := &file_mountplan_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -775,7 +972,7 @@ func (x *UnmountResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnmountResponse.ProtoReflect.Descriptor instead.
 func (*UnmountResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{12}
+	return file_mountplan_proto_rawDescGZIP(), []int{15}
 }
 
 // SpawnDaemonRequest names what to start, never how: the mounter renders
@@ -802,7 +999,7 @@ type SpawnDaemonRequest struct {
 
 func (x *SpawnDaemonRequest) Reset() {
 	*x = SpawnDaemonRequest{}
-	mi := &file_mountplan_proto_msgTypes[13]
+	mi := &file_mountplan_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -814,7 +1011,7 @@ func (x *SpawnDaemonRequest) String() string {
 func (*SpawnDaemonRequest) ProtoMessage() {}
 
 func (x *SpawnDaemonRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[13]
+	mi := &file_mountplan_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -827,7 +1024,7 @@ func (x *SpawnDaemonRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SpawnDaemonRequest.ProtoReflect.Descriptor instead.
 func (*SpawnDaemonRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{13}
+	return file_mountplan_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *SpawnDaemonRequest) GetProfile() string {
@@ -879,7 +1076,7 @@ type DaemonPaths struct {
 
 func (x *DaemonPaths) Reset() {
 	*x = DaemonPaths{}
-	mi := &file_mountplan_proto_msgTypes[14]
+	mi := &file_mountplan_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -891,7 +1088,7 @@ func (x *DaemonPaths) String() string {
 func (*DaemonPaths) ProtoMessage() {}
 
 func (x *DaemonPaths) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[14]
+	mi := &file_mountplan_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -904,7 +1101,7 @@ func (x *DaemonPaths) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonPaths.ProtoReflect.Descriptor instead.
 func (*DaemonPaths) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{14}
+	return file_mountplan_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DaemonPaths) GetMountPoint() string {
@@ -948,7 +1145,7 @@ type SpawnDaemonResponse struct {
 
 func (x *SpawnDaemonResponse) Reset() {
 	*x = SpawnDaemonResponse{}
-	mi := &file_mountplan_proto_msgTypes[15]
+	mi := &file_mountplan_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -960,7 +1157,7 @@ func (x *SpawnDaemonResponse) String() string {
 func (*SpawnDaemonResponse) ProtoMessage() {}
 
 func (x *SpawnDaemonResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[15]
+	mi := &file_mountplan_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -973,7 +1170,7 @@ func (x *SpawnDaemonResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SpawnDaemonResponse.ProtoReflect.Descriptor instead.
 func (*SpawnDaemonResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{15}
+	return file_mountplan_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SpawnDaemonResponse) GetPid() int64 {
@@ -1039,7 +1236,25 @@ const file_mountplan_proto_rawDesc = "" +
 	"\x19NodeSyncContainersRequest\x12#\n" +
 	"\rcontainer_ids\x18\x01 \x03(\tR\fcontainerIds\"8\n" +
 	"\x1aNodeSyncContainersResponse\x12\x1a\n" +
-	"\breleased\x18\x01 \x01(\rR\breleased\"{\n" +
+	"\breleased\x18\x01 \x01(\rR\breleased\"T\n" +
+	"\x0fHealFuseRequest\x12)\n" +
+	"\x10dead_connections\x18\x01 \x03(\x04R\x0fdeadConnections\x12\x16\n" +
+	"\x06source\x18\x02 \x01(\tR\x06source\"\xb5\x01\n" +
+	"\n" +
+	"StaleMount\x12 \n" +
+	"\fmnt_ns_inode\x18\x01 \x01(\x04R\n" +
+	"mntNsInode\x12\x1a\n" +
+	"\tmnt_ns_id\x18\x02 \x01(\x04R\amntNsId\x12\x10\n" +
+	"\x03pid\x18\x03 \x01(\x03R\x03pid\x12\x1f\n" +
+	"\vmount_point\x18\x04 \x01(\tR\n" +
+	"mountPoint\x12\x1e\n" +
+	"\n" +
+	"connection\x18\x05 \x01(\x04R\n" +
+	"connection\x12\x16\n" +
+	"\x06reason\x18\x06 \x01(\tR\x06reason\"~\n" +
+	"\x10HealFuseResponse\x126\n" +
+	"\x06healed\x18\x01 \x03(\v2\x1e.mountplan.v1alpha1.StaleMountR\x06healed\x122\n" +
+	"\x04left\x18\x02 \x03(\v2\x1e.mountplan.v1alpha1.StaleMountR\x04left\"{\n" +
 	"\fMountRequest\x121\n" +
 	"\x06mounts\x18\x01 \x03(\v2\x19.mountplan.v1alpha1.MountR\x06mounts\x128\n" +
 	"\bconsumer\x18\x02 \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\"\x0f\n" +
@@ -1075,11 +1290,12 @@ const file_mountplan_proto_rawDesc = "" +
 	"\vNodePrepare\x12r\n" +
 	"\x11NodePrepareVolume\x12,.mountplan.v1alpha1.NodePrepareVolumeRequest\x1a-.mountplan.v1alpha1.NodePrepareVolumeResponse\"\x00\x12x\n" +
 	"\x13NodeUnprepareVolume\x12..mountplan.v1alpha1.NodeUnprepareVolumeRequest\x1a/.mountplan.v1alpha1.NodeUnprepareVolumeResponse\"\x00\x12u\n" +
-	"\x12NodeSyncContainers\x12-.mountplan.v1alpha1.NodeSyncContainersRequest\x1a..mountplan.v1alpha1.NodeSyncContainersResponse\"\x002\x91\x02\n" +
+	"\x12NodeSyncContainers\x12-.mountplan.v1alpha1.NodeSyncContainersRequest\x1a..mountplan.v1alpha1.NodeSyncContainersResponse\"\x002\xea\x02\n" +
 	"\aMounter\x12N\n" +
 	"\x05Mount\x12 .mountplan.v1alpha1.MountRequest\x1a!.mountplan.v1alpha1.MountResponse\"\x00\x12T\n" +
 	"\aUnmount\x12\".mountplan.v1alpha1.UnmountRequest\x1a#.mountplan.v1alpha1.UnmountResponse\"\x00\x12`\n" +
-	"\vSpawnDaemon\x12&.mountplan.v1alpha1.SpawnDaemonRequest\x1a'.mountplan.v1alpha1.SpawnDaemonResponse\"\x00B:Z8github.com/mountplan/mountplan/pkg/api/v1alpha1;v1alpha1b\x06proto3"
+	"\vSpawnDaemon\x12&.mountplan.v1alpha1.SpawnDaemonRequest\x1a'.mountplan.v1alpha1.SpawnDaemonResponse\"\x00\x12W\n" +
+	"\bHealFuse\x12#.mountplan.v1alpha1.HealFuseRequest\x1a$.mountplan.v1alpha1.HealFuseResponse\"\x00B:Z8github.com/mountplan/mountplan/pkg/api/v1alpha1;v1alpha1b\x06proto3"
 
 var (
 	file_mountplan_proto_rawDescOnce sync.Once
@@ -1093,7 +1309,7 @@ func file_mountplan_proto_rawDescGZIP() []byte {
 	return file_mountplan_proto_rawDescData
 }
 
-var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_mountplan_proto_goTypes = []any{
 	(*Consumer)(nil),                    // 0: mountplan.v1alpha1.Consumer
 	(*Mount)(nil),                       // 1: mountplan.v1alpha1.Mount
@@ -1104,50 +1320,57 @@ var file_mountplan_proto_goTypes = []any{
 	(*NodeUnprepareVolumeResponse)(nil), // 6: mountplan.v1alpha1.NodeUnprepareVolumeResponse
 	(*NodeSyncContainersRequest)(nil),   // 7: mountplan.v1alpha1.NodeSyncContainersRequest
 	(*NodeSyncContainersResponse)(nil),  // 8: mountplan.v1alpha1.NodeSyncContainersResponse
-	(*MountRequest)(nil),                // 9: mountplan.v1alpha1.MountRequest
-	(*MountResponse)(nil),               // 10: mountplan.v1alpha1.MountResponse
-	(*UnmountRequest)(nil),              // 11: mountplan.v1alpha1.UnmountRequest
-	(*UnmountResponse)(nil),             // 12: mountplan.v1alpha1.UnmountResponse
-	(*SpawnDaemonRequest)(nil),          // 13: mountplan.v1alpha1.SpawnDaemonRequest
-	(*DaemonPaths)(nil),                 // 14: mountplan.v1alpha1.DaemonPaths
-	(*SpawnDaemonResponse)(nil),         // 15: mountplan.v1alpha1.SpawnDaemonResponse
-	nil,                                 // 16: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	nil,                                 // 17: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
-	nil,                                 // 18: mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
-	(*csi.VolumeCapability)(nil),        // 19: csi.v1.VolumeCapability
+	(*HealFuseRequest)(nil),             // 9: mountplan.v1alpha1.HealFuseRequest
+	(*StaleMount)(nil),                  // 10: mountplan.v1alpha1.StaleMount
+	(*HealFuseResponse)(nil),            // 11: mountplan.v1alpha1.HealFuseResponse
+	(*MountRequest)(nil),                // 12: mountplan.v1alpha1.MountRequest
+	(*MountResponse)(nil),               // 13: mountplan.v1alpha1.MountResponse
+	(*UnmountRequest)(nil),              // 14: mountplan.v1alpha1.UnmountRequest
+	(*UnmountResponse)(nil),             // 15: mountplan.v1alpha1.UnmountResponse
+	(*SpawnDaemonRequest)(nil),          // 16: mountplan.v1alpha1.SpawnDaemonRequest
+	(*DaemonPaths)(nil),                 // 17: mountplan.v1alpha1.DaemonPaths
+	(*SpawnDaemonResponse)(nil),         // 18: mountplan.v1alpha1.SpawnDaemonResponse
+	nil,                                 // 19: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	nil,                                 // 20: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	nil,                                 // 21: mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
+	(*csi.VolumeCapability)(nil),        // 22: csi.v1.VolumeCapability
 }
 var file_mountplan_proto_depIdxs = []int32{
-	19, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
-	16, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	17, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	22, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
+	19, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	20, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
 	0,  // 3: mountplan.v1alpha1.NodePrepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
 	3,  // 4: mountplan.v1alpha1.NodePrepareVolumeRequest.published:type_name -> mountplan.v1alpha1.PublishedVolume
 	1,  // 5: mountplan.v1alpha1.NodePrepareVolumeResponse.mounts:type_name -> mountplan.v1alpha1.Mount
 	0,  // 6: mountplan.v1alpha1.NodePrepareVolumeResponse.consumer:type_name -> mountplan.v1alpha1.Consumer
 	0,  // 7: mountplan.v1alpha1.NodeUnprepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	1,  // 8: mountplan.v1alpha1.MountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
-	0,  // 9: mountplan.v1alpha1.MountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	1,  // 10: mountplan.v1alpha1.UnmountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
-	0,  // 11: mountplan.v1alpha1.UnmountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	18, // 12: mountplan.v1alpha1.SpawnDaemonRequest.parameters:type_name -> mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
-	14, // 13: mountplan.v1alpha1.SpawnDaemonRequest.paths:type_name -> mountplan.v1alpha1.DaemonPaths
-	2,  // 14: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
-	5,  // 15: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	7,  // 16: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:input_type -> mountplan.v1alpha1.NodeSyncContainersRequest
-	9,  // 17: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
-	11, // 18: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
-	13, // 19: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
-	4,  // 20: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
-	6,  // 21: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	8,  // 22: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:output_type -> mountplan.v1alpha1.NodeSyncContainersResponse
-	10, // 23: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
-	12, // 24: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
-	15, // 25: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
-	20, // [20:26] is the sub-list for method output_type
-	14, // [14:20] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	10, // 8: mountplan.v1alpha1.HealFuseResponse.healed:type_name -> mountplan.v1alpha1.StaleMount
+	10, // 9: mountplan.v1alpha1.HealFuseResponse.left:type_name -> mountplan.v1alpha1.StaleMount
+	1,  // 10: mountplan.v1alpha1.MountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
+	0,  // 11: mountplan.v1alpha1.MountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
+	1,  // 12: mountplan.v1alpha1.UnmountRequest.mounts:type_name -> mountplan.v1alpha1.Mount
+	0,  // 13: mountplan.v1alpha1.UnmountRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
+	21, // 14: mountplan.v1alpha1.SpawnDaemonRequest.parameters:type_name -> mountplan.v1alpha1.SpawnDaemonRequest.ParametersEntry
+	17, // 15: mountplan.v1alpha1.SpawnDaemonRequest.paths:type_name -> mountplan.v1alpha1.DaemonPaths
+	2,  // 16: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
+	5,  // 17: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	7,  // 18: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:input_type -> mountplan.v1alpha1.NodeSyncContainersRequest
+	12, // 19: mountplan.v1alpha1.Mounter.Mount:input_type -> mountplan.v1alpha1.MountRequest
+	14, // 20: mountplan.v1alpha1.Mounter.Unmount:input_type -> mountplan.v1alpha1.UnmountRequest
+	16, // 21: mountplan.v1alpha1.Mounter.SpawnDaemon:input_type -> mountplan.v1alpha1.SpawnDaemonRequest
+	9,  // 22: mountplan.v1alpha1.Mounter.HealFuse:input_type -> mountplan.v1alpha1.HealFuseRequest
+	4,  // 23: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
+	6,  // 24: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	8,  // 25: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:output_type -> mountplan.v1alpha1.NodeSyncContainersResponse
+	13, // 26: mountplan.v1alpha1.Mounter.Mount:output_type -> mountplan.v1alpha1.MountResponse
+	15, // 27: mountplan.v1alpha1.Mounter.Unmount:output_type -> mountplan.v1alpha1.UnmountResponse
+	18, // 28: mountplan.v1alpha1.Mounter.SpawnDaemon:output_type -> mountplan.v1alpha1.SpawnDaemonResponse
+	11, // 29: mountplan.v1alpha1.Mounter.HealFuse:output_type -> mountplan.v1alpha1.HealFuseResponse
+	23, // [23:30] is the sub-list for method output_type
+	16, // [16:23] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_mountplan_proto_init() }
@@ -1161,7 +1384,7 @@ func file_mountplan_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_mountplan_proto_rawDesc), len(file_mountplan_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   19,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -219,6 +219,7 @@ const (
 	Mounter_Mount_FullMethodName       = "/mountplan.v1alpha1.Mounter/Mount"
 	Mounter_Unmount_FullMethodName     = "/mountplan.v1alpha1.Mounter/Unmount"
 	Mounter_SpawnDaemon_FullMethodName = "/mountplan.v1alpha1.Mounter/SpawnDaemon"
+	Mounter_HealFuse_FullMethodName    = "/mountplan.v1alpha1.Mounter/HealFuse"
 )
 
 // MounterClient is the client API for Mounter service.
@@ -241,6 +242,20 @@ type MounterClient interface {
 	// when it has none, InvalidArgument for a request the profile refuses,
 	// PermissionDenied for paths outside its allowed roots.
 	SpawnDaemon(ctx context.Context, in *SpawnDaemonRequest, opts ...grpc.CallOption) (*SpawnDaemonResponse, error)
+	// HealFuse replaces, in place, every mount of the dead FUSE connections
+	// the request names, in every mount namespace of the node (found through
+	// /proc/*/mountinfo by the mounts' device numbers), with a clone of the
+	// volume's new FUSE mount: the same mount point, root and per-mount flags,
+	// a live connection. Containers that got a copy of the volume, however they
+	// got it (a runtime's bind of kubelet's target, NodePrepare, the NRI path),
+	// then read and write again without any action of theirs. The mounter
+	// replaces only a mount of a named connection that it found dead (it
+	// answers ENOTCONN), only with the root of a FUSE mount at
+	// <allowed-root>/fuse/<volume>/mnt, and in its own and the host's namespace
+	// only below kubelet's directory. InvalidArgument for a malformed request,
+	// PermissionDenied for a source it refuses; copies it could not or may not
+	// replace are listed in the response, not an error.
+	HealFuse(ctx context.Context, in *HealFuseRequest, opts ...grpc.CallOption) (*HealFuseResponse, error)
 }
 
 type mounterClient struct {
@@ -281,6 +296,16 @@ func (c *mounterClient) SpawnDaemon(ctx context.Context, in *SpawnDaemonRequest,
 	return out, nil
 }
 
+func (c *mounterClient) HealFuse(ctx context.Context, in *HealFuseRequest, opts ...grpc.CallOption) (*HealFuseResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(HealFuseResponse)
+	err := c.cc.Invoke(ctx, Mounter_HealFuse_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MounterServer is the server API for Mounter service.
 // All implementations must embed UnimplementedMounterServer
 // for forward compatibility.
@@ -301,6 +326,20 @@ type MounterServer interface {
 	// when it has none, InvalidArgument for a request the profile refuses,
 	// PermissionDenied for paths outside its allowed roots.
 	SpawnDaemon(context.Context, *SpawnDaemonRequest) (*SpawnDaemonResponse, error)
+	// HealFuse replaces, in place, every mount of the dead FUSE connections
+	// the request names, in every mount namespace of the node (found through
+	// /proc/*/mountinfo by the mounts' device numbers), with a clone of the
+	// volume's new FUSE mount: the same mount point, root and per-mount flags,
+	// a live connection. Containers that got a copy of the volume, however they
+	// got it (a runtime's bind of kubelet's target, NodePrepare, the NRI path),
+	// then read and write again without any action of theirs. The mounter
+	// replaces only a mount of a named connection that it found dead (it
+	// answers ENOTCONN), only with the root of a FUSE mount at
+	// <allowed-root>/fuse/<volume>/mnt, and in its own and the host's namespace
+	// only below kubelet's directory. InvalidArgument for a malformed request,
+	// PermissionDenied for a source it refuses; copies it could not or may not
+	// replace are listed in the response, not an error.
+	HealFuse(context.Context, *HealFuseRequest) (*HealFuseResponse, error)
 	mustEmbedUnimplementedMounterServer()
 }
 
@@ -319,6 +358,9 @@ func (UnimplementedMounterServer) Unmount(context.Context, *UnmountRequest) (*Un
 }
 func (UnimplementedMounterServer) SpawnDaemon(context.Context, *SpawnDaemonRequest) (*SpawnDaemonResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SpawnDaemon not implemented")
+}
+func (UnimplementedMounterServer) HealFuse(context.Context, *HealFuseRequest) (*HealFuseResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method HealFuse not implemented")
 }
 func (UnimplementedMounterServer) mustEmbedUnimplementedMounterServer() {}
 func (UnimplementedMounterServer) testEmbeddedByValue()                 {}
@@ -395,6 +437,24 @@ func _Mounter_SpawnDaemon_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Mounter_HealFuse_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(HealFuseRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MounterServer).HealFuse(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Mounter_HealFuse_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MounterServer).HealFuse(ctx, req.(*HealFuseRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Mounter_ServiceDesc is the grpc.ServiceDesc for Mounter service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -413,6 +473,10 @@ var Mounter_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SpawnDaemon",
 			Handler:    _Mounter_SpawnDaemon_Handler,
+		},
+		{
+			MethodName: "HealFuse",
+			Handler:    _Mounter_HealFuse_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -8,6 +8,7 @@ package service
 
 import (
 	"context"
+	"fmt"
 
 	"google.golang.org/grpc"
 
@@ -63,12 +64,33 @@ func (s *server) Unmount(ctx context.Context, req *api.UnmountRequest) (*api.Unm
 	return &api.UnmountResponse{}, nil
 }
 
+// HealFuse is served when the executor can heal (mounter.Healer);
+// otherwise it is Unimplemented, as on a mounter of an earlier version.
+func (s *server) HealFuse(ctx context.Context, req *api.HealFuseRequest) (*api.HealFuseResponse, error) {
+	h, ok := s.m.(mounter.Healer)
+	if !ok {
+		return nil, fmt.Errorf("this mounter cannot heal FUSE mounts: %w", errdefs.ErrUnimplemented)
+	}
+	heal, err := plan.HealFromProto(req)
+	if err != nil {
+		return nil, err
+	}
+	res, err := h.HealFuse(ctx, heal)
+	if err != nil {
+		return nil, err
+	}
+	return plan.HealResultToProto(res), nil
+}
+
 // NewClient returns an Interface that performs plans through a Mounter
-// service (the sidecar's `serve`). Errors wrap the errdefs sentinel of their
-// status code, so errors.Is works as with the in-process Executor.
+// service (the sidecar's `serve`); it is a mounter.Healer too. Errors wrap
+// the errdefs sentinel of their status code, so errors.Is works as with
+// the in-process Executor.
 func NewClient(cc grpc.ClientConnInterface) mounter.Interface {
 	return &client{c: api.NewMounterClient(cc)}
 }
+
+var _ mounter.Healer = (*client)(nil)
 
 type client struct{ c api.MounterClient }
 
@@ -80,4 +102,12 @@ func (c *client) Mount(ctx context.Context, mounts []plan.Mount, consumer plan.C
 func (c *client) Unmount(ctx context.Context, mounts []plan.Mount, consumer plan.Consumer) error {
 	_, err := c.c.Unmount(ctx, &api.UnmountRequest{Mounts: plan.ToProto(mounts), Consumer: plan.ConsumerToProto(consumer)})
 	return errdefs.FromGRPC(err)
+}
+
+func (c *client) HealFuse(ctx context.Context, h plan.Heal) (plan.HealResult, error) {
+	resp, err := c.c.HealFuse(ctx, plan.HealToProto(h))
+	if err != nil {
+		return plan.HealResult{}, errdefs.FromGRPC(err)
+	}
+	return plan.HealResultFromProto(resp), nil
 }

@@ -157,3 +157,47 @@ func TestServerRecoversFromPanics(t *testing.T) {
 		t.Fatalf("the server did not survive the panic: %v", err)
 	}
 }
+
+// healer is a recorder that heals: it keeps the request and answers with
+// res and err.
+type healer struct {
+	recorder
+	got plan.Heal
+	res plan.HealResult
+}
+
+func (h *healer) HealFuse(_ context.Context, req plan.Heal) (plan.HealResult, error) {
+	h.got = req
+	return h.res, h.err
+}
+
+// HealFuse crosses the wire intact both ways; a malformed request never
+// reaches the executor; an executor that cannot heal answers Unimplemented
+// (a mounter of an earlier version does too), which the client passes on
+// as errdefs.ErrUnimplemented for the plugin to fall back.
+func TestHealFuseRoundTrip(t *testing.T) {
+	ctx := context.Background()
+	want := plan.HealResult{
+		Healed: []plan.StaleMount{{Namespace: plan.Namespace{Inode: 4026532000, ID: 77}, PID: 42, MountPoint: "/data", Conn: 61}},
+		Left:   []plan.StaleMount{{Namespace: plan.Namespace{Inode: 4026531840}, PID: 1, MountPoint: "/srv/x", Conn: 61, Reason: "outside kubelet's directory"}},
+	}
+	h := &healer{res: want}
+	c, _ := serve(t, h)
+	req := plan.Heal{Dead: []uint64{61, 62}, Source: "/var/lib/mountplan/fuse/v/mnt"}
+	got, err := c.(mounter.Healer).HealFuse(ctx, req)
+	if err != nil || !reflect.DeepEqual(got, want) || !reflect.DeepEqual(h.got, req) {
+		t.Fatalf("HealFuse: %+v, %v; the executor got %+v", got, err, h.got)
+	}
+	h.got = plan.Heal{}
+	if _, err := c.(mounter.Healer).HealFuse(ctx, plan.Heal{Dead: []uint64{0}, Source: "/x"}); !errors.Is(err, errdefs.ErrInvalidArgument) || h.got.Source != "" {
+		t.Errorf("connection 0: %v (the executor got %+v)", err, h.got)
+	}
+	h.err = fmt.Errorf("source: %w", errdefs.ErrPermissionDenied)
+	if _, err := c.(mounter.Healer).HealFuse(ctx, req); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Errorf("refused: %v", err)
+	}
+	plain, _ := serve(t, &recorder{})
+	if _, err := plain.(mounter.Healer).HealFuse(ctx, req); !errors.Is(err, errdefs.ErrUnimplemented) {
+		t.Errorf("a mounter that cannot heal: %v, want Unimplemented", err)
+	}
+}

@@ -59,6 +59,11 @@ type State struct {
 	Secrets      bool          `json:"secrets,omitempty"` // a secrets tmpfs is mounted
 	ReadyTimeout time.Duration `json:"readyTimeout"`
 	Daemon       Daemon        `json:"daemon"`
+	// Stale are the connections of earlier daemons whose mounts may still
+	// sit in some mount namespace (a container's copy): the supervisor has
+	// them replaced with the current daemon's and forgets each once none
+	// is left. The volume is not healthy while one is listed.
+	Stale []uint64 `json:"staleConns,omitempty"`
 }
 
 // Options configure a Source.

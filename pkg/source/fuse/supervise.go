@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
+	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
 
@@ -32,6 +34,11 @@ type supervisor struct {
 
 	cancel context.CancelFunc
 	done   chan struct{}
+
+	// Owned by run's goroutine: the backoff of heals that left mounts of
+	// dead connections behind.
+	healFailures int
+	nextHeal     time.Time
 }
 
 // Backoff between restarts of a daemon that keeps failing.
@@ -41,7 +48,7 @@ const (
 	// A daemon that ran at least this long before it failed is restarted
 	// at once, its earlier failures forgiven.
 	stableAfter = time.Minute
-	// reattachTimeout bounds one Host.Reattach call.
+	// reattachTimeout bounds one Host.Reattach call (a heal).
 	reattachTimeout = time.Minute
 )
 
@@ -58,6 +65,10 @@ func (s *Source) supervise(id string, st State, l layout) {
 	ctx, cancel := context.WithCancel(s.ctx)
 	sup := &supervisor{src: s, id: id, l: l, st: st, cancel: cancel, done: make(chan struct{}),
 		log: s.log.WithValues("volume", id)}
+	if len(st.Stale) > 0 {
+		sup.h = source.Health{Abnormal: true, Reason: "Reattaching",
+			Message: fmt.Sprintf("mounts of the dead connections %v of earlier daemons may be left; replacing them", st.Stale)}
+	}
 	s.mu.Lock()
 	old := s.sups[id]
 	s.sups[id] = sup
@@ -130,6 +141,7 @@ func (sup *supervisor) run(ctx context.Context) {
 	defer close(sup.done)
 	failures := 0
 	for {
+		sup.heal(ctx) // the mounts of earlier daemons, if any are left
 		reason, msg := sup.watch(ctx)
 		if ctx.Err() != nil {
 			return
@@ -155,12 +167,9 @@ func (sup *supervisor) run(ctx context.Context) {
 			sup.setHealth("RestartFailed", err.Error())
 		}
 		d := sup.daemon()
-		sup.setHealth("Reattaching", fmt.Sprintf("fuse daemon restarted as %s; re-attaching its mount at every consumer", d.Proc))
-		if !sup.reattach(ctx) {
-			continue // the new daemon failed too, or supervision stopped
-		}
-		sup.setHealth("", "")
-		sup.log.Info("FUSE daemon restarted and consumers re-attached", "pid", d.PID, "conn", d.Conn, "generation", d.Generation)
+		sup.setHealth("Reattaching", fmt.Sprintf("fuse daemon restarted as %s; replacing the dead mounts of its predecessors wherever they are", d.Proc))
+		sup.healFailures, sup.nextHeal = 0, time.Time{}
+		sup.log.Info("FUSE daemon restarted", "pid", d.PID, "conn", d.Conn, "generation", d.Generation)
 	}
 }
 
@@ -211,6 +220,9 @@ func (sup *supervisor) watch(ctx context.Context) (reason, msg string) {
 		case <-tick.C:
 			if r, m := sup.checkMount(d); r != "" {
 				return r, m
+			}
+			if sup.healDue() {
+				sup.heal(ctx)
 			}
 			if inFlight.IsZero() {
 				inFlight = time.Now()
@@ -270,6 +282,7 @@ func (sup *supervisor) replaceDaemon(ctx context.Context, rec source.Recorder) e
 		}
 	}
 	old := st.Daemon
+	st = sup.markStale(old.Conn)
 	if old.Conn != 0 {
 		if err := sup.src.ctl.abort(old.Conn); err != nil {
 			sup.log.V(2).Info("Could not abort the old FUSE connection", "conn", old.Conn, "err", err)
@@ -294,31 +307,98 @@ func (sup *supervisor) replaceDaemon(ctx context.Context, rec source.Recorder) e
 	return source.SaveState(rec, sup.state())
 }
 
-// reattach has the driver replace the mount at every consumer and
-// publish. It retries while the daemon lives; false means the daemon
-// failed meanwhile or supervision stopped.
-func (sup *supervisor) reattach(ctx context.Context) bool {
-	host := sup.src.getHost()
-	if host == nil {
-		return true
+// heal has the driver replace every mount of the stale connections (of
+// earlier daemons) with the current daemon's, in every mount namespace of
+// the node, and re-attach recorded consumers and publishes; then it
+// forgets the connections of which no mount is left. Health stays
+// abnormal while any is left; watch tries again after a backoff.
+func (sup *supervisor) heal(ctx context.Context) {
+	st := sup.state()
+	if len(st.Stale) == 0 || !st.Daemon.Alive() {
+		return // nothing to heal, or the daemon died again: watch sees it
 	}
-	for attempt := 0; ; attempt++ {
-		if !sleep(ctx, backoff(attempt)) {
-			return false
-		}
-		if !sup.daemon().Alive() {
-			return false
-		}
-		rctx, cancel := context.WithTimeout(ctx, reattachTimeout)
-		err := host.Reattach(rctx, sup.id)
-		cancel()
-		if err == nil {
-			return true
-		}
-		if ctx.Err() != nil {
-			return false
-		}
-		sup.log.Error(err, "Re-attaching the restarted FUSE mount failed", "attempt", attempt+1)
+	host := sup.src.getHost()
+	if host == nil { // a test without a driver
+		sup.keepStale(ctx, nil)
+		sup.setHealth("", "")
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, reattachTimeout)
+	res, err := host.Reattach(rctx, sup.id, plan.Heal{Dead: st.Stale, Source: st.BindSource})
+	cancel()
+	if ctx.Err() != nil {
+		return
+	}
+	var left []uint64
+	for _, l := range res.Left {
+		left = append(left, l.Conn)
+	}
+	sup.keepStale(ctx, left)
+	switch {
+	case err != nil:
+		sup.healFailed()
+		sup.log.Error(err, "Re-attaching the restarted FUSE mount failed", "attempt", sup.healFailures)
 		sup.setHealth("ReattachFailed", err.Error())
+	case len(res.Left) > 0:
+		sup.healFailed()
+		sup.log.Info("Mounts of dead FUSE connections are left", "left", len(res.Left), "first", res.Left[0].String(), "attempt", sup.healFailures)
+		sup.setHealth("StaleMounts", fmt.Sprintf("%d mounts of the dead connections of earlier daemons are left; first %s", len(res.Left), res.Left[0]))
+	default:
+		sup.healFailures = 0
+		sup.setHealth("", "")
+		sup.log.Info("Every mount of the earlier daemons' connections replaced", "healed", len(res.Healed), "conn", st.Daemon.Conn)
+	}
+}
+
+// healDue says whether a heal is pending and its backoff has passed.
+func (sup *supervisor) healDue() bool {
+	return len(sup.state().Stale) > 0 && !time.Now().Before(sup.nextHeal)
+}
+
+func (sup *supervisor) healFailed() {
+	sup.healFailures++
+	sup.nextHeal = time.Now().Add(backoff(sup.healFailures))
+}
+
+// markStale adds the connection of a daemon being replaced to those whose
+// mounts must be healed; the state with it is recorded before the new
+// daemon starts (start's SaveState), so a plugin that crashes meanwhile
+// still heals them. The oldest are dropped past maxStale.
+func (sup *supervisor) markStale(conn uint64) State {
+	sup.mu.Lock()
+	defer sup.mu.Unlock()
+	if conn != 0 && !slices.Contains(sup.st.Stale, conn) {
+		sup.st.Stale = append(sup.st.Stale, conn)
+		if n := len(sup.st.Stale); n > maxStale {
+			sup.st.Stale = slices.Clone(sup.st.Stale[n-maxStale:])
+		}
+	}
+	return sup.st
+}
+
+// maxStale is how many dead connections a volume keeps healing.
+const maxStale = 32
+
+// keepStale forgets the stale connections not in left and records the
+// change.
+func (sup *supervisor) keepStale(ctx context.Context, left []uint64) {
+	sup.mu.Lock()
+	n := len(sup.st.Stale)
+	// A new slice: copies of the state handed out share the old one.
+	sup.st.Stale = slices.DeleteFunc(slices.Clone(sup.st.Stale), func(c uint64) bool { return !slices.Contains(left, c) })
+	changed := len(sup.st.Stale) != n
+	sup.mu.Unlock()
+	host := sup.src.getHost()
+	if !changed || host == nil {
+		return
+	}
+	err := host.WithVolume(ctx, sup.id, "fuse-healed", func(_ source.Volume, found bool, rec source.Recorder) error {
+		if !found {
+			return nil
+		}
+		return source.SaveState(rec, sup.state())
+	})
+	if err != nil && ctx.Err() == nil {
+		sup.log.Error(err, "Recording the healed connections failed; the next heal finds nothing to replace and records it")
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
 
@@ -65,7 +66,9 @@ type Host struct {
 
 var _ source.Host = (*Host)(nil)
 
-func (h *Host) Reattach(context.Context, string) error { return errNoVolumes }
+func (h *Host) Reattach(context.Context, string, plan.Heal) (plan.HealResult, error) {
+	return plan.HealResult{}, errNoVolumes
+}
 
 func (h *Host) WithVolume(context.Context, string, string, func(source.Volume, bool, source.Recorder) error) error {
 	return errNoVolumes
