@@ -40,6 +40,13 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
 		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+		csi.ControllerServiceCapability_RPC_GET_SNAPSHOT,
+		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+		csi.ControllerServiceCapability_RPC_GET_VOLUME,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}})
@@ -62,9 +69,6 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return createParams{}, err
-	}
-	if req.GetVolumeContentSource() != nil {
-		return createParams{}, invalid("volume content sources (snapshots, clones) are not supported")
 	}
 	var p createParams
 	for k, v := range req.GetParameters() {
@@ -158,10 +162,14 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	v, err := d.vols.Get(id)
 	switch {
 	case err == nil && !v.Creating:
-		if err := compatible(v, req.GetCapacityRange(), p); err != nil {
+		if err := compatible(v, req, p); err != nil {
 			return nil, err
 		}
 		return d.createResponse(v), nil
+	case err == nil && v.ContentSource != nil:
+		if err := d.abandonCopy(ctx, v); err != nil {
+			return nil, err
+		}
 	case err == nil:
 		// A create interrupted after its intent, never answered: start
 		// over with this request, whatever the interrupted one asked.
@@ -170,6 +178,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return nil, err
+	}
+	if req.GetVolumeContentSource() != nil {
+		v, err := d.createFromContent(ctx, id, req, p)
+		if err != nil {
+			return nil, err
+		}
+		return d.createResponse(v), nil
 	}
 	if err := d.checkFits(id, p.size); err != nil {
 		return nil, err
@@ -220,11 +235,15 @@ func imageError(err error) error {
 }
 
 // compatible decides whether a repeated CreateVolume names the same volume.
-func compatible(v *journal.Volume, r *csi.CapacityRange, p createParams) error {
+func compatible(v *journal.Volume, req *csi.CreateVolumeRequest, p createParams) error {
+	r := req.GetCapacityRange()
+	if !sameContent(v.ContentSource, req.GetVolumeContentSource()) {
+		return fmt.Errorf("volume %s exists with other content (%v): %w", v.ID, contentSource(v.ContentSource), errdefs.ErrAlreadyExists)
+	}
 	if r.GetRequiredBytes() > v.CapacityBytes || (r.GetLimitBytes() > 0 && r.GetLimitBytes() < v.CapacityBytes) {
 		return fmt.Errorf("volume %s exists with %d bytes, outside the requested range: %w", v.ID, v.CapacityBytes, errdefs.ErrAlreadyExists)
 	}
-	if v.FsType != p.fsType {
+	if v.FsType != p.fsType && v.ContentSource == nil {
 		return fmt.Errorf("volume %s exists with fsType %s, not %s: %w", v.ID, v.FsType, p.fsType, errdefs.ErrAlreadyExists)
 	}
 	return nil
@@ -240,6 +259,7 @@ func (d *Driver) createResponse(v *journal.Volume) *csi.CreateVolumeResponse {
 		CapacityBytes:      v.CapacityBytes,
 		VolumeContext:      vctx,
 		AccessibleTopology: []*csi.Topology{d.topology()},
+		ContentSource:      contentSource(v.ContentSource),
 	}}
 }
 

@@ -58,6 +58,7 @@ type Driver struct {
 
 	opts    Options
 	vols    *volumes
+	snaps   *snapshots
 	sources map[string]source.Source
 	policy  plan.Policy
 	kubelet kubeletDir
@@ -86,6 +87,10 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
+	snaps, err := openSnapshots(stateDir)
+	if err != nil {
+		return nil, err
+	}
 	ls := loop.New(stateDir)
 	ls.Metrics, ls.ImageRoots = opts.Metrics, opts.Config.ImageRoots
 	sources := map[string]source.Source{loop.Type: ls}
@@ -95,6 +100,7 @@ func New(opts Options) (*Driver, error) {
 	d := &Driver{
 		opts:    opts,
 		vols:    vols,
+		snaps:   snaps,
 		sources: sources,
 		policy:  opts.Config.PlanPolicy(stateDir),
 		kubelet: kubelet,

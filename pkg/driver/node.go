@@ -117,6 +117,11 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 		return errors.Join(err, d.saveOrForget(v))
 	}
 	v.Stage.Source, v.Stage.Phase = state, journal.PhaseStaged
+	if err := d.growCopiedFilesystem(ctx, v, src, c); err != nil {
+		uerr := src.Unstage(ctx, viewOf(v))
+		v.Stage = nil
+		return errors.Join(err, uerr, d.saveOrForget(v))
+	}
 	return d.vols.Put(v, journal.Runtime)
 }
 

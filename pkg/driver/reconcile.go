@@ -46,6 +46,10 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
+	if err := d.reconcileSnapshots(ctx); err != nil {
+		logger.Error(err, "Reconciling snapshots failed")
+		errs = append(errs, err)
+	}
 	d.ready.Store(true)
 	return errors.Join(errs...)
 }
@@ -95,6 +99,9 @@ func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
 	}
 	if v.Kind == journal.KindEphemeral && (v.Creating || !v.Staged()) {
 		return d.destroyEphemeral(ctx, v)
+	}
+	if v.Creating && v.ContentSource != nil {
+		return d.abandonCopy(ctx, v)
 	}
 	if v.Stage == nil {
 		return nil

@@ -66,6 +66,24 @@ type Volume struct {
 	Stage     *Stage    `json:"stage,omitempty"`
 	Publishes []Publish `json:"publishes,omitempty"`
 	Consumers []Claim   `json:"consumers,omitempty"`
+	// ContentSource is what the image was copied from (a snapshot, or
+	// another volume for a clone); nil for a blank volume.
+	ContentSource *ContentSource `json:"contentSource,omitempty"`
+	// GrowFilesystem says the image was made bigger than the filesystem
+	// copied into it: the first stage with mount access grows it.
+	GrowFilesystem bool `json:"growFilesystem,omitempty"`
+}
+
+// ContentSource names what an image is a copy of. Exactly one of
+// Snapshot and Volume is set.
+type ContentSource struct {
+	Snapshot string `json:"snapshot,omitempty"`
+	Volume   string `json:"volume,omitempty"`
+	// Frozen is written, durably, before the source volume's filesystem
+	// is frozen for the copy and cleared with the copy's completion: a
+	// record still Creating with it set was interrupted while the source
+	// was frozen, and whoever undoes it thaws the source.
+	Frozen bool `json:"frozen,omitempty"`
 }
 
 // Format records the filesystem made on a volume.

@@ -66,6 +66,13 @@ func Run(t *testing.T, accessType, fsType string) {
 		t.Log("CAP_SYS_RESOURCE is not in this process's effective set: skipping node-expand for ext4")
 		suite.SkipStrings = append(suite.SkipStrings, "should work if node-expand is called after node-publish")
 	}
+	// csi-sanity v5.6.0 compares the snapshot's topology with the node's
+	// by gomega's Equal, which compares the protobuf messages' internals:
+	// its own copy carries the sizeCache that marshalling its request
+	// left, the plugin's answer does not, so no driver that reports a
+	// snapshot's topology can pass. TestSnapshotTopology in pkg/driver
+	// checks the same with proto.Equal.
+	suite.SkipStrings = append(suite.SkipStrings, "should succeed when creating a snapshot with accessibility requirements")
 	sc := sanity.GinkgoTest(&cfg)
 	gomega.RegisterFailHandler(ginkgo.Fail)
 	ginkgo.RunSpecs(t, "csi-sanity "+accessType+" "+fsType, suite, reporter)
