@@ -135,6 +135,9 @@ func contentParams(req *csi.CreateVolumeRequest, p createParams, c *content) (in
 	if required < 0 || limit < 0 {
 		return 0, "", fmt.Errorf("capacity range must not be negative: %w", errdefs.ErrOutOfRange)
 	}
+	if required > 0 && required < c.size {
+		return 0, "", fmt.Errorf("required_bytes %d is less than the source's %d bytes: %w", required, c.size, errdefs.ErrOutOfRange)
+	}
 	if limit > 0 && limit < c.size {
 		return 0, "", fmt.Errorf("limit_bytes %d is less than the source's %d bytes: %w", limit, c.size, errdefs.ErrOutOfRange)
 	}

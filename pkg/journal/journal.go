@@ -301,17 +301,13 @@ func (s *Store) Delete(id string, d Durability) error {
 // List returns every record, sorted by ID. Corrupt records are returned in
 // the error, not silently skipped.
 func (s *Store) List() ([]*Volume, error) {
-	entries, err := os.ReadDir(s.dir)
+	ids, err := recordIDs(s.dir)
 	if err != nil {
-		return nil, fmt.Errorf("journal: %w", err)
+		return nil, err
 	}
 	var out []*Volume
 	var errs []error
-	for _, e := range entries {
-		id, ok := strings.CutSuffix(e.Name(), ".json")
-		if !ok || e.IsDir() || ValidID(id) != nil {
-			continue
-		}
+	for _, id := range ids {
 		v, err := s.Get(id)
 		if err != nil {
 			errs = append(errs, err)
@@ -321,6 +317,21 @@ func (s *Store) List() ([]*Volume, error) {
 	}
 	slices.SortFunc(out, func(a, b *Volume) int { return strings.Compare(a.ID, b.ID) })
 	return out, errors.Join(errs...)
+}
+
+// recordIDs lists the IDs of the records in dir (<id>.json).
+func recordIDs(dir string) ([]string, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("journal: %w", err)
+	}
+	var ids []string
+	for _, e := range entries {
+		if id, ok := strings.CutSuffix(e.Name(), ".json"); ok && !e.IsDir() && ValidID(id) == nil {
+			ids = append(ids, id)
+		}
+	}
+	return ids, nil
 }
 
 // CheckWritable proves the journal can still be written and synced (for

@@ -103,17 +103,13 @@ func (s *Snapshots) Delete(id string) error {
 // List returns every record, sorted by ID; records that do not read are
 // returned in the error.
 func (s *Snapshots) List() ([]*Snapshot, error) {
-	entries, err := os.ReadDir(s.dir)
+	ids, err := recordIDs(s.dir)
 	if err != nil {
-		return nil, fmt.Errorf("journal: %w", err)
+		return nil, err
 	}
 	var out []*Snapshot
 	var errs []error
-	for _, e := range entries {
-		id, ok := strings.CutSuffix(e.Name(), ".json")
-		if !ok || e.IsDir() || ValidID(id) != nil {
-			continue
-		}
+	for _, id := range ids {
 		snap, err := s.Get(id)
 		switch {
 		case errors.Is(err, errdefs.ErrNotFound): // deleted meanwhile
