@@ -42,7 +42,7 @@ func New(staged func() map[string]int) *Metrics {
 		}, []string{"method", "code"}),
 		steps: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "step_duration_seconds",
-			Help:    "Duration of device steps (attach, format, mount, detach, daemon_start).",
+			Help:    "Duration of device steps (attach, detach, format, mount, daemon_start, nbd_connect, nbd_disconnect, iscsi_login, iscsi_logout).",
 			Buckets: []float64{.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5, 30},
 		}, []string{"step"}),
 		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{
