@@ -24,12 +24,30 @@ start=$SECONDS
 dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner)
 path=$(tr '\n' ':' <<<"$dirs")
 provisioner=$(grep external-provisioner <<<"$dirs")/csi-provisioner
-go run ./hack/cluster/images -out "$cache/cluster-images" -cache "$cache/images" -provisioner "$provisioner" -tag test
-go test -c -tags clustertest -o "$cache/cluster.test" ./test/cluster
+# This run's images and test binary in a directory of its own: another
+# checkout's run may build while this one waits for the lock.
+run=$(mktemp -d "$cache/run.XXXXXX")
+trap 'rm -rf "$run"' EXIT
+go run ./hack/cluster/images -out "$run/images" -cache "$cache/images" -provisioner "$provisioner" -tag test
+go test -c -tags clustertest -o "$run/cluster.test" ./test/cluster
 echo "test-cluster: built in $((SECONDS - start))s"
 
+# The shared test lock, unless the caller holds it already (`flock
+# /run/mountplan-tests.lock make test-cluster`): flock(1) leaves its
+# descriptor open in the command, and a second flock on a new descriptor
+# would wait for the caller forever.
+lock=/run/mountplan-tests.lock
+locked=()
+for fd in /proc/$$/fd/*; do
+  if [[ $(readlink "$fd" 2>/dev/null) == "$lock" ]] && flock -n "${fd##*/}"; then
+    locked=(env)
+    break
+  fi
+done
+((${#locked[@]})) || locked=(flock "$lock")
+
 cd test/cluster
-flock /run/mountplan-tests.lock env MOUNTPLAN_CLUSTER_PATH="${path%:}" \
-  MOUNTPLAN_CLUSTER_IMAGES="$cache/cluster-images" MOUNTPLAN_CLUSTER_TAG=test \
-  "$cache/cluster.test" -test.v -test.count=1 -test.timeout 45m "$@"
+"${locked[@]}" env MOUNTPLAN_CLUSTER_PATH="${path%:}" \
+  MOUNTPLAN_CLUSTER_IMAGES="$run/images" MOUNTPLAN_CLUSTER_TAG=test \
+  "$run/cluster.test" -test.v -test.count=1 -test.timeout 45m "$@"
 echo "test-cluster: done in $((SECONDS - start))s"
