@@ -1,11 +1,5 @@
 package config
 
-import (
-	"fmt"
-
-	"github.com/mountplan/mountplan/pkg/errdefs"
-)
-
 // ISCSIDefaultPort is the IANA port of iSCSI, used when a portal has none.
 const ISCSIDefaultPort = 3260
 
@@ -40,8 +34,8 @@ func (c *Config) validateISCSI() error {
 	if _, err := i.PortalRules(); err != nil {
 		return err
 	}
-	if i.DeviceTimeoutSeconds < 0 {
-		return fmt.Errorf("iscsi.deviceTimeoutSeconds must not be negative: %w", errdefs.ErrInvalidArgument)
+	if err := checkNotNegative("iscsi.deviceTimeoutSeconds", i.DeviceTimeoutSeconds); err != nil {
+		return err
 	}
 	var paths []string
 	for _, p := range []string{i.NodeDBDir, i.InitiatorNameFile} {

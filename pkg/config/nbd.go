@@ -53,8 +53,8 @@ func (c *Config) validateNBD() error {
 	if err := checkRoots("nbd.socketRoots", n.SocketRoots); err != nil {
 		return err
 	}
-	if n.TimeoutSeconds < 0 {
-		return fmt.Errorf("nbd.timeoutSeconds must not be negative: %w", errdefs.ErrInvalidArgument)
+	if err := checkNotNegative("nbd.timeoutSeconds", n.TimeoutSeconds); err != nil {
+		return err
 	}
 	if t := n.TLS; t != nil {
 		if t.CAFile == "" {
@@ -68,6 +68,14 @@ func (c *Config) validateNBD() error {
 				return fmt.Errorf("nbd.tls: %q must be an absolute path: %w", f, errdefs.ErrInvalidArgument)
 			}
 		}
+	}
+	return nil
+}
+
+// checkNotNegative accepts a count of seconds of 0 (the default) or more.
+func checkNotNegative(field string, v int) error {
+	if v < 0 {
+		return fmt.Errorf("%s must not be negative: %w", field, errdefs.ErrInvalidArgument)
 	}
 	return nil
 }
