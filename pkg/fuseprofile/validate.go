@@ -106,6 +106,17 @@ func (p *Profile) validate() error {
 	return nil
 }
 
+// onlyPlaceholder is a checkTemplate check that accepts one placeholder,
+// allowed, in field's arguments.
+func onlyPlaceholder(field, allowed string) func(ph string) error {
+	return func(ph string) error {
+		if ph != allowed {
+			return invalidf("%s: only %s is allowed, not %s", field, allowed, ph)
+		}
+		return nil
+	}
+}
+
 // checkTemplate calls check for each placeholder in a and refuses stray
 // braces and NUL bytes.
 func checkTemplate(field, a string, check func(string) error) error {
@@ -155,12 +166,8 @@ func (p *Profile) validateSecrets() (map[string]Secret, error) {
 			stdin++
 		}
 		for _, a := range s.Args {
-			if err := checkTemplate("secrets["+s.Name+"].args", a, func(ph string) error {
-				if ph != "{path}" {
-					return invalidf("secrets[%s].args: only {path} is allowed, not %s", s.Name, ph)
-				}
-				return nil
-			}); err != nil {
+			field := "secrets[" + s.Name + "].args"
+			if err := checkTemplate(field, a, onlyPlaceholder(field, "{path}")); err != nil {
 				return nil, err
 			}
 		}
@@ -198,12 +205,8 @@ func (p *Profile) validateOptions() error {
 			}
 		}
 		for _, a := range o.Args {
-			if err := checkTemplate("options["+o.Name+"].args", a, func(ph string) error {
-				if ph != "{value}" {
-					return invalidf("options[%s].args: only {value} is allowed, not %s", o.Name, ph)
-				}
-				return nil
-			}); err != nil {
+			field := "options[" + o.Name + "].args"
+			if err := checkTemplate(field, a, onlyPlaceholder(field, "{value}")); err != nil {
 				return err
 			}
 		}
