@@ -36,11 +36,11 @@ func parseOptions(m plan.Mount) (options, error) {
 }
 
 func (o *options) addFlag(m plan.Mount, opt string, bind bool) error {
-	if attr, ok := mountAttr(opt); ok {
+	if attr, ok := mountAttrs[opt]; ok {
 		o.attr |= attr
 		return nil
 	}
-	if mode, ok := atimeMode(opt); ok {
+	if mode, ok := atimeModes[opt]; ok {
 		o.attr = o.attr&^unix.MOUNT_ATTR__ATIME | mode
 		o.atimeSet = true
 		return nil
@@ -68,35 +68,21 @@ func (o *options) addFlag(m plan.Mount, opt string, bind bool) error {
 	return nil
 }
 
-// mountAttr maps the per-mount flags to MOUNT_ATTR_* bits.
-func mountAttr(opt string) (uint64, bool) {
-	switch opt {
-	case "nosuid":
-		return unix.MOUNT_ATTR_NOSUID, true
-	case "nodev":
-		return unix.MOUNT_ATTR_NODEV, true
-	case "noexec":
-		return unix.MOUNT_ATTR_NOEXEC, true
-	case "nodiratime":
-		return unix.MOUNT_ATTR_NODIRATIME, true
-	case "nosymfollow":
-		return unix.MOUNT_ATTR_NOSYMFOLLOW, true
-	}
-	return 0, false
+// mountAttrs maps the per-mount flags to MOUNT_ATTR_* bits.
+var mountAttrs = map[string]uint64{
+	"nosuid":      unix.MOUNT_ATTR_NOSUID,
+	"nodev":       unix.MOUNT_ATTR_NODEV,
+	"noexec":      unix.MOUNT_ATTR_NOEXEC,
+	"nodiratime":  unix.MOUNT_ATTR_NODIRATIME,
+	"nosymfollow": unix.MOUNT_ATTR_NOSYMFOLLOW,
 }
 
-// atimeMode maps the atime flags, which are one field of three values
+// atimeModes maps the atime flags, which are one field of three values
 // rather than independent bits.
-func atimeMode(opt string) (uint64, bool) {
-	switch opt {
-	case "relatime":
-		return unix.MOUNT_ATTR_RELATIME, true
-	case "noatime":
-		return unix.MOUNT_ATTR_NOATIME, true
-	case "strictatime":
-		return unix.MOUNT_ATTR_STRICTATIME, true
-	}
-	return 0, false
+var atimeModes = map[string]uint64{
+	"relatime":    unix.MOUNT_ATTR_RELATIME,
+	"noatime":     unix.MOUNT_ATTR_NOATIME,
+	"strictatime": unix.MOUNT_ATTR_STRICTATIME,
 }
 
 // ReadOnlyDevice reports whether the block device at p is read-only

@@ -25,11 +25,11 @@ var beneathFlag = moveMountBeneath
 func AttrOf(perMount string) *unix.MountAttr {
 	attr := &unix.MountAttr{Propagation: unix.MS_PRIVATE}
 	for _, opt := range strings.Split(perMount, ",") {
-		if a, ok := mountAttr(opt); ok {
+		if a, ok := mountAttrs[opt]; ok {
 			attr.Attr_set |= a
 			continue
 		}
-		if mode, ok := atimeMode(opt); ok {
+		if mode, ok := atimeModes[opt]; ok {
 			attr.Attr_set = attr.Attr_set&^unix.MOUNT_ATTR__ATIME | mode
 			attr.Attr_clr = unix.MOUNT_ATTR__ATIME
 			continue
