@@ -111,11 +111,7 @@ func newEnv(t *testing.T, config string) *env {
 	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	short, err := os.MkdirTemp("", "mpenv-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	testutil.RegisterLeakMarker(short)
+	short := testutil.MarkedTempDir(t, "mpenv-")
 	t.Cleanup(func() { os.RemoveAll(short) })
 	e.short = short
 	return e

@@ -111,11 +111,7 @@ func startFuseSSHD(t *testing.T) *fuseSSHD {
 	testutil.RequireCommands(t, "ssh-keygen")
 	sshd := "/usr/sbin/sshd"
 	testutil.RequireFile(t, sshd, "sshd (Debian package openssh-server)")
-	dir, err := os.MkdirTemp("", "mpsshd-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	testutil.RegisterLeakMarker(dir)
+	dir := testutil.MarkedTempDir(t, "mpsshd-")
 	s := &fuseSSHD{Dir: dir, Data: filepath.Join(dir, "data"), done: make(chan struct{})}
 	t.Cleanup(func() {
 		s.stop()

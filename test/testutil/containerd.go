@@ -89,12 +89,7 @@ func StartContainerd(t testing.TB) *Containerd {
 	t.Helper()
 	RequireRoot(t)
 	RequireCommands(t, "containerd", "ctr", "runc")
-	// A short directory: the sockets' paths must fit in 108 bytes.
-	dir, err := os.MkdirTemp("", "mpctrd-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	RegisterLeakMarker(dir)
+	dir := MarkedTempDir(t, "mpctrd-")
 	c := &Containerd{
 		Dir:        dir,
 		Root:       filepath.Join(dir, "root"),
@@ -139,10 +134,8 @@ func StartContainerd(t testing.TB) *Containerd {
 
 	var lastErr error
 	up := Poll(30*time.Second, 20*time.Millisecond, func() bool {
-		select {
-		case <-c.done:
+		if closed(c.done) {
 			return true
-		default:
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()

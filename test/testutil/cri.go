@@ -147,12 +147,7 @@ func StartCRI(t testing.TB) *CRI {
 	RequireRoot(t)
 	RequireCommands(t, "runc", "busybox")
 	bin, crictl := CRITools(t)
-	// A short directory: socket paths must fit in 108 bytes.
-	dir, err := os.MkdirTemp("", "mpcri-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	RegisterLeakMarker(dir)
+	dir := MarkedTempDir(t, "mpcri-")
 	c := &CRI{
 		Dir:          dir,
 		Address:      filepath.Join(dir, "c.sock"),
@@ -219,10 +214,8 @@ func (c *CRI) start(cfg string) error {
 func (c *CRI) waitReady() error {
 	var lastErr error
 	up := Poll(30*time.Second, 20*time.Millisecond, func() bool {
-		select {
-		case <-c.done:
+		if closed(c.done) {
 			return true
-		default:
 		}
 		if _, lastErr = c.Crictl("version"); lastErr != nil {
 			return false

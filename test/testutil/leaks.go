@@ -169,6 +169,38 @@ func RegisterLeakMarker(marker string) {
 	leakMarkers.list = append(leakMarkers.list, marker)
 }
 
+// MarkedTempDir makes a temporary directory prefix* directly under the
+// system's temp dir (short: the paths of sockets in it must fit in 108
+// bytes) and registers it as a leak marker (RegisterLeakMarker). The caller
+// removes it, once what runs there has stopped.
+func MarkedTempDir(t testing.TB, prefix string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	RegisterLeakMarker(dir)
+	return dir
+}
+
+// added returns what after holds more of than before, by key: a thing
+// that stands twice after and once before is added once.
+func added[T any, K comparable](before, after []T, key func(T) K) []T {
+	count := map[K]int{}
+	for _, x := range before {
+		count[key(x)]++
+	}
+	var out []T
+	for _, x := range after {
+		if k := key(x); count[k] > 0 {
+			count[k]--
+			continue
+		}
+		out = append(out, x)
+	}
+	return out
+}
+
 func allMarkers(extra []string) []string {
 	leakMarkers.Lock()
 	defer leakMarkers.Unlock()
@@ -207,14 +239,7 @@ func FindLeaks(before, after Snapshot, markers ...string) []Leak {
 
 	var leaks []Leak
 
-	loops := map[LoopDevice]bool{}
-	for _, l := range before.Loops {
-		loops[l] = true
-	}
-	for _, l := range after.Loops {
-		if loops[l] {
-			continue
-		}
+	for _, l := range added(before.Loops, after.Loops, func(l LoopDevice) LoopDevice { return l }) {
 		lk := Leak{Kind: "loop device", What: "/dev/" + l.Name + " backed by " + l.BackingFile, order: 3000}
 		if isOwned(strings.TrimSuffix(l.BackingFile, " (deleted)")) {
 			lk.reclaim = func() error { return detachLoop(l) }
@@ -222,19 +247,7 @@ func FindLeaks(before, after Snapshot, markers ...string) []Leak {
 		leaks = append(leaks, lk)
 	}
 
-	count := map[string]int{}
-	for _, m := range before.Mounts {
-		count[m.key()]++
-	}
-	var newMounts []Mount
-	for _, m := range after.Mounts {
-		if count[m.key()] > 0 {
-			count[m.key()]--
-			continue
-		}
-		newMounts = append(newMounts, m)
-	}
-	for _, m := range newMounts {
+	for _, m := range added(before.Mounts, after.Mounts, Mount.key) {
 		lk := Leak{Kind: "mount", What: fmt.Sprintf("%s (type %s, source %s)", m.MountPoint, m.FSType, m.Source),
 			order: 1000 - strings.Count(m.MountPoint, "/")}
 		if isOwned(m.MountPoint) {
@@ -244,14 +257,7 @@ func FindLeaks(before, after Snapshot, markers ...string) []Leak {
 		leaks = append(leaks, lk)
 	}
 
-	conns := map[string]bool{}
-	for _, c := range before.FuseConns {
-		conns[c] = true
-	}
-	for _, c := range after.FuseConns {
-		if conns[c] {
-			continue
-		}
+	for _, c := range added(before.FuseConns, after.FuseConns, func(c string) string { return c }) {
 		lk := Leak{Kind: "FUSE connection", What: c, order: 2000}
 		for _, m := range after.Mounts {
 			if m.Dev == "0:"+c && strings.HasPrefix(m.FSType, "fuse") {

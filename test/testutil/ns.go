@@ -51,10 +51,8 @@ func StartUnshare(t testing.TB) *Proc {
 	// up: wait until the process's namespace differs from ours.
 	var ns string
 	ok := Poll(5*time.Second, 5*time.Millisecond, func() bool {
-		select {
-		case <-p.done:
+		if closed(p.done) {
 			return true
-		default:
 		}
 		ns, _ = MountNamespaceOf(p.PID)
 		return ns != "" && ns != self && procComm(p.PID) == "sleep"

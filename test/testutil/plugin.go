@@ -57,11 +57,7 @@ func StartPlugin(t testing.TB, binary string, args ...string) *Plugin {
 // after it starts. "" means the test's own cgroup.
 func StartPluginInCgroup(t testing.TB, binary, cgroup string, args ...string) *Plugin {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "mpplug-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	RegisterLeakMarker(dir)
+	dir := MarkedTempDir(t, "mpplug-")
 	p := &Plugin{
 		Binary:  binary,
 		Dir:     dir,
@@ -158,10 +154,8 @@ func (p *Plugin) start() {
 
 	var lastErr error
 	up := Poll(30*time.Second, 10*time.Millisecond, func() bool {
-		select {
-		case <-done:
+		if closed(done) {
 			return true
-		default:
 		}
 		conn, err := net.DialTimeout("unix", p.Socket, time.Second)
 		if err != nil {
@@ -196,12 +190,7 @@ func (p *Plugin) PID() int {
 // Running reports whether the plugin process is still running.
 func (p *Plugin) Running() bool {
 	_, done := p.current()
-	select {
-	case <-done:
-		return false
-	default:
-		return true
-	}
+	return !closed(done)
 }
 
 // Exited waits up to timeout for the plugin process to end (killed from
@@ -223,10 +212,8 @@ func (p *Plugin) Exited(timeout time.Duration) bool {
 // SIGTERM. Stopping a plugin that is not running returns nil.
 func (p *Plugin) Stop() error {
 	cmd, done := p.current()
-	select {
-	case <-done:
+	if closed(done) {
 		return nil
-	default:
 	}
 	_ = cmd.Process.Signal(syscall.SIGTERM)
 	select {

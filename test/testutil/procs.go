@@ -152,3 +152,14 @@ func SocketHolders(path string) []ProcInfo {
 	}
 	return out
 }
+
+// closed reports, without waiting, whether ch is closed: whether the
+// process whose done channel it is has ended.
+func closed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
