@@ -161,22 +161,10 @@ func cleanStale(t *testing.T, root string) {
 	if err := unix.Stat(root, &st); err != nil {
 		t.Fatal(err)
 	}
-	inodes := map[string]bool{}
-	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
-		if err == nil && d.Type().IsRegular() {
-			var fst unix.Stat_t
-			if unix.Lstat(p, &fst) == nil {
-				inodes[fmt.Sprintf("%d:%d", fst.Dev, fst.Ino)] = true
-			}
-		}
-		return nil
-	})
-	for dev, id := range loopDevices() {
-		if inodes[id] {
-			if fd, err := unix.Open("/dev/"+dev, unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
-				_ = unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0)
-				unix.Close(fd)
-			}
+	for dev := range loopsBackedUnder(root) {
+		if fd, err := unix.Open("/dev/"+dev, unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
+			_ = unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0)
+			unix.Close(fd)
 		}
 	}
 	if b, err := os.ReadFile(filepath.Join(root, "created")); err == nil {
@@ -220,8 +208,16 @@ func (e *env) checkNodeClean(t *testing.T) {
 		}
 		return nil
 	})
+	for dev, p := range loopsBackedUnder(e.c.cfg.Root) {
+		t.Errorf("leak: %s still backed by %s", dev, p)
+	}
+}
+
+// loopsBackedUnder returns the loop devices (loopN → file) backed by a
+// regular file below root, matched by the device and inode of the file.
+func loopsBackedUnder(root string) map[string]string {
 	inodes := map[string]string{}
-	_ = filepath.WalkDir(e.c.cfg.Root, func(p string, d os.DirEntry, err error) error {
+	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
 		if err == nil && d.Type().IsRegular() {
 			var st unix.Stat_t
 			if unix.Lstat(p, &st) == nil {
@@ -230,9 +226,11 @@ func (e *env) checkNodeClean(t *testing.T) {
 		}
 		return nil
 	})
+	backed := map[string]string{}
 	for dev, id := range loopDevices() {
 		if p, ok := inodes[id]; ok {
-			t.Errorf("leak: %s still backed by %s", dev, p)
+			backed[dev] = p
 		}
 	}
+	return backed
 }
