@@ -12,6 +12,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mountns"
 )
 
 // DefaultKubeletDir is kubelet's usual root directory, the default of
@@ -22,8 +23,8 @@ const DefaultKubeletDir = config.DefaultKubeletDir
 // directory, the way kubelet makes them: a path must lie under it, and no
 // directory between the root and the path's last element may be a
 // symlink, which whoever can write inside (a pod with a hostPath) could
-// point at /etc. Directories are opened one by one, each beneath the last,
-// without following symlinks (openat2 RESOLVE_NO_SYMLINKS|RESOLVE_BENEATH),
+// point at /etc. A path's parent is resolved by mountns.Root, the
+// resolver the mounter uses too (openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS),
 // and what the plugin creates or removes there it creates or removes
 // relative to the parent's descriptor, so a symlink planted after the
 // check is not followed either.
@@ -76,53 +77,49 @@ func (k kubeletDir) check(name, p string) error {
 	return err
 }
 
-// openParent opens the directory p lies in, walking down from the root
-// without following a symlink. With create, missing directories are made
-// (0750, as kubelet does); without, a missing one is errdefs.ErrNotFound.
+// openParent opens the directory p lies in, resolved below the root by
+// mountns.Root (openat2, no symlink followed). With create, missing
+// directories are made (0750, as kubelet does); without, a missing one is
+// errdefs.ErrNotFound. A symlink or a non-directory on the way is
+// InvalidArgument: the CO sent a path kubelet would not have made.
 func (k kubeletDir) openParent(name, p string, create bool) (*os.File, error) {
-	rel, err := k.rel(name, p)
-	if err != nil {
+	if _, err := k.rel(name, p); err != nil {
 		return nil, err
 	}
-	dir, err := os.OpenFile(k.root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	root, err := mountns.OpenRoot(k.root)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%s %q: the kubelet directory %s does not exist: %w", name, p, k.root, errdefs.ErrNotFound)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("kubelet directory: %w", err)
 	}
-	parts := strings.Split(rel, "/")
-	for _, part := range parts[:len(parts)-1] {
-		next, err := openBeneath(dir, part)
-		if errors.Is(err, unix.ENOENT) && create {
-			if err = unix.Mkdirat(int(dir.Fd()), part, 0o750); err == nil || errors.Is(err, unix.EEXIST) {
-				next, err = openBeneath(dir, part)
-			}
-		}
-		dir.Close()
-		switch {
-		case errors.Is(err, unix.ENOENT):
-			return nil, fmt.Errorf("%s %q: %s does not exist: %w", name, p, part, errdefs.ErrNotFound)
-		case errors.Is(err, unix.ELOOP), errors.Is(err, unix.ENOTDIR), errors.Is(err, unix.EXDEV):
-			return nil, invalid("%s %q passes through %s, which is a symlink or not a directory", name, p, part)
-		case err != nil:
-			return nil, fmt.Errorf("%s %q: open %s: %w", name, p, part, err)
-		}
-		dir = next
+	defer root.Close()
+	dir := filepath.Dir(p)
+	if create {
+		_, err = root.MkdirAll(dir, false)
 	}
-	return dir, nil
-}
-
-// openBeneath opens the directory name inside dir, refusing symlinks.
-func openBeneath(dir *os.File, name string) (*os.File, error) {
-	fd, err := unix.Openat2(int(dir.Fd()), name, &unix.OpenHow{
-		Flags:   unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
-	})
-	if err != nil {
-		return nil, err
+	var parent *os.File
+	if err == nil {
+		parent, err = root.Open(dir)
 	}
-	return os.NewFile(uintptr(fd), name), nil
+	if err == nil {
+		var st unix.Stat_t
+		if err = unix.Fstat(int(parent.Fd()), &st); err == nil && st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			err = unix.ENOTDIR
+		}
+		if err != nil {
+			parent.Close()
+		}
+	}
+	switch {
+	case errors.Is(err, errdefs.ErrPermissionDenied), errors.Is(err, unix.ENOTDIR):
+		return nil, invalid("%s %q passes through a symlink or something not a directory", name, p)
+	case errors.Is(err, fs.ErrNotExist):
+		return nil, fmt.Errorf("%s %q: %w", name, p, err)
+	case err != nil:
+		return nil, fmt.Errorf("%s %q: open its parent: %w", name, p, err)
+	}
+	return parent, nil
 }
 
 // makeTarget makes sure a publish target exists: a directory for mount
