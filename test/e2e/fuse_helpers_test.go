@@ -23,6 +23,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 
 	"github.com/mountplan/mountplan/pkg/source/fuse"
+	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -83,17 +84,6 @@ func (e *fuseEnv) checkClean(id string) {
 // fuseAlive reports whether d's process still runs (same start time).
 func fuseAlive(d fuse.Daemon) bool { return d.Alive() }
 
-// fuseFreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-func fuseFreePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 // fuseSSHD is an sshd on 127.0.0.1 with a temporary host key, accepting a
 // temporary user key for root, serving SFTP from its internal server.
 type fuseSSHD struct {
@@ -150,7 +140,7 @@ func startFuseSSHD(t *testing.T) *fuseSSHD {
 		}
 	}
 	for attempt := 0; ; attempt++ {
-		s.Port = fuseFreePort(t)
+		s.Port = nbdtest.FreePort(t)
 		s.KnownHosts = fmt.Sprintf("[127.0.0.1]:%d %s", s.Port, strings.TrimSpace(string(hostPub)))
 		cfg := fmt.Sprintf(`Port %d
 ListenAddress 127.0.0.1
