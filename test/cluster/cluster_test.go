@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/internal/testenv"
+	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // Environment of the test, set by hack/cluster/test.sh (make test-cluster).
@@ -41,11 +42,21 @@ func TestCluster(t *testing.T) {
 	}
 	cleanStale(t, root)
 	before := takeSnapshot(t, root)
+	// A containerd of the host's own may use the same namespace: its
+	// cgroups are not the cluster's to remove.
+	v1, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", criNamespace))
+	_, err = os.Stat(filepath.Join("/sys/fs/cgroup", criNamespace))
+	hadNSCgroup := len(v1) > 0 || err == nil
 	c := startCluster(t, root, path)
 	defer func() {
 		left, err := c.stop()
 		if err != nil {
 			t.Error(err)
+		}
+		if !hadNSCgroup {
+			if err := testutil.RemoveCgroupTree(criNamespace); err != nil {
+				t.Errorf("leak: %v", err)
+			}
 		}
 		for _, l := range left {
 			t.Errorf("leak: process still running in the node at its stop: %s", l)

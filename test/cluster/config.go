@@ -14,6 +14,12 @@ const pauseImage = "registry.k8s.io/pause:3.10.2"
 
 // writeConfigs writes containerd's, kubelet's and CNI's configuration under
 // the root.
+// criNamespace is containerd's namespace for Kubernetes. Without QoS
+// cgroups kubelet gives pods no cgroup parent, and containerd puts each
+// container's cgroup under /<namespace>/<id> in every hierarchy; runc
+// removes the container's own, never the namespace's.
+const criNamespace = "k8s.io"
+
 func writeConfigs(c nodeConfig) error {
 	files := map[string]string{
 		// containerd 2 with CRI and NRI. restrict_oom_score_adj: setting a

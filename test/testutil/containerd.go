@@ -359,7 +359,7 @@ func (c *Containerd) stop() error {
 
 	errs = append(errs, terminate(c.cmd.Process, c.done, "containerd"))
 	var more []error
-	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return removeCgroupTree(c.Namespace) })
+	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return RemoveCgroupTree(c.Namespace) })
 	return errors.Join(append(errs, more...)...)
 }
 

@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -466,7 +464,7 @@ func (c *CRI) stop() error {
 		errs = append(errs, terminate(c.cmd.Process, c.done, "containerd"))
 	}
 	var more []error
-	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return removeCgroupTree(c.CgroupParent) })
+	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return RemoveCgroupTree(c.CgroupParent) })
 	return errors.Join(append(errs, more...)...)
 }
 
@@ -510,34 +508,6 @@ func killShims(address string) error {
 	}
 	if !Poll(5*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
 		errs = append(errs, errors.New("shims survived SIGKILL"))
-	}
-	return errors.Join(errs...)
-}
-
-// removeCgroupTree removes the (empty) cgroup directory name and the
-// directories below it, deepest first, in every mounted hierarchy.
-func removeCgroupTree(name string) error {
-	infos, err := mountinfo.GetMounts(func(mi *mountinfo.Info) (skip, stop bool) {
-		return mi.FSType != "cgroup" && mi.FSType != "cgroup2", false
-	})
-	if err != nil {
-		return err
-	}
-	var errs []error
-	for _, mi := range infos {
-		top := filepath.Join(mi.Mountpoint, name)
-		var dirs []string
-		_ = filepath.WalkDir(top, func(p string, d fs.DirEntry, err error) error {
-			if err == nil && d.IsDir() {
-				dirs = append(dirs, p)
-			}
-			return nil
-		})
-		for i := len(dirs) - 1; i >= 0; i-- {
-			if err := unix.Rmdir(dirs[i]); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, fmt.Errorf("removing cgroup %s: %w", dirs[i], err))
-			}
-		}
 	}
 	return errors.Join(errs...)
 }
