@@ -23,11 +23,15 @@ all: build
 build:
 	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./hack/csictl
 
-# Every test but the VM's. hack/testreport prints go test's usual lines, then
-# the counts of passed, failed and skipped tests with the reason of each
-# skip, and fails the run when under CI=true anything skipped.
+# Every test but the VM's and the cluster's. hack/testreport prints go
+# test's usual lines, then the counts of passed, failed and skipped tests
+# with the reason of each skip, and fails the run when under CI=true
+# anything skipped. Then every fuzzer runs TEST_FUZZTIME seconds beyond its
+# seed corpus (which the go test run above replays).
+TEST_FUZZTIME ?= 3
 test: build
 	set -o pipefail; $(GO) test -json $(TESTFLAGS) $(PKGS) | $(GO) run ./hack/testreport
+	hack/fuzz.sh $(TEST_FUZZTIME)
 
 # Every Go fuzz test for FUZZTIME seconds each (default 5).
 FUZZTIME ?= 5
