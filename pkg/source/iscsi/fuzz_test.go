@@ -3,15 +3,14 @@ package iscsi
 import (
 	"context"
 	"encoding/binary"
-	"io"
 	"net"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/source/internal/bytesrv"
 )
 
 // respPDU builds a target's PDU: opcode, flags, status (login only) and
@@ -61,20 +60,10 @@ func FuzzSendTargets(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	f.Cleanup(func() { l.Close() })
-	var current atomic.Pointer[[]byte]
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go serveBytes(c, *current.Load())
-		}
-	}()
+	srv := bytesrv.Serve(f, l)
 	d := Discoverer{Portal: l.Addr().String(), InitiatorName: "iqn.2024-01.io.mountplan:fuzz", Timeout: 2 * time.Second}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		current.Store(&data)
+		srv.Set(data)
 		targets, err := d.SendTargets(context.Background())
 		if c := errdefs.Code(err); c == codes.Internal || c == codes.DeadlineExceeded {
 			t.Fatalf("SendTargets: %v (code %v): every failure must wrap a sentinel and end before the timeout", err, c)
@@ -90,23 +79,6 @@ func FuzzSendTargets(f *testing.F) {
 			}
 		}
 	})
-}
-
-// serveBytes sends data whatever the initiator says, then end-of-stream,
-// and reads until the initiator hangs up.
-func serveBytes(c net.Conn, data []byte) {
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
-	drained := make(chan struct{})
-	go func() {
-		_, _ = io.Copy(io.Discard, c)
-		close(drained)
-	}()
-	_, _ = c.Write(data)
-	if tc, ok := c.(*net.TCPConn); ok {
-		_ = tc.CloseWrite()
-	}
-	<-drained
 }
 
 // FuzzParseSendTargets feeds a SendTargets text answer straight to the

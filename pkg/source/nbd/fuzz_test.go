@@ -3,16 +3,15 @@ package nbd
 import (
 	"context"
 	"encoding/binary"
-	"io"
 	"net"
 	"path/filepath"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/source/internal/bytesrv"
 )
 
 // serverBytes builds what a server sends: the greeting, then replies.
@@ -60,20 +59,10 @@ func FuzzHandshake(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	f.Cleanup(func() { l.Close() })
-	var current atomic.Pointer[[]byte]
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go serveBytes(c, *current.Load())
-		}
-	}()
+	srv := bytesrv.Serve(f, l)
 	d := Dialer{Network: "unix", Address: sock, Timeout: 2 * time.Second}
 	f.Fuzz(func(t *testing.T, data []byte) {
-		current.Store(&data)
+		srv.Set(data)
 		exp, err := d.Probe(context.Background(), "disk")
 		checkErr(t, "Probe", err)
 		if exp.Size < 0 {
@@ -94,21 +83,4 @@ func checkErr(t *testing.T, what string, err error) {
 	if c := errdefs.Code(err); c == codes.Internal || c == codes.DeadlineExceeded {
 		t.Fatalf("%s: %v (code %v): every failure must wrap a sentinel and end before the timeout", what, err, c)
 	}
-}
-
-// serveBytes sends data, reads whatever the client sends until it hangs
-// up, and says end-of-stream after data.
-func serveBytes(c net.Conn, data []byte) {
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
-	drained := make(chan struct{})
-	go func() {
-		_, _ = io.Copy(io.Discard, c)
-		close(drained)
-	}()
-	_, _ = c.Write(data)
-	if uc, ok := c.(*net.UnixConn); ok {
-		_ = uc.CloseWrite()
-	}
-	<-drained
 }
