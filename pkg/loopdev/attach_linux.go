@@ -200,6 +200,7 @@ func configure(f, backing *os.File, path, name string, o Options, dio bool) erro
 	if dio {
 		cfg.Info.Flags |= unix.LO_FLAGS_DIRECT_IO
 	}
+	cfg.Size = o.BlockSize // struct loop_config.block_size
 	// lo_file_name is informational (losetup shows it); the kernel keeps
 	// the real path in the backing file itself.
 	copy(cfg.Info.File_name[:unix.LO_NAME_SIZE-1], name)

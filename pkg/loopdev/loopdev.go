@@ -39,6 +39,13 @@ type Options struct {
 	// Autoclear lets the kernel detach the device when its last opener
 	// closes it (LO_FLAGS_AUTOCLEAR).
 	Autoclear bool
+	// BlockSize is the device's logical block size (0: the kernel's
+	// choice, which with direct I/O is the backing file's direct I/O
+	// alignment: 4096 for a reflinked file on xfs). A filesystem made with
+	// smaller blocks or sectors does not mount on a device with larger
+	// ones; asking for its size keeps it mountable, and the kernel drops
+	// direct I/O when the size is below the alignment.
+	BlockSize uint32
 }
 
 // Identity names a loop device binding: the device numbers of /dev/loopN

@@ -107,9 +107,13 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}
 	// The image under an overlay is never written, whatever the access mode.
 	ro := req.ReadOnly || chained
+	opts := loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true}
+	if !req.Block && !chained {
+		opts.BlockSize = fsBlockSize(v.Image)
+	}
 	var dev *loopdev.Device
 	if err := s.Metrics.Step("attach", func() (err error) {
-		dev, err = loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true})
+		dev, err = loopdev.Attach(ctx, v.Image, opts)
 		return err
 	}); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", v.Image, err)
@@ -235,7 +239,11 @@ func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, e
 	dev, err := loopdev.Adopt(st.Device, st.Identity)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		klog.FromContext(ctx).Info("Loop device gone; attaching the image again", "volume", v.ID, "image", v.Image)
-		dev, err = loopdev.Attach(ctx, v.Image, loopdev.Options{ReadOnly: st.ReadOnly, DirectIO: true, Autoclear: true})
+		opts := loopdev.Options{ReadOnly: st.ReadOnly, DirectIO: true, Autoclear: true}
+		if st.FsType != "" && st.Chain == nil {
+			opts.BlockSize = fsBlockSize(v.Image)
+		}
+		dev, err = loopdev.Attach(ctx, v.Image, opts)
 	}
 	if err != nil {
 		return nil, err

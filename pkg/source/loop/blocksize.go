@@ -1,0 +1,51 @@
+package loop
+
+import (
+	"encoding/binary"
+	"os"
+)
+
+// Superblock fields that say the smallest unit of I/O a filesystem was
+// made for: ext2/3/4's block size (1024 << s_log_block_size, at 24 in the
+// superblock at 1024, magic 0xEF53 at 56) and xfs's sector size
+// (sb_sectsize, big-endian at 102, magic "XFSB" at 0).
+const (
+	extSuperblock = 1024
+	extLogBlock   = extSuperblock + 24
+	extMagicOff   = extSuperblock + 56
+	extMagic      = 0xEF53
+	xfsSectSize   = 102
+)
+
+// fsBlockSize reads the image's superblock for the logical block size its
+// loop device must not exceed, 0 when the image holds neither ext4 nor xfs
+// (blank: mkfs will fit the device) or cannot be read. The loop device of
+// a volume must keep the block size its filesystem was made on: after a
+// reflink copy the image's direct I/O alignment on xfs is 4096, and the
+// kernel's default would make an ext4 of 1 KiB blocks (mke2fs's choice
+// below 512 MiB) or an xfs of 512-byte sectors unmountable.
+func fsBlockSize(image string) uint32 {
+	f, err := os.Open(image)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sb := make([]byte, extSuperblock+1024)
+	if _, err := f.ReadAt(sb, 0); err != nil {
+		return 0
+	}
+	var size uint32
+	switch {
+	case string(sb[:4]) == "XFSB":
+		size = uint32(binary.BigEndian.Uint16(sb[xfsSectSize:]))
+	case binary.LittleEndian.Uint16(sb[extMagicOff:]) == extMagic:
+		if log := binary.LittleEndian.Uint32(sb[extLogBlock:]); log <= 6 {
+			size = 1024 << log
+		}
+	}
+	// A loop device takes 512 to 4096 (the page size) in powers of two.
+	if size < 512 || size > 4096 || size&(size-1) != 0 {
+		return 0
+	}
+	return size
+}
