@@ -30,7 +30,8 @@ RUN CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
 FROM debian:bookworm-slim
 # Tools the plugin execs (see the table in test/chart/dockerfile_test.go):
 #   util-linux  blkid, fsck            mount       mount, umount, losetup
-#   e2fsprogs   mkfs.ext4, resize2fs   xfsprogs    mkfs.xfs, xfs_growfs, xfs_repair
+#   e2fsprogs   mkfs.ext4, resize2fs,  xfsprogs    mkfs.xfs, xfs_growfs, xfs_repair,
+#               e2fsck                             xfs_admin
 #   fuse3       fusermount3            sshfs, rclone, squashfuse: FUSE daemons
 #   nbd-client  nbd-client             open-iscsi  iscsiadm (talks to the host's iscsid)
 RUN apt-get update && \

@@ -11,6 +11,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/imagecopy"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -63,6 +64,9 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, markFrozen)
 	} else {
 		method, err = copyImage(ctx, c.image, v.Image, size)
+	}
+	if err == nil && c.format != nil {
+		err = fsutil.NewUUID(ctx, v.Image, c.format.FsType)
 	}
 	if err != nil {
 		// No record outlives a failed create: the name stays free.
@@ -174,11 +178,13 @@ func (d *Driver) growCopiedFilesystem(ctx context.Context, v *journal.Volume, sr
 	if !v.GrowFilesystem || c.block || c.readOnly {
 		return nil
 	}
-	exp, ok := src.(source.Expander)
+	g, ok := src.(interface {
+		GrowUnmounted(ctx context.Context, v source.Volume, scratch string) error
+	})
 	if !ok {
 		return nil
 	}
-	if _, err := exp.Expand(ctx, viewOf(v), "", filepath.Join(d.opts.StateDir, "expand", v.ID)); err != nil {
+	if err := g.GrowUnmounted(ctx, viewOf(v), filepath.Join(d.opts.StateDir, "expand", v.ID)); err != nil {
 		return fmt.Errorf("grow the filesystem copied into %s: %w", v.ID, err)
 	}
 	v.GrowFilesystem = false

@@ -57,3 +57,36 @@ func (t tools) resize(ctx context.Context, device, fsType, mountPath string) err
 	return fmt.Errorf("fsutil: resize %s: filesystem type %q not in %v: %w",
 		device, fsType, SupportedFsTypes(), errdefs.ErrInvalidArgument)
 }
+
+// e2fsck -p exit statuses that leave a usable filesystem: 1, errors were
+// corrected (a copy taken of a frozen ext4 has none, but an orphan list
+// may be cleaned).
+const e2fsckCorrected = 1
+
+func (t tools) growOffline(ctx context.Context, device, fsType string) error {
+	if fsType != Ext4 {
+		return fmt.Errorf("fsutil: grow %s offline: %s grows only mounted: %w", device, fsType, errdefs.ErrFailedPrecondition)
+	}
+	if err := checkPath("resize", device); err != nil {
+		return err
+	}
+	if _, err := t.run(ctx, device, e2fsck, "-f", "-p", device); err != nil && exitCode(err) != e2fsckCorrected {
+		return err
+	}
+	_, err := t.run(ctx, device, resize2fs, device)
+	return err
+}
+
+// newUUID gives the xfs in image a UUID of its own: xfs refuses to mount
+// a filesystem whose UUID a mounted one has, which a copy of a volume
+// beside its source would. ext4 mounts duplicates, and its UUID stays.
+func (t tools) newUUID(ctx context.Context, image, fsType string) error {
+	if fsType != XFS {
+		return nil
+	}
+	if err := checkPath("new uuid", image); err != nil {
+		return err
+	}
+	_, err := t.run(ctx, image, xfsAdmin, "-U", "generate", image)
+	return err
+}

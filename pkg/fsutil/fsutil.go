@@ -66,6 +66,20 @@ func Resize(ctx context.Context, device, fsType, mountPath string) error {
 	return host.resize(ctx, device, fsType, mountPath)
 }
 
+// GrowOffline grows the ext4 filesystem on device, which must be mounted
+// nowhere, to the device's size: e2fsck -f -p first (resize2fs insists on
+// a checked filesystem), then resize2fs. xfs cannot grow offline.
+func GrowOffline(ctx context.Context, device, fsType string) error {
+	return host.growOffline(ctx, device, fsType)
+}
+
+// NewUUID gives the filesystem in image, a copy of another that may be
+// mounted, a UUID of its own where its type needs one to mount beside
+// the original (xfs); the image must be attached nowhere.
+func NewUUID(ctx context.Context, image, fsType string) error {
+	return host.newUUID(ctx, image, fsType)
+}
+
 // checkPath turns a missing or unusable device path into the right
 // sentinel before a tool sees it: blkid, for one, exits 2 ("nothing
 // found") for a path that does not exist.

@@ -12,8 +12,10 @@ var (
 	blkid     = toolrun.Tool{Name: "blkid", Package: "util-linux"}
 	mkfsExt4  = toolrun.Tool{Name: "mkfs.ext4", Package: "e2fsprogs"}
 	resize2fs = toolrun.Tool{Name: "resize2fs", Package: "e2fsprogs"}
+	e2fsck    = toolrun.Tool{Name: "e2fsck", Package: "e2fsprogs"}
 	mkfsXFS   = toolrun.Tool{Name: "mkfs.xfs", Package: "xfsprogs"}
 	xfsGrowfs = toolrun.Tool{Name: "xfs_growfs", Package: "xfsprogs"}
+	xfsAdmin  = toolrun.Tool{Name: "xfs_admin", Package: "xfsprogs"}
 )
 
 // run runs tool with args on device and returns its combined output. A

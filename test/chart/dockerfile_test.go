@@ -41,6 +41,7 @@ var execTools = []struct {
 	{"mkfs.xfs", "xfsprogs", "format xfs (pkg/fsutil)"},
 	{"xfs_growfs", "xfsprogs", "expand xfs (pkg/fsutil)"},
 	{"xfs_repair", "xfsprogs", "check xfs"},
+	{"xfs_admin", "xfsprogs", "a UUID of its own for a copied xfs (pkg/fsutil)"},
 	{"mount", "mount", "fallback mounts, FUSE helpers"},
 	{"umount", "mount", "fallback unmounts"},
 	{"losetup", "mount", "loop device fallback and diagnostics"},

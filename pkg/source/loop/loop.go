@@ -308,6 +308,28 @@ func (s *Source) Expand(ctx context.Context, v source.Volume, mountPath, scratch
 	return dev.Size()
 }
 
+// GrowUnmounted grows the filesystem of a volume being staged, whose
+// device nothing has mounted yet (a copy made bigger than its source):
+// ext4 offline (e2fsck, then resize2fs, which needs no CAP_SYS_RESOURCE),
+// xfs through a private mount at scratch (it grows only mounted).
+func (s *Source) GrowUnmounted(ctx context.Context, v source.Volume, scratch string) error {
+	dev, err := s.Device(v)
+	if err != nil {
+		return err
+	}
+	st, err := source.DecodeState[State](v)
+	if err != nil {
+		return err
+	}
+	switch {
+	case st.FsType == "" || st.ReadOnly:
+		return nil
+	case st.FsType == fsutil.Ext4:
+		return fsutil.GrowOffline(ctx, dev.Path, st.FsType)
+	}
+	return growMounted(ctx, dev.Path, st.FsType, "", scratch)
+}
+
 func growMounted(ctx context.Context, device, fsType, mountPath, scratch string) error {
 	if mountPath != "" {
 		return fsutil.Resize(ctx, device, fsType, mountPath)
