@@ -56,12 +56,13 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 		return nil, err
 	}
 	var method imagecopy.Method
+	scratch := loop.RecoverScratch(d.opts.StateDir, "volumes", id)
 	if c.volume != nil {
 		markFrozen := func() error {
 			v.ContentSource.Frozen = true
 			return d.vols.Put(v, journal.Durable)
 		}
-		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, markFrozen)
+		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, scratch, markFrozen)
 	} else {
 		method, err = copyImage(ctx, c.image, v.Image, size)
 	}
@@ -71,7 +72,7 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 	if err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create %s from %s: %w", id, describeContent(c.record), err)
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
+		return nil, errors.Join(err, loop.ClearScratch(scratch), loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
 	}
 	klog.FromContext(ctx).V(2).Info("Copied the image", "from", describeContent(c.record), "method", method)
 	v.Creating, v.ContentSource.Frozen = false, false
@@ -201,6 +202,9 @@ func (d *Driver) abandonCopy(ctx context.Context, v *journal.Volume) error {
 		}
 	}
 	klog.FromContext(ctx).Info("Removing a volume whose copy a crash interrupted", "volume", v.ID, "from", describeContent(v.ContentSource))
+	if err := loop.ClearScratch(loop.RecoverScratch(d.opts.StateDir, "volumes", v.ID)); err != nil {
+		return fmt.Errorf("volume %s: %w", v.ID, err)
+	}
 	if err := loop.RemoveImage(v.Image); err != nil {
 		return err
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/imagecopy"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/loop"
 )
 
 // freezer is a source whose staged volumes' filesystems can be frozen for
@@ -51,8 +52,10 @@ func needsFreeze(v *journal.Volume) (bool, error) {
 // the caller holds, to dst with size bytes (at least v's). When a
 // consumer may be writing to v, its filesystem is frozen for the copy;
 // markFrozen is called first to record durably that it may be frozen, so
-// that a crash during the copy is followed by a thaw (thawSource).
-func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst string, size int64, markFrozen func() error) (imagecopy.Method, error) {
+// that a crash during the copy is followed by a thaw (thawSource). A copy
+// of a frozen xfs has its log replayed through a mount at recoverAt (see
+// loop.RecoverCopy), so that it is a clean filesystem.
+func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst string, size int64, recoverAt string, markFrozen func() error) (imagecopy.Method, error) {
 	freeze, err := needsFreeze(v)
 	if err != nil {
 		return "", err
@@ -79,7 +82,10 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst str
 	if terr := thaw(); terr != nil {
 		return "", errors.Join(err, terr)
 	}
-	return method, err
+	if err != nil {
+		return "", err
+	}
+	return method, loop.RecoverCopy(ctx, dst, recoverAt)
 }
 
 // copyImage copies an image, marking a full disk as resource exhausted.

@@ -25,13 +25,8 @@ const (
 // kernel's default would make an ext4 of 1 KiB blocks (mke2fs's choice
 // below 512 MiB) or an xfs of 512-byte sectors unmountable.
 func fsBlockSize(image string) uint32 {
-	f, err := os.Open(image)
-	if err != nil {
-		return 0
-	}
-	defer f.Close()
-	sb := make([]byte, extSuperblock+1024)
-	if _, err := f.ReadAt(sb, 0); err != nil {
+	sb := superblock(image)
+	if sb == nil {
 		return 0
 	}
 	var size uint32
@@ -48,4 +43,25 @@ func fsBlockSize(image string) uint32 {
 		return 0
 	}
 	return size
+}
+
+// superblock reads the first 2 KiB of image (where ext4's and xfs's
+// superblocks are), nil when it cannot.
+func superblock(image string) []byte {
+	f, err := os.Open(image)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	sb := make([]byte, extSuperblock+1024)
+	if _, err := f.ReadAt(sb, 0); err != nil {
+		return nil
+	}
+	return sb
+}
+
+// isXFS tells whether image begins with an xfs superblock.
+func isXFS(image string) bool {
+	sb := superblock(image)
+	return sb != nil && string(sb[:4]) == "XFSB"
 }
