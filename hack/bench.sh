@@ -3,7 +3,8 @@
 # kernel work it asks for (direct syscalls) and against util-linux tools, on
 # a 64 MiB ext4 loop volume. Prints markdown tables and a leak check. Then
 # container start latency with and without the NRI hook (BenchmarkContainerStart
-# in test/nri, median of 20).
+# in test/nri, median of 20), and the time of a snapshot by reflink and by
+# sparse copy (BenchmarkSnapshot in pkg/driver).
 #
 #   make bench                      # builds bin/ first
 #   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5] [-strace FILE] [-v]
@@ -34,3 +35,7 @@ go run ./hack/bench -plugin "$plugin" "$@"
 # Container start latency with and without the NRI hook (test/nri): a private
 # containerd 2 with CRI and NRI (hack/tools/build.sh builds it), crictl, runc.
 go test -count=1 -run '^$' -bench ContainerStart -benchtime 1x ./test/nri
+
+# Snapshot time of a published 1 GiB ext4 volume holding 100 MiB: state dir
+# on xfs (reflink) and on ext4 (sparse copy), each on a loop device of its own.
+go test -count=1 -run '^$' -bench '^BenchmarkSnapshot$' -benchtime 5x ./pkg/driver
