@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/mountplan/mountplan/pkg/config"
@@ -64,6 +65,10 @@ var valueSets = []struct {
 	{"sidecarRegistration", map[string]any{"registration": "sidecar"}},
 	{"sidecarRegistrationPodNetwork", map[string]any{"registration": "sidecar", "hostNetwork": false, "healthPort": 9808}},
 	{"noResizer", map[string]any{"resizer": map[string]any{"enabled": false}}},
+	{"snapshots", map[string]any{"snapshots": map[string]any{"enabled": true}}},
+	{"snapshotsDefaultClass", map[string]any{"driverName": "loop.storage.example.com",
+		"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"name": "nightly", "isDefault": true, "deletionPolicy": "Retain"}}}},
+	{"snapshotsNoClass", map[string]any{"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"create": false}}}},
 	// values.yaml's example, and roots shared with imageRoots or under the state dir.
 	{"fuseProfiles", map[string]any{"config": map[string]any{
 		"imageRoots": []any{"/srv/images", "/srv/shared", "/var/lib/mountplan/images"},
@@ -110,6 +115,7 @@ type rendered struct {
 	sa      *corev1.ServiceAccount
 	role    *rbacv1.ClusterRole
 	binding *rbacv1.ClusterRoleBinding
+	vsc     *volumeSnapshotClass
 
 	// rawConfig is the ConfigMap's config.yaml; config is the same file read by
 	// the plugin's own loader.
@@ -127,13 +133,24 @@ var decoders = map[string]struct {
 	apiVersion string
 	new        func() any
 }{
-	"DaemonSet":          {"apps/v1", func() any { return &appsv1.DaemonSet{} }},
-	"CSIDriver":          {"storage.k8s.io/v1", func() any { return &storagev1.CSIDriver{} }},
-	"StorageClass":       {"storage.k8s.io/v1", func() any { return &storagev1.StorageClass{} }},
-	"ConfigMap":          {"v1", func() any { return &corev1.ConfigMap{} }},
-	"ServiceAccount":     {"v1", func() any { return &corev1.ServiceAccount{} }},
-	"ClusterRole":        {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRole{} }},
-	"ClusterRoleBinding": {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
+	"DaemonSet":           {"apps/v1", func() any { return &appsv1.DaemonSet{} }},
+	"CSIDriver":           {"storage.k8s.io/v1", func() any { return &storagev1.CSIDriver{} }},
+	"StorageClass":        {"storage.k8s.io/v1", func() any { return &storagev1.StorageClass{} }},
+	"ConfigMap":           {"v1", func() any { return &corev1.ConfigMap{} }},
+	"ServiceAccount":      {"v1", func() any { return &corev1.ServiceAccount{} }},
+	"ClusterRole":         {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRole{} }},
+	"ClusterRoleBinding":  {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
+	"VolumeSnapshotClass": {"snapshot.storage.k8s.io/v1", func() any { return &volumeSnapshotClass{} }},
+}
+
+// volumeSnapshotClass is snapshot.storage.k8s.io/v1 VolumeSnapshotClass
+// (external-snapshotter's client module is not a dependency).
+type volumeSnapshotClass struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+	Driver            string            `json:"driver"`
+	DeletionPolicy    string            `json:"deletionPolicy"`
+	Parameters        map[string]string `json:"parameters,omitempty"`
 }
 
 func effectiveValues(t *testing.T, overrides map[string]any) map[string]any {
@@ -252,6 +269,8 @@ func (r *rendered) decode(t *testing.T, template, doc string) {
 		set(&r.role)
 	case *rbacv1.ClusterRoleBinding:
 		set(&r.binding)
+	case *volumeSnapshotClass:
+		set(&r.vsc)
 	default:
 		t.Fatalf("unhandled %T", o)
 	}
@@ -439,7 +458,7 @@ func TestLint(t *testing.T) {
 
 func TestObjects(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
-		clusterScoped := map[string]bool{"CSIDriver": true, "StorageClass": true, "ClusterRole": true, "ClusterRoleBinding": true}
+		clusterScoped := map[string]bool{"CSIDriver": true, "StorageClass": true, "ClusterRole": true, "ClusterRoleBinding": true, "VolumeSnapshotClass": true}
 		for _, o := range r.objs {
 			switch {
 			case clusterScoped[o.kind] && o.namespace != "":
@@ -468,6 +487,9 @@ func TestObjects(t *testing.T) {
 		// CSI sidecars come from kubernetes-csi's registry; the registrar and the
 		// livenessprobe run only when the plugin does not do their work.
 		sidecars := []string{"csi-provisioner"}
+		if r.hasContainer("csi-snapshotter") {
+			sidecars = append(sidecars, "csi-snapshotter")
+		}
 		if !r.builtin(t) {
 			sidecars = append(sidecars, "node-driver-registrar", "liveness-probe")
 		}

@@ -37,6 +37,11 @@ var sidecarFlags = map[string]struct {
 		"node-deployment-max-delay", "enable-capacity", "capacity-ownerref-level",
 		"kube-api-qps", "kube-api-burst", "v", "vmodule",
 	}},
+	"registry.k8s.io/sig-storage/csi-snapshotter": {"v8.7.0", []string{
+		"csi-address", "timeout", "node-deployment", "extra-create-metadata", "worker-threads",
+		"resync-period", "snapshot-name-prefix", "snapshot-name-uuid-length",
+		"retry-interval-start", "retry-interval-max", "feature-gates", "http-endpoint", "v", "vmodule",
+	}},
 }
 
 // pendingFlags are flags the chart passes that the binaries do not define yet:
