@@ -306,14 +306,8 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	}
 	// Deleting an image a loop device still reads would leave that device
 	// serving a file nobody can see or clean up: refuse until it is gone.
-	if devs, err := loop.AttachedDevices(v.Image); err != nil || len(devs) > 0 {
-		if err != nil {
-			return nil, err
-		}
-		return nil, fmt.Errorf("volume %s: image %s is still attached to %s: %w", id, v.Image, strings.Join(devs, ", "), errdefs.ErrFailedPrecondition)
-	}
-	if err := loop.RemoveImage(v.Image); err != nil {
-		return nil, err
+	if err := loop.RemoveDetachedImage(ctx, v.Image); err != nil {
+		return nil, fmt.Errorf("volume %s: %w", id, err)
 	}
 	return &csi.DeleteVolumeResponse{}, d.vols.Delete(id, journal.Durable)
 }

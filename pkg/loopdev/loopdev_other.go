@@ -20,3 +20,7 @@ func (d *Device) Detach() error                                { return errNoLoo
 func (d *Device) Close() error                                 { return nil }
 func (d *Device) SetCapacity() error                           { return errNoLoop }
 func (d *Device) Size() (int64, error)                         { return 0, errNoLoop }
+
+var ErrOpenElsewhere = fmt.Errorf("file is open elsewhere")
+
+func WhileUnopened(string, func() error) error { return errNoLoop }

@@ -1,12 +1,14 @@
 package loop
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
@@ -115,9 +117,63 @@ func TempImages(stateDir string) (map[string][]string, error) {
 	return out, nil
 }
 
+// releaseWait bounds how long RemoveDetachedImage waits for loop devices
+// that are being released: the kernel unbinds an autoclear device at its
+// last close, which may be another process's (a probe, a scan) shortly
+// after the unstage that detached it returned.
+const releaseWait = time.Second
+
+// RemoveDetachedImage removes image unless a loop device still reads it,
+// whoever attached it (a leaked mount elsewhere, an admin's losetup):
+// deleting it would leave that device serving a file nobody can see or
+// clean up. The check asks the kernel about the image itself
+// (loopdev.WhileUnopened), so it costs the same with 10 or 10,000 loop
+// devices on the node; the image is removed while the kernel still
+// guarantees that nobody else has it open. A device being released is
+// waited for, up to releaseWait; one that stays is named in the error
+// (FailedPrecondition). An image that does not exist is no error.
+func RemoveDetachedImage(ctx context.Context, image string) error {
+	return removeDetachedImage(ctx, image, releaseWait)
+}
+
+func removeDetachedImage(ctx context.Context, image string, wait time.Duration) error {
+	deadline := time.Now().Add(wait)
+	for pause := time.Millisecond; ; pause = min(2*pause, 50*time.Millisecond) {
+		err := loopdev.WhileUnopened(image, func() error { return RemoveImage(image) })
+		switch {
+		case err == nil, errors.Is(err, errdefs.ErrNotFound):
+			return nil
+		case errors.Is(err, errdefs.ErrUnimplemented):
+			return removeUnlessAttached(image) // no lease here: walk the devices
+		case !errors.Is(err, loopdev.ErrOpenElsewhere):
+			return err
+		}
+		if time.Now().Add(pause).After(deadline) || ctx.Err() != nil {
+			// Only now, on the way to an error, name the devices: held
+			// by something that is no loop device, the image may go.
+			return removeUnlessAttached(image)
+		}
+		time.Sleep(pause)
+	}
+}
+
+// removeUnlessAttached removes image unless loopdev.FindByBacking finds a
+// loop device bound to it. It opens every bound loop device of the node.
+func removeUnlessAttached(image string) error {
+	devs, err := AttachedDevices(image)
+	if err != nil {
+		return err
+	}
+	if len(devs) > 0 {
+		return fmt.Errorf("image %s is still attached to %s: %w", image, strings.Join(devs, ", "), errdefs.ErrFailedPrecondition)
+	}
+	return RemoveImage(image)
+}
+
 // AttachedDevices lists the loop devices still backed by image, whoever
 // attached them (a leaked mount elsewhere, an admin's losetup). An image
-// that does not exist has none.
+// that does not exist has none. It opens every bound loop device of the
+// node: for error messages and for filesystems without leases.
 func AttachedDevices(image string) ([]string, error) {
 	devs, err := loopdev.FindByBacking(image)
 	if errors.Is(err, errdefs.ErrNotFound) {
