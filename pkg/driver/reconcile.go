@@ -10,6 +10,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/periodic"
 	"github.com/mountplan/mountplan/pkg/source/loop"
@@ -25,24 +26,23 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	if !d.ready.Load() && d.vols.unreadable != nil {
 		logger.Error(d.vols.unreadable, "Some journal records could not be read; they are left as they are")
 	}
-	vols, listErr := d.vols.List()
-	if listErr != nil {
-		logger.Error(listErr, "Some journal records could not be read; they are left as they are")
-	}
 	var errs []error
-	for _, v := range vols {
+	for _, id := range d.vols.IDs() {
 		// Background work waits for the volume's lock, as Reattach does:
 		// a volume skipped while busy (a FUSE sweep, a request) would go
 		// unadopted until the next interval.
-		unlock, err := d.vols.lock(ctx, v.ID, "reconcile")
+		unlock, err := d.vols.lock(ctx, id, "reconcile")
 		if err != nil {
 			return errors.Join(append(errs, err)...) // ctx ended
 		}
-		err = d.reconcileVolume(klog.NewContext(ctx, logger.WithValues("volume", v.ID)), v)
+		err = d.reconcileVolume(klog.NewContext(ctx, logger.WithValues("volume", id)), id)
 		unlock()
+		if errors.Is(err, errdefs.ErrNotFound) {
+			continue // deleted since the IDs were taken
+		}
 		d.opts.Metrics.Reconciled(err)
 		if err != nil {
-			logger.Error(err, "Reconcile failed", "volume", v.ID)
+			logger.Error(err, "Reconcile failed", "volume", id)
 			errs = append(errs, err)
 		}
 	}
@@ -87,9 +87,10 @@ func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 	}
 }
 
-func (d *Driver) reconcileVolume(ctx context.Context, v *journal.Volume) error {
-	// Re-read under the lock: a request may have changed it since List.
-	v, err := d.vols.Get(v.ID)
+// reconcileVolume reads id's record under its lock (the one decode of it
+// that a reconcile makes) and compares it with the kernel.
+func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
+	v, err := d.vols.Get(id)
 	if err != nil {
 		return err
 	}

@@ -36,24 +36,17 @@ type volumes struct {
 	unreadable error
 }
 
-// openVolumes opens the journal and reads every record once. Records that
-// do not read are left out (unreadable), and Get reports them from the disk.
+// openVolumes opens the journal and reads every record once, keeping its
+// bytes: each is decoded when first used (the startup reconcile), not
+// here too. Records that do not read are left out (unreadable), and Get
+// reports them from the disk.
 func openVolumes(stateDir string) (*volumes, error) {
 	store, err := journal.Open(stateDir)
 	if err != nil {
 		return nil, err
 	}
-	vs := &volumes{store: store, last: map[string][]byte{}}
-	recs, err := store.List()
-	vs.unreadable = err
-	for _, v := range recs {
-		b, err := json.Marshal(v)
-		if err != nil {
-			return nil, err
-		}
-		vs.last[v.ID] = b
-	}
-	return vs, nil
+	last, err := store.ReadAll()
+	return &volumes{store: store, last: last, unreadable: err}, nil
 }
 
 // tryLock takes the volume's lock for an RPC; a busy volume is Aborted.
@@ -79,7 +72,9 @@ func (vs *volumes) Get(id string) (*journal.Volume, error) {
 	}
 	v := &journal.Volume{}
 	if err := json.Unmarshal(b, v); err != nil {
-		return nil, fmt.Errorf("volume %s: %w", id, err)
+		// Read at start and valid JSON, but not a record: the journal
+		// falls back to the durable copy, or says what is wrong.
+		return vs.store.Get(id)
 	}
 	return v, nil
 }
@@ -111,8 +106,8 @@ func (vs *volumes) Delete(id string, d journal.Durability) error {
 	return nil
 }
 
-// List returns a copy of every record, sorted by ID.
-func (vs *volumes) List() ([]*journal.Volume, error) {
+// IDs returns the ID of every record, sorted.
+func (vs *volumes) IDs() []string {
 	vs.mu.RLock()
 	ids := make([]string, 0, len(vs.last))
 	for id := range vs.last {
@@ -120,6 +115,12 @@ func (vs *volumes) List() ([]*journal.Volume, error) {
 	}
 	vs.mu.RUnlock()
 	slices.Sort(ids)
+	return ids
+}
+
+// List returns a copy of every record, sorted by ID.
+func (vs *volumes) List() ([]*journal.Volume, error) {
+	ids := vs.IDs()
 	out := make([]*journal.Volume, 0, len(ids))
 	var errs []error
 	for _, id := range ids {

@@ -214,3 +214,48 @@ func TestClaimJSON(t *testing.T) {
 		}
 	}
 }
+
+// TestReadAll: the bytes of every record as Get would read them: a torn
+// runtime record gives its durable copy, a corrupt record without one is
+// reported and left out, and the rest are there.
+func TestReadAll(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"good", "torn"} {
+		if err := s.Put(&Volume{ID: id, Kind: KindProvisioned, Image: "/img/" + id}, Durable); err != nil {
+			t.Fatal(err)
+		}
+	}
+	torn := &Volume{ID: "torn", Kind: KindProvisioned, Image: "/img/torn", Stage: &Stage{Phase: PhaseStaged, StagingPath: "/s"}}
+	if err := s.Put(torn, Runtime); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(s.path("torn"), []byte(`{"id":"torn","kind":"prov`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(s.dir, "bad.json"), []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	all, err := s.ReadAll()
+	if err == nil || !strings.Contains(err.Error(), "bad") {
+		t.Fatalf("a corrupt record without a durable copy went unreported: %v", err)
+	}
+	if len(all) != 2 {
+		t.Fatalf("ReadAll = %d records, want good and torn: %q", len(all), all)
+	}
+	for id, b := range all {
+		want, err := s.Get(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := &Volume{}
+		if err := json.Unmarshal(b, got); err != nil || got.ID != want.ID || got.Image != want.Image || (got.Stage == nil) != (want.Stage == nil) {
+			t.Fatalf("%s: ReadAll gave %s (%v), Get gives %+v", id, b, err, want)
+		}
+	}
+	if all["torn"] == nil || strings.Contains(string(all["torn"]), "stage") {
+		t.Fatalf("torn record: want its durable copy, got %s", all["torn"])
+	}
+}

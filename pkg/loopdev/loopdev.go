@@ -63,7 +63,7 @@ type Device struct {
 	Number   int
 	Identity Identity
 	// DirectIO tells whether direct I/O is in effect, as read back from the
-	// kernel (status flags and /sys/block/loopN/loop/dio).
+	// kernel (the status flags, which /sys/block/loopN/loop/dio mirrors).
 	DirectIO bool
 	ReadOnly bool
 
