@@ -22,6 +22,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/driver"
 	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/pkg/fdlimit"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mounter/service"
@@ -74,6 +75,7 @@ func run(f flags) error {
 	if err := f.kubelet.check(); err != nil {
 		return err
 	}
+	raiseFileLimit()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background())
@@ -173,4 +175,15 @@ func version() string {
 		return bi.Main.Version
 	}
 	return "devel"
+}
+
+// raiseFileLimit makes room for one open file per staged loop volume
+// (pkg/fdlimit) and says how much room there is.
+func raiseFileLimit() {
+	lim, err := fdlimit.Raise(fdlimit.Want)
+	if err != nil {
+		klog.ErrorS(err, "Cannot raise the open file limit: it bounds the number of staged loop volumes (one open file each)", "soft", lim.Cur, "hard", lim.Max)
+		return
+	}
+	klog.V(2).InfoS("Open file limit", "soft", lim.Cur, "hard", lim.Max)
 }
