@@ -195,7 +195,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := d.vols.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
-	if err := loop.CreateImage(v.Image, v.CapacityBytes); err != nil {
+	if err := d.makeImage(ctx, v, req.GetVolumeCapabilities()); err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create image for %s: %w", id, imageError(err))
 		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))

@@ -87,8 +87,10 @@ type crashOp struct {
 	after func(c *crasher)
 }
 
-// crashOps is one round: a throwaway volume is created, staged (which
-// formats it), unstaged and deleted; the long-lived one goes through its
+// crashOps is one round: a throwaway volume is created, staged, unstaged
+// and deleted (its filesystem is made at create, or in every other round,
+// where it is asked for as a raw block device and so created blank, at its
+// first stage); the long-lived one goes through its
 // whole life once. A kill lands in each.
 var crashOps = []crashOp{
 	{name: "create", run: (*crasher).create, after: func(c *crasher) { c.scratchExists = true }},
@@ -127,6 +129,7 @@ type crasher struct {
 	// The throwaway volume of the round.
 	scratch                      string
 	scratchExists, scratchStaged bool
+	scratchBlank                 bool // created blank: its first stage formats it
 
 	oneShotMu sync.Mutex
 	oneShot   *os.Process // the one-shot sidecar running now
@@ -171,6 +174,7 @@ func newCrasher(t *testing.T, mounter bool, fsType string, seed uint64) *crasher
 // round runs every kind of operation once, each with a kill inside.
 func (c *crasher) round(r int) {
 	c.scratch = fmt.Sprintf("crash-scratch-%d", r)
+	c.scratchBlank = r%2 == 1
 	for _, op := range crashOps {
 		c.crashDuring(op)
 		if c.t.Failed() {
@@ -335,9 +339,13 @@ func crashTransient(err error) bool {
 // --- the operations ---
 
 func (c *crasher) create(ctx context.Context) error {
+	capability := mountCap("ext4", rwo)
+	if c.scratchBlank {
+		capability = blockCap(rwo)
+	}
 	_, err := c.e.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: c.scratch,
-		CapacityRange: &csi.CapacityRange{RequiredBytes: 16 * miB}, Parameters: map[string]string{"type": "loop"},
-		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)}})
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 16 * miB}, Parameters: map[string]string{"type": "loop", "fsType": "ext4"},
+		VolumeCapabilities: []*csi.VolumeCapability{capability}})
 	return err
 }
 

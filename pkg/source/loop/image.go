@@ -14,6 +14,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -23,15 +24,34 @@ import (
 // survives a machine crash before the caller records it. An existing image
 // is left as it is.
 func CreateImage(path string, size int64) error {
+	_, err := createImage(path, size, nil)
+	return err
+}
+
+// CreateFormattedImage is CreateImage with an fsType filesystem made on
+// the temp file before its rename (mkfs works on a regular file): the image
+// appears under its name formatted or not at all, and its first stage
+// needs neither a probe nor mkfs. made is false when the image existed
+// already and was left as it is (then nothing is known of its contents).
+func CreateFormattedImage(ctx context.Context, path string, size int64, fsType string, m *metrics.Metrics) (made bool, err error) {
+	return createImage(path, size, func(tmp string) error {
+		return m.Step("format", func() error { return fsutil.Format(ctx, tmp, fsType) })
+	})
+}
+
+func createImage(path string, size int64, format func(tmp string) error) (made bool, err error) {
 	if _, err := os.Stat(path); err == nil {
-		return nil
+		return false, nil
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		return err
+		return false, err
 	}
-	return fsutil.CreateAtomic(path, 0o600, true, func(f *os.File) error {
+	return true, fsutil.CreateAtomic(path, 0o600, true, func(f *os.File) error {
 		if err := f.Truncate(size); err != nil {
 			return fmt.Errorf("size image %s: %w", path, err)
+		}
+		if format != nil {
+			return format(f.Name())
 		}
 		return nil
 	})
