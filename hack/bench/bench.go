@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -50,6 +51,7 @@ type bench struct {
 	prep     api.NodePrepareClient
 	exec     *mounter.Executor
 	volumeID string
+	freshID  string // the volume of measurement 6 that exists now, if any
 	image    string
 	journal  *writeCounter
 
@@ -144,56 +146,80 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 		name string
 		fn   func(context.Context, *sample) error
 	}
-	phases := []phase{
-		{1, "publish cycle via socket: stage + publish + unpublish + unstage", b.publishCycle},
-		{2, "floor, direct syscalls: attach + mount + umount + detach", b.floorCycle},
-		{3, "util-linux tools: losetup --find --show, mount, umount, losetup -d", b.toolsCycle},
-		{4, "prepare cycle via socket: stage + prepare + Executor.Mount in consumer ns + Executor.Unmount + unprepare + unstage", b.prepareCycle},
-		{5, "prepare floor: attach + fsopen/fsmount + setns + move_mount + umount in ns + detach", b.prepareFloorCycle},
+	// A socket cycle and its floor run in turn, cycle by cycle, so that a
+	// drift in the machine's load hits both alike and their ratio holds.
+	groups := [][]phase{
+		{{1, "publish cycle via socket: stage + publish + unpublish + unstage", b.publishCycle},
+			{2, "floor, direct syscalls: attach + mount + umount + detach", b.floorCycle}},
+		{{3, "util-linux tools: losetup --find --show, mount, umount, losetup -d", b.toolsCycle}},
+		{{4, "prepare cycle via socket: stage + prepare + Executor.Mount in consumer ns + Executor.Unmount + unprepare + unstage", b.prepareCycle},
+			{5, "prepare floor: attach + fsopen/fsmount + setns + move_mount + umount in ns + detach", b.prepareFloorCycle}},
 	}
-	for _, p := range phases {
-		if !b.o.phases[p.n] {
+	for _, g := range groups {
+		g = slices.DeleteFunc(slices.Clone(g), func(p phase) bool { return !b.o.phases[p.n] })
+		if len(g) == 0 {
 			continue
 		}
-		s := newSample(p.n, p.name)
-		b.logf("measurement %d: %d warm-ups, %d timed", p.n, b.o.warmup, b.o.n)
-		for i := 0; i < b.o.warmup; i++ {
-			if err = p.fn(ctx, nil); err != nil {
-				return res, fmt.Errorf("measurement %d, warm-up %d: %w", p.n, i+1, err)
+		samples := make([]*sample, len(g))
+		for i, p := range g {
+			samples[i] = newSample(p.n, p.name)
+			b.logf("measurement %d: %d warm-ups, %d timed", p.n, b.o.warmup, b.o.n)
+			for j := 0; j < b.o.warmup; j++ {
+				if err = p.fn(ctx, nil); err != nil {
+					return res, fmt.Errorf("measurement %d, warm-up %d: %w", p.n, j+1, err)
+				}
 			}
 		}
+		// Only socket cycles (1, 4) use the plugin: its CPU time and
+		// metrics over the group are theirs.
+		socket := g[0].n == 1 || g[0].n == 4
 		cpu0, cpuErr := b.pluginCPU()
 		var m0 map[string]hist
-		if p.n == 1 || p.n == 4 {
+		if socket {
 			m0, _ = b.scrape(ctx)
 		}
 		var stopTrace func() string
-		if b.o.straceOut != "" && (p.n == 1 || p.n == 4) {
-			if stopTrace, err = b.straceOn(fmt.Sprintf("%s.cycle%d", b.o.straceOut, p.n)); err != nil {
+		if b.o.straceOut != "" && socket {
+			if stopTrace, err = b.straceOn(fmt.Sprintf("%s.cycle%d", b.o.straceOut, g[0].n)); err != nil {
 				return res, err
 			}
 		}
 		runtime.GC()
-		for i := 0; i < b.o.n; i++ {
-			if err = p.fn(ctx, s); err != nil {
-				break
+		failed := 0
+	timed:
+		for j := 0; j < b.o.n; j++ {
+			for i, p := range g {
+				if err = p.fn(ctx, samples[i]); err != nil {
+					failed = p.n
+					break timed
+				}
 			}
 		}
-		if cpu1, err := b.pluginCPU(); err == nil && cpuErr == nil && (p.n == 1 || p.n == 4) {
-			s.pluginCPU = (cpu1 - cpu0) / time.Duration(b.o.n)
+		if cpu1, err := b.pluginCPU(); err == nil && cpuErr == nil && socket {
+			samples[0].pluginCPU = (cpu1 - cpu0) / time.Duration(b.o.n)
 		}
 		if m0 != nil {
 			if m1, err := b.scrape(ctx); err == nil {
-				s.inPlugin = meansBetween(m0, m1)
+				samples[0].inPlugin = meansBetween(m0, m1)
 			}
 		}
 		if stopTrace != nil {
-			res.straces = append(res.straces, fmt.Sprintf("cycle %d:\n%s", p.n, stopTrace()))
+			res.straces = append(res.straces, fmt.Sprintf("cycle %d:\n%s", g[0].n, stopTrace()))
 		}
 		if err != nil {
-			return res, fmt.Errorf("measurement %d: %w", p.n, err)
+			return res, fmt.Errorf("measurement %d: %w", failed, err)
 		}
-		res.samples = append(res.samples, s)
+		res.samples = append(res.samples, samples...)
+	}
+	if b.o.phases[6] {
+		if err := b.measureFirstStage(ctx, res); err != nil {
+			return res, err
+		}
+	}
+	if b.o.phases[7] {
+		if err := b.measureDataPath(ctx, res); err != nil {
+			return res, fmt.Errorf("measurement 7: %w", err)
+		}
 	}
 	res.journalWrite = b.measureJournalWrite(ctx)
 	res.noopRPC = b.measureNoopRPC(ctx)

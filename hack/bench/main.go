@@ -4,21 +4,37 @@
 //
 //  1. publish cycle through the socket: NodeStageVolume, NodePublishVolume,
 //     NodeUnpublishVolume, NodeUnstageVolume against the real plugin binary;
+//
 //  2. its floor, in process: LOOP_CTL_GET_FREE + LOOP_CONFIGURE
 //     (loopdev.Attach), mount(2) nosuid,nodev, umount2, detach;
+//
 //  3. the same with util-linux: losetup --find --show, mount, umount,
 //     losetup -d;
+//
 //  4. prepare cycle through the socket: NodeStageVolume, NodePrepareVolume,
 //     the returned plan performed in a consumer's mount namespace by the
 //     in-process mounter.Executor, Executor.Unmount, NodeUnprepareVolume,
 //     NodeUnstageVolume;
+//
 //  5. its floor: attach, fsopen/fsmount (mountns.Build), setns into the
 //     consumer (mountns.OpenPID + Do), move_mount (mountns.Attach), umount
 //     inside the namespace, detach.
 //
-// It prints markdown tables: medians, p90s and cycle/floor ratios, then the
-// median of every step (each RPC separately) with the journal writes each
-// RPC made, so that time above the floor can be attributed.
+//  6. fresh volumes, one after another: CreateVolume, the first stage, a
+//     later stage of the same volume, DeleteVolume;
+//
+//  7. the data path: O_DIRECT 1 MiB reads and writes at queue depth 1 and
+//     16 on a backing file and through loop devices bound to it with and
+//     without direct I/O, with 512-byte and the filesystem's block size.
+//
+// A socket cycle and its floor (1 and 2, 4 and 5) run in turn, cycle by
+// cycle, so that load drifts hit both alike.
+//
+// It prints one summary table (operation, p50, p99, ratio, goal, met or
+// not) and writes the same figures as JSON with an SVG plot of every
+// cycle's latency under -out; then markdown tables of medians and p90s,
+// the median of every step (each RPC separately) with the journal writes
+// each RPC made, so that time above the floor can be attributed.
 //
 // Everything it makes lives in one temporary directory and is removed at the
 // end, on error and on SIGINT/SIGTERM: the plugin is stopped, the consumer
@@ -60,6 +76,10 @@ type options struct {
 	straceOut string
 	verbose   bool
 	mounts    int
+	outDir    string
+	// The data path measurement (7): seconds of I/O in all, in rounds.
+	dataSeconds float64
+	dataRounds  int
 }
 
 func main() {
@@ -69,7 +89,10 @@ func main() {
 	flag.IntVar(&o.warmup, "warmup", 5, "untimed iterations before the timed ones")
 	flag.StringVar(&o.baseDir, "state-dir", "/var/tmp", "directory under which a fresh temporary dir is made for the plugin's state dir, the images, the socket and the mount points")
 	flag.StringVar(&o.plugin, "plugin", "bin/mountplan-plugin", "plugin binary")
-	flag.StringVar(&phases, "phases", "1,2,3,4,5", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor)")
+	flag.StringVar(&phases, "phases", "1,2,3,4,5,6,7", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor, 6 fresh volumes: create, first and later stage, delete, 7 data path: O_DIRECT 1 MiB I/O on the backing file and through loop devices)")
+	flag.Float64Var(&o.dataSeconds, "data-seconds", 40, "measurement 7: seconds of I/O in all, shared by every target, direction and queue depth")
+	flag.IntVar(&o.dataRounds, "data-rounds", 4, "measurement 7: rounds in which the targets take turns")
+	flag.StringVar(&o.outDir, "out", "bench-results", "directory for the JSON and SVG of the run (made if missing)")
 	flag.StringVar(&o.straceOut, "strace", "", "if set, attach `strace -f -c -w` (wall-clock time per syscall) to the plugin during the timed loops of cycles 1 and 4 and write its summaries to FILE.cycle1 and FILE.cycle4 (timings are then perturbed)")
 	flag.BoolVar(&o.verbose, "v", false, "log progress to stderr")
 	flag.IntVar(&o.mounts, "mounts", 0, "run everything in a private mount namespace holding this many extra tmpfs mounts, as a busy node's mount table would (the host's table is not touched)")
@@ -78,8 +101,8 @@ func main() {
 	if o.phases, err = parsePhases(phases); err != nil {
 		fail(err)
 	}
-	if o.n < 1 || o.warmup < 0 {
-		fail(errors.New("-n must be at least 1 and -warmup at least 0"))
+	if o.n < 1 || o.warmup < 0 || o.dataRounds < 1 || o.dataSeconds <= 0 {
+		fail(errors.New("-n, -data-rounds and -data-seconds must be at least 1 and -warmup at least 0"))
 	}
 	if os.Geteuid() != 0 {
 		fail(errors.New("needs root: loop devices, mounts and mount namespaces"))
@@ -133,8 +156,8 @@ func parsePhases(s string) (map[int]bool, error) {
 	m := map[int]bool{}
 	for _, f := range strings.Split(s, ",") {
 		var p int
-		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 5 {
-			return nil, fmt.Errorf("-phases: %q is not one of 1..5", f)
+		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 7 {
+			return nil, fmt.Errorf("-phases: %q is not one of 1..7", f)
 		}
 		m[p] = true
 	}
@@ -164,6 +187,13 @@ func run(ctx context.Context, o options) int {
 	}
 	if res != nil {
 		res.print(os.Stdout)
+		if runErr == nil {
+			if files, err := res.save(o.outDir, time.Now()); err != nil {
+				fmt.Fprintln(os.Stderr, "bench:", err)
+			} else {
+				fmt.Printf("\nwritten: %s\n", strings.Join(files, ", "))
+			}
+		}
 	}
 	leaks := b.teardown()
 	fmt.Println()

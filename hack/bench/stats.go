@@ -95,6 +95,7 @@ type results struct {
 	journalWrite *sample
 	noopRPC      *sample
 	straces      []string
+	dataPath     []dataResult
 }
 
 func (r *results) byN(n int) *sample {
@@ -110,15 +111,22 @@ func (r *results) byN(n int) *sample {
 var floorOf = map[int]int{1: 2, 3: 2, 4: 5}
 
 func (r *results) print(w io.Writer) {
-	if len(r.samples) == 0 {
+	if len(r.samples) == 0 && len(r.dataPath) == 0 {
 		return
 	}
 	fmt.Fprintf(w, "## mountplan bench: 64 MiB ext4 loop volume, %d timed iterations after %d warm-ups\n\n", r.o.n, r.o.warmup)
 	fmt.Fprintf(w, "%s\n\n", r.env)
+	printSummary(w, r.summary())
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "### Each measurement")
+	fmt.Fprintln(w)
 	fmt.Fprintln(w, "| # | cycle | median | p90 | vs floor (median) | vs floor (p90) |")
 	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|")
 	for _, s := range r.samples {
-		vsMed, vsP90 := "floor", "floor"
+		vsMed, vsP90 := "–", "–"
+		if s.n == 2 || s.n == 5 {
+			vsMed, vsP90 = "floor", "floor"
+		}
 		if f, ok := floorOf[s.n]; ok {
 			vsMed, vsP90 = "–", "–"
 			if fs := r.byN(f); fs != nil {
@@ -153,6 +161,7 @@ func (r *results) print(w io.Writer) {
 		}
 	}
 	r.printAttribution(w)
+	r.printDataPath(w)
 	for _, t := range r.straces {
 		fmt.Fprintf(w, "\n### strace -f -c -w of the plugin during the timed loop of %s\n", t)
 	}

@@ -82,6 +82,14 @@ func (b *bench) teardown() leakReport {
 			errf("DeleteVolume: %v", err)
 		}
 	}
+	if b.conn != nil && b.plugin != nil && !b.plugin.exited() && b.freshID != "" {
+		if _, err := b.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: b.freshID, StagingTargetPath: b.staging}); err != nil {
+			errf("NodeUnstageVolume %s: %v", b.freshID, err)
+		}
+		if _, err := b.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: b.freshID}); err != nil {
+			errf("DeleteVolume %s: %v", b.freshID, err)
+		}
+	}
 	if b.conn != nil {
 		_ = b.conn.Close()
 	}

@@ -1,0 +1,307 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"html"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+)
+
+// row is one line of the summary: an operation, its latency, its ratio to
+// what it is compared with, and the goal that ratio is held to.
+type row struct {
+	Operation string  `json:"operation"`
+	N         int     `json:"n"` // timed iterations
+	P50ms     float64 `json:"p50_ms"`
+	P99ms     float64 `json:"p99_ms"`
+	Ratio     float64 `json:"ratio,omitempty"` // p50 / the p50 of RatioTo
+	RatioTo   string  `json:"ratio_to,omitempty"`
+	Goal      string  `json:"goal,omitempty"`
+	Verdict   string  `json:"verdict"` // "met", "not met", "–" (no goal) or why it is not measured
+}
+
+// goal is a ratio goal of issue 13 that a measurement is held to.
+type goal struct {
+	of, to   int // sample numbers: of's p50 / to's p50
+	label    string
+	toLabel  string
+	maxRatio float64
+}
+
+// rowsOf are the summary's operations in order; maxRatio 0 means no goal.
+var rowsOf = []goal{
+	{1, 2, "publish cycle via socket (stage, publish, unpublish, unstage)", "floor", 1.5},
+	{2, 0, "floor: attach, mount, umount, detach (direct syscalls)", "", 0},
+	{3, 2, "the same with util-linux tools", "floor", 0},
+	{4, 5, "prepare cycle via socket (stage, prepare, mount in ns, unmount, unprepare, unstage)", "prepare floor", 0},
+	{5, 0, "prepare floor: attach, fsmount, setns, move_mount, umount, detach", "", 0},
+	{6, 0, "CreateVolume, 64 MiB ext4", "", 0},
+	{7, 8, "first stage of a freshly created volume", "later stage", 2},
+	{8, 0, "later stage of the same volume", "", 0},
+	{9, 0, "DeleteVolume of an unstaged volume", "", 0},
+}
+
+// notMeasured are the goals of issue 13 this command does not measure.
+var notMeasured = []row{
+	{Operation: "every per-volume operation at 10,000 staged volumes", Goal: "≤ 1.2× at 10"},
+	{Operation: "teardown of 1,000 volumes, 8 clients", Goal: "≤ 10 s"},
+	{Operation: "restart with 10,000 staged volumes", Goal: "ready ≤ 1 s, RSS ≤ 50 MiB"},
+}
+
+func p99(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[max(int(math.Ceil(0.99*float64(len(s))))-1, 0)]
+}
+
+func msf(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// summary is the rows of the samples this run has, then the goals it does
+// not measure.
+func (r *results) summary() []row {
+	var rows []row
+	for _, g := range rowsOf {
+		s := r.byN(g.of)
+		if s == nil || len(s.totals) == 0 {
+			continue
+		}
+		x := row{Operation: g.label, N: len(s.totals), P50ms: msf(median(s.totals)), P99ms: msf(p99(s.totals)), Verdict: "–"}
+		if to := r.byN(g.to); to != nil && median(to.totals) > 0 {
+			x.Ratio, x.RatioTo = x.P50ms/msf(median(to.totals)), g.toLabel
+		}
+		if g.maxRatio > 0 {
+			x.Goal = fmt.Sprintf("≤ %.1f× %s", g.maxRatio, g.toLabel)
+			switch {
+			case x.Ratio == 0:
+				x.Verdict = "not measured (" + g.toLabel + " not run)"
+			case x.Ratio <= g.maxRatio:
+				x.Verdict = "met"
+			default:
+				x.Verdict = "not met"
+			}
+		}
+		rows = append(rows, x)
+	}
+	rows = append(rows, r.dataPathRows()...)
+	for _, x := range notMeasured {
+		x.Verdict = "not measured by make bench"
+		rows = append(rows, x)
+	}
+	return rows
+}
+
+// printSummary prints the summary as one markdown table.
+func printSummary(w io.Writer, rows []row) {
+	fmt.Fprintln(w, "| operation | p50 | p99 | ratio (p50) | goal | met |")
+	fmt.Fprintln(w, "|---|---:|---:|---:|---|---|")
+	for _, x := range rows {
+		p50, p99, ratio := "–", "–", "–"
+		if x.N > 0 {
+			p50, p99 = fmt.Sprintf("%.2f ms", x.P50ms), fmt.Sprintf("%.2f ms", x.P99ms)
+		}
+		if x.Ratio > 0 {
+			ratio = fmt.Sprintf("%.2f× %s", x.Ratio, x.RatioTo)
+		}
+		goal := x.Goal
+		if goal == "" {
+			goal = "–"
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s |\n", x.Operation, p50, p99, ratio, goal, x.Verdict)
+	}
+}
+
+// report is what save writes as JSON.
+type report struct {
+	Time    time.Time            `json:"time"`
+	Env     string               `json:"env"`
+	N       int                  `json:"n"`
+	Warmup  int                  `json:"warmup"`
+	Summary []row                `json:"summary"`
+	Cycles  map[string][]float64 `json:"cycles_ms"` // every timed iteration, in the order run
+	Data    []dataResult         `json:"data_path,omitempty"`
+}
+
+// save writes the run's figures as JSON and its plot as SVG into dir, as
+// bench-<UTC time>.json and .svg, and returns their paths.
+func (r *results) save(dir string, now time.Time) ([]string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	rep := report{Time: now.UTC(), Env: r.env, N: r.o.n, Warmup: r.o.warmup, Summary: r.summary(), Cycles: map[string][]float64{}, Data: r.dataPath}
+	for _, s := range r.samples {
+		for _, d := range s.totals {
+			rep.Cycles[s.name] = append(rep.Cycles[s.name], msf(d))
+		}
+	}
+	base := filepath.Join(dir, "bench-"+now.UTC().Format("20060102T150405Z"))
+	js, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(base+".json", append(js, '\n'), 0o644); err != nil {
+		return nil, err
+	}
+	var svg strings.Builder
+	r.plot(&svg)
+	if err := os.WriteFile(base+".svg", []byte(svg.String()), 0o644); err != nil {
+		return nil, err
+	}
+	return []string{base + ".json", base + ".svg"}, nil
+}
+
+// plotted are the samples drawn, each socket cycle with its floor.
+var plotted = []struct {
+	n     int
+	color string
+	label string
+}{
+	{1, "#d62728", "publish cycle via socket"},
+	{2, "#ff9896", "its floor (direct syscalls)"},
+	{4, "#1f77b4", "prepare cycle via socket"},
+	{5, "#aec7e8", "its floor"},
+	{7, "#2ca02c", "first stage of a fresh volume"},
+	{8, "#98df8a", "later stage of the same volume"},
+}
+
+// plot draws every timed iteration's latency against its index, one line
+// per measurement: the socket cycles beside the floors they alternated
+// with, and first against later stages.
+func (r *results) plot(w *strings.Builder) {
+	const width, height, left, right, top, bottom = 900, 480, 60, 260, 30, 40
+	var maxN int
+	var maxMs float64
+	for _, p := range plotted {
+		if s := r.byN(p.n); s != nil {
+			maxN = max(maxN, len(s.totals))
+			for _, d := range s.totals {
+				maxMs = max(maxMs, msf(d))
+			}
+		}
+	}
+	if maxN < 2 || maxMs <= 0 {
+		maxN, maxMs = 2, 1
+	}
+	yMax := niceCeil(maxMs)
+	x := func(i int) float64 { return left + float64(i)*float64(width-left-right)/float64(maxN-1) }
+	y := func(v float64) float64 { return top + (1-v/yMax)*float64(height-top-bottom) }
+	fmt.Fprintf(w, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
+	fmt.Fprintf(w, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
+	fmt.Fprintf(w, `<text x="%d" y="18" font-size="14">mountplan bench: latency of every timed iteration (ms), in the order run</text>`+"\n", left)
+	for i := 0; i <= 5; i++ {
+		v := yMax * float64(i) / 5
+		fmt.Fprintf(w, `<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" stroke="#ddd"/><text x="%d" y="%.1f" text-anchor="end">%.3g</text>`+"\n",
+			left, width-right, y(v), y(v), left-6, y(v)+4, v)
+	}
+	fmt.Fprintf(w, `<text x="%d" y="%d" text-anchor="middle">iteration</text>`+"\n", (left+width-right)/2, height-8)
+	legend := top + 10
+	for _, p := range plotted {
+		s := r.byN(p.n)
+		if s == nil || len(s.totals) == 0 {
+			continue
+		}
+		var pts []string
+		for i, d := range s.totals {
+			pts = append(pts, fmt.Sprintf("%.1f,%.1f", x(i), y(msf(d))))
+		}
+		fmt.Fprintf(w, `<polyline fill="none" stroke="%s" stroke-width="1.5" points="%s"/>`+"\n", p.color, strings.Join(pts, " "))
+		fmt.Fprintf(w, `<line x1="%d" x2="%d" y1="%d" y2="%d" stroke="%s" stroke-width="3"/><text x="%d" y="%d">%s, p50 %.2f ms</text>`+"\n",
+			width-right+10, width-right+30, legend, legend, p.color, width-right+36, legend+4, html.EscapeString(p.label), msf(median(s.totals)))
+		legend += 20
+	}
+	w.WriteString("</svg>\n")
+}
+
+// niceCeil rounds v up to 1, 2 or 5 times a power of ten.
+func niceCeil(v float64) float64 {
+	p := math.Pow(10, math.Floor(math.Log10(v)))
+	for _, m := range []float64{1, 2, 5, 10} {
+		if m*p >= v {
+			return m * p
+		}
+	}
+	return 10 * p
+}
+
+// dataPathRows are the summary's data path lines: for each queue depth,
+// the direct I/O loop configuration with the best worse-of-read-and-write
+// ratio to the backing file (at depth 16 held to the 0.9 goal). Buffered
+// loop devices are left out: they measure the host's page cache, not the
+// disk, and cache every image twice.
+func (r *results) dataPathRows() []row {
+	var rows []row
+	for _, depth := range []int{1, 16} {
+		best, bestName := 0.0, ""
+		for _, x := range r.dataPath {
+			if x.Depth != depth || x.Op != "read" || !strings.HasPrefix(x.Target, "loop, direct I/O") {
+				continue
+			}
+			w := r.dataRatio(x.Target, "write", depth)
+			if m := min(x.Ratio, w); m > best {
+				best, bestName = m, x.Target
+			}
+		}
+		if bestName == "" {
+			continue
+		}
+		x := row{Operation: fmt.Sprintf("data path, O_DIRECT 1 MiB, queue depth %d: best loop setting (%s), worse of read and write", depth, bestName),
+			Ratio: best, RatioTo: "backing file", Verdict: "–"}
+		if depth == 16 {
+			x.Goal = "≥ 0.9× backing file"
+			x.Verdict = "not met"
+			if best >= 0.9 {
+				x.Verdict = "met"
+			}
+		}
+		rows = append(rows, x)
+	}
+	return rows
+}
+
+func (r *results) dataRatio(target, op string, depth int) float64 {
+	for _, x := range r.dataPath {
+		if x.Target == target && x.Op == op && x.Depth == depth {
+			return x.Ratio
+		}
+	}
+	return 0
+}
+
+// printDataPath prints measurement 7 as one table.
+func (r *results) printDataPath(w io.Writer) {
+	if len(r.dataPath) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "### Data path: O_DIRECT 1 MiB at random offsets in a 512 MiB image (targets in turn, round after round)")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "| target | read QD1 | write QD1 | read QD16 | write QD16 |")
+	fmt.Fprintln(w, "|---|---:|---:|---:|---:|")
+	var targets []string
+	for _, x := range r.dataPath {
+		if !slices.Contains(targets, x.Target) {
+			targets = append(targets, x.Target)
+		}
+	}
+	for _, t := range targets {
+		cells := []string{t}
+		for _, depth := range []int{1, 16} {
+			for _, op := range []string{"read", "write"} {
+				for _, x := range r.dataPath {
+					if x.Target == t && x.Op == op && x.Depth == depth {
+						cells = append(cells, fmt.Sprintf("%.0f MiB/s (%.2f×)", x.MiBps, x.Ratio))
+					}
+				}
+			}
+		}
+		fmt.Fprintf(w, "| %s |\n", strings.Join(cells, " | "))
+	}
+}
