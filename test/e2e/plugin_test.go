@@ -120,7 +120,9 @@ func TestPluginBlock(t *testing.T) {
 	testutil.NoLeaks(t)
 	e := startEnv(t, envOptions{})
 	const id = "vol-block"
-	e.create(id, "ext4", 32*miB)
+	// Provisioned for block access: the image stays blank (a volume asked
+	// for with mount access only gets its filesystem at create).
+	e.createFor(id, 32*miB, blockCap(rwo))
 	img := e.image(id)
 
 	e.stage(id, blockCap(rwo), nil)
