@@ -62,12 +62,12 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 			v.ContentSource.Frozen = true
 			return d.vols.Put(v, journal.Durable)
 		}
-		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, scratch, markFrozen)
+		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, "", markFrozen)
 	} else {
 		method, err = copyImage(ctx, c.image, v.Image, size)
 	}
 	if err == nil && c.format != nil {
-		err = fsutil.NewUUID(ctx, v.Image, c.format.FsType)
+		err = cleanCopy(ctx, v.Image, c.format.FsType, scratch)
 	}
 	if err != nil {
 		// No record outlives a failed create: the name stays free.
@@ -80,6 +80,17 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 		return nil, err
 	}
 	return v, nil
+}
+
+// cleanCopy makes the filesystem in a new volume's copy mountable beside
+// its source: an xfs's log replayed, whether the copy was taken frozen or
+// its source's log was left dirty by a crash of its node (xfs_admin
+// refuses a dirty log), then a UUID of its own.
+func cleanCopy(ctx context.Context, image, fsType, scratch string) error {
+	if err := loop.RecoverCopy(ctx, image, scratch); err != nil {
+		return err
+	}
+	return fsutil.NewUUID(ctx, image, fsType)
 }
 
 // lockContent finds and locks the source of a new volume: a snapshot (its

@@ -54,7 +54,8 @@ func needsFreeze(v *journal.Volume) (bool, error) {
 // markFrozen is called first to record durably that it may be frozen, so
 // that a crash during the copy is followed by a thaw (thawSource). A copy
 // of a frozen xfs has its log replayed through a mount at recoverAt (see
-// loop.RecoverCopy), so that it is a clean filesystem.
+// loop.RecoverCopy), so that it is a clean filesystem, unless recoverAt
+// is empty: the caller replays it itself.
 func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst string, size int64, recoverAt string, markFrozen func() error) (imagecopy.Method, error) {
 	freeze, err := needsFreeze(v)
 	if err != nil {
@@ -82,8 +83,8 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst str
 	if terr := thaw(); terr != nil {
 		return "", errors.Join(err, terr)
 	}
-	if err != nil {
-		return "", err
+	if err != nil || recoverAt == "" {
+		return method, err
 	}
 	return method, loop.RecoverCopy(ctx, dst, recoverAt)
 }

@@ -188,3 +188,57 @@ func TestSnapshotRefusals(t *testing.T) {
 	e.deleteSnapshot("s")
 	e.delete("blk")
 }
+
+// TestCopyOfDirtyXFS: a volume whose xfs log is dirty though nothing has
+// it mounted (its node crashed while it was) is cloned and restored from
+// a snapshot: each copy gets its log replayed before its new UUID, and
+// mounts with the data written before.
+func TestCopyOfDirtyXFS(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.xfs", "xfs_repair", "fsfreeze", "cp")
+	testutil.NoLeaks(t)
+	e := startEnv(t, envOptions{})
+	c := mountCap("xfs", rwo)
+	e.create("src", "xfs", 320*miB)
+	e.stage("src", c, nil)
+	a := e.target("src", "a")
+	e.publish("src", a, c, false, nil)
+	data := make([]byte, 1<<20)
+	_, _ = rand.Read(data)
+	if err := writeSynced(filepath.Join(a, "f"), data); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][sha256.Size]byte{"f": sha256.Sum256(data)}
+	// The image as a crash would leave it: a frozen xfs's log is dirty.
+	dirty := filepath.Join(e.dir, "dirty.img")
+	plugRun(t, "fsfreeze", "--freeze", a)
+	out, err := exec.Command("cp", "--sparse=always", e.image("src"), dirty).CombinedOutput()
+	plugRun(t, "fsfreeze", "--unfreeze", a)
+	if err != nil {
+		t.Fatalf("cp: %v: %s", err, out)
+	}
+	e.unpublish("src", a)
+	e.unstage("src")
+	plugRun(t, "cp", "--sparse=always", dirty, e.image("src"))
+	if err := exec.Command("xfs_repair", "-n", "-f", e.image("src")).Run(); err == nil {
+		t.Fatal("xfs_repair finds the source's log clean: the test makes no dirty log")
+	}
+
+	if _, err := e.tryCreateFrom("clone", 0, c, volumeSource("src")); err != nil {
+		t.Fatalf("clone of an xfs with a dirty log: %v", err)
+	}
+	fsck(t, "xfs", e.image("clone"))
+	checkCopy(t, e, "clone", c, want, 0)
+	if _, err := e.tryCreateSnapshot("snap", "src"); err != nil {
+		t.Fatalf("CreateSnapshot: %v", err)
+	}
+	if _, err := e.tryCreateFrom("restored", 0, c, snapshotSource("snap")); err != nil {
+		t.Fatalf("restore of a snapshot of an xfs with a dirty log: %v", err)
+	}
+	checkCopy(t, e, "restored", c, want, 0)
+	e.deleteSnapshot("snap")
+	e.delete("src")
+	if left := e.leftovers(t); len(left) > 0 {
+		t.Errorf("left in the state dir: %v", left)
+	}
+}

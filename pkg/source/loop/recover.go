@@ -13,9 +13,10 @@ import (
 	"github.com/mountplan/mountplan/pkg/loopdev"
 )
 
-// RecoverCopy makes the xfs in image, copied while frozen, clean: a
-// frozen xfs is consistent on disk, but its log is left dirty, which
-// xfs_repair and xfs_admin refuse until a mount replays it. The copy is
+// RecoverCopy makes the xfs in image, a copy, clean: a frozen xfs is
+// consistent on disk, but its log is left dirty (as is that of an xfs
+// whose node crashed), which xfs_repair and xfs_admin refuse until a
+// mount replays it. The copy is
 // attached and mounted once at scratch, with nouuid (its source, of the
 // same UUID, is mounted), and unmounted, which leaves a clean log. Other
 // filesystems are left as they are: a frozen ext4 has flushed its journal.
