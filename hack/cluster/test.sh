@@ -4,7 +4,7 @@
 #
 # 1. Builds (cached under $MOUNTPLAN_TOOLS_CACHE, default
 #    /var/cache/mountplan-tools) Kubernetes, etcd, containerd, crictl, helm
-#    and external-provisioner from the Go module proxy (hack/tools/build.sh),
+#    external-provisioner and external-snapshotter from the Go module proxy (hack/tools/build.sh),
 #    and the images (hack/cluster/images: the Dockerfile's runtime stage from
 #    a Debian root made by mmdebstrap, and single-binary images).
 # 2. Runs test/cluster (build tag clustertest) holding the shared test lock:
@@ -21,14 +21,19 @@ export PATH="/usr/local/go/bin:$PATH"
 cache=${MOUNTPLAN_TOOLS_CACHE:-/var/cache/mountplan-tools}
 start=$SECONDS
 
-dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner)
+dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner external-snapshotter)
 path=$(tr '\n' ':' <<<"$dirs")
 provisioner=$(grep external-provisioner <<<"$dirs")/csi-provisioner
+snapshotter=$(grep external-snapshotter <<<"$dirs")/csi-snapshotter
+# The snapshot CRDs of the same release (its client module, from the
+# module proxy), for the snapshot flow.
+crds=$(go mod download -json github.com/kubernetes-csi/external-snapshotter/client/v8@v8.7.0 | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')/config/crd
+[[ -f $crds/snapshot.storage.k8s.io_volumesnapshots.yaml ]] || { echo "snapshot CRDs not found in $crds" >&2; exit 1; }
 # This run's images and test binary in a directory of its own: another
 # checkout's run may build while this one waits for the lock.
 run=$(mktemp -d "$cache/run.XXXXXX")
 trap 'rm -rf "$run"' EXIT
-go run ./hack/cluster/images -out "$run/images" -cache "$cache/images" -provisioner "$provisioner" -tag test
+go run ./hack/cluster/images -out "$run/images" -cache "$cache/images" -provisioner "$provisioner" -snapshotter "$snapshotter" -tag test
 go test -c -tags clustertest -o "$run/cluster.test" ./test/cluster
 echo "test-cluster: built in $((SECONDS - start))s"
 
@@ -48,6 +53,6 @@ done
 
 cd test/cluster
 "${locked[@]}" env MOUNTPLAN_CLUSTER_PATH="${path%:}" \
-  MOUNTPLAN_CLUSTER_IMAGES="$run/images" MOUNTPLAN_CLUSTER_TAG=test \
+  MOUNTPLAN_CLUSTER_IMAGES="$run/images" MOUNTPLAN_CLUSTER_TAG=test MOUNTPLAN_CLUSTER_SNAPSHOT_CRDS="$crds" \
   "$run/cluster.test" -test.v -test.count=1 -test.timeout 45m "$@"
 echo "test-cluster: done in $((SECONDS - start))s"

@@ -18,6 +18,7 @@ const (
 	envPath   = "MOUNTPLAN_CLUSTER_PATH"   // bin directories of the cluster's programs
 	envImages = "MOUNTPLAN_CLUSTER_IMAGES" // directory of image archives (hack/cluster/images)
 	envTag    = "MOUNTPLAN_CLUSTER_TAG"    // tag of the mountplan image in it
+	envCRDs   = "MOUNTPLAN_CLUSTER_SNAPSHOT_CRDS" // external-snapshotter's config/crd directory
 	envRoot   = "MOUNTPLAN_CLUSTER_ROOT"   // the cluster's directory (default below)
 )
 
@@ -28,9 +29,9 @@ func TestCluster(t *testing.T) {
 	testenv.RequireCommands(t, "nsenter", "ip", "runc", "mkfs.ext4", "mksquashfs", "mkfs.erofs", "losetup")
 	testenv.RequireFile(t, "/usr/lib/cni/bridge", "CNI plugins (Debian package containernetworking-plugins)")
 	path := filepath.SplitList(os.Getenv(envPath))
-	images, tag := os.Getenv(envImages), os.Getenv(envTag)
-	if len(path) == 0 || images == "" || tag == "" {
-		testenv.Missing(t, "%s, %s and %s (run make test-cluster)", envPath, envImages, envTag)
+	images, tag, crds := os.Getenv(envImages), os.Getenv(envTag), os.Getenv(envCRDs)
+	if len(path) == 0 || images == "" || tag == "" || crds == "" {
+		testenv.Missing(t, "%s, %s, %s and %s (run make test-cluster)", envPath, envImages, envTag, envCRDs)
 	}
 	root := os.Getenv(envRoot)
 	if root == "" {
@@ -75,6 +76,7 @@ func TestCluster(t *testing.T) {
 	}()
 	c.importImages(t, images)
 	c.waitNodeReady(t)
+	c.applySnapshotCRDs(t, crds)
 
 	e := newEnv(t, c, repo, tag)
 	start := time.Now()

@@ -57,11 +57,13 @@ stateDir: %[2]s
 logVerbosity: 4
 registration: builtin
 nri: {enabled: true}
+snapshots: {enabled: true}
 podAnnotations: {mountplan.io/rollout: "%[7]d"}
 image:
   plugin: {repository: %[3]s, tag: %[4]s, pullPolicy: Never}
   mounter: {repository: %[3]s, tag: %[4]s, pullPolicy: Never}
   provisioner: {pullPolicy: Never}
+  snapshotter: {pullPolicy: Never}
 config:
   imageRoots: [%[5]s]
   fuseProfiles:

@@ -32,6 +32,7 @@ var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
+	{name: "SnapshotRestoreClone", run: snapshotRestoreClone},
 	{name: "InlineEphemeral", run: inlineEphemeral},
 	{name: "FSGroupNonRoot", run: fsGroupNonRoot},
 	{name: "SubPath", run: subPath},

@@ -47,6 +47,27 @@ func (c *Cluster) importImages(t *testing.T, dir string) {
 	t.Logf("%d images imported in %v", len(archives), time.Since(start).Round(time.Millisecond))
 }
 
+// applySnapshotCRDs applies external-snapshotter's CRDs from dir and waits
+// until the API serves them. The group snapshots' too, though the chart
+// does not offer them: snapshot-controller v8.7 waits for them at start.
+func (c *Cluster) applySnapshotCRDs(t *testing.T, dir string) {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(dir, "*.storage.k8s.io_*.yaml"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no snapshot CRDs in %s", dir)
+	}
+	args := []string{"apply"}
+	var crds []string
+	for _, f := range files {
+		args = append(args, "-f", f)
+		// <group>_<plural>.yaml names crd/<plural>.<group>
+		group, plural, _ := strings.Cut(strings.TrimSuffix(filepath.Base(f), ".yaml"), "_")
+		crds = append(crds, "crd/"+plural+"."+group)
+	}
+	must(t)(c.kubectl(args...))
+	must(t)(c.kubectl(append([]string{"wait", "--for=condition=Established", "--timeout=60s"}, crds...)...))
+}
+
 // waitFor polls f until it returns nil or d passes.
 func waitFor(t *testing.T, d time.Duration, what string, f func() error) {
 	t.Helper()

@@ -200,6 +200,12 @@ func (n *node) components() []component {
 			"--kubeconfig=" + pki("controller-manager.kubeconfig"), "--leader-elect=false", "--secure-port=0",
 			"--service-account-private-key-file=" + pki("sa.key"), "--root-ca-file=" + pki("ca.crt"), "--use-service-account-credentials=true",
 			"--controllers=*,-nodeipam", "--profiling=false"}},
+		// external-snapshotter's common controller, with each node's
+		// csi-snapshotter (the chart's, --node-deployment) taking its own
+		// volumes' snapshots. It waits for the snapshot CRDs, which the test
+		// applies before installing the chart.
+		{name: "snapshot-controller", argv: []string{c.Bin["snapshot-controller"],
+			"--kubeconfig=" + pki("admin.kubeconfig"), "--enable-distributed-snapshotting", "--retry-crd-interval-max=5m"}},
 		{name: "kube-scheduler", argv: []string{c.Bin["kube-scheduler"],
 			"--kubeconfig=" + pki("scheduler.kubeconfig"), "--leader-elect=false", "--secure-port=0", "--profiling=false"}},
 		{name: "containerd", argv: []string{c.Bin["containerd"], "--config=" + c.path("containerd.toml")},
@@ -379,7 +385,7 @@ func (n *node) stopAll() {
 			n.logf("crictl rmp: %v", err)
 		}
 	}
-	for _, name := range []string{"containerd", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"} {
+	for _, name := range []string{"containerd", "snapshot-controller", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"} {
 		n.terminate(name, 20*time.Second)
 	}
 	// Whatever is left (shims, daemons of pods that were not deleted):

@@ -6,11 +6,11 @@
 //     Debian root with the packages it installs (mmdebstrap, cached by package
 //     list), and the binaries its builder stage builds, with the same go build
 //     flags, where its COPY puts them;
-//   - external-provisioner, the pod sandbox (pause) and busybox, each one
+//   - external-provisioner, external-snapshotter, the pod sandbox (pause) and busybox, each one
 //     static binary, under the names the chart and containerd use, so that
 //     nothing is ever pulled.
 //
-// Usage: go run ./hack/cluster/images -out DIR -cache DIR -provisioner BIN -tag TAG
+// Usage: go run ./hack/cluster/images -out DIR -cache DIR -provisioner BIN -snapshotter BIN -tag TAG
 package main
 
 import (
@@ -40,19 +40,20 @@ func main() {
 	out := flag.String("out", "", "directory for the image archives (required)")
 	cache := flag.String("cache", "/var/cache/mountplan-tools/images", "where the Debian root is kept between runs")
 	provisioner := flag.String("provisioner", "", "the csi-provisioner binary (required)")
+	snapshotter := flag.String("snapshotter", "", "the csi-snapshotter binary (required)")
 	tag := flag.String("tag", "test", "tag of the mountplan image (repository: the chart's image.plugin.repository)")
 	flag.Parse()
-	if *out == "" || *provisioner == "" {
+	if *out == "" || *provisioner == "" || *snapshotter == "" {
 		flag.Usage()
 		os.Exit(2)
 	}
-	if err := run(*out, *cache, *provisioner, *tag); err != nil {
+	if err := run(*out, *cache, *provisioner, *snapshotter, *tag); err != nil {
 		fmt.Fprintln(os.Stderr, "images:", err)
 		os.Exit(1)
 	}
 }
 
-func run(out, cache, provisioner, tag string) error {
+func run(out, cache, provisioner, snapshotter, tag string) error {
 	for _, d := range []string{out, cache} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
@@ -85,6 +86,7 @@ func run(out, cache, provisioner, tag string) error {
 		links               []string
 	}{
 		{"provisioner.tar", values.Image.Provisioner.Repository + ":" + values.Image.Provisioner.Tag, provisioner, "/csi-provisioner", nil},
+		{"snapshotter.tar", values.Image.Snapshotter.Repository + ":" + values.Image.Snapshotter.Tag, snapshotter, "/csi-snapshotter", nil},
 		{"pause.tar", pauseImage, pause, "/pause", nil},
 		{"busybox.tar", BusyboxImage, busybox, "/bin/busybox", strings.Fields(string(applets))},
 	}
@@ -122,7 +124,7 @@ type imageValue struct{ Repository, Tag string }
 
 type values struct {
 	Image struct {
-		Plugin, Provisioner imageValue
+		Plugin, Provisioner, Snapshotter imageValue
 	}
 }
 
