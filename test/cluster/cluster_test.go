@@ -15,11 +15,11 @@ import (
 
 // Environment of the test, set by hack/cluster/test.sh (make test-cluster).
 const (
-	envPath   = "MOUNTPLAN_CLUSTER_PATH"   // bin directories of the cluster's programs
-	envImages = "MOUNTPLAN_CLUSTER_IMAGES" // directory of image archives (hack/cluster/images)
-	envTag    = "MOUNTPLAN_CLUSTER_TAG"    // tag of the mountplan image in it
+	envPath   = "MOUNTPLAN_CLUSTER_PATH"          // bin directories of the cluster's programs
+	envImages = "MOUNTPLAN_CLUSTER_IMAGES"        // directory of image archives (hack/cluster/images)
+	envTag    = "MOUNTPLAN_CLUSTER_TAG"           // tag of the mountplan image in it
 	envCRDs   = "MOUNTPLAN_CLUSTER_SNAPSHOT_CRDS" // external-snapshotter's config/crd directory
-	envRoot   = "MOUNTPLAN_CLUSTER_ROOT"   // the cluster's directory (default below)
+	envRoot   = "MOUNTPLAN_CLUSTER_ROOT"          // the cluster's directory (default below)
 )
 
 const defaultRoot = "/var/lib/mountplan-cluster"

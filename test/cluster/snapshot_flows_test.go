@@ -23,7 +23,7 @@ func snapshotRestoreClone(t *testing.T, e *env) {
 	before := e.shared["data"]
 	e.apply(t, obj{"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
 		"metadata": obj{"name": "snap", "namespace": testNS},
-		"spec": obj{"volumeSnapshotClassName": snapshotClass, "source": obj{"persistentVolumeClaimName": "data"}}})
+		"spec":     obj{"volumeSnapshotClassName": snapshotClass, "source": obj{"persistentVolumeClaimName": "data"}}})
 	start := time.Now()
 	waitFor(t, 2*time.Minute, "the snapshot ready to use", func() error {
 		out, err := e.c.kubectl("-n", testNS, "get", "volumesnapshot", "snap", "-o",
