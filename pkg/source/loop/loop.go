@@ -58,6 +58,8 @@ type Source struct {
 
 	mu      sync.Mutex // guards devices only; volume operations are serialised by the driver's per-volume locks
 	devices map[string]*loopdev.Device
+
+	blockSizes blockSizes // of images staged before
 }
 
 var (
@@ -108,8 +110,13 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	// The image under an overlay is never written, whatever the access mode.
 	ro := req.ReadOnly || chained
 	opts := loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true}
-	if !req.Block && !chained {
-		opts.BlockSize = fsBlockSize(v.Image)
+	switch {
+	case req.Block:
+		// The consumer writes the device raw and may make another
+		// filesystem: read the superblock again at the next mount stage.
+		s.blockSizes.forget(v.Image)
+	case !chained:
+		opts.BlockSize = s.blockSizes.get(v.Image)
 	}
 	var dev *loopdev.Device
 	if err := s.Metrics.Step("attach", func() (err error) {
@@ -241,7 +248,7 @@ func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, e
 		klog.FromContext(ctx).Info("Loop device gone; attaching the image again", "volume", v.ID, "image", v.Image)
 		opts := loopdev.Options{ReadOnly: st.ReadOnly, DirectIO: true, Autoclear: true}
 		if st.FsType != "" && st.Chain == nil {
-			opts.BlockSize = fsBlockSize(v.Image)
+			opts.BlockSize = s.blockSizes.get(v.Image)
 		}
 		dev, err = loopdev.Attach(ctx, v.Image, opts)
 	}
