@@ -8,6 +8,10 @@
 #
 #   make bench                      # builds bin/ first
 #   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5] [-strace FILE] [-v]
+#   hack/bench.sh -phases 8 [-scale 10,100,1000,10000]   # scale: about 4 minutes
+#
+# With -phases only the chosen measurements of hack/bench run: the
+# container start and snapshot benchmarks below run with the default phases.
 #
 # Needs root. Everything is made in a fresh temp dir under -state-dir and
 # removed at the end, also on error and on Ctrl-C.
@@ -31,6 +35,9 @@ if [[ ! -x $plugin ]]; then
 fi
 
 go run ./hack/bench -plugin "$plugin" "$@"
+for arg in "$@"; do
+	[[ $arg == -phases || $arg == -phases=* || $arg == --phases || $arg == --phases=* ]] && exit 0
+done
 
 # Container start latency with and without the NRI hook (test/nri): a private
 # containerd 2 with CRI and NRI (hack/tools/build.sh builds it), crictl, runc.

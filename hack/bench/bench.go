@@ -25,6 +25,7 @@ import (
 
 const (
 	imageSize  = 64 << 20
+	scaleSize  = 16 << 20 // measurement 8's volumes
 	volumeName = "mpbench-vol"
 )
 
@@ -42,6 +43,11 @@ type bench struct {
 	floorImg  string // a sparse copy of the formatted volume image
 
 	metricsAddr string // the plugin's --metrics-address, "" if it has none
+	// reconcileInterval is the plugin's --reconcile-interval ("" for 1h);
+	// the last start took pluginListening from exec to the socket
+	// accepting, pluginReady to Probe ready.
+	reconcileInterval            string
+	pluginListening, pluginReady time.Duration
 
 	plugin   *child
 	consumer *child
@@ -54,6 +60,8 @@ type bench struct {
 	freshID  string // the volume of measurement 6 that exists now, if any
 	image    string
 	journal  *writeCounter
+
+	scale scaleState // measurement 8's volumes
 
 	inflateDir string   // -mounts: where the extra mounts are
 	inflated   []string // -mounts: the extra mounts made so far
@@ -127,7 +135,7 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 	if err := b.createVolume(ctx); err != nil {
 		return nil, err
 	}
-	if b.o.phases[4] || b.o.phases[5] {
+	if b.o.phases[4] || b.o.phases[5] || b.o.phases[8] {
 		if err := b.startConsumer(ctx); err != nil {
 			return res, err
 		}
@@ -219,6 +227,11 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 	if b.o.phases[7] {
 		if err := b.measureDataPath(ctx, res); err != nil {
 			return res, fmt.Errorf("measurement 7: %w", err)
+		}
+	}
+	if b.o.phases[8] {
+		if err := b.measureScale(ctx, res); err != nil {
+			return res, fmt.Errorf("measurement 8: %w", err)
 		}
 	}
 	res.journalWrite = b.measureJournalWrite(ctx)

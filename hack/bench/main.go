@@ -25,7 +25,15 @@
 //
 //  7. the data path: O_DIRECT 1 MiB reads and writes at queue depth 1 and
 //     16 on a backing file and through loop devices bound to it with and
-//     without direct I/O, with 512-byte and the filesystem's block size.
+//     without direct I/O, with 512-byte and the filesystem's block size;
+//
+//  8. scale (not run unless asked for: minutes at 10,000 volumes): the
+//     node filled with staged and published volumes level by level
+//     (-scale), every per-volume operation of a few extra volumes and the
+//     floor cycle timed at each level; at the top level a restart of the
+//     plugin (ready time, RSS) and its idle CPU time; then the teardown by
+//     -scale-clients concurrent clients, the first and the last 1,000
+//     volumes timed (scale.go).
 //
 // A socket cycle and its floor (1 and 2, 4 and 5) run in turn, cycle by
 // cycle, so that load drifts hit both alike.
@@ -80,16 +88,27 @@ type options struct {
 	// The data path measurement (7): seconds of I/O in all, in rounds.
 	dataSeconds float64
 	dataRounds  int
+	// The scale measurement (8).
+	scaleLevels    []int
+	scaleOps       int
+	scaleClients   int
+	scaleIdle      time.Duration
+	scaleReconcile time.Duration
 }
 
 func main() {
 	var o options
-	var phases string
+	var phases, levels string
 	flag.IntVar(&o.n, "n", 50, "timed iterations of each cycle")
 	flag.IntVar(&o.warmup, "warmup", 5, "untimed iterations before the timed ones")
 	flag.StringVar(&o.baseDir, "state-dir", "/var/tmp", "directory under which a fresh temporary dir is made for the plugin's state dir, the images, the socket and the mount points")
 	flag.StringVar(&o.plugin, "plugin", "bin/mountplan-plugin", "plugin binary")
-	flag.StringVar(&phases, "phases", "1,2,3,4,5,6,7", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor, 6 fresh volumes: create, first and later stage, delete, 7 data path: O_DIRECT 1 MiB I/O on the backing file and through loop devices)")
+	flag.StringVar(&phases, "phases", "1,2,3,4,5,6,7", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor, 6 fresh volumes: create, first and later stage, delete, 7 data path: O_DIRECT 1 MiB I/O on the backing file and through loop devices, 8 scale: every per-volume operation at -scale staged and published volumes, restart, idle CPU, teardown; not in the default)")
+	flag.StringVar(&levels, "scale", "10,100,1000,10000", "measurement 8: the numbers of staged and published volumes at which operations are timed, increasing")
+	flag.IntVar(&o.scaleOps, "scale-ops", 15, "measurement 8: extra volumes taken through every operation at each level")
+	flag.IntVar(&o.scaleClients, "scale-clients", 8, "measurement 8: concurrent clients filling the node and tearing it down")
+	flag.DurationVar(&o.scaleIdle, "scale-idle", 65*time.Second, "measurement 8: how long the restarted plugin's CPU time is measured while idle (longer than -scale-reconcile, so that it holds a periodic reconcile)")
+	flag.DurationVar(&o.scaleReconcile, "scale-reconcile", time.Minute, "measurement 8: --reconcile-interval of the restarted plugin (the plugin's default is 1m)")
 	flag.Float64Var(&o.dataSeconds, "data-seconds", 40, "measurement 7: seconds of I/O in all, shared by every target, direction and queue depth")
 	flag.IntVar(&o.dataRounds, "data-rounds", 4, "measurement 7: rounds in which the targets take turns")
 	flag.StringVar(&o.outDir, "out", "bench-results", "directory for the JSON and SVG of the run (made if missing)")
@@ -100,6 +119,12 @@ func main() {
 	var err error
 	if o.phases, err = parsePhases(phases); err != nil {
 		fail(err)
+	}
+	if o.scaleLevels, err = parseLevels(levels); err != nil {
+		fail(err)
+	}
+	if o.scaleOps < 1 || o.scaleClients < 1 || o.scaleIdle <= 0 || o.scaleReconcile <= 0 {
+		fail(errors.New("-scale-ops, -scale-clients, -scale-idle and -scale-reconcile must be positive"))
 	}
 	if o.n < 1 || o.warmup < 0 || o.dataRounds < 1 || o.dataSeconds <= 0 {
 		fail(errors.New("-n, -data-rounds and -data-seconds must be at least 1 and -warmup at least 0"))
@@ -156,8 +181,8 @@ func parsePhases(s string) (map[int]bool, error) {
 	m := map[int]bool{}
 	for _, f := range strings.Split(s, ",") {
 		var p int
-		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 7 {
-			return nil, fmt.Errorf("-phases: %q is not one of 1..7", f)
+		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 8 {
+			return nil, fmt.Errorf("-phases: %q is not one of 1..8", f)
 		}
 		m[p] = true
 	}

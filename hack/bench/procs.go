@@ -87,12 +87,17 @@ func (b *bench) startPlugin(ctx context.Context) error {
 	defer logf.Close()
 	// A long reconcile interval keeps the periodic reconcile out of the
 	// timed loops; the startup reconcile still runs.
+	interval := b.reconcileInterval
+	if interval == "" {
+		interval = "1h"
+	}
 	args := []string{b.o.plugin,
 		"--endpoint", "unix://" + b.sock, "--state-dir", b.stateDir, "--kubelet-dir", b.dir, "--node-id", "bench-node",
-		"--reconcile-interval", "1h"}
+		"--reconcile-interval", interval}
 	if b.metricsAddr = metricsAddress(b.o.plugin); b.metricsAddr != "" {
 		args = append(args, "--metrics-address", b.metricsAddr)
 	}
+	start := time.Now()
 	b.plugin, err = startChild("plugin", logf, logf, args...)
 	if err != nil {
 		return err
@@ -104,13 +109,14 @@ func (b *bench) startPlugin(ctx context.Context) error {
 			return fmt.Errorf("plugin exited at start: %v", b.plugin.err)
 		}
 		if c, err := net.DialTimeout("unix", b.sock, time.Second); err == nil {
+			b.pluginListening = time.Since(start)
 			c.Close()
 			break
 		}
 		if time.Now().After(deadline) {
 			return errors.New("plugin socket did not accept connections within 30s")
 		}
-		if err := sleepCtx(ctx, 10*time.Millisecond); err != nil {
+		if err := sleepCtx(ctx, time.Millisecond); err != nil {
 			return err
 		}
 	}
@@ -122,12 +128,13 @@ func (b *bench) startPlugin(ctx context.Context) error {
 	for {
 		r, err := id.Probe(ctx, &csi.ProbeRequest{})
 		if err == nil && r.GetReady().GetValue() {
+			b.pluginReady = time.Since(start)
 			return nil
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("plugin not ready within 30s (last probe: %v)", err)
 		}
-		if err := sleepCtx(ctx, 10*time.Millisecond); err != nil {
+		if err := sleepCtx(ctx, time.Millisecond); err != nil {
 			return err
 		}
 	}

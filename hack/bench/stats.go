@@ -96,6 +96,7 @@ type results struct {
 	noopRPC      *sample
 	straces      []string
 	dataPath     []dataResult
+	scale        *scaleResult
 }
 
 func (r *results) byN(n int) *sample {
@@ -111,12 +112,17 @@ func (r *results) byN(n int) *sample {
 var floorOf = map[int]int{1: 2, 3: 2, 4: 5}
 
 func (r *results) print(w io.Writer) {
-	if len(r.samples) == 0 && len(r.dataPath) == 0 {
+	if len(r.samples) == 0 && len(r.dataPath) == 0 && r.scale == nil {
 		return
 	}
 	fmt.Fprintf(w, "## mountplan bench: 64 MiB ext4 loop volume, %d timed iterations after %d warm-ups\n\n", r.o.n, r.o.warmup)
 	fmt.Fprintf(w, "%s\n\n", r.env)
 	printSummary(w, r.summary())
+	if len(r.samples) == 0 { // only measurements 7 and 8 ran
+		r.printDataPath(w)
+		r.scale.print(w)
+		return
+	}
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "### Each measurement")
 	fmt.Fprintln(w)
@@ -162,6 +168,7 @@ func (r *results) print(w io.Writer) {
 	}
 	r.printAttribution(w)
 	r.printDataPath(w)
+	r.scale.print(w)
 	for _, t := range r.straces {
 		fmt.Fprintf(w, "\n### strace -f -c -w of the plugin during the timed loop of %s\n", t)
 	}

@@ -90,6 +90,14 @@ func (b *bench) teardown() leakReport {
 			errf("DeleteVolume %s: %v", b.freshID, err)
 		}
 	}
+	if b.conn != nil && b.plugin != nil && !b.plugin.exited() {
+		// Measurement 8 may hold thousands of volumes: a longer budget.
+		sctx, scancel := context.WithTimeout(context.Background(), 15*time.Minute)
+		if err := b.teardownScaleAll(sctx); err != nil {
+			errf("measurement 8 volumes: %v", err)
+		}
+		scancel()
+	}
 	if b.conn != nil {
 		_ = b.conn.Close()
 	}
