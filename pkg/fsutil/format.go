@@ -3,6 +3,7 @@ package fsutil
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -29,6 +30,21 @@ func (t tools) format(ctx context.Context, device, fsType string, extra []string
 	}
 	args = append(append(args, extra...), device)
 	_, err := t.run(ctx, device, tool, args...)
+	return err
+}
+
+func (t tools) formatNewFile(ctx context.Context, path, fsType string) error {
+	if fsType != Ext4 {
+		return t.format(ctx, path, fsType, nil)
+	}
+	if err := checkPath("format", path); err != nil {
+		return err
+	}
+	// Lstat: a symlink, whoever made it, is not a file of the caller's.
+	if fi, err := os.Lstat(path); err != nil || !fi.Mode().IsRegular() {
+		return fmt.Errorf("fsutil: format %s as a new file: not a regular file: %w", path, errdefs.ErrInvalidArgument)
+	}
+	_, err := t.run(ctx, path, mkfsExt4New, "-F", "-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", path)
 	return err
 }
 

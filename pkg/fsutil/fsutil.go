@@ -59,6 +59,18 @@ func Format(ctx context.Context, device, fsType string, extraArgs ...string) err
 	return host.format(ctx, device, fsType, extraArgs)
 }
 
+// FormatNewFile is Format for a regular file that the caller has just
+// created and that nobody else can have open, attached or mounted (an
+// image under its temp name, before its rename). mkfs.ext4 is spared its
+// check that the target is mounted nowhere: that check reads the whole
+// mount table and asks every mounted loop device for its backing file, a
+// cost that grows with the node's mounts (0.25 s a format with 10,000
+// volumes published) and says nothing about a file nobody else can name.
+// Anything but a regular file is refused.
+func FormatNewFile(ctx context.Context, path, fsType string) error {
+	return host.formatNewFile(ctx, path, fsType)
+}
+
 // Resize grows the filesystem to the size of its device. ext4 is grown
 // with resize2fs on the device (online when mounted); xfs only grows while
 // mounted, through xfs_growfs on mountPath.

@@ -123,6 +123,46 @@ func TestFormatCommandLines(t *testing.T) {
 	}
 }
 
+func TestFormatNewFileCommandLines(t *testing.T) {
+	f := existingFile(t)
+	tl, got := fakeTools(t, call{}, call{})
+	if err := tl.formatNewFile(t.Context(), f, Ext4); err != nil {
+		t.Fatal(err)
+	}
+	if err := tl.formatNewFile(t.Context(), f, XFS); err != nil {
+		t.Fatal(err)
+	}
+	// The second -F is what lets mkfs.ext4 go on with a target that
+	// EXT2FS_PRETEND_RW_MOUNT says is mounted.
+	want := [][]string{
+		{"mkfs.ext4", "-F", "-F", "-q", "-E", "lazy_itable_init=1,lazy_journal_init=1", f},
+		{"mkfs.xfs", "-f", "-q", f},
+	}
+	if !slices.EqualFunc(*got, want, slices.Equal) {
+		t.Fatalf("ran %q, want %q", *got, want)
+	}
+	if !slices.Contains(mkfsExt4New.Env, "EXT2FS_PRETEND_RW_MOUNT=1") {
+		t.Fatalf("mkfs.ext4 of a new file runs with %q, not EXT2FS_PRETEND_RW_MOUNT=1", mkfsExt4New.Env)
+	}
+}
+
+func TestFormatNewFileRejectsAllButRegularFiles(t *testing.T) {
+	dir := t.TempDir()
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(existingFile(t), link); err != nil {
+		t.Fatal(err)
+	}
+	tl, got := fakeTools(t)
+	for _, p := range []string{dir, link, "/dev/null"} {
+		if err := tl.formatNewFile(t.Context(), p, Ext4); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("formatNewFile(%s): %v, want InvalidArgument", p, err)
+		}
+	}
+	if len(*got) != 0 {
+		t.Fatalf("ran %q on what is no regular file", *got)
+	}
+}
+
 func TestFormatRejects(t *testing.T) {
 	tl, _ := fakeTools(t)
 	for _, fs := range []string{"", "btrfs", "EXT4", "ext4 ", "vfat"} {

@@ -2,10 +2,12 @@ package fsutil
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -412,4 +414,57 @@ func copySparse(t *testing.T, from, to string) {
 	if out, err := exec.Command("cp", "--sparse=always", from, to).CombinedOutput(); err != nil {
 		t.Fatalf("cp: %v\n%s", err, out)
 	}
+}
+
+// TestFormatNewFileReadsNoMountTable proves that FormatNewFile spares
+// mkfs.ext4 its reading of the mount table (which grows with the node's
+// mounts): in a private mount namespace whose /proc/mounts is a FIFO that
+// no one writes, Format's mkfs blocks opening it until its context ends,
+// while FormatNewFile's finishes and leaves an ext4.
+func TestFormatNewFileReadsNoMountTable(t *testing.T) {
+	testenv.RequireRoot(t)
+	testenv.RequireCommands(t, "blkid", "mkfs.ext4")
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "new.img", 16*mib)
+	var plainErr, newErr error
+	done := make(chan error, 1)
+	go func() {
+		// The thread enters a mount namespace of its own and is never
+		// unlocked: it ends with this goroutine, and the namespace with
+		// it. Children forked from it inherit the namespace.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+			done <- err
+			return
+		}
+		if err := unix.Mount("", "/", "", unix.MS_PRIVATE|unix.MS_REC, ""); err != nil {
+			done <- err
+			return
+		}
+		if err := unix.Mount("mpfsutiltest", "/proc", "tmpfs", 0, "size=64k"); err != nil {
+			done <- err
+			return
+		}
+		if err := unix.Mkfifo("/proc/mounts", 0o600); err != nil {
+			done <- err
+			return
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+		plainErr = Format(ctx, img, Ext4)
+		cancel()
+		ctx, cancel = context.WithTimeout(t.Context(), 20*time.Second)
+		newErr = FormatNewFile(ctx, img, Ext4)
+		cancel()
+		done <- nil
+	}()
+	if err := <-done; err != nil {
+		t.Fatalf("private mount namespace with a FIFO for /proc/mounts: %v", err)
+	}
+	if !errors.Is(plainErr, context.DeadlineExceeded) {
+		t.Fatalf("Format with /proc/mounts a FIFO: %v; want it blocked until its deadline (the check this test relies on is gone?)", plainErr)
+	}
+	if newErr != nil {
+		t.Fatalf("FormatNewFile with /proc/mounts a FIFO: %v", newErr)
+	}
+	mustDetect(t, img, Ext4)
 }

@@ -50,6 +50,9 @@ type Tool struct {
 	// submatch is secret (a password field a tool may echo); the
 	// remainder is replaced by Marker.
 	SecretField *regexp.Regexp
+	// Env are variables (NAME=value) the program gets besides this
+	// process's environment.
+	Env []string
 }
 
 // Runner runs tools. Its zero value runs the real programs.
@@ -99,7 +102,9 @@ func Status(err error) int {
 func (r Runner) Run(ctx context.Context, t Tool, args []string, secrets ...string) (string, error) {
 	run := r.Exec
 	if run == nil {
-		run = execute
+		run = func(ctx context.Context, name string, args []string) ([]byte, int, error) {
+			return execute(ctx, name, args, t.Env)
+		}
 	}
 	raw, status, err := run(ctx, t.Name, args)
 	out := strings.TrimSpace(t.redact(raw, secrets))

@@ -32,6 +32,19 @@ func TestRunOutputAndStatus(t *testing.T) {
 	}
 }
 
+func TestRunEnv(t *testing.T) {
+	t.Setenv("MOUNTPLAN_TOOLRUN_KEPT", "kept")
+	withEnv := Tool{Name: "sh", Package: "dash", Env: []string{"MOUNTPLAN_TOOLRUN_ADDED=added"}}
+	out, err := Runner{}.Run(t.Context(), withEnv, []string{"-c", `echo "$MOUNTPLAN_TOOLRUN_ADDED $MOUNTPLAN_TOOLRUN_KEPT"`})
+	if err != nil || out != "added kept" {
+		t.Fatalf("Run with Env: %q, %v; want the added variable and this process's", out, err)
+	}
+	out, err = Runner{}.Run(t.Context(), sh, []string{"-c", `echo "[$MOUNTPLAN_TOOLRUN_ADDED]"`})
+	if err != nil || out != "[]" {
+		t.Fatalf("Run without Env: %q, %v; another tool's Env leaked", out, err)
+	}
+}
+
 func TestRunNotInstalled(t *testing.T) {
 	_, err := Runner{}.Run(t.Context(), Tool{Name: "mountplan-no-such-tool", Package: "nothing"}, nil)
 	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "not installed (Debian package nothing)") {

@@ -35,7 +35,7 @@ func CreateImage(path string, size int64) error {
 // already and was left as it is (then nothing is known of its contents).
 func CreateFormattedImage(ctx context.Context, path string, size int64, fsType string, m *metrics.Metrics) (made bool, err error) {
 	return createImage(path, size, func(tmp string) error {
-		return m.Step("format", func() error { return fsutil.Format(ctx, tmp, fsType) })
+		return m.Step("format", func() error { return fsutil.FormatNewFile(ctx, tmp, fsType) })
 	})
 }
 
