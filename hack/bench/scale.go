@@ -200,16 +200,7 @@ func (b *bench) fillTo(ctx context.Context, n int) error {
 // upVol creates, stages and publishes v; each step's time goes to rec
 // when it is not nil. v is tracked from its creation on.
 func (b *bench) upVol(ctx context.Context, v *scaleVol, name string, rec func(op string, d time.Duration)) error {
-	timed := func(op string, fn func() error) error {
-		t := time.Now()
-		if err := fn(); err != nil {
-			return fmt.Errorf("%s: %w", op, err)
-		}
-		if rec != nil {
-			rec(op, time.Since(t))
-		}
-		return nil
-	}
+	timed := func(op string, fn func() error) error { return timedOp(rec, op, fn) }
 	if err := timed("CreateVolume", func() error {
 		r, err := b.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name,
 			CapacityRange: &csi.CapacityRange{RequiredBytes: scaleSize}, VolumeCapabilities: []*csi.VolumeCapability{mountCap()}})
@@ -238,18 +229,23 @@ func (b *bench) upVol(ctx context.Context, v *scaleVol, name string, rec func(op
 	})
 }
 
+// timedOp runs fn and, when it succeeds, gives its time to rec (if not
+// nil) under the operation's first word.
+func timedOp(rec func(op string, d time.Duration), op string, fn func() error) error {
+	t := time.Now()
+	if err := fn(); err != nil {
+		return fmt.Errorf("%s: %w", op, err)
+	}
+	if rec != nil {
+		name, _, _ := strings.Cut(op, " ")
+		rec(name, time.Since(t))
+	}
+	return nil
+}
+
 // downVol unpublishes, unstages and deletes v and stops tracking it.
 func (b *bench) downVol(ctx context.Context, v *scaleVol, rec func(op string, d time.Duration)) error {
-	timed := func(op string, fn func() error) error {
-		t := time.Now()
-		if err := fn(); err != nil {
-			return fmt.Errorf("%s %s: %w", op, v.id, err)
-		}
-		if rec != nil {
-			rec(op, time.Since(t))
-		}
-		return nil
-	}
+	timed := func(op string, fn func() error) error { return timedOp(rec, op+" "+v.id, fn) }
 	if v.published {
 		if err := timed("NodeUnpublishVolume", func() error {
 			_, err := b.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: v.id, TargetPath: v.target})
