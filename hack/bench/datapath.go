@@ -97,6 +97,12 @@ func (b *bench) measureDataPath(ctx context.Context, res *results) (err error) {
 		}
 		t.bytes, t.spent = map[string]int64{}, map[string]time.Duration{}
 	}
+	// The image through the page cache, to settle it between bursts.
+	settle, err := os.OpenFile(img, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer settle.Close()
 	burst := time.Duration(float64(time.Second) * b.o.dataSeconds / float64(len(targets)*4*b.o.dataRounds))
 	b.logf("data path: %d targets, %d rounds of %v bursts", len(targets), b.o.dataRounds, burst)
 	for round := 0; round < b.o.dataRounds; round++ {
@@ -113,6 +119,9 @@ func (b *bench) measureDataPath(ctx context.Context, res *results) (err error) {
 					k := fmt.Sprintf("%s/%d", op, depth)
 					t.bytes[k] += n
 					t.spent[k] += d
+					if err := settleImage(settle); err != nil {
+						return err
+					}
 				}
 			}
 		}
@@ -129,6 +138,22 @@ func (b *bench) measureDataPath(ctx context.Context, res *results) (err error) {
 				res.dataPath = append(res.dataPath, r)
 			}
 		}
+	}
+	return nil
+}
+
+// settleImage writes back and drops the image's cached pages, outside
+// the timed bursts. A buffered loop device leaves dirty pages in the
+// image's page cache; their writeback would otherwise fall into the next
+// targets' bursts (the direct I/O loop devices come right after one) and
+// an O_DIRECT write to the file must first flush them. Every burst then
+// starts from the same state: nothing dirty, nothing cached.
+func settleImage(f *os.File) error {
+	if err := unix.Fdatasync(int(f.Fd())); err != nil {
+		return fmt.Errorf("fdatasync %s: %w", f.Name(), err)
+	}
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+		return fmt.Errorf("fadvise %s: %w", f.Name(), err)
 	}
 	return nil
 }
