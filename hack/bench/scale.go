@@ -102,6 +102,7 @@ func (b *bench) measureScale(ctx context.Context, res *results) error {
 		}
 		sr.FillS[strconv.Itoa(n)] = time.Since(t).Seconds()
 		b.logf("measurement 8: %d volumes staged and published in %v; %d extra operations each", n, time.Since(t), b.o.scaleOps)
+		m0, _ := b.scrape(ctx)
 		for i := 0; i < b.o.scaleOps; i++ {
 			if err := b.extraVolume(ctx, sr, n, i); err != nil {
 				return fmt.Errorf("at %d volumes, extra volume %d: %w", n, i, err)
@@ -115,6 +116,7 @@ func (b *bench) measureScale(ctx context.Context, res *results) error {
 				sr.add("floor step: "+step, n, fs.steps[step][0])
 			}
 		}
+		b.scaleInside(ctx, sr, n, m0)
 	}
 	top := b.scale.count()
 	b.logf("measurement 8: restarting the plugin with %d volumes", top)
@@ -149,6 +151,28 @@ func (b *bench) measureScale(ctx context.Context, res *results) error {
 		}
 	}
 	return nil
+}
+
+// scaleInside records, for level n, what the plugin's own metrics say of
+// its device steps during the extra operations (their means since m0), and
+// a durable journal write's median: the parts of CreateVolume, stage and
+// publish that might grow with the node.
+func (b *bench) scaleInside(ctx context.Context, sr *scaleResult, n int, m0 map[string]hist) {
+	if m1, err := b.scrape(ctx); err == nil && m0 != nil {
+		means := meansBetween(m0, m1)
+		for _, step := range []string{"format", "attach", "mount"} {
+			if d, ok := means["step:"+step]; ok {
+				sr.add("in plugin: step "+step+" (mean, its metrics)", n, d)
+			}
+		}
+	}
+	if jw := b.measureJournalWrite(ctx); jw != nil {
+		for _, name := range jw.order {
+			if strings.HasPrefix(name, "durable") {
+				sr.add("floor: journal record write, "+name, n, median(jw.steps[name]))
+			}
+		}
+	}
 }
 
 func (sr *scaleResult) add(op string, n int, d time.Duration) {
