@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -34,7 +34,11 @@ func (l leakReport) clean() bool { return len(l.loops) == 0 && len(l.mounts) == 
 func (l leakReport) String() string {
 	verdict := "OK"
 	if !l.clean() {
-		verdict = "LEAK: " + strings.Join(append(slices.Clone(l.loops), l.mounts...), "; ")
+		left := append(slices.Clone(l.loops), l.mounts...)
+		if len(left) > 10 { // thousands after a failed measurement 8
+			left = append(left[:10], fmt.Sprintf("and %d more", len(left)-10))
+		}
+		verdict = "LEAK: " + strings.Join(left, "; ")
 		if l.forced {
 			verdict += " (removed by force afterwards)"
 		}
@@ -152,18 +156,40 @@ func (b *bench) forceClean(errf func(string, ...any)) {
 			errf("umount %s: %v", m, err)
 		}
 	}
-	for _, f := range backingFilesUnder(b.dir) {
-		devs, err := loopdev.FindByBacking(f)
-		if err != nil {
-			errf("find loop devices of %s: %v", f, err)
-			continue
-		}
-		for _, d := range devs {
-			if err := d.Detach(); err != nil {
-				errf("detach %s: %v", d.Path, err)
+	// Autoclear devices go once their mounts are gone and the plugin
+	// that held them has exited: give the kernel a moment before walking
+	// the devices (thousands after measurement 8).
+	for deadline := time.Now().Add(5 * time.Second); len(loopsUnder(b.dir)) > 0 && time.Now().Before(deadline); {
+		time.Sleep(50 * time.Millisecond)
+	}
+	// By name, as losetup -d would: FindByBacking walks every device for
+	// each file, thousands of times over after measurement 8.
+	for _, l := range loops() {
+		if plan.Within(b.dir, l.backing) {
+			if err := detachByName(l.name, b.dir); err != nil {
+				errf("detach %s: %v", l.name, err)
 			}
 		}
 	}
+}
+
+// detachByName clears the loop device /dev/<name> (LOOP_CLR_FD) if, with
+// it open, its backing file still lies under dir.
+func detachByName(name, dir string) error {
+	f, err := os.OpenFile("/dev/"+name, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	data, err := os.ReadFile("/sys/block/" + name + "/loop/backing_file")
+	if err != nil || !plan.Within(dir, strings.TrimSuffix(strings.TrimSpace(string(data)), " (deleted)")) {
+		return nil // released, or someone else's by now
+	}
+	err = unix.IoctlSetInt(int(f.Fd()), unix.LOOP_CLR_FD, 0)
+	if errors.Is(err, unix.ENXIO) {
+		return nil // released meanwhile
+	}
+	return err
 }
 
 type loopInfo struct{ name, backing string }
@@ -189,16 +215,6 @@ func loopsUnder(dir string) []string {
 	for _, l := range loops() {
 		if plan.Within(dir, l.backing) {
 			out = append(out, l.name+" -> "+l.backing)
-		}
-	}
-	return out
-}
-
-func backingFilesUnder(dir string) []string {
-	var out []string
-	for _, l := range loops() {
-		if plan.Within(dir, l.backing) && !slices.Contains(out, l.backing) {
-			out = append(out, l.backing)
 		}
 	}
 	return out
