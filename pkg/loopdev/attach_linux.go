@@ -37,6 +37,9 @@ func Attach(ctx context.Context, backingFile string, o Options) (*Device, error)
 	}
 	defer ctl.Close()
 
+	if d := attachHinted(ctx, backing, backingFile, o, dio); d != nil {
+		return d, nil
+	}
 	for attempt := 1; ; attempt++ {
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("loopdev: attach %s: %w", backingFile, err)
@@ -53,6 +56,27 @@ func Attach(ctx context.Context, backingFile string, o Options) (*Device, error)
 			return nil, fmt.Errorf("loopdev: attach %s: gave up after %d attempts: %w", backingFile, attempt, err)
 		}
 	}
+}
+
+// attachHinted tries the numbers this process detached last (see
+// hintFree) before LOOP_CTL_GET_FREE. It returns nil when none of them
+// could be bound, whatever the reason, and Attach goes on as without
+// hints; a failure that is not a lost race is found again there.
+func attachHinted(ctx context.Context, backing *os.File, name string, o Options, dio bool) *Device {
+	for range maxHints {
+		if ctx.Err() != nil {
+			return nil
+		}
+		n, ok := takeHint()
+		if !ok {
+			return nil
+		}
+		if d, err := attachAt(n, backing, name, o, dio); err == nil {
+			logDirectIO(ctx, d, o)
+			return d
+		}
+	}
+	return nil
 }
 
 // retryable tells a lost race for a free number (EBUSY from LOOP_CONFIGURE,
@@ -114,14 +138,19 @@ func checkBacking(f *os.File, path string) error {
 	return nil
 }
 
-// attachOnce does one GET_FREE + open + LOOP_CONFIGURE round. Any error
-// after LOOP_CONFIGURE clears the binding again before the fd is closed, so
-// no half-configured device survives.
-func attachOnce(ctl, backing *os.File, name string, o Options, dio bool) (d *Device, err error) {
+// attachOnce does one GET_FREE + open + LOOP_CONFIGURE round.
+func attachOnce(ctl, backing *os.File, name string, o Options, dio bool) (*Device, error) {
 	n, err := getFree(ctl)
 	if err != nil {
 		return nil, err
 	}
+	return attachAt(n, backing, name, o, dio)
+}
+
+// attachAt opens loop device n and binds backing to it. Any error after
+// LOOP_CONFIGURE clears the binding again before the fd is closed, so no
+// half-configured device survives.
+func attachAt(n int, backing *os.File, name string, o Options, dio bool) (d *Device, err error) {
 	path := fmt.Sprintf("/dev/loop%d", n)
 	mode := os.O_RDWR
 	if o.ReadOnly {

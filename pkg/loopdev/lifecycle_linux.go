@@ -49,6 +49,9 @@ func (d *Device) Detach() error {
 	if err != nil && !errors.Is(err, unix.ENXIO) {
 		return sysErr("LOOP_CLR_FD", d.Path, err)
 	}
+	if err == nil {
+		hintFree(d.Number)
+	}
 	return cerr
 }
 
