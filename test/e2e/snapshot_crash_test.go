@@ -96,9 +96,7 @@ func snapshotKilled(t *testing.T, e *env, fsType string) {
 		for r := range rounds {
 			name := fmt.Sprintf("%s-%d", op.name, r)
 			w := startWriter(a, name)
-			if !w.waitFor(2, 30*time.Second) {
-				t.Fatal("the writer makes no progress")
-			}
+			w.waitFor(t, 2, 30*time.Second, "before the kill")
 			done := make(chan error, 1)
 			go func() { done <- op.run(name) }()
 			time.Sleep(time.Duration(rng.Int64N(int64(took) * 6 / 5)))
@@ -109,10 +107,8 @@ func snapshotKilled(t *testing.T, e *env, fsType string) {
 				finished++
 			}
 			e.restart()
-			if !w.waitFor(3, 30*time.Second) {
-				t.Fatalf("%s round %d: the writer makes no progress after the restart: the source was left frozen", op.name, r)
-			}
-			w.halt(t)
+			w.waitFor(t, 3, 30*time.Second, fmt.Sprintf("%s round %d: after the restart: the source was left frozen?", op.name, r))
+			w.removeFiles(t)
 			if left := e.leftovers(t); len(left) > 0 {
 				t.Errorf("%s round %d: left after the restart: %v", op.name, r, left)
 			}

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/json"
@@ -128,10 +129,62 @@ func (w *writer) files() map[string][sha256.Size]byte {
 }
 
 // waitFor waits until n more files than now are synced: the writer makes
-// progress (a frozen filesystem stops it). It reports false after timeout.
-func (w *writer) waitFor(n int, timeout time.Duration) bool {
+// progress (a frozen filesystem stops it). It fails the test, saying why,
+// when the writer stopped on an error (a full filesystem, an I/O error) or
+// made no progress within timeout: then what is the suspected cause.
+func (w *writer) waitFor(t *testing.T, n int, timeout time.Duration, what string) {
+	t.Helper()
 	start := len(w.files())
-	return testutil.Poll(timeout, 5*time.Millisecond, func() bool { return len(w.files()) >= start+n })
+	var werr error
+	progressed := testutil.Poll(timeout, 5*time.Millisecond, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		werr = w.err
+		return werr != nil || len(w.synced) >= start+n
+	})
+	switch {
+	case werr != nil:
+		t.Fatalf("the writer in %s stopped after %d files: %v", w.dir, len(w.files()), werr)
+	case !progressed:
+		t.Fatalf("the writer in %s made no progress in %v (%d files so far): %s\n%s", w.dir, timeout, len(w.files()), what, blockedTasks())
+	}
+}
+
+// blockedTasks describes this process's threads in uninterruptible sleep
+// with their kernel stacks: where a stalled writer waits (a freeze shows
+// as sb_start_write or percpu_rwsem_wait) tells a frozen filesystem from
+// anything else.
+func blockedTasks() string {
+	dirs, _ := filepath.Glob("/proc/self/task/*")
+	var b strings.Builder
+	for _, d := range dirs {
+		stat, err := os.ReadFile(filepath.Join(d, "stat"))
+		if err != nil {
+			continue
+		}
+		// The state follows the parenthesised command name.
+		if i := bytes.LastIndexByte(stat, ')'); i < 0 || i+2 >= len(stat) || stat[i+2] != 'D' {
+			continue
+		}
+		stack, _ := os.ReadFile(filepath.Join(d, "stack"))
+		fmt.Fprintf(&b, "thread %s in D state:\n%s", filepath.Base(d), stack)
+	}
+	if b.Len() == 0 {
+		return "no thread of the test is in uninterruptible sleep"
+	}
+	return b.String()
+}
+
+// removeFiles halts the writer and removes what it wrote, so that rounds
+// of writing do not fill the volume.
+func (w *writer) removeFiles(t *testing.T) {
+	t.Helper()
+	w.halt(t)
+	for name := range w.files() {
+		if err := os.Remove(filepath.Join(w.dir, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // halt stops the writer and returns its error, if any.

@@ -62,9 +62,7 @@ func snapshotUnderWrites(t *testing.T, e *env, fsType, method string) {
 
 	// A snapshot while the writer writes.
 	w := startWriter(a, "s")
-	if !w.waitFor(5, 30*time.Second) {
-		t.Fatal("the writer makes no progress")
-	}
+	w.waitFor(t, 5, 30*time.Second, "before the copy")
 	want := w.files()
 	want["base"] = sha256.Sum256(base)
 	t0 := time.Now()
@@ -72,9 +70,7 @@ func snapshotUnderWrites(t *testing.T, e *env, fsType, method string) {
 		t.Fatalf("CreateSnapshot of a volume in use: %v", err)
 	}
 	t.Logf("snapshot of a published %s volume holding 64 MiB under writes: %v", fsType, time.Since(t0))
-	if !w.waitFor(3, 30*time.Second) {
-		t.Fatal("the writer makes no progress after the snapshot: the filesystem was left frozen")
-	}
+	w.waitFor(t, 3, 30*time.Second, "after the snapshot: the filesystem was left frozen?")
 	w.halt(t)
 	rec, err := e.snapshotRecord("snap")
 	if err != nil || rec.Method != method || rec.Creating || rec.Frozen {
@@ -100,17 +96,13 @@ func snapshotUnderWrites(t *testing.T, e *env, fsType, method string) {
 
 	// A clone of the volume while the writer writes.
 	w = startWriter(a, "c")
-	if !w.waitFor(5, 30*time.Second) {
-		t.Fatal("the writer makes no progress")
-	}
+	w.waitFor(t, 5, 30*time.Second, "before the copy")
 	want = w.files()
 	want["base"] = sha256.Sum256(base)
 	if _, err := e.tryCreateFrom("clone", 0, c, volumeSource("src")); err != nil {
 		t.Fatalf("CreateVolume from a volume in use: %v", err)
 	}
-	if !w.waitFor(3, 30*time.Second) {
-		t.Fatal("the writer makes no progress after the clone: the filesystem was left frozen")
-	}
+	w.waitFor(t, 3, 30*time.Second, "after the clone: the filesystem was left frozen?")
 	w.halt(t)
 	fsck(t, fsType, e.image("clone"))
 	checkCopy(t, e, "clone", c, want, 0)
