@@ -32,6 +32,11 @@ type stepTime struct {
 	writes int
 }
 
+// attachStep names the floor's attach: loopdev.Attach binds a number it
+// detached before when it can, as the plugin does, else asks
+// LOOP_CTL_GET_FREE (which walks every loop device).
+const attachStep = "attach: loopdev.Attach (a number it detached, else LOOP_CTL_GET_FREE; LOOP_CONFIGURE)"
+
 func (b *bench) steps(s *sample) *stepper { return &stepper{b: b, s: s} }
 
 func (st *stepper) do(name string, fn func() error) error {
@@ -115,7 +120,7 @@ func (b *bench) floorCycle(ctx context.Context, s *sample) (err error) {
 		}
 	}()
 	// The plugin's options: direct I/O where the backing filesystem allows, autoclear.
-	if err := st.do("attach: LOOP_CTL_GET_FREE + LOOP_CONFIGURE (loopdev.Attach)", func() (err error) {
+	if err := st.do(attachStep, func() (err error) {
 		dev, err = loopdev.Attach(ctx, b.floorImg, loopdev.Options{DirectIO: true, Autoclear: true})
 		return err
 	}); err != nil {
@@ -292,7 +297,7 @@ func (b *bench) prepareFloorCycle(ctx context.Context, s *sample) (err error) {
 			err = errors.Join(err, dev.Detach())
 		}
 	}()
-	if err := st.do("attach: LOOP_CTL_GET_FREE + LOOP_CONFIGURE (loopdev.Attach)", func() (err error) {
+	if err := st.do(attachStep, func() (err error) {
 		dev, err = loopdev.Attach(ctx, b.floorImg, loopdev.Options{DirectIO: true, Autoclear: true})
 		return err
 	}); err != nil {

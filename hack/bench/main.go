@@ -5,8 +5,9 @@
 //  1. publish cycle through the socket: NodeStageVolume, NodePublishVolume,
 //     NodeUnpublishVolume, NodeUnstageVolume against the real plugin binary;
 //
-//  2. its floor, in process: LOOP_CTL_GET_FREE + LOOP_CONFIGURE
-//     (loopdev.Attach), mount(2) nosuid,nodev, umount2, detach;
+//  2. its floor, in process: loopdev.Attach (a loop number it detached
+//     before, else LOOP_CTL_GET_FREE; LOOP_CONFIGURE), mount(2)
+//     nosuid,nodev, umount2, detach;
 //
 //  3. the same with util-linux: losetup --find --show, mount, umount,
 //     losetup -d;
