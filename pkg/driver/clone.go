@@ -72,6 +72,11 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 	if err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create %s from %s: %w", id, describeContent(c.record), err)
+		if errors.Is(err, errMayBeFrozen) {
+			// The record (Creating, ContentSource.Frozen) stays: whoever
+			// undoes it (a retry, the reconciler) thaws the source first.
+			return nil, err
+		}
 		return nil, errors.Join(err, loop.ClearScratch(scratch), loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
 	}
 	klog.FromContext(ctx).V(2).Info("Copied the image", "from", describeContent(c.record), "method", method)

@@ -81,13 +81,18 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst str
 	}
 	method, err := copyImage(ctx, v.Image, dst, size)
 	if terr := thaw(); terr != nil {
-		return "", errors.Join(err, terr)
+		return "", errors.Join(err, fmt.Errorf("%w: %w", errMayBeFrozen, terr))
 	}
 	if err != nil || recoverAt == "" {
 		return method, err
 	}
 	return method, loop.RecoverCopy(ctx, dst, recoverAt)
 }
+
+// errMayBeFrozen marks a copy whose thaw of its source failed: the source
+// may still be frozen, so the record that says so (Creating, Frozen) must
+// stay for the reconciler or a retry to thaw it (see thawSource).
+var errMayBeFrozen = errors.New("the source's filesystem may still be frozen")
 
 // copyImage copies an image, marking a full disk as resource exhausted.
 func copyImage(ctx context.Context, src, dst string, size int64) (imagecopy.Method, error) {

@@ -114,6 +114,11 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal
 	if err != nil {
 		// No record outlives a failed snapshot: the name stays free.
 		err = fmt.Errorf("snapshot %s of volume %s: %w", name, srcID, err)
+		if errors.Is(err, errMayBeFrozen) {
+			// The record (Creating, Frozen) stays: whoever undoes it
+			// (a retry, the reconciler) thaws the source first.
+			return nil, err
+		}
 		return nil, errors.Join(err, loop.ClearScratch(scratch), loop.RemoveImage(snap.Image), d.snaps.store.Delete(name))
 	}
 	snap.Creating, snap.Frozen, snap.Method = false, false, string(method)
