@@ -26,6 +26,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mounter/service"
+	"github.com/mountplan/mountplan/pkg/periodic"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/fuse"
 	"github.com/mountplan/mountplan/pkg/source/iscsi"
@@ -132,6 +133,10 @@ func run(f flags) error {
 		// Serve at once so Probe can answer "not ready" while this runs.
 		if err := d.Reconcile(ctx); err != nil {
 			klog.ErrorS(err, "Startup reconcile left errors")
+			// Tried again soon rather than one whole interval later: what
+			// it could not do (thaw the source a crashed copy left frozen,
+			// adopt a device) may block a consumer until it is done.
+			periodic.Retry(ctx, time.Second, f.reconcileInterval/2, d.Reconcile)
 		}
 		klog.InfoS("Startup reconcile finished")
 		d.RunReconciler(ctx, f.reconcileInterval)

@@ -25,3 +25,21 @@ func Every(ctx context.Context, interval time.Duration, fn func(context.Context)
 		}
 	}
 }
+
+// Retry calls fn again while it fails, first after wait and then after
+// twice as long each time, until fn succeeds, ctx ends or the next wait
+// would exceed limit (the caller's regular interval takes over there). It
+// reports whether fn succeeded.
+func Retry(ctx context.Context, wait, limit time.Duration, fn func(context.Context) error) bool {
+	for ; wait <= limit; wait *= 2 {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(wait):
+		}
+		if fn(ctx) == nil {
+			return true
+		}
+	}
+	return false
+}
