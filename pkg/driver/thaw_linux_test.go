@@ -1,0 +1,143 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/loop"
+	"github.com/mountplan/mountplan/test/testutil"
+)
+
+// thawFails is the loop source with a thaw that fails after a freeze
+// succeeded: the source stays frozen, as when FITHAW or the scratch
+// unmount fails for real.
+type thawFails struct{ *loop.Source }
+
+func (s thawFails) Freeze(ctx context.Context, v source.Volume, scratch string) (func() error, error) {
+	if _, err := s.Source.Freeze(ctx, v, scratch); err != nil {
+		return nil, err
+	}
+	return func() error { return errors.New("injected: FITHAW failed") }, nil
+}
+
+// TestCopyWhoseThawFailed: a snapshot and a clone of a published volume
+// whose thaw fails keep their records (Creating, Frozen) and answer an
+// error; the retry of the same call then thaws the source and succeeds,
+// and the source's filesystem takes writes again.
+func TestCopyWhoseThawFailed(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.ext4")
+	testutil.NoLeaks(t)
+	base := t.TempDir()
+	kubelet := filepath.Join(base, "kubelet")
+	cfg := &config.Config{DefaultFsType: "ext4"}
+	state := filepath.Join(base, "state")
+	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg,
+		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: kubelet}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "src", VolumeCapabilities: []*csi.VolumeCapability{rwo},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}}); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(kubelet, "plugins/mountplan/src/globalmount")
+	target := filepath.Join(kubelet, "pods/p/volumes/src/mount")
+	for _, dir := range []string{staging, filepath.Dir(target)} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "src", StagingTargetPath: staging, VolumeCapability: rwo}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "src", StagingTargetPath: staging, TargetPath: target, VolumeCapability: rwo}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "src", TargetPath: target})
+		_, _ = d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "src", StagingTargetPath: staging})
+		_, _ = d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "src"})
+	})
+	real := d.sources[loop.Type].(*loop.Source)
+
+	copies := []struct {
+		name   string
+		create func() error
+		record func() (creating, frozen bool, err error)
+		remove func()
+	}{
+		{"snapshot", func() error {
+			_, err := d.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: "src"})
+			return err
+		}, func() (bool, bool, error) {
+			s, err := d.snaps.store.Get("snap")
+			if err != nil {
+				return false, false, err
+			}
+			return s.Creating, s.Frozen, nil
+		}, func() { _, _ = d.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: "snap"}) }},
+		{"clone", func() error {
+			_, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "clone", VolumeCapabilities: []*csi.VolumeCapability{rwo},
+				VolumeContentSource: fromVolume("src")})
+			return err
+		}, func() (bool, bool, error) {
+			v, err := d.vols.Get("clone")
+			if err != nil {
+				return false, false, err
+			}
+			return v.Creating, v.ContentSource != nil && v.ContentSource.Frozen, nil
+		}, func() { _, _ = d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "clone"}) }},
+	}
+	for _, c := range copies {
+		t.Run(c.name, func(t *testing.T) {
+			d.sources[loop.Type] = thawFails{real}
+			err := c.create()
+			d.sources[loop.Type] = real
+			t.Cleanup(c.remove)
+			if err == nil || errdefs.Code(err) == 0 {
+				t.Fatalf("%s whose thaw failed: %v, want an error", c.name, err)
+			}
+			creating, frozen, rerr := c.record()
+			if rerr != nil || !creating || !frozen {
+				t.Fatalf("after the failed thaw the record is (creating %v, frozen %v, %v), want kept as creating and frozen", creating, frozen, rerr)
+			}
+			if err := c.create(); err != nil {
+				t.Fatalf("the retry: %v", err)
+			}
+			if creating, frozen, rerr = c.record(); rerr != nil || creating || frozen {
+				t.Fatalf("after the retry the record is (creating %v, frozen %v, %v), want done", creating, frozen, rerr)
+			}
+			// A write blocks on a frozen filesystem and goes through on a
+			// thawed one; syncfs makes it reach the filesystem.
+			done := make(chan error, 1)
+			go func() {
+				f, err := os.Create(filepath.Join(target, c.name))
+				if err == nil {
+					err = errors.Join(unix.Syncfs(int(f.Fd())), f.Close())
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("a write to the source blocks: it was left frozen")
+			}
+		})
+	}
+}
