@@ -31,6 +31,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/source/fuse"
 	"github.com/mountplan/mountplan/pkg/source/iscsi"
 	"github.com/mountplan/mountplan/pkg/source/nbd"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 type flags struct {
@@ -42,6 +43,7 @@ type flags struct {
 }
 
 func main() {
+	toolrun.ServeSpawnerIfAsked() // this process may be the plugin's tool spawner
 	var f flags
 	flag.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///abs/path.sock)")
 	flag.StringVar(&f.nodeID, "node-id", "", "name of this node (required)")
@@ -77,6 +79,12 @@ func run(f flags) error {
 		return err
 	}
 	raiseFileLimit()
+	// Tools (mkfs, blkid, ...) are started by a small child made now,
+	// before the plugin holds one open file per staged volume: starting
+	// them from here would copy that whole file table each time.
+	if err := toolrun.StartSpawner(); err != nil {
+		klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background())

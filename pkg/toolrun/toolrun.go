@@ -28,6 +28,10 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
+// SpawnerName is the argv[0] of the spawner (see StartSpawner): how ps
+// and tests tell it from the plugin's other children (FUSE daemons, tools).
+const SpawnerName = "mountplan-tool-spawner"
+
 // Marker replaces every secret in output the plugin passes on.
 const Marker = "[redacted]"
 

@@ -14,6 +14,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
+	"github.com/mountplan/mountplan/pkg/toolrun"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -109,7 +110,16 @@ func TestFuseBadInput(t *testing.T) {
 	}
 }
 
-// fuseChildrenOf returns the live processes whose parent is pid.
+// isToolSpawner tells the plugin's tool spawner (pkg/toolrun), a child it
+// has from its start, from the processes a stage starts.
+func isToolSpawner(pid string) bool {
+	cmdline, _ := os.ReadFile("/proc/" + pid + "/cmdline")
+	argv0, _, _ := strings.Cut(string(cmdline), "\x00")
+	return argv0 == toolrun.SpawnerName
+}
+
+// fuseChildrenOf returns the live processes whose parent is pid, but for
+// the plugin's tool spawner.
 func fuseChildrenOf(pid int) map[int]string {
 	out := map[int]string{}
 	ents, _ := os.ReadDir("/proc")
@@ -124,7 +134,7 @@ func fuseChildrenOf(pid int) map[int]string {
 			continue
 		}
 		f := strings.Fields(s[i+1:])
-		if len(f) > 1 && f[1] == strconv.Itoa(pid) && f[0] != "Z" {
+		if len(f) > 1 && f[1] == strconv.Itoa(pid) && f[0] != "Z" && !isToolSpawner(ent.Name()) {
 			n, _ := strconv.Atoi(ent.Name())
 			out[n] = s[:i+1]
 		}
