@@ -32,18 +32,15 @@ type raceVolume struct {
 	epoch               atomic.Int64
 }
 
-// TestReadsDuringStateChanges hammers NodeGetVolumeStats,
-// NodeGetVolumeHealth, the staged-volume gauge and the record itself while
-// writers stage, publish, unpublish and unstage the same volumes (real
-// loop devices and mounts; run it with -race). Readers must never get an
-// error other than NotFound for a volume that is not published at that
-// moment, never a stale answer (a volume published for the whole of a
-// stats call is found), and never a torn record.
-func TestReadsDuringStateChanges(t *testing.T) {
+// newRootDriver makes a driver whose mounts are real (an in-process
+// mounter.Executor) with ext4 as the default filesystem, under a temp dir,
+// for root tests that check afterwards that nothing leaked. It returns the
+// driver and kubelet's directory.
+func newRootDriver(t *testing.T) (*Driver, string) {
+	t.Helper()
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4")
 	testutil.NoLeaks(t)
-	const nVols, cycles, nReaders = 4, 25, 4
 	base := t.TempDir()
 	kubelet := filepath.Join(base, "kubelet")
 	cfg := &config.Config{DefaultFsType: "ext4"}
@@ -53,6 +50,19 @@ func TestReadsDuringStateChanges(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return d, kubelet
+}
+
+// TestReadsDuringStateChanges hammers NodeGetVolumeStats,
+// NodeGetVolumeHealth, the staged-volume gauge and the record itself while
+// writers stage, publish, unpublish and unstage the same volumes (real
+// loop devices and mounts; run it with -race). Readers must never get an
+// error other than NotFound for a volume that is not published at that
+// moment, never a stale answer (a volume published for the whole of a
+// stats call is found), and never a torn record.
+func TestReadsDuringStateChanges(t *testing.T) {
+	const nVols, cycles, nReaders = 4, 25, 4
+	d, kubelet := newRootDriver(t)
 	ctx := context.Background()
 	vols := make([]*raceVolume, nVols)
 	for i := range vols {

@@ -11,12 +11,9 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/loop"
-	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // thawFails is the loop source with a thaw that fails after a freeze
@@ -36,18 +33,7 @@ func (s thawFails) Freeze(ctx context.Context, v source.Volume, scratch string) 
 // error; the retry of the same call then thaws the source and succeeds,
 // and the source's filesystem takes writes again.
 func TestCopyWhoseThawFailed(t *testing.T) {
-	testutil.RequireRoot(t)
-	testutil.RequireCommands(t, "mkfs.ext4")
-	testutil.NoLeaks(t)
-	base := t.TempDir()
-	kubelet := filepath.Join(base, "kubelet")
-	cfg := &config.Config{DefaultFsType: "ext4"}
-	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg,
-		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: kubelet}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	d, kubelet := newRootDriver(t)
 	ctx := context.Background()
 	if _, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "src", VolumeCapabilities: []*csi.VolumeCapability{rwo},
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}}); err != nil {

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -189,6 +190,17 @@ func sendWithFds(f *os.File, msg []byte, fds ...int) error {
 
 func withoutSpawnerEnv(env []string) []string {
 	return slices.DeleteFunc(slices.Clone(env), func(kv string) bool { return strings.HasPrefix(kv, spawnerEnv+"=") })
+}
+
+// init names a spawner SpawnerComm. Package init runs on the main thread,
+// whose name is the process's command name.
+func init() {
+	if os.Getenv(spawnerEnv) != "1" {
+		return
+	}
+	if name, err := unix.BytePtrFromString(SpawnerComm); err == nil {
+		_ = unix.Prctl(unix.PR_SET_NAME, uintptr(unsafe.Pointer(name)), 0, 0, 0)
+	}
 }
 
 // ServeSpawnerIfAsked serves as the spawner and exits when this process

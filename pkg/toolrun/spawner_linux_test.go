@@ -69,6 +69,10 @@ func TestSpawnerRuns(t *testing.T) {
 	if len(fields) != 3 || fields[0] != "added" || !strings.HasSuffix(out, "oops") {
 		t.Fatalf("output %q, want the added variable, the pids and stderr", out)
 	}
+	comm, err := os.ReadFile("/proc/" + strconv.Itoa(active.Load().pid) + "/comm")
+	if err != nil || strings.TrimSpace(string(comm)) != SpawnerComm {
+		t.Errorf("the spawner's command name is %q (%v), want %q", comm, err, SpawnerComm)
+	}
 	// The tool's parent is the spawner, not this process.
 	if fields[2] == strconv.Itoa(os.Getpid()) {
 		t.Errorf("the tool's parent is this process (%s): it was not started by the spawner", fields[2])

@@ -32,6 +32,11 @@ import (
 // and tests tell it from the plugin's other children (FUSE daemons, tools).
 const SpawnerName = "mountplan-tool-spawner"
 
+// SpawnerComm is the spawner's command name (/proc/PID/comm, at most 15
+// bytes), apart from the plugin's: whatever finds the plugin by its
+// command name finds one process.
+const SpawnerComm = "mp-tool-spawner"
+
 // Marker replaces every secret in output the plugin passes on.
 const Marker = "[redacted]"
 
