@@ -300,16 +300,24 @@ func (e *env) consumers(id string) map[string]bool {
 }
 
 // wantConsumers checks that the journal's consumers of id are exactly the
-// containers given, each with its namespace recorded.
+// containers given, each with its namespace recorded, within 10 s.
 func (e *env) wantConsumers(id string, containers ...string) {
 	e.t.Helper()
-	got := e.consumers(id)
-	ok := len(got) == len(containers)
-	for _, c := range containers {
-		if !got[c] {
-			ok = false
+	// A hook that just registered may still be reporting the namespaces
+	// of containers that started while it was dead (its synchronize).
+	var got map[string]bool
+	ok := testutil.Poll(10*time.Second, 20*time.Millisecond, func() bool {
+		got = e.consumers(id)
+		if len(got) != len(containers) {
+			return false
 		}
-	}
+		for _, c := range containers {
+			if !got[c] {
+				return false
+			}
+		}
+		return true
+	})
 	if !ok {
 		e.t.Fatalf("journal: consumers of %s are %v (container: namespace recorded), want exactly %v, each with its namespace", id, got, containers)
 	}
