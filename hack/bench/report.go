@@ -90,7 +90,7 @@ func (r *results) summary() []row {
 			case x.Ratio <= g.maxRatio:
 				x.Verdict = "met"
 			default:
-				x.Verdict = "not met"
+				x.Verdict = "not met" + r.rpcBound(s, r.byN(g.to))
 			}
 		}
 		rows = append(rows, x)
@@ -104,6 +104,18 @@ func (r *results) summary() []row {
 		rows = append(rows, x)
 	}
 	return rows
+}
+
+// rpcBound says, for a socket cycle that missed its goal, how far the
+// floor plus the cycle's calls as no-op RPCs already are from the floor:
+// what is left of the goal for the plugin's own work is the difference.
+func (r *results) rpcBound(s, floor *sample) string {
+	rpc, n := refMedian(r.noopRPC), rpcSteps(s)
+	if rpc == 0 || n == 0 || floor == nil {
+		return ""
+	}
+	f := median(floor.totals)
+	return fmt.Sprintf("; the floor plus %d no-op RPCs (%s each) alone: %.2f×", n, ms(rpc), float64(f+time.Duration(n)*rpc)/float64(f))
 }
 
 // printSummary prints the summary as one markdown table.
