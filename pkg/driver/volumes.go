@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -82,11 +81,8 @@ func (vs *volumes) Get(id string) (*journal.Volume, error) {
 // Put writes v to the journal, then makes it what readers see. The
 // caller holds v's lock.
 func (vs *volumes) Put(v *journal.Volume, d journal.Durability) error {
-	b, err := json.Marshal(v)
+	b, err := vs.store.PutRecord(v, d)
 	if err != nil {
-		return fmt.Errorf("journal: %w", err)
-	}
-	if err := vs.store.Put(v, d); err != nil {
 		return err
 	}
 	vs.mu.Lock()

@@ -128,7 +128,10 @@ func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
 	small := &Volume{ID: "v", Kind: KindStatic}
 	huge := &Volume{ID: "v", Kind: KindEphemeral, Image: strings.Repeat("y", 6000)}
 	for i, v := range []*Volume{big, small, big, huge, small} {
-		if err := s.Put(v, Runtime); err != nil {
+		// PutRecord's bytes are what the driver caches and decodes
+		// later: they must be the record, not the space-padded file.
+		rec, err := s.PutRecord(v, Runtime)
+		if err != nil {
 			t.Fatalf("put %d: %v", i, err)
 		}
 		got, err := s.Get("v")
@@ -137,6 +140,10 @@ func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
 		}
 		if got.Kind != v.Kind || got.Image != v.Image {
 			t.Fatalf("put %d: read back %s/%d bytes of image, want %s/%d", i, got.Kind, len(got.Image), v.Kind, len(v.Image))
+		}
+		var cached Volume
+		if err := json.Unmarshal(rec, &cached); err != nil || cached.Kind != v.Kind || cached.Image != v.Image {
+			t.Fatalf("put %d: returned record %.60q (%v), want the volume's JSON", i, rec, err)
 		}
 	}
 }

@@ -64,10 +64,13 @@ func (e *Executor) openDevice(p string) (*os.File, error) {
 // openLoop opens loop device p, which had device number rdev, and checks
 // its backing file (checkLoop).
 func (e *Executor) openLoop(p string, rdev uint64, sys string) (*os.File, error) {
-	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	// unix.Open and os.NewFile, not os.OpenFile: a device node needs no
+	// poller, and os.OpenFile would try it (five more system calls).
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, mountns.Classify(err)
+		return nil, mountns.Classify(&os.PathError{Op: "open", Path: p, Err: err})
 	}
+	f := os.NewFile(uintptr(fd), p)
 	var st unix.Stat_t
 	err = unix.Fstat(int(f.Fd()), &st)
 	switch {
