@@ -304,6 +304,11 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if v.Kind != journal.KindProvisioned {
 		return nil, fmt.Errorf("volume %s is %s, not provisioned: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
 	}
+	if v.Creating && v.ContentSource != nil {
+		// A copy that failed or was cut short: its record may say the
+		// source was left frozen, and only undoing it thaws the source.
+		return &csi.DeleteVolumeResponse{}, d.abandonCopy(ctx, v)
+	}
 	// Deleting an image a loop device still reads would leave that device
 	// serving a file nobody can see or clean up: refuse until it is gone.
 	if err := loop.RemoveDetachedImage(ctx, v.Image); err != nil {

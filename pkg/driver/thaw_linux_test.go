@@ -87,43 +87,68 @@ func TestCopyWhoseThawFailed(t *testing.T) {
 			return v.Creating, v.ContentSource != nil && v.ContentSource.Frozen, nil
 		}, func() { _, _ = d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "clone"}) }},
 	}
+	// A copy whose thaw failed is ended either by the retry of the same
+	// call or by a delete of the copy: both must thaw the source.
 	for _, c := range copies {
-		t.Run(c.name, func(t *testing.T) {
-			d.sources[loop.Type] = thawFails{real}
-			err := c.create()
-			d.sources[loop.Type] = real
-			t.Cleanup(c.remove)
-			if err == nil || errdefs.Code(err) == 0 {
-				t.Fatalf("%s whose thaw failed: %v, want an error", c.name, err)
-			}
-			creating, frozen, rerr := c.record()
-			if rerr != nil || !creating || !frozen {
-				t.Fatalf("after the failed thaw the record is (creating %v, frozen %v, %v), want kept as creating and frozen", creating, frozen, rerr)
-			}
-			if err := c.create(); err != nil {
-				t.Fatalf("the retry: %v", err)
-			}
-			if creating, frozen, rerr = c.record(); rerr != nil || creating || frozen {
-				t.Fatalf("after the retry the record is (creating %v, frozen %v, %v), want done", creating, frozen, rerr)
-			}
-			// A write blocks on a frozen filesystem and goes through on a
-			// thawed one; syncfs makes it reach the filesystem.
-			done := make(chan error, 1)
-			go func() {
-				f, err := os.Create(filepath.Join(target, c.name))
-				if err == nil {
-					err = errors.Join(unix.Syncfs(int(f.Fd())), f.Close())
+		for _, end := range []string{"retry", "delete"} {
+			t.Run(c.name+"/"+end, func(t *testing.T) {
+				d.sources[loop.Type] = thawFails{real}
+				err := c.create()
+				d.sources[loop.Type] = real
+				t.Cleanup(c.remove)
+				if err == nil || errdefs.Code(err) == 0 {
+					t.Fatalf("%s whose thaw failed: %v, want an error", c.name, err)
 				}
-				done <- err
-			}()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Fatal(err)
+				creating, frozen, rerr := c.record()
+				if rerr != nil || !creating || !frozen {
+					t.Fatalf("after the failed thaw the record is (creating %v, frozen %v, %v), want kept as creating and frozen", creating, frozen, rerr)
 				}
-			case <-time.After(30 * time.Second):
-				t.Fatal("a write to the source blocks: it was left frozen")
-			}
-		})
+				if end == "retry" {
+					if err := c.create(); err != nil {
+						t.Fatalf("the retry: %v", err)
+					}
+					if creating, frozen, rerr = c.record(); rerr != nil || creating || frozen {
+						t.Fatalf("after the retry the record is (creating %v, frozen %v, %v), want done", creating, frozen, rerr)
+					}
+				} else {
+					c.remove()
+					if _, _, rerr = c.record(); !errors.Is(rerr, errdefs.ErrNotFound) {
+						t.Fatalf("after the delete the record reads %v, want not found", rerr)
+					}
+				}
+				wantWritable(t, filepath.Join(target, c.name+"-"+end))
+			})
+		}
+	}
+}
+
+// wantWritable fails t when a write to the new file p does not reach its
+// filesystem within 30 s: a write blocks on a frozen filesystem and goes
+// through on a thawed one, and syncfs makes it reach the filesystem.
+func wantWritable(t *testing.T, p string) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() {
+		f, err := os.Create(p)
+		if err == nil {
+			err = errors.Join(unix.Syncfs(int(f.Fd())), f.Close())
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		// Thawed here, so that the failure ends the test instead of
+		// hanging its cleanup (and the blocked writer) on the freeze.
+		thawErr := errors.New("cannot open it")
+		if dir, err := os.Open(filepath.Dir(p)); err == nil {
+			thawErr = unix.IoctlSetInt(int(dir.Fd()), 0xC0045878, 0) // FITHAW
+			dir.Close()
+		}
+		<-done
+		t.Fatalf("a write to %s blocked: its filesystem was left frozen (thawed by the test: %v)", p, thawErr)
 	}
 }
