@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
+	"os/signal"
 	"runtime"
 	"slices"
 	"strings"
@@ -120,6 +122,9 @@ func (s *spawner) run(ctx context.Context, path string, args, env []string, out 
 	if s.dead.Load() {
 		return 0, false, nil
 	}
+	if err := ctx.Err(); err != nil {
+		return -1, true, err // a call already ended starts nothing
+	}
 	req, err := json.Marshal(spawnRequest{Path: path, Args: args, Env: env})
 	if err != nil || len(req) > maxRequest {
 		return 0, false, nil
@@ -152,25 +157,33 @@ func (s *spawner) run(ctx context.Context, path string, args, env []string, out 
 		}
 		got <- result{r, err}
 	}()
+	var res result
 	select {
 	case <-ctx.Done():
 		// Shutting our sending side makes the spawner kill the tool; its
 		// reply, sent once the tool is reaped, then ends the read above,
 		// so that the caller never cleans up after a tool still running.
 		_ = unix.Shutdown(fds[0], unix.SHUT_WR)
-		<-got
-		return -1, true, ctx.Err()
-	case res := <-got:
-		switch {
-		case res.err != nil:
-			return -1, true, fmt.Errorf("tool spawner: %w", res.err)
-		case res.r.Err != "":
-			return -1, true, errors.New(res.r.Err)
-		case !res.r.Exited:
-			return -1, true, errors.New("killed by a signal")
+		if res = <-got; res.err != nil || !res.r.Exited {
+			return -1, true, ctx.Err()
 		}
-		return res.r.Status, true, nil
+		// The tool had finished on its own: its result stands, as
+		// exec.Cmd.Wait reports it for a context that ends too late.
+	case res = <-got:
 	}
+	switch {
+	case errors.Is(res.err, io.EOF):
+		// The spawner died (its tools get SIGKILL with it): what the
+		// tool did is unknown, so the call failed.
+		return -1, true, errors.New("the tool spawner ended during the call; the tool was killed")
+	case res.err != nil:
+		return -1, true, fmt.Errorf("tool spawner: %w", res.err)
+	case res.r.Err != "":
+		return -1, true, errors.New(res.r.Err)
+	case !res.r.Exited:
+		return -1, true, errors.New("killed by a signal")
+	}
+	return res.r.Status, true, nil
 }
 
 func sendWithFds(f *os.File, msg []byte, fds ...int) error {
@@ -217,6 +230,11 @@ func ServeSpawnerIfAsked() {
 	if err := unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
 		os.Exit(2)
 	}
+	// Ctrl-C reaches the whole process group and a stop may signal every
+	// process: the spawner stays until the plugin is gone (EOF), so that
+	// the calls the plugin is still finishing keep their tools. Caught,
+	// not ignored: an ignored signal would stay ignored in the tools.
+	signal.Notify(make(chan os.Signal, 1), unix.SIGINT, unix.SIGTERM)
 	serveSpawner(os.NewFile(3, "spawner-control"))
 	os.Exit(0)
 }
@@ -290,8 +308,20 @@ func spawnOne(ctx context.Context, req spawnRequest, out, reply *os.File) {
 		_, _ = reply.Read(b[:])
 		cancel()
 	}()
+	// A call that ended while its request was on the way starts nothing:
+	// the plugin shut its end of reply (a read there returns 0 at once).
+	var peek [1]byte
+	if n, _, err := unix.Recvfrom(int(reply.Fd()), peek[:], unix.MSG_PEEK|unix.MSG_DONTWAIT); n == 0 && err == nil {
+		r, _ := json.Marshal(spawnReply{Err: "cancelled before it started"})
+		_, _ = reply.Write(r)
+		return
+	}
 	cmd := exec.CommandContext(ctx, req.Path, req.Args...)
 	cmd.Stdout, cmd.Stderr = out, out
+	// A spawner that dies (killed, out of memory) takes its tools along:
+	// the plugin then reports the call failed, and no tool it gave up on
+	// runs on beside the retry.
+	cmd.SysProcAttr = &unix.SysProcAttr{Pdeathsig: unix.SIGKILL}
 	if len(req.Env) > 0 {
 		cmd.Env = append(os.Environ(), req.Env...)
 	}

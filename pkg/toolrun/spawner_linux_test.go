@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -90,18 +91,11 @@ func TestSpawnerRuns(t *testing.T) {
 	}
 }
 
-// TestSpawnerSmallFileTable: the spawner holds a handful of descriptors
-// however many this process holds, so the tools it starts copy no big
-// file table; a tool it starts gets only its standard ones.
+// TestSpawnerSmallFileTable: a tool the spawner starts gets only its
+// standard descriptors, and the spawner's own table does not grow with
+// the requests it served, finished, failed or cancelled.
 func TestSpawnerSmallFileTable(t *testing.T) {
 	s := withSpawner(t)
-	for range 200 {
-		f, err := os.Open(os.DevNull)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Close() })
-	}
 	out, err := Runner{}.Run(t.Context(), sh, []string{"-c", "ls /proc/self/fd | wc -l"})
 	if err != nil {
 		t.Fatal(err)
@@ -110,50 +104,141 @@ func TestSpawnerSmallFileTable(t *testing.T) {
 	if n, err := strconv.Atoi(out); err != nil || n > 4 {
 		t.Errorf("a tool holds %q descriptors, want its standard three and ls's own", out)
 	}
-	ents, err := os.ReadDir("/proc/" + strconv.Itoa(s.pid) + "/fd")
-	if err != nil {
-		t.Fatal(err)
+	before := spawnerFds(t, s.pid)
+	cancelled, cancel := context.WithCancel(t.Context())
+	cancel()
+	for i := range 30 {
+		_, _ = Runner{}.Run(t.Context(), sh, []string{"-c", "exit " + strconv.Itoa(i%2)})
+		_, _ = Runner{}.Run(cancelled, sh, []string{"-c", "exit 0"})
+		runCancelledMidway(t, "sleep 600")
 	}
-	// The standard three, the control socket, the Go runtime's poller,
-	// the last request's descriptors while it finishes, what the test
-	// harness leaks to its children: a handful against over 200 here.
-	if len(ents) > 16 {
-		var held []string
-		for _, e := range ents {
-			l, _ := os.Readlink("/proc/" + strconv.Itoa(s.pid) + "/fd/" + e.Name())
-			held = append(held, e.Name()+"="+l)
+	// A reply's descriptors close a moment after the reply is sent.
+	var after []string
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if after = spawnerFds(t, s.pid); len(after) <= len(before) || time.Now().After(deadline) {
+			break
 		}
-		t.Fatalf("the spawner holds %d descriptors while this process holds over 200: %v", len(ents), held)
+	}
+	if len(after) > len(before) {
+		t.Fatalf("the spawner held %d descriptors before 90 requests and %d after: %v", len(before), len(after), after)
 	}
 }
 
-// TestSpawnerCancel: a call whose context ends returns only once the
-// tool is gone.
-func TestSpawnerCancel(t *testing.T) {
-	withSpawner(t)
+func spawnerFds(t *testing.T, pid int) []string {
+	t.Helper()
+	dir := "/proc/" + strconv.Itoa(pid) + "/fd"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held []string
+	for _, e := range ents {
+		l, _ := os.Readlink(dir + "/" + e.Name())
+		held = append(held, e.Name()+"="+l)
+	}
+	return held
+}
+
+// runCancelledMidway runs script through the spawner, cancels the call
+// once the tool is running and returns the tool's pid and parent pid.
+func runCancelledMidway(t *testing.T, script string) (pid, ppid string) {
+	t.Helper()
 	pidFile := t.TempDir() + "/pid"
 	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
 	go func() {
-		for {
-			if b, err := os.ReadFile(pidFile); err == nil && len(b) > 0 {
+		for ctx.Err() == nil {
+			if b, err := os.ReadFile(pidFile); err == nil && strings.HasSuffix(string(b), "\n") {
 				cancel()
 				return
 			}
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
-	_, err := Runner{}.Run(ctx, sh, []string{"-c", "echo $$ > " + pidFile + "; exec sleep 600"})
+	_, err := Runner{}.Run(ctx, sh, []string{"-c", "echo $$ $PPID > " + pidFile + "; exec " + script})
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("Run with its context cancelled: %v, want context.Canceled", err)
 	}
 	b, _ := os.ReadFile(pidFile)
-	pid := strings.TrimSpace(string(b))
-	if pid == "" {
-		t.Fatal("the tool wrote no pid")
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		t.Fatalf("the tool wrote %q, want its pid and its parent's", b)
+	}
+	return f[0], f[1]
+}
+
+// TestSpawnerCancel: a call whose context ends returns only once the
+// tool (started by the spawner) is gone, and a call whose context ended
+// before it was made starts nothing.
+func TestSpawnerCancel(t *testing.T) {
+	s := withSpawner(t)
+	pid, ppid := runCancelledMidway(t, "sleep 600")
+	if ppid != strconv.Itoa(s.pid) {
+		t.Fatalf("the tool's parent is %s, want the spawner (%d)", ppid, s.pid)
 	}
 	// The spawner reaps the tool before it replies: no trace is left.
 	if st, err := os.ReadFile("/proc/" + pid + "/stat"); err == nil {
 		t.Fatalf("the tool (pid %s) is still there after Run returned: %s", pid, st)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	ran := t.TempDir() + "/ran"
+	for range 50 {
+		if _, err := (Runner{}).Run(ctx, sh, []string{"-c", "touch " + ran}); !errors.Is(err, context.Canceled) {
+			t.Fatalf("Run with a context cancelled before: %v, want context.Canceled", err)
+		}
+	}
+	if _, err := os.Stat(ran); err == nil {
+		t.Fatal("a call whose context had ended before it was made ran its tool")
+	}
+}
+
+// TestSpawnerSignals: SIGTERM and SIGINT (a stop, Ctrl-C on the group)
+// leave the spawner serving; when it dies anyway, the call fails at once
+// and its tool dies with it.
+func TestSpawnerSignals(t *testing.T) {
+	s := withSpawner(t)
+	// A served request: the spawner is past its start, signals caught.
+	if _, err := (Runner{}).Run(t.Context(), sh, []string{"-c", "exit 0"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGINT} {
+		if err := syscall.Kill(s.pid, sig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, err := Runner{}.Run(t.Context(), sh, []string{"-c", "echo $PPID"})
+	if err != nil || out != strconv.Itoa(s.pid) {
+		t.Fatalf("a tool after SIGTERM and SIGINT to the spawner: %q, %v, want started by the spawner %d", out, err, s.pid)
+	}
+	pidFile := t.TempDir() + "/pid"
+	done := make(chan error, 1)
+	go func() {
+		_, err := Runner{}.Run(t.Context(), sh, []string{"-c", "echo $$ > " + pidFile + "; exec sleep 600"})
+		done <- err
+	}()
+	var tool string
+	for deadline := time.Now().Add(10 * time.Second); tool == "" && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if b, err := os.ReadFile(pidFile); err == nil && strings.HasSuffix(string(b), "\n") {
+			tool = strings.TrimSpace(string(b))
+		}
+	}
+	if tool == "" {
+		t.Fatal("the tool did not start")
+	}
+	if err := syscall.Kill(s.pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err == nil || Status(err) != -1 {
+			t.Fatalf("a call whose spawner was killed: %v, want a failure", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a call whose spawner was killed has not returned after 10 s")
+	}
+	if !testGone(tool, 10*time.Second) {
+		t.Fatalf("the tool (pid %s) still runs 10 s after its spawner was killed", tool)
 	}
 }
 
