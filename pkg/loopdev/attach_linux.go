@@ -60,8 +60,10 @@ func Attach(ctx context.Context, backingFile string, o Options) (*Device, error)
 
 // attachHinted tries the numbers this process detached last (see
 // hintFree) before LOOP_CTL_GET_FREE. It returns nil when none of them
-// could be bound, whatever the reason, and Attach goes on as without
-// hints; a failure that is not a lost race is found again there.
+// could be bound, and Attach goes on as without hints. A failure that is
+// not a lost race (the backing file's, not the number's) stops it at
+// once with the number put back: every hint would fail the same way, and
+// Attach finds the failure again and reports it.
 func attachHinted(ctx context.Context, backing *os.File, name string, o Options, dio bool) *Device {
 	for range maxHints {
 		if ctx.Err() != nil {
@@ -71,9 +73,14 @@ func attachHinted(ctx context.Context, backing *os.File, name string, o Options,
 		if !ok {
 			return nil
 		}
-		if d, err := attachAt(n, backing, name, o, dio); err == nil {
+		d, err := attachAt(n, backing, name, o, dio)
+		if err == nil {
 			logDirectIO(ctx, d, o)
 			return d
+		}
+		if !retryable(err) {
+			hintFree(n)
+			return nil
 		}
 	}
 	return nil

@@ -97,3 +97,26 @@ func TestAttachCancelledWithHints(t *testing.T) {
 		t.Fatalf("Attach with a cancelled context: %v, want context.Canceled", err)
 	}
 }
+
+// TestAttachFailureKeepsHint: an attach that fails for its own reason (a
+// block size the kernel refuses), not for a lost race, spends no hint: the
+// number stays for the next attach.
+func TestAttachFailureKeepsHint(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := testDir(t)
+	drainHints()
+	t.Cleanup(drainHints)
+	d := mustAttach(t, sparseImage(t, dir, "a.img", 16*mib), Options{})
+	if err := d.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	waitGone(t, d)
+	got, err := Attach(t.Context(), sparseImage(t, dir, "b.img", 16*mib), Options{BlockSize: 3000})
+	if err == nil {
+		_ = got.Detach()
+		t.Fatal("Attach with a 3000 B block size succeeded, want the kernel's EINVAL")
+	}
+	if n, ok := takeHint(); !ok || n != d.Number {
+		t.Fatalf("after a failed attach the hint is %d (%v), want %d kept", n, ok, d.Number)
+	}
+}
