@@ -270,7 +270,7 @@ func overwriteInPlace(path string, data []byte) (bool, error) {
 	// Raw calls, not os.OpenFile: the record is written on every change of
 	// a volume, and os wraps a regular file in the poller (three fcntl, an
 	// epoll_ctl that fails, an fstat), which is most of a write's cost.
-	fd, err := unix.Open(path, unix.O_WRONLY|unix.O_CLOEXEC, 0)
+	fd, err := ignoringEINTR(func() (int, error) { return unix.Open(path, unix.O_WRONLY|unix.O_CLOEXEC, 0) })
 	if errors.Is(err, unix.ENOENT) {
 		return false, nil
 	}
@@ -291,13 +291,29 @@ func overwriteInPlace(path string, data []byte) (bool, error) {
 	for i := n; i < len(buf); i++ {
 		buf[i] = ' '
 	}
-	if n, err := unix.Pwrite(fd, buf, 0); err != nil || n != len(buf) {
-		if err == nil {
+	// One pwrite on a local filesystem; a short one (a filesystem that
+	// splits writes, a signal) is carried on, as os.File.WriteAt did.
+	for off := 0; off < len(buf); {
+		n, err := ignoringEINTR(func() (int, error) { return unix.Pwrite(fd, buf[off:], int64(off)) })
+		if err == nil && n == 0 {
 			err = io.ErrShortWrite
 		}
-		return false, fmt.Errorf("journal: write %s: %w", path, err)
+		if err != nil {
+			return false, fmt.Errorf("journal: write %s: %w", path, err)
+		}
+		off += n
 	}
 	return true, nil
+}
+
+// ignoringEINTR calls fn again while it fails with EINTR.
+func ignoringEINTR(fn func() (int, error)) (int, error) {
+	for {
+		n, err := fn()
+		if !errors.Is(err, unix.EINTR) {
+			return n, err
+		}
+	}
 }
 
 // Delete removes the record of id; a missing record is not an error.
