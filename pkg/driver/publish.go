@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"k8s.io/klog/v2"
@@ -19,6 +18,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -263,11 +263,12 @@ func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string
 	return d.vols.Put(v, journal.Runtime)
 }
 
-// isMountPoint reports whether p is a mount point. A path whose check fails
-// (a dead FUSE mount answers ENOTCONN) counts as mounted: unmounting it is
+// isMountPoint reports whether p is a mount point (mountns.IsMountPoint:
+// a symlink at p is not followed). A path whose check fails (a dead FUSE
+// mount on the way answers ENOTCONN) counts as mounted: unmounting it is
 // safer than believing it gone.
 func (d *Driver) isMountPoint(p string) bool {
-	mounted, err := mountinfo.Mounted(p)
+	mounted, err := mountns.IsMountPoint(p)
 	if errors.Is(err, fs.ErrNotExist) {
 		return false
 	}

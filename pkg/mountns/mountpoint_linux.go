@@ -1,0 +1,43 @@
+package mountns
+
+import (
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// IsMountPoint reports whether something is mounted at path in the
+// caller's mount namespace. The directory part is resolved as the kernel
+// resolves it; the last component is not followed, as Unmount does not
+// follow it: a symlink there is never a mount point. Two openat2 calls,
+// where mountinfo.Mounted first resolves every component with lstat
+// (EvalSymlinks) and may fall back to reading the whole mount table: the
+// reconciler asks this of every publish on the node each round. A path
+// that does not exist fails with an error that wraps fs.ErrNotExist.
+func IsMountPoint(path string) (bool, error) {
+	path = filepath.Clean(path)
+	if path == "/" {
+		return true, nil
+	}
+	dir, last := filepath.Split(path)
+	dirfd, err := unix.Openat2(unix.AT_FDCWD, dir, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC})
+	if err != nil {
+		return false, &os.PathError{Op: "openat2", Path: dir, Err: err}
+	}
+	defer unix.Close(dirfd)
+	// RESOLVE_NO_XDEV fails the lookup with EXDEV exactly when it would
+	// step onto another mount: the last component is a mount point.
+	fd, err := unix.Openat2(dirfd, last, &unix.OpenHow{
+		Flags:   unix.O_PATH | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+		Resolve: unix.RESOLVE_NO_XDEV,
+	})
+	switch err {
+	case nil:
+		unix.Close(fd)
+		return false, nil
+	case unix.EXDEV:
+		return true, nil
+	}
+	return false, &os.PathError{Op: "openat2", Path: path, Err: err}
+}
