@@ -78,15 +78,7 @@ func TestAttachStaleHints(t *testing.T) {
 // TestAttachCancelledWithHints: a cancelled context stops Attach before it
 // binds anything, hints or not.
 func TestAttachCancelledWithHints(t *testing.T) {
-	testenv.RequireRoot(t)
-	dir := testDir(t)
-	drainHints()
-	t.Cleanup(drainHints)
-	d := mustAttach(t, sparseImage(t, dir, "a.img", 16*mib), Options{})
-	if err := d.Detach(); err != nil {
-		t.Fatal(err)
-	}
-	waitGone(t, d)
+	dir, _ := withOneHint(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
 	got, err := Attach(ctx, sparseImage(t, dir, "b.img", 16*mib), Options{})
@@ -102,15 +94,7 @@ func TestAttachCancelledWithHints(t *testing.T) {
 // block size the kernel refuses), not for a lost race, spends no hint: the
 // number stays for the next attach.
 func TestAttachFailureKeepsHint(t *testing.T) {
-	testenv.RequireRoot(t)
-	dir := testDir(t)
-	drainHints()
-	t.Cleanup(drainHints)
-	d := mustAttach(t, sparseImage(t, dir, "a.img", 16*mib), Options{})
-	if err := d.Detach(); err != nil {
-		t.Fatal(err)
-	}
-	waitGone(t, d)
+	dir, d := withOneHint(t)
 	got, err := Attach(t.Context(), sparseImage(t, dir, "b.img", 16*mib), Options{BlockSize: 3000})
 	if err == nil {
 		_ = got.Detach()
@@ -119,4 +103,20 @@ func TestAttachFailureKeepsHint(t *testing.T) {
 	if n, ok := takeHint(); !ok || n != d.Number {
 		t.Fatalf("after a failed attach the hint is %d (%v), want %d kept", n, ok, d.Number)
 	}
+}
+
+// withOneHint leaves exactly one hint: the number of a device it attached
+// in a fresh test dir and detached (returned for its number).
+func withOneHint(t *testing.T) (dir string, detached *Device) {
+	t.Helper()
+	testenv.RequireRoot(t)
+	dir = testDir(t)
+	drainHints()
+	t.Cleanup(drainHints)
+	d := mustAttach(t, sparseImage(t, dir, "a.img", 16*mib), Options{})
+	if err := d.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	waitGone(t, d)
+	return dir, d
 }
