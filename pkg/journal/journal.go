@@ -244,10 +244,11 @@ func (s *Store) PutRecord(v *Volume, d Durability) ([]byte, error) {
 		if err == nil {
 			err = writeRecord(s.durableCopy(v.ID), b, true)
 		}
-	} else if done, err1 := overwriteInPlace(s.path(v.ID), b); done || err1 != nil {
-		err = err1
 	} else {
-		err = writeRecord(s.path(v.ID), b, false)
+		var done bool
+		if done, err = overwriteInPlace(s.path(v.ID), b); !done && err == nil {
+			err = writeRecord(s.path(v.ID), b, false)
+		}
 	}
 	if err != nil {
 		return nil, err
