@@ -50,10 +50,10 @@ type spawnRequest struct {
 	Env  []string `json:"env,omitempty"`
 }
 
+// spawnReply is exitStatus's answer: Status when Err is empty (the tool
+// exited), else why it did not exit by itself.
 type spawnReply struct {
-	// Status is the exit status when the tool exited by itself.
 	Status int    `json:"status"`
-	Exited bool   `json:"exited"`
 	Err    string `json:"err,omitempty"`
 }
 
@@ -164,7 +164,7 @@ func (s *spawner) run(ctx context.Context, path string, args, env []string, out 
 		// reply, sent once the tool is reaped, then ends the read above,
 		// so that the caller never cleans up after a tool still running.
 		_ = unix.Shutdown(fds[0], unix.SHUT_WR)
-		if res = <-got; res.err != nil || !res.r.Exited {
+		if res = <-got; res.err != nil || res.r.Err != "" {
 			return -1, true, ctx.Err()
 		}
 		// The tool had finished on its own: its result stands, as
@@ -180,8 +180,6 @@ func (s *spawner) run(ctx context.Context, path string, args, env []string, out 
 		return -1, true, fmt.Errorf("tool spawner: %w", res.err)
 	case res.r.Err != "":
 		return -1, true, errors.New(res.r.Err)
-	case !res.r.Exited:
-		return -1, true, errors.New("killed by a signal")
 	}
 	return res.r.Status, true, nil
 }
@@ -316,24 +314,14 @@ func spawnOne(ctx context.Context, req spawnRequest, out, reply *os.File) {
 		_, _ = reply.Write(r)
 		return
 	}
-	cmd := exec.CommandContext(ctx, req.Path, req.Args...)
-	cmd.Stdout, cmd.Stderr = out, out
+	cmd := command(ctx, req.Path, req.Args, req.Env, out)
 	// A spawner that dies (killed, out of memory) takes its tools along:
 	// the plugin then reports the call failed, and no tool it gave up on
 	// runs on beside the retry.
 	cmd.SysProcAttr = &unix.SysProcAttr{Pdeathsig: unix.SIGKILL}
-	if len(req.Env) > 0 {
-		cmd.Env = append(os.Environ(), req.Env...)
-	}
 	var r spawnReply
-	err := cmd.Run()
-	var ee *exec.ExitError
-	switch {
-	case err == nil:
-		r.Exited = true
-	case errors.As(err, &ee):
-		r.Exited, r.Status = ee.Exited(), ee.ExitCode()
-	default:
+	var err error
+	if r.Status, err = exitStatus(cmd.Run()); err != nil {
 		r.Err = err.Error()
 	}
 	b, _ := json.Marshal(r)
