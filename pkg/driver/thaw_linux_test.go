@@ -116,7 +116,7 @@ func TestCopyWhoseThawFailed(t *testing.T) {
 						t.Fatalf("after the delete the record reads %v, want not found", rerr)
 					}
 				}
-				wantWritable(t, filepath.Join(target, c.name+"-"+end))
+				wantWritable(t, filepath.Join(target, c.name+"-"+end), func() error { return d.thawSource(ctx, "src") })
 			})
 		}
 	}
@@ -125,7 +125,9 @@ func TestCopyWhoseThawFailed(t *testing.T) {
 // wantWritable fails t when a write to the new file p does not reach its
 // filesystem within 30 s: a write blocks on a frozen filesystem and goes
 // through on a thawed one, and syncfs makes it reach the filesystem.
-func wantWritable(t *testing.T, p string) {
+// thaw then ends the freeze, so that the failure ends the test instead of
+// hanging its cleanup (and the blocked writer).
+func wantWritable(t *testing.T, p string, thaw func() error) {
 	t.Helper()
 	done := make(chan error, 1)
 	go func() {
@@ -141,13 +143,7 @@ func wantWritable(t *testing.T, p string) {
 			t.Fatal(err)
 		}
 	case <-time.After(30 * time.Second):
-		// Thawed here, so that the failure ends the test instead of
-		// hanging its cleanup (and the blocked writer) on the freeze.
-		thawErr := errors.New("cannot open it")
-		if dir, err := os.Open(filepath.Dir(p)); err == nil {
-			thawErr = unix.IoctlSetInt(int(dir.Fd()), 0xC0045878, 0) // FITHAW
-			dir.Close()
-		}
+		thawErr := thaw()
 		<-done
 		t.Fatalf("a write to %s blocked: its filesystem was left frozen (thawed by the test: %v)", p, thawErr)
 	}
