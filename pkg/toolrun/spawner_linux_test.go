@@ -34,14 +34,24 @@ func pluginWithTool(pidFile string) int {
 	go func() {
 		_, _ = Runner{}.Run(context.Background(), sh, []string{"-c", "echo $$ > " + pidFile + "; exec sleep 600"})
 	}()
-	for {
-		if b, err := os.ReadFile(pidFile); err == nil && strings.HasSuffix(string(b), "\n") {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitLine[struct{}](pidFile, nil)
 	os.Stdout.WriteString(strconv.Itoa(active.Load().pid) + "\n")
 	select {}
+}
+
+// waitLine waits until a tool has written a whole line to path and
+// returns it trimmed, or "" once stop fires (nil: wait for ever).
+func waitLine[T any](path string, stop <-chan T) string {
+	for {
+		if b, err := os.ReadFile(path); err == nil && strings.HasSuffix(string(b), "\n") {
+			return strings.TrimSpace(string(b))
+		}
+		select {
+		case <-stop:
+			return ""
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
 
 // withSpawner starts a spawner for one test and puts direct starts back
@@ -147,12 +157,8 @@ func runCancelledMidway(t *testing.T, script string) (pid, ppid string) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	go func() {
-		for ctx.Err() == nil {
-			if b, err := os.ReadFile(pidFile); err == nil && strings.HasSuffix(string(b), "\n") {
-				cancel()
-				return
-			}
-			time.Sleep(5 * time.Millisecond)
+		if waitLine(pidFile, ctx.Done()) != "" {
+			cancel()
 		}
 	}()
 	_, err := Runner{}.Run(ctx, sh, []string{"-c", "echo $$ $PPID > " + pidFile + "; exec " + script})
@@ -217,12 +223,7 @@ func TestSpawnerSignals(t *testing.T) {
 		_, err := Runner{}.Run(t.Context(), sh, []string{"-c", "echo $$ > " + pidFile + "; exec sleep 600"})
 		done <- err
 	}()
-	var tool string
-	for deadline := time.Now().Add(10 * time.Second); tool == "" && time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		if b, err := os.ReadFile(pidFile); err == nil && strings.HasSuffix(string(b), "\n") {
-			tool = strings.TrimSpace(string(b))
-		}
-	}
+	tool := waitLine(pidFile, time.After(10*time.Second))
 	if tool == "" {
 		t.Fatal("the tool did not start")
 	}
