@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strconv"
 
-	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
@@ -147,7 +146,7 @@ func chainPlan(c *Chain, readOnly bool, flags []string) []plan.Mount {
 // chainIntact reports whether both layers are still mounted.
 func chainIntact(c *Chain) bool {
 	for _, p := range []string{c.Lower, c.Upper} {
-		if ok, err := mountinfo.Mounted(p); err != nil || !ok {
+		if ok, err := mountns.IsMountPoint(p); err != nil || !ok {
 			return false
 		}
 	}
