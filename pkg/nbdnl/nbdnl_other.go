@@ -1,0 +1,20 @@
+//go:build !linux
+
+package nbdnl
+
+import (
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// NBD devices exist only on Linux; these keep importers building elsewhere.
+
+var errNoNBD = fmt.Errorf("nbdnl: NBD devices need Linux: %w", errdefs.ErrUnimplemented)
+
+func Connect(Config, []*os.File) (int, error)          { return -1, errNoNBD }
+func Reconfigure(int, []*os.File, time.Duration) error { return errNoNBD }
+func Disconnect(int) error                             { return errNoNBD }
+func Status(int) (bool, error)                         { return false, errNoNBD }
