@@ -1,0 +1,233 @@
+package unixrpc
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/errdefs"
+)
+
+// Handler serves one method. files are the descriptors the request
+// carried; the server closes them when the handler returns (dup one to
+// keep it).
+type Handler func(ctx context.Context, body []byte, files []*os.File) (any, error)
+
+// Server dispatches calls to the handlers registered with Handle.
+type Server struct {
+	handlers map[string]Handler
+	instance string
+	log      klog.Logger
+	// AllowUID is the one user whose processes may call (checked with
+	// SO_PEERCRED at accept); the socket's mode says the same, this holds
+	// when the socket sits somewhere less guarded.
+	allowUID uint32
+
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conns map[*net.UnixConn]bool
+}
+
+// NewServer returns a server that accepts calls from processes of the
+// user it runs as and logs through logger.
+func NewServer(logger klog.Logger) *Server {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return &Server{
+		handlers: map[string]Handler{},
+		instance: fmt.Sprintf("%d-%s", os.Getpid(), hex.EncodeToString(b[:])),
+		log:      logger,
+		allowUID: uint32(os.Geteuid()),
+		conns:    map[*net.UnixConn]bool{},
+	}
+}
+
+// Instance names this server process; every answer carries it, so a
+// client can tell that the server restarted.
+func (s *Server) Instance() string { return s.instance }
+
+// Handle registers fn as method: the request's body decodes into Req
+// (unknown fields are an InvalidArgument), the answer encodes Resp.
+func Handle[Req, Resp any](s *Server, method string, fn func(ctx context.Context, req Req, files []*os.File) (Resp, error)) {
+	s.handlers[method] = func(ctx context.Context, body []byte, files []*os.File) (any, error) {
+		var req Req
+		if len(body) > 0 {
+			if err := decodeStrict(body, &req); err != nil {
+				return nil, fmt.Errorf("%s: request: %v: %w", method, err, errdefs.ErrInvalidArgument)
+			}
+		}
+		return fn(ctx, req, files)
+	}
+}
+
+func decodeStrict(b []byte, v any) error {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	return d.Decode(v)
+}
+
+// Serve accepts connections on l until ctx ends, then waits for the calls
+// in flight (their contexts are cancelled) and returns.
+func (s *Server) Serve(ctx context.Context, l net.Listener) error {
+	ul, ok := l.(*net.UnixListener)
+	if !ok {
+		return fmt.Errorf("unixrpc: %T is not a unix listener: %w", l, errdefs.ErrInvalidArgument)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	// Ending closes the listener and every connection: idle ones wait in a
+	// read, and a call in flight sees its client gone and is cancelled.
+	stop := context.AfterFunc(ctx, func() {
+		ul.Close()
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for c := range s.conns {
+			c.Close()
+		}
+	})
+	defer stop()
+	for {
+		c, err := ul.AcceptUnix()
+		if err != nil {
+			cancel()
+			s.wg.Wait()
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		s.mu.Lock()
+		if ctx.Err() != nil {
+			c.Close()
+		}
+		s.conns[c] = true
+		s.mu.Unlock()
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(ctx, c)
+			s.mu.Lock()
+			delete(s.conns, c)
+			s.mu.Unlock()
+		}()
+	}
+}
+
+func (s *Server) serveConn(ctx context.Context, c *net.UnixConn) {
+	defer c.Close()
+	if uid, err := peerUID(c); err != nil || uid != s.allowUID {
+		s.log.Error(err, "Refusing a caller of another user", "uid", uid, "allowed", s.allowUID)
+		return
+	}
+	for ctx.Err() == nil {
+		b, files, err := readMessage(c)
+		if err != nil {
+			return // the client closed the connection, or broke the protocol
+		}
+		resp, hungUp := s.dispatch(ctx, c, b, files)
+		closeFiles(files)
+		if hungUp {
+			return
+		}
+		out, err := json.Marshal(resp)
+		if err == nil {
+			err = writeMessage(c, out, nil)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// dispatch runs the request's handler; hungUp says the client closed the
+// connection meanwhile (and the handler's context was cancelled).
+func (s *Server) dispatch(ctx context.Context, c *net.UnixConn, b []byte, files []*os.File) (resp response, hungUp bool) {
+	resp.Instance = s.instance
+	var req request
+	if err := json.Unmarshal(b, &req); err != nil {
+		return s.fail(resp, "", fmt.Errorf("unixrpc: malformed request: %v: %w", err, errdefs.ErrInvalidArgument)), false
+	}
+	h, ok := s.handlers[req.Method]
+	if !ok {
+		return s.fail(resp, req.Method, fmt.Errorf("unixrpc: no method %q: %w", req.Method, errdefs.ErrUnimplemented)), false
+	}
+	callCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if req.Deadline > 0 {
+		var cancelDeadline context.CancelFunc
+		callCtx, cancelDeadline = context.WithDeadline(callCtx, time.Unix(0, req.Deadline))
+		defer cancelDeadline()
+	}
+	log := klog.LoggerWithValues(s.log, "method", req.Method)
+	callCtx = klog.NewContext(callCtx, log)
+	watch := watchHangup(c, cancel)
+	out, err := s.call(callCtx, h, req, files)
+	if watch() {
+		log.V(2).Info("Caller went away during the call", "err", err)
+		return resp, true
+	}
+	if err != nil {
+		return s.fail(resp, req.Method, err), false
+	}
+	if resp.Body, err = json.Marshal(out); err != nil {
+		return s.fail(resp, req.Method, fmt.Errorf("unixrpc: encoding the answer: %w", err)), false
+	}
+	log.V(4).Info("Call succeeded")
+	return resp, false
+}
+
+// call runs h, turning a panic into Internal rather than a dead server.
+func (s *Server) call(ctx context.Context, h Handler, req request, files []*os.File) (out any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			klog.FromContext(ctx).Error(nil, "Panic in handler", "panic", r, "stack", string(debug.Stack()))
+			out, err = nil, status.Errorf(codes.Internal, "internal error in %s", req.Method)
+		}
+	}()
+	return h(ctx, req.Body, files)
+}
+
+// fail fills resp with err's code and message; errors are logged here
+// once, without the request (it may hold secrets).
+func (s *Server) fail(resp response, method string, err error) response {
+	st, _ := status.FromError(errdefs.ToGRPC(err))
+	resp.Code, resp.Message = uint32(st.Code()), st.Message()
+	s.log.Error(err, "Call failed", "method", method, "code", st.Code())
+	return resp
+}
+
+// watchHangup cancels cancel when the client closes c while a handler
+// runs: the client sends nothing else before the answer, so any return of
+// a read means it is gone. stop ends the watch and reports whether the
+// client hung up.
+func watchHangup(c *net.UnixConn, cancel context.CancelFunc) (stop func() (hungUp bool)) {
+	done := make(chan bool, 1)
+	go func() {
+		var b [1]byte
+		_, err := c.Read(b[:])
+		gone := !errors.Is(err, os.ErrDeadlineExceeded)
+		if gone {
+			cancel()
+		}
+		done <- gone
+	}()
+	return func() bool {
+		_ = c.SetReadDeadline(time.Now())
+		gone := <-done
+		_ = c.SetReadDeadline(time.Time{})
+		return gone
+	}
+}
