@@ -243,13 +243,9 @@ func execute(op string, index int, cmd uint8, ae *netlink.AttributeEncoder) ([]g
 		return nil, fmt.Errorf("nbdnl: opening a generic netlink socket: %w: %w", err, errdefs.ErrUnavailable)
 	}
 	defer c.Close()
-	fam, err := c.GetFamily(familyName)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("nbdnl: this kernel has no NBD support (no %q generic netlink family): load the kernel module nbd (modprobe nbd) on the node: %w",
-			familyName, errdefs.ErrFailedPrecondition)
-	}
+	fam, err := family(c)
 	if err != nil {
-		return nil, fmt.Errorf("nbdnl: looking up the %q netlink family: %w: %w", familyName, err, errdefs.ErrUnavailable)
+		return nil, err
 	}
 	// Acknowledge: disconnect and reconfigure send no reply of their own,
 	// so without an ack a success would leave the read waiting.
@@ -259,6 +255,19 @@ func execute(op string, index int, cmd uint8, ae *netlink.AttributeEncoder) ([]g
 		return nil, kernelErr(op, index, err)
 	}
 	return msgs, nil
+}
+
+// family looks the nbd family up; the kernel has it while nbd is loaded.
+func family(c *genetlink.Conn) (genetlink.Family, error) {
+	fam, err := c.GetFamily(familyName)
+	if errors.Is(err, os.ErrNotExist) {
+		return fam, fmt.Errorf("nbdnl: this kernel has no NBD support (no %q generic netlink family): load the kernel module nbd (modprobe nbd) on the node: %w",
+			familyName, errdefs.ErrFailedPrecondition)
+	}
+	if err != nil {
+		return fam, fmt.Errorf("nbdnl: looking up the %q netlink family: %w: %w", familyName, err, errdefs.ErrUnavailable)
+	}
+	return fam, nil
 }
 
 // kernelErr maps the kernel's errno to the sentinel the caller acts on.

@@ -168,6 +168,9 @@ func TestNoModule(t *testing.T) {
 	if err := Disconnect(0); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Fatalf("Disconnect without nbd = %v", err)
 	}
+	if _, err := WatchLinkDead(); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Fatalf("WatchLinkDead without nbd = %v", err)
+	}
 }
 
 func TestBackendOf(t *testing.T) {

@@ -3,6 +3,7 @@
 package nbdnl
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"time"
@@ -18,3 +19,9 @@ func Connect(Config, []*os.File) (int, error)          { return -1, errNoNBD }
 func Reconfigure(int, []*os.File, time.Duration) error { return errNoNBD }
 func Disconnect(int) error                             { return errNoNBD }
 func Status(int) (bool, error)                         { return false, errNoNBD }
+
+type Watcher struct{}
+
+func WatchLinkDead() (*Watcher, error)               { return nil, errNoNBD }
+func (w *Watcher) Next(context.Context) (int, error) { return -1, errNoNBD }
+func (w *Watcher) Close() error                      { return nil }
