@@ -237,12 +237,12 @@ func (s *session) setExport(t *Transmission, size uint64, flags uint16, what str
 // (powers of two, min <= preferred <= max): the kernel's block size is
 // chosen from them, and a server that cannot say them right is treated as
 // one that did not say them.
-func setBlockSizes(t *Transmission, min, pref, max uint32) {
+func setBlockSizes(t *Transmission, least, pref, most uint32) {
 	pow2 := func(v uint32) bool { return v != 0 && bits.OnesCount32(v) == 1 }
-	if !pow2(min) || !pow2(pref) || min > pref || pref > max {
+	if !pow2(least) || !pow2(pref) || least > pref || pref > most {
 		return
 	}
-	t.MinBlockSize, t.BlockSize, t.MaxBlockSize = min, pref, max
+	t.MinBlockSize, t.BlockSize, t.MaxBlockSize = least, pref, most
 }
 
 // exportName is the old way in: no error replies, a server that does not
