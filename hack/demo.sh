@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The mountplan demo, as root on a fresh machine (after hack/install-deps.sh
-# and `make build`): provisions a loop volume, stages it, prepares it and
-# mounts it inside a throwaway container's mount namespace with the sidecar,
-# shows the mount inside and its absence outside, then tears everything
-# down and shows that nothing leaked.
+# and `make build`): starts the mounter (the node's privileged part) and the
+# plugin without a single capability, provisions a loop volume, stages it,
+# prepares it and mounts it inside a throwaway container's mount namespace
+# with the sidecar, shows the mount inside and its absence outside, then
+# tears everything down and shows that nothing leaked.
 #
 # The container is a real one (a private containerd + runc running busybox)
 # when those are installed, else a mount namespace from unshare(1).
@@ -16,9 +17,10 @@ BIN=$PWD/bin
 go build -o "$BIN/" ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./hack/csictl
 TMP=$(mktemp -d /tmp/mountplan-demo.XXXXXX)
 EP="unix://$TMP/csi.sock"
+MEP="unix://$TMP/mounter.sock"
 VOL=demo-vol
 STAGING=$TMP/staging
-PLUGIN_PID="" CTRD_PID="" NS_PID="" CONTAINER=""
+PLUGIN_PID="" MOUNTER_PID="" CTRD_PID="" NS_PID="" CONTAINER=""
 ctl() { "$BIN/csictl" -endpoint "$EP" "$@"; }
 ctr_() { ctr --address "$TMP/ctrd/containerd.sock" -n mountplan-demo "$@"; }
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -30,6 +32,7 @@ cleanup() {
   [ -n "$NS_PID" ] && kill "$NS_PID" 2>/dev/null && wait "$NS_PID" 2>/dev/null
   [ -n "$PLUGIN_PID" ] && { ctl unstage "$VOL" "$STAGING" >/dev/null 2>&1; ctl delete "$VOL" >/dev/null 2>&1
     kill -TERM "$PLUGIN_PID"; wait "$PLUGIN_PID" 2>/dev/null; }
+  [ -n "$MOUNTER_PID" ] && { kill -TERM "$MOUNTER_PID"; wait "$MOUNTER_PID" 2>/dev/null; }
   [ -n "$CTRD_PID" ] && { kill -TERM "$CTRD_PID"; wait "$CTRD_PID" 2>/dev/null
     for c in /sys/fs/cgroup/*/mountplan-demo /sys/fs/cgroup/mountplan-demo; do rmdir "$c" 2>/dev/null; done; }
   grep -F "$TMP" /proc/self/mountinfo | awk '{print $5}' | sort -r | xargs -r -n1 umount -l 2>/dev/null
@@ -37,11 +40,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "start the plugin on $EP"
-"$BIN/mountplan-plugin" --endpoint "$EP" --node-id demo-node --state-dir "$TMP/state" --kubelet-dir "$TMP" --v=2 >"$TMP/plugin.log" 2>&1 &
+step "start the mounter on $MEP: every privileged act of the plugin happens there"
+"$BIN/mountplan-sidecar" serve --endpoint "$MEP" --state-dir "$TMP/state" --records-dir "$TMP/mounter" \
+  --kubelet-dir "$TMP" --v=2 >"$TMP/mounter.log" 2>&1 &
+MOUNTER_PID=$!
+for _ in $(seq 100); do [ -S "$TMP/mounter.sock" ] && break; sleep 0.1; done
+
+step "start the plugin on $EP, as root with no capability at all (setpriv: empty bounding set, no_new_privs)"
+setpriv --bounding-set=-all --inh-caps=-all --ambient-caps=-all --no-new-privs -- \
+  "$BIN/mountplan-plugin" --endpoint "$EP" --node-id demo-node --state-dir "$TMP/state" --kubelet-dir "$TMP" \
+  --mounter-endpoint "$MEP" --v=2 >"$TMP/plugin.log" 2>&1 &
 PLUGIN_PID=$!
 for _ in $(seq 100); do ctl -timeout 1s probe >/dev/null 2>&1 && break; sleep 0.1; done
 ctl probe
+grep -E '^(CapEff|NoNewPrivs)' /proc/$PLUGIN_PID/status
 
 step "provision and stage a 64 MiB ext4 loop volume"
 ctl create "$VOL" $((64 << 20))
@@ -89,7 +101,7 @@ echo "consumer pid $PID, mount namespace $(readlink /proc/$PID/ns/mnt)"
 
 step "mountplan-sidecar mount: NodePrepareVolume, then the plan inside pid $PID's namespace at $TARGET"
 "$BIN/mountplan-sidecar" mount --plugin-endpoint "$EP" --volume-id "$VOL" --staging-path "$STAGING" \
-  --pid "$PID" --target "$TARGET" --allowed-root "$TMP/state"
+  --pid "$PID" --target "$TARGET" --state-dir "$TMP/state" --records-dir "$TMP/mounter"
 
 step "inside the container"
 inside "echo 'hello from inside' > $TARGET/hello.txt; grep ' $TARGET ' /proc/self/mountinfo; cat $TARGET/hello.txt"

@@ -51,7 +51,7 @@ func main() {
 	flag.StringVar(&f.kubeletDir, "kubelet-dir", driver.DefaultKubeletDir, "kubelet's root directory: every staging and target path must lie under it")
 	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
-	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the sidecar's Mounter socket, which performs plans and runs FUSE daemons; empty: both in process")
+	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the mounter's socket (mountplan-sidecar serve), which does every privileged act: devices, mounts, FUSE daemons; empty: all of it in this process, which then needs the privileges")
 	flag.StringVar(&f.metricsAddress, "metrics-address", "", "serve Prometheus metrics on this address (host:port); empty: off")
 	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
 	flag.DurationVar(&f.fuseProbeInterval, "fuse-probe-interval", 2*time.Second, "how often each FUSE daemon is checked")
@@ -78,18 +78,11 @@ func run(f flags) error {
 	if err := f.kubelet.check(); err != nil {
 		return err
 	}
-	raiseFileLimit()
-	// Tools (mkfs, blkid, ...) are started by a small child made now,
-	// before the plugin holds one open file per staged volume: starting
-	// them from here would copy that whole file table each time.
-	if err := toolrun.StartSpawner(); err != nil {
-		klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background())
 
-	m, spawner, closeMounter, err := newMounter(f, cfg)
+	node, restarted, closeMounter, err := newMounter(ctx, f, cfg)
 	if err != nil {
 		return err
 	}
@@ -100,17 +93,26 @@ func run(f flags) error {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
 	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles,
-		Spawner: spawner, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
+		Spawner: daemon.LocalSpawner{}, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
 	if err != nil {
 		return err
 	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
-		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Mounter: m, Metrics: mx, NRI: f.nri,
+		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Node: node, Metrics: mx, NRI: f.nri,
 		Sources: map[string]source.Source{fuse.Type: fuseSource,
-			nbd.Type: nbd.New(cfg.NBD, mx), iscsi.Type: iscsi.New(cfg.ISCSI, f.stateDir, mx)}})
+			nbd.Type: nbd.New(cfg.NBD, node, mx), iscsi.Type: iscsi.New(cfg.ISCSI, f.stateDir, node, mx)}})
 	if err != nil {
 		return err
 	}
+	// A new mounter process cleared the loop devices nothing mounted (unless
+	// it could take them back): reconcile at once rather than at the next
+	// interval, so that staged volumes get their devices again.
+	restarted(func() {
+		klog.InfoS("The mounter restarted; reconciling")
+		if err := d.Reconcile(ctx); err != nil {
+			klog.ErrorS(err, "Reconcile after the mounter's restart left errors")
+		}
+	})
 	if mx != nil {
 		// Listen here, not in the goroutine: a bad --metrics-address must
 		// stop the plugin, not be a log line nobody reads.
@@ -164,23 +166,36 @@ func run(f flags) error {
 	return nil
 }
 
-// newMounter returns the sidecar's Mounter service when configured, else an
-// in-process executor with the same policy; and who starts FUSE daemons:
-// the sidecar (in its container, which a restart of the plugin's container
-// leaves alone) when configured, else the plugin itself.
-func newMounter(f flags, cfg *config.Config) (mounter.Interface, daemon.Spawner, func(), error) {
+// newMounter returns the mounter: a client of the sidecar's socket when
+// configured (the plugin then needs no privilege at all), else a mounter
+// in this process, which needs them all. restarted registers what to do
+// when the sidecar restarts.
+func newMounter(ctx context.Context, f flags, cfg *config.Config) (node mounter.Node, restarted func(func()), closeFn func(), err error) {
 	stateDir, err := filepath.Abs(f.stateDir)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	if f.mounterEndpoint == "" {
-		return &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), KubeletDir: f.kubeletDir}, daemon.LocalSpawner{}, func() {}, nil
+	if f.mounterEndpoint != "" {
+		p, err := endpoint.Path(f.mounterEndpoint)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		c := service.NewClient(p)
+		return c, c.OnRestart, func() { _ = c.Close() }, nil
 	}
-	conn, err := endpoint.Dial(f.mounterEndpoint)
+	raiseFileLimit()
+	// Tools (mkfs, blkid, ...) are started by a small child made now,
+	// before this process holds one open file per staged loop device:
+	// starting them from here would copy that whole file table each time.
+	if err := toolrun.StartSpawner(); err != nil {
+		klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
+	}
+	local, err := mounter.NewNode(ctx, mounter.Options{StateDir: stateDir, KubeletDir: f.kubeletDir,
+		RecordsDir: filepath.Join(stateDir, "mounter"), Config: cfg})
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	return service.NewClient(conn), service.NewSpawner(conn), func() { _ = conn.Close() }, nil
+	return local, func(func()) {}, func() { _ = local.Close() }, nil
 }
 
 func version() string {

@@ -11,11 +11,12 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/daemon/policy"
 	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/pkg/fdlimit"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/mountns"
+	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 func runMount(ctx context.Context, args []string) error {
@@ -27,11 +28,18 @@ func runMount(ctx context.Context, args []string) error {
 	fs.BoolVar(&r.ReadOnly, "readonly", false, "ask for read-only access (SINGLE_NODE_READER_ONLY); a plan with a writable mount is refused")
 	fs.BoolVar(&r.Block, "block", false, "ask for raw block access instead of a filesystem")
 	cf := consumerFlags(fs)
-	ef := executorFlags(fs)
+	nf := addNodeFlags(fs)
 	timeout := fs.Duration("timeout", 2*time.Minute, "give up after this long")
 	if err := parse(fs, args, "plugin-endpoint", "volume-id", "staging-path", "pid", "target"); err != nil {
 		return err
 	}
+	opts, err := nf.options()
+	if err != nil {
+		return err
+	}
+	// This command only looks at the records of the mounter that set the
+	// devices up (serve, or the plugin's own): it holds and writes nothing.
+	opts.Observe = true
 	r.Consumer = cf.consumer()
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
@@ -43,7 +51,12 @@ func runMount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeConn()
-	c, err := prepareAndMount(ctx, np, ef.executor(nil), r)
+	node, err := mounter.NewNode(ctx, opts)
+	if err != nil {
+		return err
+	}
+	defer node.Close()
+	c, err := prepareAndMount(ctx, np, node, r)
 	if err != nil {
 		return err
 	}
@@ -80,48 +93,64 @@ func runUnmount(ctx context.Context, args []string) error {
 
 func runServe(ctx context.Context, args []string) error {
 	fs := newFlagSet("serve")
-	ep := fs.String("endpoint", "", "where to serve the Mounter service, unix:///path (required)")
-	ef := executorFlags(fs)
+	ep := fs.String("endpoint", "", "where to serve the mounter, unix:///path (required)")
+	nf := addNodeFlags(fs)
 	// Off by default: the plugin removes kubelet's target_path itself after
 	// an unpublish, and a re-attach that heals a container must not delete
 	// and recreate the container's own mount-point directory.
-	fs.BoolVar(&ef.removeMountPoint, "remove-mount-point", false,
+	fs.BoolVar(&nf.removeMountPoint, "remove-mount-point", false,
 		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive)")
-	fs.StringVar(&ef.kubeletDir, "kubelet-dir", config.DefaultKubeletDir,
+	fs.StringVar(&nf.kubeletDir, "kubelet-dir", config.DefaultKubeletDir,
 		"kubelet's root directory: plans for the mounter's own namespace (kubelet's publishes) are performed only below it")
-	configPath := fs.String("config", "", "the plugin's admin config (YAML): plan policy, image roots, and the fuseProfiles SpawnDaemon renders daemons from; empty: no daemons")
-	nf := addNRIFlags(fs)
+	hf := addNRIFlags(fs)
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err
 	}
-	var cfg *config.Config
-	if *configPath != "" {
-		var err error
-		if cfg, err = config.Load(*configPath); err != nil {
-			return err
-		}
+	opts, err := nf.options()
+	if err != nil {
+		return err
 	}
 	if err := mountns.Supported(); err != nil {
 		return err
 	}
+	raiseFileLimit()
+	// Tools (mkfs, blkid, ...) are started by a small child made now,
+	// before the mounter holds one open file per loop device.
+	if err := toolrun.StartSpawner(); err != nil {
+		klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
+	}
+	logger := klog.Background().WithName("mounter")
+	ctx = klog.NewContext(ctx, logger)
+	node, err := mounter.NewNode(ctx, opts)
+	if err != nil {
+		return err
+	}
+	defer node.Close()
 	l, err := endpoint.Listen(*ep)
 	if err != nil {
 		return err
 	}
-	daemons := policy.For(cfg, ef.roots.values())
-	logger := klog.Background().WithName("mounter")
-	logger.Info("Serving the Mounter service", "endpoint", *ep, "allowedRoots", ef.roots.values(), "kubeletDir", ef.kubeletDir, "fuseProfiles", daemons.Names())
-	ctx = klog.NewContext(ctx, logger)
-	exec := ef.executor(cfg)
-	waitNRI, err := nf.start(ctx, exec, ef.kubeletDir)
+	logger.Info("Serving", "endpoint", *ep, "stateDir", opts.StateDir, "recordsDir", opts.RecordsDir, "kubeletDir", opts.KubeletDir)
+	waitNRI, err := hf.start(ctx, node, opts.StateDir, opts.KubeletDir)
 	if err != nil {
 		l.Close()
 		return err
 	}
 	defer waitNRI()
-	err = service.Serve(ctx, l, exec, service.WithDaemons(daemons))
+	err = service.Serve(ctx, l, node)
 	logger.Info("Stopped", "err", err)
 	return err
+}
+
+// raiseFileLimit makes room for one open file per loop device the mounter
+// holds (pkg/fdlimit) and says how much room there is.
+func raiseFileLimit() {
+	lim, err := fdlimit.Raise(fdlimit.Want)
+	if err != nil {
+		klog.ErrorS(err, "Cannot raise the open file limit: it bounds the number of loop devices the mounter holds (one open file each)", "soft", lim.Cur, "hard", lim.Max)
+		return
+	}
+	klog.V(2).InfoS("Open file limit", "soft", lim.Cur, "hard", lim.Max)
 }
 
 // dialPlugin connects to the plugin's NodePrepare service.

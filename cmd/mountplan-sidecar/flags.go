@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"k8s.io/klog/v2"
 
@@ -14,10 +13,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// defaultRoot is the allowed root when no --allowed-root is given: the
-// plugin's default state directory.
-const defaultRoot = config.DefaultStateDir
-
 func newFlagSet(name string) *flag.FlagSet {
 	fs := flag.NewFlagSet("mountplan-sidecar "+name, flag.ContinueOnError)
 	klog.InitFlags(fs)
@@ -25,59 +20,51 @@ func newFlagSet(name string) *flag.FlagSet {
 	return fs
 }
 
-// rootsFlag is a repeatable --allowed-root; given once, it replaces the
-// default.
-type rootsFlag struct{ roots []string }
-
-func (r *rootsFlag) String() string { return strings.Join(r.values(), ",") }
-
-func (r *rootsFlag) Set(v string) error {
-	if !filepath.IsAbs(v) {
-		return fmt.Errorf("allowed root %q must be an absolute path", v)
-	}
-	r.roots = append(r.roots, filepath.Clean(v))
-	return nil
+// nodeFlags configure the mounter's node: where the plugin's state dir is,
+// where the mounter keeps its own records, and the admin's policy.
+type nodeFlags struct {
+	stateDir, recordsDir, configPath string
+	allowSuidDev                     bool
+	allowPropagation                 bool
+	removeMountPoint                 bool
+	kubeletDir                       string // serve only: the mount command serves containers
 }
 
-func (r *rootsFlag) values() []string {
-	if len(r.roots) == 0 {
-		return []string{defaultRoot}
-	}
-	return r.roots
-}
-
-type execFlags struct {
-	roots            rootsFlag
-	allowSuidDev     bool
-	allowPropagation bool
-	removeMountPoint bool
-	kubeletDir       string // serve only: the mount command serves containers
-}
-
-func executorFlags(fs *flag.FlagSet) *execFlags {
-	f := &execFlags{}
-	fs.Var(&f.roots, "allowed-root", "host directory under which a plan's bind sources and path options must lie; repeatable (default "+defaultRoot+")")
+func addNodeFlags(fs *flag.FlagSet) *nodeFlags {
+	f := &nodeFlags{}
+	fs.StringVar(&f.stateDir, "state-dir", config.DefaultStateDir,
+		"the plugin's state directory: the only place the mounter mounts for the plugin (overlay chains, FUSE daemons, the NRI guard) and where its images live")
+	fs.StringVar(&f.recordsDir, "records-dir", "",
+		"the mounter's own records of the devices and mounts it set up; give it a directory the plugin cannot write (default: <state-dir>/mounter)")
+	fs.StringVar(&f.configPath, "config", "", "the plugin's admin config (YAML): plan policy, image roots, FUSE profiles, iSCSI settings")
 	fs.BoolVar(&f.allowSuidDev, "allow-suid-dev", false, "accept plans whose mounts lack nosuid,nodev")
 	fs.BoolVar(&f.allowPropagation, "allow-propagation", false,
 		"attach under a shared mount even if its mount events reach the mounter's or the host's namespace")
 	return f
 }
 
-// executor checks plans against the plugin's own policy when its config is
-// given (types, suid/dev), under this mounter's roots; --allow-suid-dev can
-// only widen it.
-func (f *execFlags) executor(cfg *config.Config) *mounter.Executor {
-	if cfg == nil {
-		cfg = &config.Config{}
+// options returns the node's options: the plugin's own policy when its
+// config is given; --allow-suid-dev can only widen it.
+func (f *nodeFlags) options() (mounter.Options, error) {
+	if !filepath.IsAbs(f.stateDir) {
+		return mounter.Options{}, fmt.Errorf("--state-dir %q must be an absolute path: %w", f.stateDir, errUsage)
 	}
-	policy := cfg.PlanPolicy(f.roots.values()...)
-	policy.AllowSuidDev = policy.AllowSuidDev || f.allowSuidDev
-	return &mounter.Executor{
-		Policy:           policy,
-		KubeletDir:       f.kubeletDir,
-		RemoveMountPoint: f.removeMountPoint,
-		AllowPropagation: f.allowPropagation,
+	cfg := &config.Config{}
+	if f.configPath != "" {
+		var err error
+		if cfg, err = config.Load(f.configPath); err != nil {
+			return mounter.Options{}, err
+		}
 	}
+	if f.allowSuidDev {
+		cfg.MountPolicy.AllowSuidDev = true
+	}
+	records := f.recordsDir
+	if records == "" {
+		records = filepath.Join(f.stateDir, "mounter")
+	}
+	return mounter.Options{StateDir: filepath.Clean(f.stateDir), KubeletDir: f.kubeletDir, RecordsDir: records, Config: cfg,
+		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation}, nil
 }
 
 type consumerFlag struct {

@@ -16,6 +16,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/mountplan/mountplan/pkg/toolrun"
 	"k8s.io/klog/v2"
 )
 
@@ -24,12 +25,13 @@ const usage = `usage: mountplan-sidecar <command> [flags]
 commands:
   mount    ask the plugin for a volume's plan and perform it in a process's mount namespace
   unmount  unmount everything at and below a target in a process's mount namespace, then release the claim
-  serve    serve the Mounter gRPC service on a unix socket
+  serve    serve the mounter (every privileged act of the plugin) on a unix socket, and the NRI hook
 
 Run "mountplan-sidecar <command> -h" for the flags of a command.
 `
 
 func main() {
+	toolrun.ServeSpawnerIfAsked() // this process may be serve's tool spawner
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)

@@ -7,7 +7,6 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/nri"
 )
@@ -17,7 +16,6 @@ type nriFlags struct {
 	enabled        bool
 	socket         string
 	pluginEndpoint string
-	stateDir       string
 }
 
 func addNRIFlags(fs *flag.FlagSet) *nriFlags {
@@ -25,13 +23,13 @@ func addNRIFlags(fs *flag.FlagSet) *nriFlags {
 	fs.BoolVar(&f.enabled, "nri", false, "register with the container runtime as an NRI plugin, which gives containers the volumes published in NRI mode")
 	fs.StringVar(&f.socket, "nri-socket", "/var/run/nri/nri.sock", "the runtime's NRI socket")
 	fs.StringVar(&f.pluginEndpoint, "plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required with --nri)")
-	fs.StringVar(&f.stateDir, "state-dir", config.DefaultStateDir, "the plugin's state directory (where the NRI guard lives)")
 	return f
 }
 
 // start runs the hook until ctx ends, when --nri is set.
 // kubeletDir is where targets bound to a dead guard are re-armed.
-func (f *nriFlags) start(ctx context.Context, m mounter.Interface, kubeletDir string) (wait func(), err error) {
+// stateDir is where the guard lives.
+func (f *nriFlags) start(ctx context.Context, m mounter.Interface, stateDir, kubeletDir string) (wait func(), err error) {
 	if !f.enabled {
 		return func() {}, nil
 	}
@@ -42,9 +40,9 @@ func (f *nriFlags) start(ctx context.Context, m mounter.Interface, kubeletDir st
 	if err != nil {
 		return nil, err
 	}
-	h := nri.NewHook(nri.PluginVolumes{Client: np}, m, f.stateDir, kubeletDir)
+	h := nri.NewHook(nri.PluginVolumes{Client: np}, m, stateDir, kubeletDir)
 	logger := klog.FromContext(ctx).WithName("nri")
-	logger.Info("Registering with the container runtime", "nriSocket", f.socket, "stateDir", f.stateDir, "kubeletDir", kubeletDir)
+	logger.Info("Registering with the container runtime", "nriSocket", f.socket, "stateDir", stateDir, "kubeletDir", kubeletDir)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"path/filepath"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/klog/v2"
@@ -56,18 +55,17 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 		return nil, err
 	}
 	var method imagecopy.Method
-	scratch := loop.RecoverScratch(d.opts.StateDir, "volumes", id)
 	if c.volume != nil {
 		markFrozen := func() error {
 			v.ContentSource.Frozen = true
 			return d.vols.Put(v, journal.Durable)
 		}
-		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, "", markFrozen)
+		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, false, markFrozen)
 	} else {
 		method, err = copyImage(ctx, c.image, v.Image, size)
 	}
 	if err == nil && c.format != nil {
-		err = cleanCopy(ctx, v.Image, c.format.FsType, scratch)
+		err = d.cleanCopy(ctx, v.Image, c.format.FsType)
 	}
 	if err != nil {
 		// No record outlives a failed create: the name stays free.
@@ -77,7 +75,7 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 			// undoes it (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.ClearScratch(scratch), loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
+		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
 	}
 	klog.FromContext(ctx).V(2).Info("Copied the image", "from", describeContent(c.record), "method", method)
 	v.Creating, v.ContentSource.Frozen = false, false
@@ -91,8 +89,8 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 // its source: an xfs's log replayed, whether the copy was taken frozen or
 // its source's log was left dirty by a crash of its node (xfs_admin
 // refuses a dirty log), then a UUID of its own.
-func cleanCopy(ctx context.Context, image, fsType, scratch string) error {
-	if err := loop.RecoverCopy(ctx, image, scratch); err != nil {
+func (d *Driver) cleanCopy(ctx context.Context, image, fsType string) error {
+	if err := d.loop.RecoverCopy(ctx, image); err != nil {
 		return err
 	}
 	return fsutil.NewUUID(ctx, image, fsType)
@@ -196,12 +194,12 @@ func (d *Driver) growCopiedFilesystem(ctx context.Context, v *journal.Volume, sr
 		return nil
 	}
 	g, ok := src.(interface {
-		GrowUnmounted(ctx context.Context, v source.Volume, scratch string) error
+		GrowUnmounted(ctx context.Context, v source.Volume) error
 	})
 	if !ok {
 		return nil
 	}
-	if err := g.GrowUnmounted(ctx, viewOf(v), filepath.Join(d.opts.StateDir, "expand", v.ID)); err != nil {
+	if err := g.GrowUnmounted(ctx, viewOf(v)); err != nil {
 		return fmt.Errorf("grow the filesystem copied into %s: %w", v.ID, err)
 	}
 	v.GrowFilesystem = false
@@ -218,9 +216,6 @@ func (d *Driver) abandonCopy(ctx context.Context, v *journal.Volume) error {
 		}
 	}
 	klog.FromContext(ctx).Info("Removing a volume whose copy a crash interrupted", "volume", v.ID, "from", describeContent(v.ContentSource))
-	if err := loop.ClearScratch(loop.RecoverScratch(d.opts.StateDir, "volumes", v.ID)); err != nil {
-		return fmt.Errorf("volume %s: %w", v.ID, err)
-	}
 	if err := loop.RemoveImage(v.Image); err != nil {
 		return err
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -12,20 +11,13 @@ import (
 	"github.com/mountplan/mountplan/pkg/imagecopy"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/source"
-	"github.com/mountplan/mountplan/pkg/source/loop"
 )
 
 // freezer is a source whose staged volumes' filesystems can be frozen for
 // a consistent copy of their image (the loop source).
 type freezer interface {
-	Freeze(ctx context.Context, v source.Volume, scratch string) (thaw func() error, err error)
-	Thaw(ctx context.Context, v source.Volume, scratch string) error
-}
-
-// freezeScratch is where the filesystem of volume id is mounted privately
-// while it is frozen.
-func (d *Driver) freezeScratch(id string) string {
-	return filepath.Join(d.opts.StateDir, "freeze", id)
+	Freeze(ctx context.Context, v source.Volume) (thaw func() error, err error)
+	Thaw(ctx context.Context, v source.Volume) error
 }
 
 // needsFreeze decides how the image of v (its lock held) can be copied
@@ -53,10 +45,10 @@ func needsFreeze(v *journal.Volume) (bool, error) {
 // consumer may be writing to v, its filesystem is frozen for the copy;
 // markFrozen is called first to record durably that it may be frozen, so
 // that a crash during the copy is followed by a thaw (thawSource). A copy
-// of a frozen xfs has its log replayed through a mount at recoverAt (see
-// loop.RecoverCopy), so that it is a clean filesystem, unless recoverAt
-// is empty: the caller replays it itself.
-func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst string, size int64, recoverAt string, markFrozen func() error) (imagecopy.Method, error) {
+// of a frozen xfs has its log replayed (see loop.RecoverCopy), so that it
+// is a clean filesystem, unless the caller replays it itself (recover is
+// false).
+func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst string, size int64, recover bool, markFrozen func() error) (imagecopy.Method, error) {
 	freeze, err := needsFreeze(v)
 	if err != nil {
 		return "", err
@@ -75,7 +67,7 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst str
 	if err := markFrozen(); err != nil {
 		return "", err
 	}
-	thaw, err := fr.Freeze(ctx, viewOf(v), d.freezeScratch(v.ID))
+	thaw, err := fr.Freeze(ctx, viewOf(v))
 	if err != nil {
 		return "", err
 	}
@@ -83,10 +75,10 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst str
 	if terr := thaw(); terr != nil {
 		return "", errors.Join(err, fmt.Errorf("%w: %w", errMayBeFrozen, terr))
 	}
-	if err != nil || recoverAt == "" {
+	if err != nil || !recover {
 		return method, err
 	}
-	return method, loop.RecoverCopy(ctx, dst, recoverAt)
+	return method, d.loop.RecoverCopy(ctx, dst)
 }
 
 // errMayBeFrozen marks a copy whose thaw of its source failed: the source
@@ -132,5 +124,5 @@ func (d *Driver) thawSource(ctx context.Context, id string) error {
 	if err := d.adopt(ctx, v, src); err != nil {
 		return err
 	}
-	return fr.Thaw(ctx, viewOf(v), d.freezeScratch(id))
+	return fr.Thaw(ctx, viewOf(v))
 }

@@ -6,6 +6,7 @@
 package driver
 
 import (
+	"context"
 	"fmt"
 	"path/filepath"
 	"sync/atomic"
@@ -37,8 +38,11 @@ type Options struct {
 	// every staging and target path a CO sends must lie under it.
 	KubeletDir string
 	Config     *config.Config
-	// Mounter performs plans for kubelet's publishes: the sidecar's Mounter
-	// service, or an in-process executor.
+	// Node is the mounter: every privileged act (devices, mounts, daemons,
+	// looking into other processes) is asked of it. nil: a mounter in this
+	// process (mounter.Local), its records under StateDir/mounter.
+	Node mounter.Node
+	// Mounter, when set, performs plans instead of Node (tests).
 	Mounter mounter.Interface
 	// Metrics, when not nil, records RPC latencies and device steps.
 	Metrics *metrics.Metrics
@@ -57,6 +61,8 @@ type Driver struct {
 	api.UnimplementedNodePrepareServer
 
 	opts    Options
+	node    mounter.Node
+	loop    *loop.Source
 	vols    *volumes
 	snaps   *snapshots
 	sources map[string]source.Source
@@ -68,8 +74,8 @@ type Driver struct {
 // New builds a driver over the state dir. It touches no device: Reconcile
 // does that, and Probe says not-ready until it has.
 func New(opts Options) (*Driver, error) {
-	if opts.DriverName == "" || opts.NodeID == "" || opts.StateDir == "" || opts.Mounter == nil {
-		return nil, fmt.Errorf("driver: name, node id, state dir and mounter are required: %w", errdefs.ErrInvalidArgument)
+	if opts.DriverName == "" || opts.NodeID == "" || opts.StateDir == "" {
+		return nil, fmt.Errorf("driver: name, node id and state dir are required: %w", errdefs.ErrInvalidArgument)
 	}
 	if opts.Config == nil {
 		opts.Config = &config.Config{DefaultFsType: "ext4"}
@@ -91,7 +97,16 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
-	ls := loop.New(stateDir)
+	if opts.Node == nil {
+		if opts.Node, err = mounter.NewNode(context.Background(), mounter.Options{StateDir: stateDir, KubeletDir: opts.KubeletDir,
+			RecordsDir: filepath.Join(stateDir, "mounter"), Config: opts.Config}); err != nil {
+			return nil, err
+		}
+	}
+	if opts.Mounter == nil {
+		opts.Mounter = opts.Node
+	}
+	ls := loop.New(stateDir, opts.Node)
 	ls.Metrics, ls.ImageRoots = opts.Metrics, opts.Config.ImageRoots
 	sources := map[string]source.Source{loop.Type: ls}
 	for typ, s := range opts.Sources {
@@ -99,6 +114,8 @@ func New(opts Options) (*Driver, error) {
 	}
 	d := &Driver{
 		opts:    opts,
+		node:    opts.Node,
+		loop:    ls,
 		vols:    vols,
 		snaps:   snaps,
 		sources: sources,

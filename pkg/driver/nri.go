@@ -14,7 +14,6 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"time"
@@ -26,6 +25,7 @@ import (
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/nri/guard"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
@@ -107,7 +107,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 	var created bool
 	var err error
 	if c.block {
-		created, err = d.makeDeviceNode(target, pub.Mounts)
+		created, err = d.makeDeviceNode(ctx, target, pub.Mounts)
 	} else {
 		created, err = d.kubelet.makeTarget(target, false)
 	}
@@ -141,31 +141,32 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 func (d *Driver) nriPublished(p *journal.Publish) bool {
 	if dev, ok := deviceOf(p.Mounts); ok {
 		var st unix.Stat_t
-		return unix.Lstat(p.TargetPath, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && uint64(st.Rdev) == dev //nolint:unconvert // Rdev is uint32 on some architectures
+		return unix.Lstat(p.TargetPath, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && uint64(st.Rdev) == rdevOf(dev) //nolint:unconvert // Rdev is uint32 on some architectures
 	}
 	return d.isMountPoint(p.TargetPath)
 }
 
-// deviceOf returns the device number a block plan binds.
-func deviceOf(mounts []plan.Mount) (uint64, bool) {
+// deviceOf returns the device a block plan binds, its number read from
+// sysfs (the plugin has no /dev of the host).
+func deviceOf(mounts []plan.Mount) (mounter.Device, bool) {
 	for _, m := range mounts {
 		if m.IsDeviceBind() {
-			var st unix.Stat_t
-			if unix.Stat(m.Source, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK {
-				return uint64(st.Rdev), true //nolint:unconvert // Rdev is uint32 on some architectures
+			if major, minor, err := sysfsDevice(m.Source); err == nil {
+				return mounter.Device{Path: m.Source, Major: major, Minor: minor}, true
 			}
 		}
 	}
-	return 0, false
+	return mounter.Device{}, false
 }
 
-// makeDeviceNode creates at target a block device node of the device the
-// plan binds, beneath kubelet's directory without following symlinks:
-// kubelet and the runtime see a device there (the runtime creates it in
-// the container), and nothing is mounted. An empty regular file (which
-// kubelet or an earlier publish may have left) is replaced. It reports
-// whether it created the node.
-func (d *Driver) makeDeviceNode(target string, mounts []plan.Mount) (bool, error) {
+func rdevOf(d mounter.Device) uint64 { return unix.Mkdev(d.Major, d.Minor) }
+
+// makeDeviceNode has the mounter create at target a block device node of
+// the device the plan binds: kubelet and the runtime see a device there
+// (the runtime creates it in the container), and nothing is mounted. The
+// parents are made here, beneath kubelet's directory without following
+// symlinks. It reports whether the node was created.
+func (d *Driver) makeDeviceNode(ctx context.Context, target string, mounts []plan.Mount) (bool, error) {
 	dev, ok := deviceOf(mounts)
 	if !ok {
 		return false, fmt.Errorf("block plan names no block device: %w", errdefs.ErrFailedPrecondition)
@@ -174,26 +175,8 @@ func (d *Driver) makeDeviceNode(target string, mounts []plan.Mount) (bool, error
 	if err != nil {
 		return false, err
 	}
-	defer parent.Close()
-	dirfd, name := int(parent.Fd()), filepath.Base(target)
-	var st unix.Stat_t
-	switch err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); {
-	case errors.Is(err, unix.ENOENT):
-	case err != nil:
-		return false, &os.PathError{Op: "stat", Path: target, Err: err}
-	case st.Mode&unix.S_IFMT == unix.S_IFBLK && uint64(st.Rdev) == dev: //nolint:unconvert // Rdev is uint32 on some architectures
-		return false, nil
-	case st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size == 0:
-		if err := unix.Unlinkat(dirfd, name, 0); err != nil {
-			return false, &os.PathError{Op: "unlink", Path: target, Err: err}
-		}
-	default:
-		return false, fmt.Errorf("%s exists and is not the volume's device node: %w", target, errdefs.ErrAlreadyExists)
-	}
-	if err := unix.Mknodat(dirfd, name, unix.S_IFBLK|0o600, int(dev)); err != nil {
-		return false, &os.PathError{Op: "mknod", Path: target, Err: err}
-	}
-	return true, nil
+	parent.Close()
+	return d.node.MakeDeviceNode(ctx, target, dev)
 }
 
 // preparePublished answers NodePrepareVolume for a container consumer that
@@ -265,7 +248,7 @@ func findPublishOf(v *journal.Volume, pub *api.PublishedVolume) *journal.Publish
 			}
 			continue
 		}
-		if dev, ok := deviceOf(p.Mounts); ok && dev == unix.Mkdev(pub.GetDeviceMajor(), pub.GetDeviceMinor()) {
+		if dev, ok := deviceOf(p.Mounts); ok && dev.Major == pub.GetDeviceMajor() && dev.Minor == pub.GetDeviceMinor() {
 			return p
 		}
 	}
@@ -281,7 +264,7 @@ func (d *Driver) prepareContainer(ctx context.Context, v *journal.Volume, cons *
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
 	if cons.PID != 0 {
-		ns, err := namespaceOf(cons.PID)
+		ns, err := d.node.IdentifyNamespace(ctx, cons.PID)
 		if err != nil {
 			return nil, err
 		}
@@ -374,31 +357,14 @@ func (d *Driver) statsNRI(ctx context.Context, v *journal.Volume, p *journal.Pub
 		}
 	}
 	for _, c := range v.Consumers {
-		if c.ContainerID == "" || c.PID == 0 || !namespaceAlive(c.Consumer) {
+		if c.ContainerID == "" || c.PID == 0 {
 			continue
 		}
-		f, err := openInContainer(c.PID, c.MountPoint)
+		u, err := d.node.StatFS(ctx, c.Consumer)
 		if err != nil {
-			continue
+			continue // that container is gone: another may still run
 		}
-		defer f.Close()
-		return d.statsOf(ctx, v, filepath.Join("/proc/self/fd", strconv.Itoa(int(f.Fd()))))
+		return usageResponse(u), nil
 	}
 	return nil, fmt.Errorf("volume %s is published in NRI mode at %s and no running container uses it: %w", v.ID, p.TargetPath, errdefs.ErrNotFound)
-}
-
-// openInContainer opens (O_PATH) path as the container of pid sees it,
-// never leaving its root whatever symlinks the container made.
-func openInContainer(pid int, path string) (*os.File, error) {
-	root, err := unix.Open(filepath.Join("/proc", strconv.Itoa(pid), "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	defer unix.Close(root)
-	fd, err := unix.Openat2(root, path, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
-	if err != nil {
-		return nil, &os.PathError{Op: "openat2", Path: path, Err: err}
-	}
-	return os.NewFile(uintptr(fd), path), nil
 }

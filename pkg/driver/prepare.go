@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"slices"
 
 	"k8s.io/klog/v2"
@@ -12,7 +11,6 @@ import (
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -60,7 +58,7 @@ func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.
 	if v.Stage.Block != c.block {
 		return nil, invalid("volume %s is staged for %s access", v.ID, accessName(v.Stage.Block))
 	}
-	ns, err := namespaceOf(cons.PID)
+	ns, err := d.node.IdentifyNamespace(ctx, cons.PID)
 	if err != nil {
 		return nil, err
 	}
@@ -102,7 +100,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if cons.Namespace.Inode == 0 && cons.PID > 0 {
 		// The caller did not keep the namespace identity: the PID still
 		// names it if the process lives.
-		if ns, err := namespaceOf(cons.PID); err == nil {
+		if ns, err := d.node.IdentifyNamespace(ctx, cons.PID); err == nil {
 			cons.Namespace = ns
 		}
 	}
@@ -114,48 +112,39 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	return &api.NodeUnprepareVolumeResponse{}, d.vols.Put(v, journal.Runtime)
 }
 
-// namespaceOf returns the identity of pid's mount namespace.
-func namespaceOf(pid int) (plan.Namespace, error) {
-	ns, err := mountns.IdentityOf(pid)
-	switch {
-	case errors.Is(err, errdefs.ErrNotFound):
-		return ns, fmt.Errorf("process %d does not exist: %w", pid, errdefs.ErrNotFound)
-	case errors.Is(err, fs.ErrPermission):
-		// EACCES/EPERM: the plugin may not look into that process (it
-		// runs without CAP_SYS_PTRACE over it, say).
-		return ns, fmt.Errorf("mount namespace of process %d: %w: %w", pid, err, errdefs.ErrPermissionDenied)
+// dropDeadConsumers forgets consumers whose namespace is gone (the kernel
+// dropped their mounts with it), asking the mounter, which sees every
+// process of the node. A container that has not started yet is kept, and
+// so is every consumer when the mounter cannot answer. The caller
+// persists v.
+func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
+	var ask []plan.Consumer
+	for _, c := range v.Consumers {
+		if !pendingContainer(c.Consumer) {
+			ask = append(ask, c.Consumer)
+		}
 	}
-	return ns, err
-}
-
-// namespaceAlive reports whether any process is still in c's mount
-// namespace: the recorded PID, or when it has gone any other (a
-// container's namespace outlives any one of its processes). A record
-// without identity (none is written) names no namespace.
-func namespaceAlive(c plan.Consumer) bool {
-	if pendingContainer(c) {
-		return true
-	}
-	if c.Namespace.Inode == 0 {
+	if len(ask) == 0 {
 		return false
 	}
-	if ns, err := mountns.IdentityOf(c.PID); err == nil && c.Namespace.Matches(ns) {
-		return true
+	alive, err := d.node.LiveNamespaces(ctx, ask)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot tell which consumers are gone; keeping them", "volume", v.ID)
+		return false
 	}
-	_, ok, err := mountns.Find(c.Namespace)
-	return ok || err != nil // cannot tell: keep the consumer
-}
-
-// dropDeadConsumers forgets consumers whose namespace is gone: the kernel
-// dropped their mounts with it. The caller persists v.
-func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
+	dead := map[plan.Consumer]bool{}
+	for i, c := range ask {
+		if !alive[i] {
+			dead[c] = true
+		}
+	}
 	n := len(v.Consumers)
 	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Claim) bool {
-		dead := !namespaceAlive(c.Consumer)
-		if dead {
+		if dead[c.Consumer] {
 			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.Namespace.Inode)
+			return true
 		}
-		return dead
+		return false
 	})
 	return len(v.Consumers) != n
 }

@@ -6,8 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -275,19 +278,47 @@ func (d *Driver) isMountPoint(p string) bool {
 	return mounted || err != nil
 }
 
-// blockDeviceSize reads the size of the block device at p (a published
-// device-node bind), whatever kind of volume it belongs to.
+// blockDeviceSize reads the size of the block device at p (a device node
+// under /dev, or a published device-node bind at kubelet's target),
+// whatever kind of volume it belongs to, from sysfs: the plugin opens no
+// device.
 func blockDeviceSize(p string) (int64, error) {
-	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	major, minor, err := sysfsDevice(p)
 	if err != nil {
-		return 0, fmt.Errorf("open %s: %w", p, err)
+		return 0, err
 	}
-	defer unix.Close(fd)
-	size, err := unix.IoctlGetUint64(fd, unix.BLKGETSIZE64)
+	b, err := os.ReadFile(fmt.Sprintf("/sys/dev/block/%d:%d/size", major, minor))
 	if err != nil {
-		return 0, fmt.Errorf("BLKGETSIZE64 %s: %w", p, err)
+		return 0, err
 	}
-	return int64(size), nil
+	sectors, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("size of %s: %w", p, err)
+	}
+	return sectors * 512, nil
+}
+
+// sysfsDevice returns the number of the block device at p: the node's own
+// when p is one this process can see (kubelet's target), else, for a node
+// under /dev (the host's, which the plugin does not see), what sysfs says
+// of the device of that name.
+func sysfsDevice(p string) (major, minor uint32, err error) {
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		return unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev)), nil //nolint:unconvert // Rdev is uint32 on some architectures
+	}
+	name, ok := strings.CutPrefix(p, "/dev/")
+	if !ok || name == "" || strings.Contains(name, "/") {
+		return 0, 0, fmt.Errorf("%s is no block device this plugin can see: %w", p, errdefs.ErrFailedPrecondition)
+	}
+	b, err := os.ReadFile(filepath.Join("/sys/class/block", name, "dev"))
+	if err != nil {
+		return 0, 0, fmt.Errorf("device number of %s: %w", p, err)
+	}
+	if _, err := fmt.Sscanf(strings.TrimSpace(string(b)), "%d:%d", &major, &minor); err != nil {
+		return 0, 0, fmt.Errorf("device number of %s: %q: %w", p, b, err)
+	}
+	return major, minor, nil
 }
 
 func accessName(block bool) string {
@@ -319,10 +350,14 @@ func (d *Driver) statsOf(ctx context.Context, v *journal.Volume, path string) (*
 	if err != nil {
 		return nil, err
 	}
+	return usageResponse(u), nil
+}
+
+func usageResponse(u fsutil.Usage) *csi.NodeGetVolumeStatsResponse {
 	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{
 		{Unit: csi.VolumeUsage_BYTES, Total: u.TotalBytes, Available: u.AvailableBytes, Used: u.UsedBytes},
 		{Unit: csi.VolumeUsage_INODES, Total: u.TotalInodes, Available: u.FreeInodes, Used: u.UsedInodes},
-	}}, nil
+	}}
 }
 
 func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
@@ -352,10 +387,6 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if p == nil && path != v.Stage.StagingPath {
 		return nil, fmt.Errorf("volume %s is not published or staged at %s: %w", id, path, errdefs.ErrNotFound)
 	}
-	mountPath := ""
-	if p != nil && !v.Stage.Block && d.isMountPoint(p.TargetPath) {
-		mountPath = p.TargetPath
-	}
 	src, err := d.sourceOf(v)
 	if err != nil {
 		return nil, err
@@ -364,7 +395,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if !ok {
 		return nil, fmt.Errorf("%s volumes cannot be expanded: %w", v.Type, errdefs.ErrUnimplemented)
 	}
-	size, err := exp.Expand(ctx, viewOf(v), mountPath, filepath.Join(d.opts.StateDir, "expand", id))
+	size, err := exp.Expand(ctx, viewOf(v))
 	if err != nil {
 		return nil, err
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/periodic"
 	"github.com/mountplan/mountplan/pkg/source/loop"
 )
@@ -22,6 +23,7 @@ import (
 // or removes half-made inline volumes. The first call makes Probe ready.
 func (d *Driver) Reconcile(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
+	start := time.Now()
 	d.removeInterruptedWrites(ctx)
 	if !d.ready.Load() && d.vols.unreadable != nil {
 		logger.Error(d.vols.unreadable, "Some journal records could not be read; they are left as they are")
@@ -50,8 +52,34 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		logger.Error(err, "Reconciling snapshots failed")
 		errs = append(errs, err)
 	}
+	if err := d.keepLoops(ctx, start); err != nil {
+		logger.Error(err, "Telling the mounter which loop devices are still staged")
+		errs = append(errs, err)
+	}
 	d.ready.Store(true)
 	return errors.Join(errs...)
+}
+
+// keepLoops tells the mounter which loop devices staged volumes hold, so
+// that it lets go of the others it attached before the reconcile began (a
+// stage a crash interrupted before it recorded its device; a volume whose
+// record is gone).
+func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
+	vols, err := d.vols.List()
+	if err != nil {
+		return err
+	}
+	var ids []loopdev.Identity
+	for _, v := range vols {
+		if v.Type == loop.Type && v.Stage != nil {
+			ids = append(ids, loop.Identities(v.Stage.Source)...)
+		}
+	}
+	n, err := d.node.KeepLoops(ctx, ids, start)
+	if n > 0 {
+		klog.FromContext(ctx).Info("The mounter let go of loop devices no staged volume holds", "devices", n)
+	}
+	return err
 }
 
 // removeInterruptedWrites removes the temp files that writes of records and

@@ -109,8 +109,7 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal
 		snap.Frozen = true
 		return d.snaps.store.Put(snap)
 	}
-	scratch := loop.RecoverScratch(d.opts.StateDir, "snapshots", name)
-	method, err := d.copyVolumeImage(ctx, v, snap.Image, v.CapacityBytes, scratch, markFrozen)
+	method, err := d.copyVolumeImage(ctx, v, snap.Image, v.CapacityBytes, true, markFrozen)
 	if err != nil {
 		// No record outlives a failed snapshot: the name stays free.
 		err = fmt.Errorf("snapshot %s of volume %s: %w", name, srcID, err)
@@ -119,7 +118,7 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal
 			// (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.ClearScratch(scratch), loop.RemoveImage(snap.Image), d.snaps.store.Delete(name))
+		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.snaps.store.Delete(name))
 	}
 	snap.Creating, snap.Frozen, snap.Method = false, false, string(method)
 	if err := d.snaps.store.Put(snap); err != nil {
@@ -156,9 +155,6 @@ func (d *Driver) undoSnapshot(ctx context.Context, snap *journal.Snapshot) error
 		if err := d.thawSource(ctx, snap.SourceVolume); err != nil {
 			return fmt.Errorf("snapshot %s: thaw volume %s: %w", snap.ID, snap.SourceVolume, err)
 		}
-	}
-	if err := loop.ClearScratch(loop.RecoverScratch(d.opts.StateDir, "snapshots", snap.ID)); err != nil {
-		return fmt.Errorf("snapshot %s: %w", snap.ID, err)
 	}
 	// The image first: a crash in between leaves a record a retried
 	// delete finishes, never an image nobody knows about.

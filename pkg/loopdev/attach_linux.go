@@ -21,13 +21,22 @@ const maxAttempts = 64
 
 // Attach binds backingFile to a free loop device and returns it opened.
 func Attach(ctx context.Context, backingFile string, o Options) (*Device, error) {
-	if backingFile == "" {
+	return AttachWith(ctx, backingFile, o, func(flags int) (*os.File, error) { return os.OpenFile(backingFile, flags, 0) })
+}
+
+// AttachWith is Attach with the backing file opened by open, called with
+// the open(2) flags Attach wants (read-only or read-write, O_DIRECT first
+// when asked): a caller that must not follow a symlink opens it its own
+// way. name names the file in errors and in the device's lo_file_name.
+func AttachWith(ctx context.Context, name string, o Options, open func(flags int) (*os.File, error)) (*Device, error) {
+	if name == "" {
 		return nil, fmt.Errorf("loopdev: attach: empty backing file: %w", errdefs.ErrInvalidArgument)
 	}
-	backing, dio, err := openBacking(ctx, backingFile, o)
+	backing, dio, err := openBacking(ctx, name, o, open)
 	if err != nil {
 		return nil, err
 	}
+	backingFile := name
 	// The kernel takes its own reference to the file in LOOP_CONFIGURE.
 	defer backing.Close()
 
@@ -37,6 +46,9 @@ func Attach(ctx context.Context, backingFile string, o Options) (*Device, error)
 	}
 	defer ctl.Close()
 
+	if o.Prefer != nil {
+		hintFree(*o.Prefer)
+	}
 	if d := attachHinted(ctx, backing, backingFile, o, dio); d != nil {
 		return d, nil
 	}
@@ -105,13 +117,13 @@ func retryable(err error) bool {
 // openBacking opens the image. O_DIRECT is asked for up front so that a
 // filesystem without direct I/O support (ramfs, some FUSE) is found here,
 // where falling back is cheap, instead of in the kernel's loop setup.
-func openBacking(ctx context.Context, path string, o Options) (f *os.File, dio bool, err error) {
+func openBacking(ctx context.Context, path string, o Options, open func(flags int) (*os.File, error)) (f *os.File, dio bool, err error) {
 	flags := os.O_RDWR | unix.O_CLOEXEC
 	if o.ReadOnly {
 		flags = os.O_RDONLY | unix.O_CLOEXEC
 	}
 	if o.DirectIO {
-		f, err = os.OpenFile(path, flags|unix.O_DIRECT, 0)
+		f, err = open(flags | unix.O_DIRECT)
 		if err == nil {
 			return f, true, checkBacking(f, path)
 		}
@@ -120,7 +132,7 @@ func openBacking(ctx context.Context, path string, o Options) (f *os.File, dio b
 		}
 		klog.FromContext(ctx).V(2).Info("backing filesystem refuses O_DIRECT, using buffered I/O", "backingFile", path)
 	}
-	f, err = os.OpenFile(path, flags, 0)
+	f, err = open(flags)
 	if err != nil {
 		return nil, false, sysErr("open", path, err)
 	}

@@ -46,6 +46,10 @@ type Options struct {
 	// ones; asking for its size keeps it mountable, and the kernel drops
 	// direct I/O when the size is below the alignment.
 	BlockSize uint32
+	// Prefer, when set, is the loop number to try first: a device being
+	// attached again at the number it had before (the mounter restoring
+	// what it held), so that records naming it stay true.
+	Prefer *int
 }
 
 // Identity names a loop device binding: the device numbers of /dev/loopN

@@ -35,7 +35,7 @@ type attacher struct {
 
 // build creates every mount of the plan, detached, before any is attached,
 // so a plan that cannot be built leaves no trace in the consumer.
-func build(mounts []plan.Mount) (_ *attacher, err error) {
+func build(mounts []plan.Mount, srcs []*os.File) (_ *attacher, err error) {
 	a := &attacher{mounts: mounts}
 	defer func() {
 		if err != nil {
@@ -43,7 +43,7 @@ func build(mounts []plan.Mount) (_ *attacher, err error) {
 		}
 	}()
 	for i, m := range mounts {
-		f, err := mountns.Build(m)
+		f, err := mountns.BuildFrom(m, srcs[i])
 		if err != nil {
 			return nil, fmt.Errorf("mount %d: %w", i, err)
 		}

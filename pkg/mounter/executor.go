@@ -7,7 +7,6 @@ import (
 	"io/fs"
 	"path"
 	"path/filepath"
-	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -40,6 +39,10 @@ type Executor struct {
 	// host's namespace are never checked: kubelet's flow relies on
 	// propagation there.
 	AllowPropagation bool
+
+	// sources opens and checks a plan's devices and bind sources; Local
+	// sets it. Without it every device and bind is refused.
+	sources sourceChecker
 }
 
 var _ Interface = (*Executor)(nil)
@@ -90,51 +93,6 @@ func checkTargets(mounts []plan.Mount) error {
 		}
 	}
 	return nil
-}
-
-// resolve returns the plan with symlinks resolved in bind sources and in
-// path-valued options, checked against the policy once more: a symlink under
-// an allowed root must not lead the kernel outside it. (A path swapped
-// between this check and the mount syscall is not caught; the roots belong
-// to the plugin, not to the plan's author.)
-func (e *Executor) resolve(mounts []plan.Mount) ([]plan.Mount, error) {
-	out := make([]plan.Mount, len(mounts))
-	for i, m := range mounts {
-		r, err := resolveMount(m)
-		if err != nil {
-			return nil, fmt.Errorf("mount %d: %w", i, err)
-		}
-		out[i] = r
-	}
-	if err := e.Policy.Validate(out); err != nil {
-		return nil, fmt.Errorf("after resolving symlinks: %w", err)
-	}
-	return out, nil
-}
-
-func resolveMount(m plan.Mount) (plan.Mount, error) {
-	r := plan.Mount{Type: m.Type, Source: m.Source, Target: m.Target, Options: make([]string, len(m.Options))}
-	var err error
-	if m.Type == plan.TypeBind {
-		if r.Source, err = resolvePath(m.Source); err != nil {
-			return r, fmt.Errorf("bind source: %w", err)
-		}
-	}
-	for i, o := range m.Options {
-		key, val, ok := strings.Cut(o, "=")
-		r.Options[i] = o
-		if !ok || !strings.HasPrefix(val, "/") {
-			continue // the policy allows "/" in path-valued options only
-		}
-		parts := strings.Split(val, ":")
-		for j := range parts {
-			if parts[j], err = resolvePath(parts[j]); err != nil {
-				return r, fmt.Errorf("option %q: %w", key, err)
-			}
-		}
-		r.Options[i] = key + "=" + strings.Join(parts, ":")
-	}
-	return r, nil
 }
 
 func resolvePath(p string) (string, error) {

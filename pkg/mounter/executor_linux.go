@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strings"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -31,12 +30,8 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 	if err := e.Policy.Validate(mounts); err != nil {
 		return err
 	}
-	resolved, err := e.resolve(mounts)
-	if err != nil {
-		return err
-	}
-	devices, err := e.openDevices(resolved)
-	defer closeAll(devices)
+	srcs, err := e.openSources(mounts)
+	defer closeAll(srcs)
 	if err != nil {
 		return err
 	}
@@ -52,7 +47,7 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 	if err != nil {
 		return err
 	}
-	a, err := build(resolved)
+	a, err := build(mounts, srcs)
 	if err != nil {
 		return err
 	}
@@ -187,39 +182,36 @@ func hostSide(ctx context.Context, ns *mountns.Namespace) (string, error) {
 	return "", nil
 }
 
-// openDevices opens (and so checks: openDevice) every device the plan
-// names: the source of a filesystem on a block device, and the source of
-// a bind that is a device node or lies under /dev. Other special files
-// (character devices, sockets, FIFOs) are refused as bind sources. On error the files opened so far are returned too, to close.
-func (e *Executor) openDevices(mounts []plan.Mount) ([]*os.File, error) {
-	var files []*os.File
+// openSources opens the source of every mount of the plan, checked: a
+// block device the mounter set up (the source of a filesystem, or a bind
+// of a device node under /dev), or a bind source the mounter made below
+// the state dir (sourceChecker). Mounts without a source (tmpfs) get nil.
+// A plan with path-valued options (overlay's lowerdir=...) is refused: a
+// path there is resolved by the kernel when the mount is built, after any
+// check, and the plugin writes the directories it would name; a chain is
+// bound from the overlay the mounter made instead. On error the files
+// opened so far are returned too, to close.
+func (e *Executor) openSources(mounts []plan.Mount) ([]*os.File, error) {
+	files := make([]*os.File, len(mounts))
 	for i, m := range mounts {
-		dev := m.Type != plan.TypeBind && m.Type != "overlay" && m.Type != "tmpfs"
-		if m.Type == plan.TypeBind {
-			var st unix.Stat_t
-			if err := unix.Stat(m.Source, &st); err != nil {
-				return files, fmt.Errorf("mount %d: bind source: %w", i, mountns.Classify(&os.PathError{Op: "stat", Path: m.Source, Err: err}))
-			}
-			// Under /dev, only a device node (checked below) is bound:
-			// never a directory such as the host's /dev/shm.
-			switch st.Mode & unix.S_IFMT {
-			case unix.S_IFBLK:
-				dev = true
-			case unix.S_IFDIR, unix.S_IFREG:
-				dev = strings.HasPrefix(m.Source, "/dev/")
-			default:
-				return files, fmt.Errorf("mount %d: bind source %s is a special file other than a block device: %w", i, m.Source, errdefs.ErrPermissionDenied)
-			}
+		if plan.HasPathOptions(m) {
+			return files, fmt.Errorf("mount %d: %s mount with a path-valued option: the mounter takes no host path but a plan's source: %w", i, m.Type, errdefs.ErrPermissionDenied)
 		}
-		if !dev {
+		if m.Type == "tmpfs" {
 			continue
 		}
-		f, err := e.openDevice(m.Source)
+		if e.sources == nil {
+			return files, fmt.Errorf("mount %d: this executor has no record of the devices and mounts it may use: %w", i, errdefs.ErrPermissionDenied)
+		}
+		var err error
+		switch {
+		case m.Type != plan.TypeBind, plan.Within("/dev", m.Source):
+			files[i], err = e.sources.openDevice(m.Source)
+		default:
+			files[i], err = e.sources.openBindSource(m.Source)
+		}
 		if err != nil {
 			return files, fmt.Errorf("mount %d: %w", i, err)
-		}
-		if f != nil {
-			files = append(files, f)
 		}
 	}
 	return files, nil
@@ -227,7 +219,9 @@ func (e *Executor) openDevices(mounts []plan.Mount) ([]*os.File, error) {
 
 func closeAll(files []*os.File) {
 	for _, f := range files {
-		f.Close()
+		if f != nil {
+			f.Close()
+		}
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -38,17 +39,60 @@ func Supported() error {
 // returns its fd (close-on-exec). Closing the fd without attaching it drops
 // the mount. Source and path options resolve in the caller's namespace.
 func Build(m plan.Mount) (*os.File, error) {
+	return BuildFrom(m, nil)
+}
+
+// BuildFrom is Build with m's source already open as src (nil: resolve
+// m.Source): the file a bind clones (open_tree on the descriptor, so a
+// path swapped since it was checked changes nothing), or the block device
+// a filesystem is mounted from, which the new mount's device must then be
+// (a device node swapped since is refused).
+func BuildFrom(m plan.Mount, src *os.File) (*os.File, error) {
 	o, err := parseOptions(m)
 	if err != nil {
 		return nil, err
 	}
 	if m.Type == plan.TypeBind {
-		return buildBind(m, o)
+		return buildBind(m, o, src)
 	}
-	return buildFS(m, o)
+	f, err := buildFS(m, o, src)
+	if err != nil || src == nil {
+		return f, err
+	}
+	if err := sameDevice(f, src, m); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
 
-func buildFS(m plan.Mount, o options) (*os.File, error) {
+// sourceByFd are the filesystems whose mounts report an anonymous device
+// rather than the block device they sit on: their source is handed to the
+// kernel as the checked descriptor's magic link instead of its path.
+var sourceByFd = map[string]bool{"btrfs": true}
+
+// sameDevice checks that the mount built from m sits on src, the device
+// that was checked.
+func sameDevice(mnt, src *os.File, m plan.Mount) error {
+	if sourceByFd[m.Type] {
+		return nil
+	}
+	var dev unix.Stat_t
+	if err := unix.Fstat(int(src.Fd()), &dev); err != nil {
+		return &os.PathError{Op: "fstat", Path: m.Source, Err: err}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(mnt.Fd()), &st); err != nil {
+		return &os.PathError{Op: "fstat", Path: m.Source, Err: err}
+	}
+	if st.Dev != dev.Rdev {
+		return fmt.Errorf("%s mount of %s sits on device %d, not on the %d that was checked (the node was replaced): %w",
+			m.Type, m.Source, st.Dev, dev.Rdev, errdefs.ErrPermissionDenied)
+	}
+	return nil
+}
+
+func buildFS(m plan.Mount, o options, src *os.File) (*os.File, error) {
 	fsfd, err := unix.Fsopen(m.Type, unix.FSOPEN_CLOEXEC)
 	if errors.Is(err, unix.ENOSYS) {
 		return nil, errNoNewAPI("fsopen")
@@ -61,8 +105,12 @@ func buildFS(m plan.Mount, o options) (*os.File, error) {
 	fail := func(op, key string, err error) error {
 		return &OpError{Op: op, FSType: m.Type, Path: m.Source, Key: key, Err: err, Kernel: kernelLog(fsfd, secretsOf(m))}
 	}
-	if m.Source != "" {
-		if err := unix.FsconfigSetString(fsfd, "source", m.Source); err != nil {
+	source := m.Source
+	if src != nil && sourceByFd[m.Type] {
+		source = fmt.Sprintf("/proc/self/fd/%d", src.Fd())
+	}
+	if source != "" {
+		if err := unix.FsconfigSetString(fsfd, "source", source); err != nil {
 			return nil, fail("fsconfig", "source", err)
 		}
 	}
@@ -92,14 +140,20 @@ func buildFS(m plan.Mount, o options) (*os.File, error) {
 	return os.NewFile(uintptr(mfd), m.Type+":"+m.Source), nil
 }
 
-func buildBind(m plan.Mount, o options) (_ *os.File, err error) {
+func buildBind(m plan.Mount, o options, src *os.File) (_ *os.File, err error) {
 	flags := uint(unix.OPEN_TREE_CLONE | unix.OPEN_TREE_CLOEXEC)
 	setFlags := uint(unix.AT_EMPTY_PATH)
 	if o.recursive {
 		flags |= unix.AT_RECURSIVE
 		setFlags |= unix.AT_RECURSIVE
 	}
-	fd, err := unix.OpenTree(unix.AT_FDCWD, m.Source, flags)
+	dirfd, name := unix.AT_FDCWD, m.Source
+	if src != nil {
+		dirfd, name = int(src.Fd()), ""
+		flags |= unix.AT_EMPTY_PATH
+	}
+	fd, err := unix.OpenTree(dirfd, name, flags)
+	runtime.KeepAlive(src)
 	if errors.Is(err, unix.ENOSYS) {
 		return nil, errNoNewAPI("open_tree")
 	}

@@ -69,6 +69,22 @@ func (r *Root) Open(p string) (*os.File, error) {
 	return r.openat(r.f, rel, p, unix.O_PATH)
 }
 
+// OpenFile opens p (absolute, at or below the root) with flags (O_RDONLY,
+// O_RDWR, O_DIRECT, ...; O_CLOEXEC is added), resolved as Open resolves.
+func (r *Root) OpenFile(p string, flags int) (*os.File, error) {
+	rel, err := r.rel(p)
+	if err != nil {
+		return nil, err
+	}
+	return r.openat(r.f, rel, p, flags)
+}
+
+// File is the root's O_PATH descriptor (owned by the Root).
+func (r *Root) File() *os.File { return r.f }
+
+// Path is the root's directory, as it was given.
+func (r *Root) Path() string { return r.path }
+
 func (r *Root) openat(dir *os.File, rel, full string, flags int) (*os.File, error) {
 	fd, err := unix.Openat2(int(dir.Fd()), rel, &unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC), Resolve: resolve})
 	runtime.KeepAlive(dir)

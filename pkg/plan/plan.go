@@ -61,6 +61,26 @@ type Policy struct {
 	AllowSuidDev bool
 }
 
+// MaxMounts bounds a plan: every plan mountplan makes has one or two
+// mounts, and a mounter must not spend minutes on a hostile one.
+const MaxMounts = 16
+
+// refusedOptions are never allowed: errors=panic makes one bad block of a
+// volume panic the node; noload and norecovery mount a filesystem without
+// replaying its journal or log, inconsistent by design.
+var refusedOptions = map[string]bool{"errors=panic": true, "noload": true, "norecovery": true}
+
+// HasPathOptions reports whether m has an option whose value is a host
+// path (overlay's lowerdir=...).
+func HasPathOptions(m Mount) bool {
+	for _, o := range m.Options {
+		if key, _, _ := strings.Cut(o, "="); pathOptions[key] {
+			return true
+		}
+	}
+	return false
+}
+
 // pathOptions are the option keys whose values are host paths
 // (colon-separated for lowerdir).
 var pathOptions = map[string]bool{"lowerdir": true, "upperdir": true, "workdir": true, "datadir": true, "lowerdir+": true}
@@ -82,6 +102,9 @@ func IsFlag(opt string) bool { return flagOptions[opt] }
 func (p Policy) Validate(mounts []Mount) error {
 	if len(mounts) == 0 {
 		return fmt.Errorf("plan has no mounts: %w", errdefs.ErrInvalidArgument)
+	}
+	if len(mounts) > MaxMounts {
+		return fmt.Errorf("plan has %d mounts, more than %d: %w", len(mounts), MaxMounts, errdefs.ErrInvalidArgument)
 	}
 	seen := map[string]bool{}
 	for i, m := range mounts {
@@ -169,8 +192,7 @@ func (p Policy) validateOption(o string) error {
 	if key == "source" {
 		return fmt.Errorf("option %q may not set the source: %w", o, errdefs.ErrInvalidArgument)
 	}
-	if key == "errors" && val == "panic" {
-		// One bad block of a volume would then panic the node.
+	if refusedOptions[o] {
 		return fmt.Errorf("option %q is never allowed: %w", o, errdefs.ErrInvalidArgument)
 	}
 	if !p.AllowSuidDev && (key == "suid" || key == "dev") {

@@ -103,9 +103,8 @@ type Source interface {
 // Expander is a Source whose volumes can grow.
 type Expander interface {
 	// Expand makes the staged v's device and filesystem see its new size
-	// and returns the size. mountPath is where v is mounted in this
-	// namespace, if anywhere; scratch is a private directory it may use.
-	Expand(ctx context.Context, v Volume, mountPath, scratch string) (int64, error)
+	// (online, wherever v is mounted) and returns the size.
+	Expand(ctx context.Context, v Volume) (int64, error)
 }
 
 // Health is a source's view of a staged volume.

@@ -34,6 +34,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
@@ -81,6 +82,8 @@ type Source struct {
 	Metrics *metrics.Metrics
 	// SysDir and DevDir are /sys and /dev.
 	SysDir, DevDir string
+	// Devices is the mounter: it logs in and out, formats.
+	Devices Devices
 	// StateDir is the plugin's state dir, where plugins of earlier
 	// versions kept their session registry (<StateDir>/iscsi/sessions).
 	StateDir string
@@ -119,10 +122,16 @@ func (s *Source) getHost() source.Host {
 	return s.host
 }
 
+// Devices is what the source asks of the mounter.
+type Devices interface {
+	mounter.Filesystems
+	mounter.ISCSI
+}
+
 // New returns an iSCSI source with the admin's policy (checked by
 // config.Load), keeping its session registry under stateDir and timing its
 // steps in m (nil: not recorded).
-func New(cfg config.ISCSIConfig, stateDir string, m *metrics.Metrics) *Source {
+func New(cfg config.ISCSIConfig, stateDir string, devs Devices, m *metrics.Metrics) *Source {
 	rules, err := cfg.PortalRules()
 	if abs, aerr := filepath.Abs(stateDir); aerr == nil {
 		stateDir = abs
@@ -133,7 +142,7 @@ func New(cfg config.ISCSIConfig, stateDir string, m *metrics.Metrics) *Source {
 	if cfg.InitiatorNameFile == "" {
 		cfg.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
 	}
-	return &Source{Config: cfg, Metrics: m, SysDir: "/sys", DevDir: "/dev", StateDir: stateDir,
+	return &Source{Config: cfg, Devices: devs, Metrics: m, SysDir: "/sys", DevDir: "/dev", StateDir: stateDir,
 		rules: rules, rulesErr: err}
 }
 
@@ -282,7 +291,11 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}
 	if !req.Block {
 		what := fmt.Sprintf("LUN %d of %s", t.lun, t.iqn)
-		if st.FsType, err = blockdev.EnsureFilesystem(ctx, v, st.Device, req, blockdev.Filesystem{What: what, Metrics: s.Metrics}); err != nil {
+		dev, err := blockdev.DeviceOf(s.SysDir, st.Device)
+		if err != nil {
+			return nil, err
+		}
+		if st.FsType, err = blockdev.EnsureFilesystem(ctx, v, dev, req, blockdev.Filesystem{What: what, Tools: s.Devices, Metrics: s.Metrics}); err != nil {
 			return nil, err
 		}
 	}

@@ -1,11 +1,14 @@
 // Package loop is the loop-device volume source: an image file (made by
 // CreateVolume under the state dir, an admin's image under an allowed root,
-// or an inline ephemeral volume's) attached with LOOP_CONFIGURE.
+// or an inline ephemeral volume's) attached to a loop device.
 //
-// The device is attached with autoclear and its fd is held open by the
-// plugin while the volume is staged. The kernel then detaches it by itself
-// when the plugin dies and no mount uses it, so a crash never leaks a loop
-// device; Adopt re-attaches after a restart.
+// The mounter attaches the device (with LOOP_CONFIGURE and autoclear) and
+// holds it open while the volume is staged: the kernel detaches it by
+// itself when the mounter dies and no mount uses it, so a crash never
+// leaks a loop device. The source keeps only the device's identity (its
+// number and the image's inode), which it hands back to the mounter for
+// everything it does with the device; Adopt attaches again what a
+// restart cleared.
 package loop
 
 import (
@@ -13,17 +16,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
-	"sync"
 
-	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
@@ -44,10 +44,23 @@ type State struct {
 	Chain *Chain `json:"chain,omitempty"`
 }
 
-// Source attaches images to loop devices.
+func (st State) device() mounter.Device {
+	return mounter.Device{Path: st.Device, Major: st.Identity.Major, Minor: st.Identity.Minor}
+}
+
+// Devices is what the source asks of the mounter.
+type Devices interface {
+	mounter.Loops
+	mounter.Filesystems
+	mounter.Chains
+}
+
+// Source attaches images to loop devices through the mounter.
 type Source struct {
 	// StateDir holds chain mounts and scratch images.
 	StateDir string
+	// Devices is the mounter.
+	Devices Devices
 	// Metrics times attach, format and detach (nil: not recorded).
 	Metrics *metrics.Metrics
 	// ImageRoots are the admin's directories for static images.
@@ -55,9 +68,6 @@ type Source struct {
 	// MountableTypes are the filesystems a plan may mount; a device holding
 	// anything else is refused rather than reformatted.
 	MountableTypes []string
-
-	mu      sync.Mutex // guards devices only; volume operations are serialised by the driver's per-volume locks
-	devices map[string]*loopdev.Device
 
 	blockSizes blockSizes // of images staged before
 }
@@ -68,36 +78,10 @@ var (
 	_ source.HealthChecker = (*Source)(nil)
 )
 
-// New returns a loop source keeping its mounts and scratch images under stateDir.
-func New(stateDir string) *Source {
-	return &Source{
-		StateDir:       stateDir,
-		MountableTypes: blockdev.MountableTypes,
-		devices:        map[string]*loopdev.Device{},
-	}
-}
-
-func (s *Source) hold(id string, d *loopdev.Device) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if old := s.devices[id]; old != nil && old != d {
-		_ = old.Close()
-	}
-	s.devices[id] = d
-}
-
-func (s *Source) take(id string) *loopdev.Device {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	d := s.devices[id]
-	delete(s.devices, id)
-	return d
-}
-
-func (s *Source) held(id string) *loopdev.Device {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.devices[id]
+// New returns a loop source keeping its scratch images under stateDir and
+// asking devs for its devices.
+func New(stateDir string, devs Devices) *Source {
+	return &Source{StateDir: stateDir, Devices: devs, MountableTypes: blockdev.MountableTypes}
 }
 
 // Stage attaches v.Image and, for mount access, makes sure it holds a
@@ -109,75 +93,71 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}
 	// The image under an overlay is never written, whatever the access mode.
 	ro := req.ReadOnly || chained
-	opts := loopdev.Options{ReadOnly: ro, DirectIO: true, Autoclear: true}
+	lr := mounter.LoopRequest{Image: v.Image, ReadOnly: ro, DirectIO: true}
 	switch {
 	case req.Block:
 		// The consumer writes the device raw and may make another
 		// filesystem: read the superblock again at the next mount stage.
 		s.blockSizes.forget(v.Image)
 	case !chained:
-		opts.BlockSize = s.blockSizes.get(v.Image)
+		lr.BlockSize = s.blockSizes.get(v.Image)
 	}
-	var dev *loopdev.Device
+	var l mounter.Loop
 	if err := s.Metrics.Step("attach", func() (err error) {
-		dev, err = loopdev.Attach(ctx, v.Image, opts)
+		l, err = s.Devices.AttachLoop(ctx, lr)
 		return err
 	}); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", v.Image, err)
 	}
 	defer func() {
 		if err != nil {
-			if derr := dev.Detach(); derr != nil {
-				klog.FromContext(ctx).Error(derr, "Rollback: detach failed", "device", dev.Path)
+			if derr := s.Devices.DetachLoop(context.WithoutCancel(ctx), l.Identity); derr != nil {
+				klog.FromContext(ctx).Error(derr, "Rollback: detach failed", "device", l.Path)
 			}
 		}
 	}()
-	st := State{Device: dev.Path, Identity: dev.Identity, DirectIO: dev.DirectIO, ReadOnly: dev.ReadOnly}
+	st := State{Device: l.Path, Identity: l.Identity, DirectIO: l.DirectIO, ReadOnly: l.ReadOnly}
 	if chained {
-		if st.FsType, st.Chain, err = s.stageChain(ctx, v, dev.Path); err != nil {
+		if st.FsType, st.Chain, err = s.stageChain(ctx, v, l.Device); err != nil {
 			return nil, err
 		}
 	} else if !req.Block {
-		if st.FsType, err = s.ensureFilesystem(ctx, v, dev.Path, req); err != nil {
+		if st.FsType, err = s.ensureFilesystem(ctx, v, l.Device, req); err != nil {
 			return nil, err
 		}
 	}
-	raw, err := json.Marshal(st)
-	if err != nil {
-		return nil, err
-	}
-	s.hold(v.ID, dev)
-	return raw, nil
+	return json.Marshal(st)
 }
 
 // stageChain checks that the image holds a read-only filesystem and builds
 // the overlay's layers over it.
-func (s *Source) stageChain(ctx context.Context, v source.Volume, device string) (string, *Chain, error) {
-	fsType, err := fsutil.Detect(ctx, device)
+func (s *Source) stageChain(ctx context.Context, v source.Volume, dev mounter.Device) (string, *Chain, error) {
+	fsType, err := s.Devices.Detect(ctx, dev)
 	if err != nil {
 		return "", nil, err
 	}
 	if !slices.Contains(readOnlyTypes, fsType) {
 		return "", nil, fmt.Errorf("overlay needs a read-only image (%v); %s holds %q: %w", readOnlyTypes, v.Image, fsType, errdefs.ErrFailedPrecondition)
 	}
-	c, err := s.buildChain(ctx, v, device, fsType)
+	c, err := s.buildChain(ctx, v, dev, fsType)
 	return fsType, c, err
 }
 
-// ensureFilesystem returns the filesystem on device, making one only when
+// ensureFilesystem returns the filesystem on dev, making one only when
 // the device is blank or when a format of ours was interrupted.
-func (s *Source) ensureFilesystem(ctx context.Context, v source.Volume, device string, req source.StageRequest) (string, error) {
-	return blockdev.EnsureFilesystem(ctx, v, device, req, blockdev.Filesystem{What: "image " + v.Image, Mountable: s.MountableTypes, Metrics: s.Metrics})
+func (s *Source) ensureFilesystem(ctx context.Context, v source.Volume, dev mounter.Device, req source.StageRequest) (string, error) {
+	return blockdev.EnsureFilesystem(ctx, v, dev, req, blockdev.Filesystem{What: "image " + v.Image, Tools: s.Devices, Mountable: s.MountableTypes, Metrics: s.Metrics})
 }
 
-// Plan mounts the device (mount access) or binds its node (block access).
+// Plan mounts the device (mount access), binds its node (block access), or
+// binds the chain's overlay.
 func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
 	if st.Chain != nil {
-		return chainPlan(st.Chain, req.ReadOnly, req.MountFlags), nil
+		return chainPlan(st.Chain, req.ReadOnly, req.MountFlags)
 	}
 	return blockdev.Plan(v.ID, st.Device, st.FsType, st.ReadOnly, req)
 }
@@ -196,174 +176,123 @@ func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
 			return err
 		}
 	}
-	return s.detach(ctx, v.ID, st.Device, st.Identity)
+	return s.Metrics.Step("detach", func() error { return s.Devices.DetachLoop(ctx, st.Identity) })
 }
 
 // undoUnrecorded undoes a stage that died before it recorded its state.
-// Its devices were attached with autoclear and went with the process that
-// held them, unless a chain's layer mount still holds one; those layers
-// sit at paths fixed by the volume ID, so they can be found without state.
+// Its chain, if it got that far, sits at a path fixed by the volume ID; a
+// device it attached is let go by the startup reconcile (KeepLoops), which
+// knows no volume that names it.
 func (s *Source) undoUnrecorded(ctx context.Context, v source.Volume) error {
-	if err := s.teardownChain(ctx, v.ID, s.chainAt(v.ID)); err != nil {
+	if err := s.Devices.TeardownChain(ctx, v.ID); err != nil {
 		return err
 	}
-	if err := RemoveImage(s.scratchImage(v.ID)); err != nil {
-		return err
-	}
-	if dev := s.take(v.ID); dev != nil {
-		return dev.Detach()
-	}
-	return nil
+	return RemoveImage(s.scratchImage(v.ID))
 }
 
-// detach detaches the device held under key, or found by its identity.
-func (s *Source) detach(ctx context.Context, key, device string, id loopdev.Identity) error {
-	dev := s.take(key)
-	if dev == nil {
-		var err error
-		dev, err = loopdev.Adopt(device, id)
-		if errors.Is(err, errdefs.ErrNotFound) {
-			klog.FromContext(ctx).V(2).Info("Loop device already gone", "device", device)
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-	}
-	return s.Metrics.Step("detach", dev.Detach)
-}
-
-// Adopt reopens the device of a staged volume, or attaches the image again
-// when the kernel cleared it after the plugin died (autoclear).
+// Adopt checks that a staged volume's device is still the one the mounter
+// holds for it, and attaches the image again when it is gone (the node
+// rebooted, or a mounter died with nothing mounting the device).
 func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
-	if s.held(v.ID) != nil {
-		return v.State, nil
-	}
-	dev, err := loopdev.Adopt(st.Device, st.Identity)
+	l, err := s.Devices.AdoptLoop(ctx, st.Identity)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		klog.FromContext(ctx).Info("Loop device gone; attaching the image again", "volume", v.ID, "image", v.Image)
-		opts := loopdev.Options{ReadOnly: st.ReadOnly, DirectIO: true, Autoclear: true}
+		lr := mounter.LoopRequest{Image: v.Image, ReadOnly: st.ReadOnly, DirectIO: true}
 		if st.FsType != "" && st.Chain == nil {
-			opts.BlockSize = s.blockSizes.get(v.Image)
+			lr.BlockSize = s.blockSizes.get(v.Image)
 		}
-		dev, err = loopdev.Attach(ctx, v.Image, opts)
+		l, err = s.Devices.AttachLoop(ctx, lr)
 	}
 	if err != nil {
 		return nil, err
 	}
-	st.Device, st.Identity, st.DirectIO = dev.Path, dev.Identity, dev.DirectIO
-	if st.Chain != nil && !chainIntact(st.Chain) {
-		// The layers are gone (a reboot): build them anew. A tmpfs upper's
-		// writes did not survive; a scratch image's are discarded too,
-		// since an overlay's upper is only valid with its own work dir.
+	moved := l.Identity != st.Identity
+	st.Device, st.Identity, st.DirectIO = l.Path, l.Identity, l.DirectIO
+	if st.Chain != nil && (moved || !chainIntact(st.Chain)) {
+		// The layers are gone (a reboot) or sit on a device that is gone:
+		// build them anew. A tmpfs upper's writes did not survive; a
+		// scratch image's are discarded too, since an overlay's upper is
+		// only valid with its own work dir.
 		klog.FromContext(ctx).Info("Overlay layers gone; building them again", "volume", v.ID)
 		if err := s.teardownChain(ctx, v.ID, st.Chain); err != nil {
-			_ = dev.Close()
 			return nil, err
 		}
-		if st.Chain, err = s.buildChain(ctx, v, dev.Path, st.FsType); err != nil {
-			_ = dev.Close()
+		if st.Chain, err = s.buildChain(ctx, v, l.Device, st.FsType); err != nil {
 			return nil, err
 		}
 	}
-	raw, err := json.Marshal(st)
-	if err != nil {
-		_ = dev.Close()
-		return nil, err
-	}
-	s.hold(v.ID, dev)
-	return raw, nil
-}
-
-// Device returns the held device of a staged volume (for expansion).
-func (s *Source) Device(v source.Volume) (*loopdev.Device, error) {
-	if d := s.held(v.ID); d != nil {
-		return d, nil
-	}
-	return nil, fmt.Errorf("volume %s has no attached loop device: %w", v.ID, errdefs.ErrFailedPrecondition)
+	return json.Marshal(st)
 }
 
 // Expand makes the loop device see its grown image and grows the
-// filesystem. Filesystems are grown online: at mountPath when the volume is
-// mounted there, else through a private mount at scratch, because an
-// offline resize2fs would need a full fsck first and xfs can only grow
-// mounted.
-func (s *Source) Expand(ctx context.Context, v source.Volume, mountPath, scratch string) (int64, error) {
-	dev, err := s.Device(v)
-	if err != nil {
-		return 0, err
-	}
-	if err := dev.SetCapacity(); err != nil {
-		return 0, err
-	}
+// filesystem, online (a volume in use) or through a private mount of the
+// mounter's.
+func (s *Source) Expand(ctx context.Context, v source.Volume) (int64, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return 0, err
 	}
-	if st.FsType != "" {
+	size, err := s.Devices.ResizeLoop(ctx, st.Identity)
+	if err != nil {
+		return 0, err
+	}
+	if st.FsType != "" && st.Chain == nil {
 		if st.ReadOnly {
 			return 0, fmt.Errorf("volume %s is read-only and cannot grow its filesystem: %w", v.ID, errdefs.ErrFailedPrecondition)
 		}
-		if err := growMounted(ctx, dev.Path, st.FsType, mountPath, scratch); err != nil {
+		if err := s.Devices.GrowFS(ctx, st.device(), st.FsType, false); err != nil {
 			return 0, err
 		}
 	}
-	return dev.Size()
+	return size, nil
 }
 
 // GrowUnmounted grows the filesystem of a volume being staged, whose
 // device nothing has mounted yet (a copy made bigger than its source):
-// ext4 offline (e2fsck, then resize2fs, which needs no CAP_SYS_RESOURCE),
-// xfs through a private mount at scratch (it grows only mounted).
-func (s *Source) GrowUnmounted(ctx context.Context, v source.Volume, scratch string) error {
-	dev, err := s.Device(v)
-	if err != nil {
-		return err
-	}
+// ext4 offline, xfs through a private mount (it grows only mounted).
+func (s *Source) GrowUnmounted(ctx context.Context, v source.Volume) error {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return err
 	}
-	switch {
-	case st.FsType == "" || st.ReadOnly:
+	if st.FsType == "" || st.ReadOnly || st.Chain != nil {
 		return nil
-	case st.FsType == fsutil.Ext4:
-		return fsutil.GrowOffline(ctx, dev.Path, st.FsType)
 	}
-	return growMounted(ctx, dev.Path, st.FsType, "", scratch)
-}
-
-func growMounted(ctx context.Context, device, fsType, mountPath, scratch string) error {
-	if mountPath != "" {
-		return fsutil.Resize(ctx, device, fsType, mountPath)
-	}
-	if err := os.MkdirAll(scratch, 0o700); err != nil {
+	if _, err := s.Devices.ResizeLoop(ctx, st.Identity); err != nil {
 		return err
 	}
-	defer os.Remove(scratch)
-	if err := unix.Mount(device, scratch, fsType, unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
-		return fmt.Errorf("mount %s at %s for resize: %w", device, scratch, err)
-	}
-	defer func() { _ = unix.Unmount(scratch, 0) }()
-	return fsutil.Resize(ctx, device, fsType, scratch)
+	return s.Devices.GrowFS(ctx, st.device(), st.FsType, true)
 }
 
-// Health reports a staged volume whose loop device is no longer backed by
-// its image (detached behind the plugin's back).
+// Health reports a staged volume whose loop device is no longer the one
+// the mounter attached for it (detached behind the plugin's back).
 func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
 	}
-	dev, err := loopdev.Adopt(st.Device, st.Identity)
-	if err != nil {
+	if _, err := s.Devices.AdoptLoop(ctx, st.Identity); err != nil {
 		return source.Health{Abnormal: true, Reason: "DeviceGone",
-			Message: fmt.Sprintf("%s is no longer backed by %s", st.Device, v.Image)}
+			Message: fmt.Sprintf("%s is no longer backed by %s: %v", st.Device, v.Image, err)}
 	}
-	_ = dev.Close()
 	return source.Health{}
+}
+
+// Identities lists the loop devices of a staged volume's state (its own,
+// and its chain's scratch device), for the reconcile that tells the
+// mounter which devices are still wanted.
+func Identities(state json.RawMessage) []loopdev.Identity {
+	var st State
+	if json.Unmarshal(state, &st) != nil || st.Identity.BackingIno == 0 {
+		return nil
+	}
+	ids := []loopdev.Identity{st.Identity}
+	if st.Chain != nil && st.Chain.Scratch != nil {
+		ids = append(ids, st.Chain.Scratch.Identity)
+	}
+	return ids
 }

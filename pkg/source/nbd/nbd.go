@@ -42,6 +42,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
@@ -82,6 +83,8 @@ type Source struct {
 	Metrics *metrics.Metrics
 	// SysDir and DevDir are /sys and /dev (tests may point elsewhere).
 	SysDir, DevDir string
+	// Devices is the mounter: it hands sockets to the kernel, formats.
+	Devices Devices
 
 	rules    []config.EndpointRule
 	rulesErr error      // a config that bypassed config.Load: every volume is refused
@@ -95,11 +98,18 @@ var (
 	_ source.HealthChecker = (*Source)(nil)
 )
 
+// Devices is what the source asks of the mounter.
+type Devices interface {
+	mounter.Filesystems
+	mounter.NBD
+}
+
 // New returns an NBD source with the admin's policy (checked by
-// config.Load), timing its steps in m (nil: not recorded).
-func New(cfg config.NBDConfig, m *metrics.Metrics) *Source {
+// config.Load) and the mounter devs, timing its steps in m (nil: not
+// recorded).
+func New(cfg config.NBDConfig, devs Devices, m *metrics.Metrics) *Source {
 	rules, err := cfg.ServerRules()
-	return &Source{Config: cfg, Metrics: m, SysDir: "/sys", DevDir: "/dev",
+	return &Source{Config: cfg, Devices: devs, Metrics: m, SysDir: "/sys", DevDir: "/dev",
 		rules: rules, rulesErr: err, claimed: map[string]bool{}}
 }
 
@@ -292,7 +302,11 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 		}
 	}()
 	if !req.Block {
-		st.FsType, err = blockdev.EnsureFilesystem(ctx, v, st.Device, req, blockdev.Filesystem{What: t.String(), Metrics: s.Metrics})
+		dev, err := blockdev.DeviceOf(s.SysDir, st.Device)
+		if err != nil {
+			return nil, err
+		}
+		st.FsType, err = blockdev.EnsureFilesystem(ctx, v, dev, req, blockdev.Filesystem{What: t.String(), Tools: s.Devices, Metrics: s.Metrics})
 		if err != nil {
 			return nil, err
 		}

@@ -6,12 +6,15 @@ package blockdev
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/metrics"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -27,6 +30,8 @@ type Filesystem struct {
 	// Mountable are the filesystems accepted as found; anything else is
 	// refused rather than reformatted. Empty: MountableTypes.
 	Mountable []string
+	// Tools detects and formats, in the mounter.
+	Tools mounter.Filesystems
 	// Metrics times the format step (nil: not recorded).
 	Metrics *metrics.Metrics
 }
@@ -36,7 +41,7 @@ type Filesystem struct {
 // it records a pending format durably (req.Record), after it the format
 // done: a format interrupted by a crash is redone from scratch instead of
 // trusting a half-written superblock.
-func EnsureFilesystem(ctx context.Context, v source.Volume, device string, req source.StageRequest, f Filesystem) (string, error) {
+func EnsureFilesystem(ctx context.Context, v source.Volume, dev mounter.Device, req source.StageRequest, f Filesystem) (string, error) {
 	if v.Format != nil && v.Format.Done {
 		return v.Format.FsType, nil
 	}
@@ -46,7 +51,7 @@ func EnsureFilesystem(ctx context.Context, v source.Volume, device string, req s
 	}
 	interrupted := v.Format != nil && !v.Format.Done
 	if !interrupted {
-		found, err := fsutil.Detect(ctx, device)
+		found, err := f.Tools.Detect(ctx, dev)
 		if err != nil {
 			return "", err
 		}
@@ -69,7 +74,7 @@ func EnsureFilesystem(ctx context.Context, v source.Volume, device string, req s
 	if err := req.Record.SetFormat(journal.Format{FsType: fsType}, true); err != nil {
 		return "", err
 	}
-	if err := f.Metrics.Step("format", func() error { return fsutil.Format(ctx, device, fsType) }); err != nil {
+	if err := f.Metrics.Step("format", func() error { return f.Tools.Format(ctx, dev, fsType) }); err != nil {
 		return "", err
 	}
 	return fsType, req.Record.SetFormat(journal.Format{FsType: fsType, Done: true}, true)
@@ -88,4 +93,23 @@ func Plan(volumeID, device, fsType string, deviceReadOnly bool, req source.PlanR
 	}
 	opts := plan.Options([]string{"nosuid", "nodev"}, ro, req.MountFlags...)
 	return []plan.Mount{{Type: fsType, Source: device, Options: opts}}, nil
+}
+
+// DeviceOf names the block device /dev/NAME by its number, read from
+// sysfs (<sysDir>/class/block/NAME/dev): how a source hands the mounter a
+// device it found (an NBD device, a SCSI disk).
+func DeviceOf(sysDir, path string) (mounter.Device, error) {
+	name, ok := strings.CutPrefix(path, "/dev/")
+	if !ok || name == "" || strings.Contains(name, "/") {
+		return mounter.Device{}, fmt.Errorf("%q is not a device node under /dev: %w", path, errdefs.ErrInvalidArgument)
+	}
+	b, err := os.ReadFile(filepath.Join(sysDir, "class", "block", name, "dev"))
+	if err != nil {
+		return mounter.Device{}, fmt.Errorf("device number of %s: %w", path, err)
+	}
+	d := mounter.Device{Path: path}
+	if _, err := fmt.Sscanf(strings.TrimSpace(string(b)), "%d:%d", &d.Major, &d.Minor); err != nil {
+		return mounter.Device{}, fmt.Errorf("device number of %s: %q: %w", path, b, err)
+	}
+	return d, nil
 }

@@ -1,0 +1,121 @@
+package mounter
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/pkg/daemon/policy"
+	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mountns"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Local is the mounter's work done in this process: mountplan-sidecar
+// serve runs one and serves it (pkg/mounter/service); a plugin started
+// without a mounter runs one itself.
+type Local struct {
+	exec     *Executor
+	opts     Options
+	records  *registry
+	images   []imageRoot
+	state    *mountns.Root // the state dir, for the mounts made below it
+	spawner  daemon.Spawner
+	profiles *policy.Policy
+}
+
+var _ Node = (*Local)(nil)
+
+// imageRoot is a directory below which loop devices may be backed:
+// base is trusted as given (the admin's), sub is the part below it that
+// is resolved without symlinks ("" for an admin's image root itself,
+// "images" below the state dir, which the plugin writes).
+type imageRoot struct {
+	base, sub string
+}
+
+func (r imageRoot) dir() string { return filepath.Join(r.base, r.sub) }
+
+// NewNode opens the records and takes back the devices they name that
+// are still there (see registry.load).
+func NewNode(ctx context.Context, o Options) (*Local, error) {
+	if !plan.IsCleanAbs(o.StateDir) || o.RecordsDir == "" {
+		return nil, fmt.Errorf("mounter: a clean absolute state dir and a records dir are required: %w", errdefs.ErrInvalidArgument)
+	}
+	if o.Config == nil {
+		o.Config = &config.Config{DefaultFsType: "ext4"}
+	}
+	if err := os.MkdirAll(o.StateDir, 0o700); err != nil {
+		return nil, err
+	}
+	state, err := mountns.OpenRoot(o.StateDir)
+	if err != nil {
+		return nil, fmt.Errorf("mounter: state dir: %w", err)
+	}
+	n := &Local{opts: o, state: state, spawner: o.Spawner}
+	if n.spawner == nil {
+		n.spawner = daemon.LocalSpawner{}
+	}
+	n.images = append(n.images, imageRoot{base: o.StateDir, sub: "images"})
+	for _, r := range o.Config.ImageRoots {
+		n.images = append(n.images, imageRoot{base: filepath.Clean(r)})
+	}
+	n.exec = &Executor{
+		Policy:           o.Config.PlanPolicy(o.StateDir),
+		KubeletDir:       o.KubeletDir,
+		RemoveMountPoint: o.RemoveMountPoint,
+		AllowPropagation: o.AllowPropagation,
+		sources:          n,
+	}
+	n.profiles = policy.For(o.Config, []string{o.StateDir})
+	if n.records, err = openRegistry(o.RecordsDir, o.Observe); err != nil {
+		state.Close()
+		return nil, err
+	}
+	if err := n.records.load(ctx, n); err != nil {
+		klog.FromContext(ctx).Error(err, "Some of the mounter's records could not be taken back")
+	}
+	return n, nil
+}
+
+// Close lets go of the held loop devices (the kernel clears those nothing
+// mounts) and the state dir.
+func (n *Local) Close() error {
+	n.records.closeLoops()
+	return n.state.Close()
+}
+
+// Executor is the node's plan executor, for the one-shot sidecar commands
+// that need UnmountAll.
+func (n *Local) Executor() *Executor { return n.exec }
+
+// Mount performs a plan (Executor.Mount) whose devices and bind sources the
+// node set up.
+func (n *Local) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
+	return n.exec.Mount(ctx, mounts, c)
+}
+
+// Unmount undoes a plan (Executor.Unmount).
+func (n *Local) Unmount(ctx context.Context, mounts []plan.Mount, c plan.Consumer) error {
+	return n.exec.Unmount(ctx, mounts, c)
+}
+
+// HealFuse heals the mounts of dead FUSE connections (Executor.HealFuse).
+func (n *Local) HealFuse(ctx context.Context, h plan.Heal) (plan.HealResult, error) {
+	return n.exec.HealFuse(ctx, h)
+}
+
+// volumeDir returns <state-dir>/<kind>/<id> for a volume ID that is safe
+// as one path component.
+func (n *Local) volumeDir(kind, id string) (string, error) {
+	if err := journal.ValidID(id); err != nil {
+		return "", err
+	}
+	return filepath.Join(n.opts.StateDir, kind, id), nil
+}
