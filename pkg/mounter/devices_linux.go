@@ -63,7 +63,7 @@ func (n *Local) checkDevice(f *os.File, p string) error {
 	switch {
 	case major == loopMajor:
 		return n.checkLoop(f, p, rdev)
-	case n.ownsBlock(major, minor):
+	case n.ownsNBD(major, minor), n.ownsISCSI(major, minor):
 		return nil
 	}
 	return fmt.Errorf("%s (%d:%d) is no device the mounter set up (a loop device it attached, an NBD device it connected, a disk of an iSCSI session it logged in); "+

@@ -28,6 +28,11 @@ type Local struct {
 	state    *mountns.Root // the state dir, for the mounts made below it
 	spawner  daemon.Spawner
 	profiles *policy.Policy
+
+	// What each kind of device or daemon keeps, in a file of its own.
+	daemons daemonsState
+	nbd     nbdState
+	iscsi   iscsiState
 }
 
 var _ Node = (*Local)(nil)
@@ -80,6 +85,13 @@ func NewNode(ctx context.Context, o Options) (*Local, error) {
 	}
 	if err := n.records.load(ctx, n); err != nil {
 		klog.FromContext(ctx).Error(err, "Some of the mounter's records could not be taken back")
+	}
+	// Each reads its records; one that observes (Options.Observe) holds,
+	// takes back and writes nothing.
+	for _, init := range []func(context.Context) error{n.initDaemons, n.initNBD, n.initISCSI} {
+		if err := init(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Some of the mounter's records could not be taken back")
+		}
 	}
 	return n, nil
 }
