@@ -14,6 +14,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -33,6 +34,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/iscsi"
 	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
@@ -78,20 +80,65 @@ func requireGuest(t *testing.T) {
 	}
 }
 
-// newDriver builds the plugin's driver with an in-process executor, as
-// mountplan-plugin does without a sidecar.
-func newDriver(t *testing.T, cfg *config.Config, sources map[string]source.Source) (*driver.Driver, string) {
+// mounters are the mounters started by the tests, by state dir: a plugin
+// restarted over the same state dir (newDriverAt) keeps its mounter.
+var mounters sync.Map
+
+// mounterFor starts a mounter over stateDir as mountplan-sidecar serve
+// does (mounter.Local served on a unix socket) and returns the plugin's
+// client of it: every privileged act of the tests' drivers and sources
+// crosses the socket, NBD's connected sockets by SCM_RIGHTS.
+func mounterFor(t *testing.T, cfg *config.Config, stateDir string) *service.Client {
+	t.Helper()
+	if c, ok := mounters.Load(stateDir); ok {
+		return c.(*service.Client)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	node, err := mounter.NewNode(ctx, mounter.Options{StateDir: stateDir, KubeletDir: stateDir,
+		RecordsDir: filepath.Join(stateDir, "mounter"), Config: cfg, RemoveMountPoint: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "mounter.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- service.Serve(ctx, l, node) }()
+	c := service.NewClient(sock)
+	mounters.Store(stateDir, c)
+	t.Cleanup(func() {
+		mounters.Delete(stateDir)
+		c.Close()
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("mounter: %v", err)
+		}
+		node.Close()
+	})
+	return c
+}
+
+// newDriver builds the plugin's driver and its mounter (mounterFor), as
+// mountplan-plugin with mountplan-sidecar serve.
+func newDriver(t *testing.T, cfg *config.Config, sources func(*service.Client) map[string]source.Source) (*driver.Driver, string) {
 	t.Helper()
 	return newDriverAt(t, cfg, sources, t.TempDir())
 }
 
 // newDriverAt builds the driver over stateDir and reconciles, as a
 // (re)started plugin does.
-func newDriverAt(t *testing.T, cfg *config.Config, sources map[string]source.Source, stateDir string) (*driver.Driver, string) {
+func newDriverAt(t *testing.T, cfg *config.Config, sources func(*service.Client) map[string]source.Source, stateDir string) (*driver.Driver, string) {
 	t.Helper()
 	cfg.DefaultFsType = "ext4"
+	m := mounterFor(t, cfg, stateDir)
+	var srcs map[string]source.Source
+	if sources != nil {
+		srcs = sources(m)
+	}
 	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, KubeletDir: stateDir, Config: cfg,
-		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(stateDir), KubeletDir: stateDir, RemoveMountPoint: true}, Sources: sources})
+		Node: m, Sources: srcs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,7 +260,9 @@ func TestNBD(t *testing.T) {
 	nbdtest.AddExport(t, dir, "vol", 64<<20)
 	srv := nbdtest.StartNbdkit(t, dir, nbdtest.Options{})
 	cfg := &config.Config{NBD: config.NBDConfig{AllowedServers: []string{"127.0.0.1:*"}, TimeoutSeconds: 10}}
-	d, stateDir := newDriver(t, cfg, map[string]source.Source{nbd.Type: nbd.New(cfg.NBD, nil)})
+	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
+		return map[string]source.Source{nbd.Type: nbd.New(cfg.NBD, m, nil)}
+	})
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "nbd-vol", vctx: map[string]string{"type": "nbd", "address": srv.Address, "export": "vol"}}
 
 	start := time.Now()
@@ -267,7 +316,9 @@ func TestNBDBadInput(t *testing.T) {
 	nbdtest.AddExport(t, dir, "vol", 16<<20)
 	srv := nbdtest.StartNbdkit(t, dir, nbdtest.Options{})
 	cfg := &config.Config{NBD: config.NBDConfig{AllowedServers: []string{"127.0.0.1:*"}, TimeoutSeconds: 10}}
-	d, stateDir := newDriver(t, cfg, map[string]source.Source{nbd.Type: nbd.New(cfg.NBD, nil)})
+	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
+		return map[string]source.Source{nbd.Type: nbd.New(cfg.NBD, m, nil)}
+	})
 	for _, tc := range []struct {
 		name string
 		vctx map[string]string
@@ -351,8 +402,9 @@ func TestISCSI(t *testing.T) {
 	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{64 << 20}, CHAPUser: chapUser, CHAPPassword: chapPassword})
 	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
 	argvLog := iscsiadmShim(t)
-	src := iscsi.New(cfg.ISCSI, filepath.Join(t.TempDir(), "iscsi-src"), nil)
-	d, stateDir := newDriver(t, cfg, map[string]source.Source{iscsi.Type: src})
+	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, filepath.Join(t.TempDir(), "iscsi-src"), m, nil)}
+	})
 	secrets := map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword}
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-vol", secrets: secrets,
 		vctx: map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": "1"}}
@@ -466,7 +518,9 @@ func TestISCSIReattach(t *testing.T) {
 	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
 	argvLog := iscsiadmShim(t)
 	srcState := filepath.Join(t.TempDir(), "iscsi-src")
-	d, stateDir := newDriver(t, cfg, map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, nil)})
+	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, m, nil)}
+	})
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-re", secrets: map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword},
 		vctx: map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": "1"}}
 	if err := f.stage(); err != nil {
@@ -513,7 +567,9 @@ func TestISCSIReattach(t *testing.T) {
 	// A restarted plugin: a new source and driver over the same state.
 	w := watchSecret(chapPassword)
 	start := time.Now()
-	d2, _ := newDriverAt(t, cfg, map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, nil)}, stateDir)
+	d2, _ := newDriverAt(t, cfg, func(m *service.Client) map[string]source.Source {
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, m, nil)}
+	}, stateDir)
 	hits, scans := w.finish()
 	t.Logf("reconcile with re-login: %v", time.Since(start))
 	if hits != 0 || scans < 2 {
