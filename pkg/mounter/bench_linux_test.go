@@ -20,9 +20,9 @@ import (
 func BenchmarkMountUnmountInNamespace(b *testing.B) {
 	mountnstest.RequireRoot(b)
 	dir := mountnstest.Scratch(b)
-	dev := mountnstest.LoopDevice(b, dir, "ext4", 16)
+	e := executor(b, dir)
+	dev := volumeDevice(b, e, dir, "ext4", 16)
 	pid := mountnstest.Namespace(b, "private")
-	e := executor(dir)
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
 	mounts := []plan.Mount{{Type: "ext4", Source: dev, Options: opts()}}
 	ctx := context.Background()

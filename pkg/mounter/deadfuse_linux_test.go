@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/testenv"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -79,7 +80,10 @@ func TestUnmountReplacesDeadFuseBind(t *testing.T) {
 	first := startSquashfuse(t, img, src)
 	mounts := []plan.Mount{{Type: "bind", Source: src, Options: opts()}}
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp"), Namespace: plan.Namespace{Inode: mountnstest.NamespaceInode(t, pid)}}
-	e := executor(dir)
+	e := executor(t, dir)
+	if err := mounter.RecordMount(e, "fuse", src); err != nil {
+		t.Fatal(err)
+	}
 	ctx := context.Background()
 	if err := e.Mount(ctx, mounts, c); err != nil {
 		t.Fatal(err)
@@ -94,6 +98,9 @@ func TestUnmountReplacesDeadFuseBind(t *testing.T) {
 		t.Fatal(err)
 	}
 	startSquashfuse(t, img, src)
+	if err := mounter.RecordMount(e, "fuse", src); err != nil {
+		t.Fatal(err)
+	}
 	if b, err := os.ReadFile(inNS(pid, filepath.Join(c.MountPoint, "f"))); err == nil {
 		t.Fatalf("the dead bind still reads %q", b)
 	}

@@ -32,6 +32,15 @@ const (
 )
 
 func (n *Local) openDevice(p string) (*os.File, error) {
+	// The node is looked at before it is opened: opening a device the
+	// mounter did not set up could already have effects (a tape rewinds).
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return nil, mountns.Classify(&os.PathError{Op: "stat", Path: p, Err: err})
+	}
+	if err := n.knownDevice(p, st); err != nil {
+		return nil, err
+	}
 	// unix.Open, not os.OpenFile: a device node needs no poller. O_RDONLY:
 	// the descriptor only pins and identifies the device.
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
@@ -44,6 +53,25 @@ func (n *Local) openDevice(p string) (*os.File, error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// knownDevice refuses, before it is opened, a node that is no block
+// device or whose device the mounter did not set up.
+func (n *Local) knownDevice(p string, st unix.Stat_t) error {
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return fmt.Errorf("%s is not a block device: %w", p, errdefs.ErrPermissionDenied)
+	}
+	rdev := uint64(st.Rdev) //nolint:unconvert // Rdev is uint32 on some architectures
+	major, minor := unix.Major(rdev), unix.Minor(rdev)
+	if (major == loopMajor && n.records.loopByDev(rdev) != nil) || n.ownsNBD(major, minor) || n.ownsISCSI(major, minor) {
+		return nil
+	}
+	return errNotOurs(p, major, minor)
+}
+
+func errNotOurs(p string, major, minor uint32) error {
+	return fmt.Errorf("%s (%d:%d) is no device the mounter set up (a loop device it attached, an NBD device it connected, a disk of an iSCSI session it logged in); "+
+		"it mounts no other: %w", p, major, minor, errdefs.ErrPermissionDenied)
 }
 
 // checkDevice accepts an open block device the mounter set up: a loop
@@ -66,8 +94,7 @@ func (n *Local) checkDevice(f *os.File, p string) error {
 	case n.ownsNBD(major, minor), n.ownsISCSI(major, minor):
 		return nil
 	}
-	return fmt.Errorf("%s (%d:%d) is no device the mounter set up (a loop device it attached, an NBD device it connected, a disk of an iSCSI session it logged in); "+
-		"it mounts no other: %w", p, major, minor, errdefs.ErrPermissionDenied)
+	return errNotOurs(p, major, minor)
 }
 
 // checkLoop accepts a loop device the mounter holds, bound to the file it
@@ -102,8 +129,9 @@ func (n *Local) openBindSource(p string) (*os.File, error) {
 	return f, nil
 }
 
-// checkBindSource accepts the root of a mount the mounter made (a chain's
-// layer, a FUSE daemon's mount, the guard), or a file or directory of the
+// checkBindSource accepts what lies on a mount the mounter made (a chain's
+// layer, a FUSE daemon's mount, the guard: its root, or a directory of the
+// volume in it, reached without a symlink), or a file or directory of the
 // state dir's own filesystem: one that carries no mount, on itself or on
 // the way to it, that the mounter did not make. Anything else (the host's
 // /etc bound there by whoever could mount) is refused.

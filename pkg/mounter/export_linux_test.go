@@ -7,3 +7,15 @@ func SetHostNS(p string) (restore func()) {
 	hostNS = p
 	return func() { hostNS = old }
 }
+
+// RecordMount records the mount at p as one n made itself (kind "fuse":
+// a daemon's), as StartDaemon does once the daemon's mount serves: the
+// tests that play a FUSE daemon themselves start it by hand.
+func RecordMount(n *Local, kind, p string) error {
+	f, err := n.state.Open(p)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return n.records.addMount(kind, p, f)
+}

@@ -28,7 +28,7 @@ type healFixture struct {
 	dir, state     string
 	kubelet, src   string
 	img, imgLinked string // sub/ a directory; sub a symlink to /
-	e              *mounter.Executor
+	e              *mounter.Local
 	daemon         *exec.Cmd
 }
 
@@ -46,8 +46,18 @@ func newHealFixture(t *testing.T) *healFixture {
 	}
 	f.img = f.image("img", false)
 	f.imgLinked = f.image("linked", true)
-	f.e = &mounter.Executor{Policy: plan.Policy{Roots: []string{f.state}}, KubeletDir: f.kubelet}
+	f.e = node(t, mounter.Options{StateDir: f.state, KubeletDir: f.kubelet})
 	return f
+}
+
+// startDaemon starts squashfuse of img at mnt and records its mount as the
+// mounter's StartDaemon does.
+func (f *healFixture) startDaemon(img, mnt string) *exec.Cmd {
+	cmd := startSquashfuse(f.t, img, mnt)
+	if err := mounter.RecordMount(f.e, "fuse", mnt); err != nil {
+		f.t.Fatal(err)
+	}
+	return cmd
 }
 
 // image makes a squashfs image holding f ("hello") and sub/g ("below"), or
@@ -88,7 +98,7 @@ func (f *healFixture) restart(img string) (dead, live uint64) {
 	if err := unix.Unmount(f.src, unix.MNT_DETACH); err != nil {
 		f.t.Fatal(err)
 	}
-	f.daemon = startSquashfuse(f.t, img, f.src)
+	f.daemon = f.startDaemon(img, f.src)
 	return dead, connAt(f.t, 0, f.src)
 }
 
@@ -136,7 +146,7 @@ func TestHealFuseReplacesEveryCopy(t *testing.T) {
 	f := newHealFixture(t)
 	private := mountnstest.Namespace(t, "private") // before the FUSE mount: no copy in it
 	shared := mountnstest.Namespace(t, "shared")
-	f.daemon = startSquashfuse(t, f.img, f.src)
+	f.daemon = f.startDaemon(f.img, f.src)
 	ctx := context.Background()
 	bind := func(sub string, extra ...string) []plan.Mount {
 		return []plan.Mount{{Type: plan.TypeBind, Source: filepath.Join(f.src, sub), Options: opts(extra...)}}
@@ -235,14 +245,14 @@ func TestHealFuseReplacesEveryCopy(t *testing.T) {
 func TestHealFuseRefuses(t *testing.T) {
 	f := newHealFixture(t)
 	ns := mountnstest.Namespace(t, "private")
-	f.daemon = startSquashfuse(t, f.img, f.src)
+	f.daemon = f.startDaemon(f.img, f.src)
 	live := connAt(t, 0, f.src)
 	ctx := context.Background()
 	other := filepath.Join(f.state, "fuse", "other", "mnt")
 	if err := os.MkdirAll(other, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	startSquashfuse(t, f.img, other)
+	f.startDaemon(f.img, other)
 	otherConn := connAt(t, 0, other)
 	mp := filepath.Join(f.dir, "live")
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: other, Options: opts()}}

@@ -25,33 +25,48 @@ import (
 func TestHostileRequests(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	dir := mountnstest.Scratch(t)
-	kubelet := filepath.Join(dir, "kubelet")
-	images := filepath.Join(dir, "images")
-	state := filepath.Join(dir, "state")
-	outside := filepath.Join(dir, "outside")
-	for _, d := range []string{kubelet, images, state, outside} {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	e := &mounter.Executor{Policy: plan.Policy{Roots: []string{state}, ImageRoots: []string{images}}, KubeletDir: kubelet}
-	// A disk the plugin never set up: a loop device of an image outside
-	// the image roots stands for the host's disk.
-	hostDisk := mountnstest.LoopDevice(t, outside, "ext4", 16)
-	volume := mountnstest.LoopDevice(t, images, "ext4", 16)
 	// A directory under /dev, which a bind would expose whole, and in it a
 	// SCSI disk node with no iSCSI session behind it (8:0 is sda).
-	devDir, err := os.MkdirTemp("/dev", "mountplan-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
+	devDir := devTestDir(t)
 	sda := filepath.Join(devDir, "sda")
-	t.Cleanup(func() { os.Remove(sda); os.Remove(devDir) })
-	if err := unix.Mknod(sda, unix.S_IFBLK|0o600, int(unix.Mkdev(8, 0))); err != nil {
-		t.Fatal(err)
+	mknodBlock(t, sda, unix.Mkdev(8, 0))
+	kubelet := filepath.Join(dir, "kubelet")
+	state := filepath.Join(dir, "state")
+	images := filepath.Join(state, "images")
+	outside := filepath.Join(dir, "outside")
+	mkdirs(t, kubelet, images, outside)
+	e := node(t, mounter.Options{StateDir: state, KubeletDir: kubelet})
+	// A disk the mounter never set up: a loop device of an image outside
+	// the image roots stands for the host's disk; one attached by someone
+	// else to an image inside them (losetup: another driver, an admin)
+	// is no better.
+	hostDisk := mountnstest.LoopDevice(t, outside, "ext4", 16)
+	foreign := mountnstest.LoopDevice(t, images, "ext4", 16)
+	volume := volumeDevice(t, e, state, "ext4", 16)
+	// Review finding 1c: an NBD device the mounter did not connect (43:0)
+	// and a SCSI disk of a session it did not log in (8:16); this kernel
+	// may have neither, the nodes stand for them.
+	nbd0, sdb := filepath.Join(devDir, "nbd0"), filepath.Join(devDir, "sdb")
+	mknodBlock(t, nbd0, unix.Mkdev(43, 0))
+	mknodBlock(t, sdb, unix.Mkdev(8, 16))
+	many := []plan.Mount{tmpfs("many-0", "")}
+	for i := 1; i <= plan.MaxMounts; i++ {
+		many = append(many, tmpfs("many-"+strconv.Itoa(i), "d"+strconv.Itoa(i)))
 	}
 	container := mountnstest.Namespace(t, "private")
 	fakeHost := mountnstest.Namespace(t, "private")
+	// Review finding 1a: something mounted on a directory of the state
+	// dir: a host directory (a tmpfs outside the roots stands for /etc)
+	// bound onto one, the host's disk mounted on another.
+	victim := filepath.Join(outside, "victim")
+	mkdirs(t, victim, filepath.Join(state, "x"), filepath.Join(state, "y"))
+	mountTmpfs(t, "mp-victim", victim)
+	writeFile(t, filepath.Join(victim, "marker"), "host secret\n")
+	bindMount(t, victim, filepath.Join(state, "x"))
+	if err := unix.Mount(hostDisk, filepath.Join(state, "y"), "ext4", unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(filepath.Join(state, "y"), unix.MNT_DETACH) })
 	mp := filepath.Join(dir, "mp")
 	in := plan.Consumer{PID: container, MountPoint: mp}
 	safe := []string{"nosuid", "nodev"}
@@ -83,8 +98,20 @@ func TestHostileRequests(t *testing.T) {
 		{"bind of /dev/null (a character device)", mount, bind("/dev/null"), in, codes.PermissionDenied},
 		{"bind of a directory under /dev", mount, bind(devDir), in, codes.PermissionDenied},
 		{"ext4 of a device that does not exist", mount, ext4("/dev/mountplan-none"), in, codes.NotFound},
+		{"ext4 of a loop device the mounter did not attach (finding 1b)", mount, ext4(foreign), in, codes.PermissionDenied},
+		{"bind of an NBD device the mounter did not connect (finding 1c)", mount, bind(nbd0), in, codes.PermissionDenied},
+		{"bind of a disk of an iSCSI session the mounter did not log in (finding 1c)", mount, bind(sdb), in, codes.PermissionDenied},
+		{"bind of a host directory bound on the state dir (finding 1a)", mount,
+			[]plan.Mount{{Type: "bind", Source: filepath.Join(state, "x"), Options: safe}}, in, codes.PermissionDenied},
+		{"bind of the host's disk mounted on the state dir (finding 1a)", mount,
+			[]plan.Mount{{Type: "bind", Source: filepath.Join(state, "y"), Options: safe}}, in, codes.PermissionDenied},
+		{"noload (finding 1b)", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: opts("noload")}}, in, codes.InvalidArgument},
+		{"norecovery (finding 1b)", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: opts("norecovery")}}, in, codes.InvalidArgument},
+		{"a plan of more mounts than MaxMounts (finding 6b)", mount, many, in, codes.InvalidArgument},
 		{"ext4 of a path outside /dev", mount, ext4(filepath.Join(images, "x.img")), in, codes.InvalidArgument},
 		{"lowerdir under /dev", mount, []plan.Mount{{Type: "overlay", Source: "o", Options: opts("lowerdir=/dev/shm")}}, in, codes.InvalidArgument},
+		{"lowerdir under the state dir (a path the kernel resolves after the checks)", mount,
+			[]plan.Mount{{Type: "overlay", Source: "o", Options: opts("lowerdir=" + state)}}, in, codes.PermissionDenied},
 		{"bind of a host path outside the roots", mount, bind("/etc"), in, codes.InvalidArgument},
 		{"errors=panic", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: opts("errors=panic")}}, in, codes.InvalidArgument},
 		{"suid and dev", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: []string{"suid", "dev"}}}, in, codes.InvalidArgument},
@@ -126,10 +153,14 @@ func TestHostileRequests(t *testing.T) {
 	}
 	// Host paths in the rows are below dir, where Scratch's leak check
 	// looks too: a regression must not mount over the test machine's /etc.
-	for _, pid := range []int{0, container, fakeHost} {
+	// (The test's own namespace holds the two mounts finding 1a plants.)
+	for _, pid := range []int{container, fakeHost} {
 		if n := countMounts(t, pid, dir); n != 0 {
 			t.Errorf("%d mounts in the namespace of pid %d after refused calls", n, pid)
 		}
+	}
+	if n := countMounts(t, 0, dir); n != 3 {
+		t.Errorf("%d mounts below %s in the test's namespace after refused calls, want the 3 the test made", n, dir)
 	}
 	// The controls: the volume's device is mounted in the container, and
 	// a publish below the kubelet dir in the mounter's own namespace.
@@ -145,7 +176,7 @@ func TestHostileRequests(t *testing.T) {
 	if err := os.Symlink(kubelet, kubeletLink); err != nil {
 		t.Fatal(err)
 	}
-	e.KubeletDir = kubeletLink
+	e = node(t, mounter.Options{StateDir: state, KubeletDir: kubeletLink})
 	for _, mp := range []string{filepath.Join(kubelet, "pods", "p", "mount"), filepath.Join(kubeletLink, "pods", "q", "mount")} {
 		publish := plan.Consumer{MountPoint: mp}
 		if err := e.Mount(ctx, tmpfsPlan, publish); err != nil {

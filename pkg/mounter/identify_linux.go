@@ -125,21 +125,22 @@ func deadFuseBind(info *mountinfo.Info, m plan.Mount, target *os.File) bool {
 
 // matches reports whether a mount is the one m describes. It reads only the
 // mount table, so it also works when the mount is broken (a dead FUSE
-// daemon) or its source is gone.
+// daemon). A bind is the plan's only when it is of the filesystem the
+// plan's source is on: once the source is gone nothing tells one bind from
+// another (a path suffix would take a consumer's own bind of some /data
+// for a volume's), so none is taken; a dead FUSE bind is recognised by its
+// dead connection instead (deadFuseBind).
 func matches(info *mountinfo.Info, m plan.Mount, id hostID) bool {
 	if m.Type != plan.TypeBind {
 		return info.FSType == m.Type && info.Source == m.Source
 	}
-	if id.known && unix.Mkdev(uint32(info.Major), uint32(info.Minor)) != id.dev {
+	if !id.known || unix.Mkdev(uint32(info.Major), uint32(info.Minor)) != id.dev {
 		return false
 	}
 	// Root is the bound path inside its filesystem: a suffix of the
 	// source, or "/" when the source is a mount's root (a FUSE mount).
 	root := strings.TrimSuffix(info.Root, "//deleted")
-	if root == "/" {
-		return id.known || strings.HasPrefix(info.FSType, "fuse")
-	}
-	return strings.HasSuffix(m.Source, root)
+	return root == "/" || strings.HasSuffix(m.Source, root)
 }
 
 // topMountAt returns the mount on top of the stack mounted exactly at p (a

@@ -24,10 +24,10 @@ func TestUnmountAfterConsumerExited(t *testing.T) {
 	ctx := context.Background()
 	for _, tt := range []struct {
 		name    string
-		unmount func(*mounter.Executor, []plan.Mount, plan.Consumer) error
+		unmount func(*mounter.Local, []plan.Mount, plan.Consumer) error
 	}{
-		{"Unmount", func(e *mounter.Executor, m []plan.Mount, c plan.Consumer) error { return e.Unmount(ctx, m, c) }},
-		{"UnmountAll", func(e *mounter.Executor, _ []plan.Mount, c plan.Consumer) error { return e.UnmountAll(ctx, c) }},
+		{"Unmount", func(e *mounter.Local, m []plan.Mount, c plan.Consumer) error { return e.Unmount(ctx, m, c) }},
+		{"UnmountAll", func(e *mounter.Local, _ []plan.Mount, c plan.Consumer) error { return e.UnmountAll(ctx, c) }},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := mountnstest.Scratch(t)
@@ -41,7 +41,7 @@ func TestUnmountAfterConsumerExited(t *testing.T) {
 			}
 			mounts := []plan.Mount{tmpfs("outer", ""), tmpfs("inner", "sub")}
 			c := plan.Consumer{PID: s.First, MountPoint: filepath.Join(dir, "mp"), Namespace: plan.Namespace{Inode: id.Inode, ID: id.ID}}
-			e := executor(dir)
+			e := executor(t, dir)
 			if err := e.Mount(ctx, mounts, c); err != nil {
 				t.Fatal(err)
 			}

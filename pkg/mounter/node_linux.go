@@ -131,3 +131,9 @@ func (n *Local) volumeDir(kind, id string) (string, error) {
 	}
 	return filepath.Join(n.opts.StateDir, kind, id), nil
 }
+
+// UnmountAll removes everything at or below c's mount point
+// (Executor.UnmountAll).
+func (n *Local) UnmountAll(ctx context.Context, c plan.Consumer) error {
+	return n.exec.UnmountAll(ctx, c)
+}

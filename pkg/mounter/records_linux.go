@@ -255,12 +255,14 @@ func (r *registry) dropMount(p string) error {
 	return r.mntDB.Delete(key)
 }
 
-// madeMount reports whether f is the root of a mount the registry holds.
+// madeMount reports whether f lies on a mount the registry holds: its
+// root, or a file or directory in it (a volume's own data, as a subPath).
 func (r *registry) madeMount(f *os.File) (mountRecord, bool) {
-	got, err := mountOf(f)
+	st, unique, err := statMount(f)
 	if err != nil {
 		return mountRecord{}, false
 	}
+	got := mountRecord{MountID: st.Mnt_id, Unique: unique, Dev: unix.Mkdev(st.Dev_major, st.Dev_minor)}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, rec := range r.mounts {

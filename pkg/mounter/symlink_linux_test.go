@@ -50,7 +50,7 @@ func TestSymlinkedTargets(t *testing.T) {
 	}
 	before := listDir(t, victim)
 	pid := mountnstest.Namespace(t, "private")
-	e := executor(kubelet)
+	e := executor(t, kubelet)
 	one := []plan.Mount{tmpfs("t", "")}
 	tests := []struct {
 		name   string
