@@ -16,7 +16,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/mountns"
-	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 func runMount(ctx context.Context, args []string) error {
@@ -114,11 +113,6 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	raiseFileLimit()
-	// Tools (mkfs, blkid, ...) are started by a small child made now,
-	// before the mounter holds one open file per loop device.
-	if err := toolrun.StartSpawner(); err != nil {
-		klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
-	}
 	logger := klog.Background().WithName("mounter")
 	ctx = klog.NewContext(ctx, logger)
 	node, err := mounter.NewNode(ctx, opts)

@@ -36,6 +36,14 @@ func main() {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
 	}
+	if os.Args[1] == "serve" {
+		// serve's tools (mkfs, blkid, ...) are started by a small child
+		// made now, before it holds one open file per loop device. (Here,
+		// not in run: a test binary is no spawner.)
+		if err := toolrun.StartSpawner(); err != nil {
+			klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
+		}
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	err := run(ctx, os.Args[1], os.Args[2:])
 	stop()
