@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"testing"
 
+	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -57,7 +58,8 @@ func TestOverlayChain(t *testing.T) {
 			testutil.NoLeaks(t, dir)
 			ctx := context.Background()
 			stateDir := filepath.Join(dir, "state")
-			s := New(stateDir)
+			node := newNode(t, stateDir, dir)
+			s := New(stateDir, node)
 			v := source.Volume{ID: "chain-" + tc.kind, Kind: journal.KindStatic, Image: readOnlyImage(t, dir, tc.kind),
 				Parameters: map[string]string{ParamOverlay: "true", ParamUpperSize: tc.upperSize}}
 			if tc.upperSize == "" {
@@ -76,15 +78,15 @@ func TestOverlayChain(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if len(mounts) != 1 || mounts[0].Type != "overlay" {
-				t.Fatalf("plan %v, want one overlay mount", mounts)
+			if len(mounts) != 1 || mounts[0].Type != plan.TypeBind || mounts[0].Source != st.Chain.Merged {
+				t.Fatalf("plan %v, want one bind of the overlay %s", mounts, st.Chain.Merged)
 			}
 			policy := plan.Policy{Roots: []string{stateDir}}
 			if err := policy.Validate(mounts); err != nil {
 				t.Fatalf("plan fails policy: %v", err)
 			}
 			target := filepath.Join(dir, "target")
-			exe := &mounter.Executor{Policy: policy, KubeletDir: dir}
+			exe := node
 			if err := exe.Mount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
 				t.Fatalf("mount plan: %v", err)
 			}
@@ -95,7 +97,7 @@ func TestOverlayChain(t *testing.T) {
 			if err := os.WriteFile(filepath.Join(target, "new.txt"), []byte("written"), 0o644); err != nil {
 				t.Errorf("write through overlay: %v", err)
 			}
-			if _, err := os.Stat(filepath.Join(st.Chain.dataDir(), "new.txt")); err != nil {
+			if _, err := os.Stat(filepath.Join(st.Chain.Upper, "data", "new.txt")); err != nil {
 				t.Errorf("write did not land in the upper layer: %v", err)
 			}
 			if err := exe.Unmount(ctx, mounts, plan.Consumer{MountPoint: target}); err != nil {
@@ -135,9 +137,23 @@ func TestOverlayRefusesWritableImage(t *testing.T) {
 	if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
 		t.Fatalf("mkfs: %v %s", err, out)
 	}
-	s := New(filepath.Join(dir, "state"))
+	s := New(filepath.Join(dir, "state"), newNode(t, filepath.Join(dir, "state"), dir))
 	v := source.Volume{ID: "rw", Image: img, Parameters: map[string]string{ParamOverlay: "true"}}
 	if _, err := s.Stage(context.Background(), v, source.StageRequest{Record: &sourcetest.Recorder{}}); err == nil {
 		t.Fatal("overlay over an ext4 image was accepted")
 	}
+}
+
+// newNode is the mounter in process, over stateDir, with images allowed
+// below imageRoot too (the tests' static images), as the plugin runs one
+// without a sidecar.
+func newNode(t *testing.T, stateDir, imageRoot string) *mounter.Local {
+	t.Helper()
+	n, err := mounter.NewNode(context.Background(), mounter.Options{StateDir: stateDir, KubeletDir: imageRoot,
+		RecordsDir: filepath.Join(stateDir, "mounter"), Config: &config.Config{ImageRoots: []string{imageRoot}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Close() })
+	return n
 }
