@@ -217,22 +217,48 @@ type Daemons interface {
 
 // NBDRequest connects an NBD device to a socket the plugin negotiated.
 type NBDRequest struct {
-	SizeBytes   uint64        `json:"sizeBytes"`
-	BlockSize   uint64        `json:"blockSize"`
-	ServerFlags uint64        `json:"serverFlags"`
-	Timeout     time.Duration `json:"timeout"`
+	// SizeBytes is the export's size; BlockSize the device's logical
+	// block size (a power of two from 512 to the page size; 0: the
+	// kernel's default).
+	SizeBytes uint64 `json:"sizeBytes"`
+	BlockSize uint64 `json:"blockSize"`
+	// ServerFlags are the handshake's transmission flags (16 bits; with
+	// nbdnl.FlagReadOnly the device is read-only).
+	ServerFlags uint64 `json:"serverFlags"`
+	// Timeout bounds each request (0: the kernel's 30 s).
+	Timeout time.Duration `json:"timeout"`
 	// DeadConnTimeout keeps I/O queued this long after the socket breaks,
-	// for ReconnectNBD; 0: fail at once.
+	// for ReconnectNBD; 0: fail at once. Both at most an hour.
 	DeadConnTimeout time.Duration `json:"deadConnTimeout,omitempty"`
 	// Backend names the connection (the kernel shows it in
-	// /sys/block/nbdN/backend): how both sides tell it is theirs.
+	// /sys/block/nbdN/backend): how both sides tell it is theirs. Only
+	// mountplan's own form is accepted (NewNBDBackend), new for every
+	// connect.
 	Backend string `json:"backend"`
 }
 
-// NBD hands connected sockets to the kernel's NBD driver.
+// NBD hands connected sockets to the kernel's NBD driver. The plugin
+// makes the connection and the whole handshake (TLS included) itself and
+// passes the socket, in the transmission phase, as a descriptor; the
+// mounter records each device with its backend (surviving its restarts,
+// not a reboot), and a plan may name only a device the kernel still
+// shows connected with the backend recorded for it.
 type NBD interface {
+	// ConnectNBD connects a free device (the kernel picks it) to sock
+	// and returns it. A backend of another form, one the mounter or the
+	// kernel already has, or anything but a connected stream socket is
+	// refused.
 	ConnectNBD(ctx context.Context, req NBDRequest, sock *os.File) (Device, error)
+	// ReconnectNBD gives the device connected with backend a new socket
+	// in place of its dead one (the kernel drops it while the old one
+	// lives). dev, when not zero, must be that device; a backend the
+	// mounter did not connect, or whose device the kernel no longer
+	// shows with it, is ErrNotFound.
 	ReconnectNBD(ctx context.Context, dev Device, backend string, sock *os.File) error
+	// DisconnectNBD disconnects the device connected with backend (dev,
+	// when not zero, must be it; zero: an undo that never learnt the
+	// device) and forgets it. A backend the mounter has no record of is
+	// not an error, and nothing is touched.
 	DisconnectNBD(ctx context.Context, dev Device, backend string) error
 }
 

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"time"
 
@@ -97,6 +99,25 @@ func connectAttrs(cfg Config, fds []uint32) *netlink.AttributeEncoder {
 // connection has failed (for a proxied TLS connection, once its proxy
 // has stopped).
 func Reconfigure(index int, socks []*os.File, deadConnTimeout time.Duration) error {
+	// A device connected with a backend identifier refuses a reconfigure
+	// that does not repeat it; the kernel shows it, so the caller need
+	// not keep it.
+	return reconfigure(index, Backend(index), socks, deadConnTimeout)
+}
+
+// ReconfigureBackend is Reconfigure of a device the caller connected with
+// backend: the kernel itself compares it with the device's, under its
+// own lock, and refuses a device connected with another one (or none)
+// with EINVAL, an ErrInvalidArgument here. No other process's device can
+// be given a socket of the caller's between its check and the act.
+func ReconfigureBackend(index int, backend string, socks []*os.File, deadConnTimeout time.Duration) error {
+	if backend == "" {
+		return fmt.Errorf("nbdnl: reconfigure of nbd%d needs the backend identifier: %w", index, errdefs.ErrInvalidArgument)
+	}
+	return reconfigure(index, backend, socks, deadConnTimeout)
+}
+
+func reconfigure(index int, backend string, socks []*os.File, deadConnTimeout time.Duration) error {
 	if index < 0 {
 		return fmt.Errorf("nbdnl: reconfigure of nbd%d: %w", index, errdefs.ErrInvalidArgument)
 	}
@@ -107,11 +128,8 @@ func Reconfigure(index int, socks []*os.File, deadConnTimeout time.Duration) err
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint32(attrIndex, uint32(index))
 	putSeconds(ae, attrDeadConnTimeout, deadConnTimeout)
-	// A device connected with a backend identifier refuses a reconfigure
-	// that does not repeat it; the kernel shows it, so the caller need
-	// not keep it.
-	if b := backendOf(index); b != "" {
-		ae.String(attrBackend, b)
+	if backend != "" {
+		ae.String(attrBackend, backend)
 	}
 	if len(fds) > 0 {
 		putSockets(ae, fds)
@@ -347,12 +365,54 @@ func replyIndex(msgs []genetlink.Message) (int, error) {
 	return -1, fmt.Errorf("nbdnl: the kernel's connect reply names no device: %w", errdefs.ErrUnavailable)
 }
 
-// backendOf reads the backend identifier the kernel shows for index; ""
-// when there is none (or the kernel predates them, before 5.13).
-func backendOf(index int) string {
+// Backend reads the backend identifier the kernel shows for device
+// index (/sys/block/nbdN/backend); "" when there is none: the device is
+// not connected, was connected without one, or the kernel predates them
+// (before 5.13). Reading sysfs needs no privilege.
+func Backend(index int) string {
+	if index < 0 {
+		return ""
+	}
 	b, err := os.ReadFile(fmt.Sprintf("%s/nbd%d/backend", sysBlock, index))
 	if err != nil {
 		return ""
 	}
 	return strings.TrimSuffix(string(b), "\n")
+}
+
+// FindBackend returns the index of the device the kernel shows connected
+// with backend, or -1 when none is.
+func FindBackend(backend string) int {
+	if backend == "" {
+		return -1
+	}
+	names, _ := filepath.Glob(filepath.Join(sysBlock, "nbd*"))
+	for _, n := range names {
+		i, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(n), "nbd"))
+		if err != nil || i < 0 {
+			continue
+		}
+		if Backend(i) == backend {
+			return i
+		}
+	}
+	return -1
+}
+
+// DeviceNumber reads device index's major and minor numbers
+// (/sys/block/nbdN/dev): the minor is index shifted by the module's
+// partition bits, which only the kernel knows.
+func DeviceNumber(index int) (major, minor uint32, err error) {
+	p := fmt.Sprintf("%s/nbd%d/dev", sysBlock, index)
+	b, err := os.ReadFile(p)
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, 0, fmt.Errorf("nbdnl: no device nbd%d: %w", index, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("nbdnl: %w", err)
+	}
+	if _, err := fmt.Sscanf(strings.TrimSpace(string(b)), "%d:%d", &major, &minor); err != nil {
+		return 0, 0, fmt.Errorf("nbdnl: %s holds %q: %w", p, b, errdefs.ErrUnavailable)
+	}
+	return major, minor, nil
 }

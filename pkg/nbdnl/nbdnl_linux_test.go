@@ -177,16 +177,34 @@ func TestBackendOf(t *testing.T) {
 	old := sysBlock
 	t.Cleanup(func() { sysBlock = old })
 	sysBlock = t.TempDir()
-	if err := os.MkdirAll(filepath.Join(sysBlock, "nbd4"), 0o755); err != nil {
-		t.Fatal(err)
+	for name, content := range map[string]string{"nbd4/backend": "vol-a\n", "nbd4/dev": "43:128\n", "nbd12/backend": "vol-b\n",
+		"nbd7/dev": "43:224\n", "nbdx/backend": "vol-c\n", "loop0/backend": "vol-d\n"} {
+		p := filepath.Join(sysBlock, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if err := os.WriteFile(filepath.Join(sysBlock, "nbd4", "backend"), []byte("vol-a\n"), 0o644); err != nil {
-		t.Fatal(err)
+	if b := Backend(4); b != "vol-a" {
+		t.Fatalf("Backend(4) = %q", b)
 	}
-	if b := backendOf(4); b != "vol-a" {
-		t.Fatalf("backendOf(4) = %q", b)
+	if b := Backend(5); b != "" {
+		t.Fatalf("Backend of a missing device = %q", b)
 	}
-	if b := backendOf(5); b != "" {
-		t.Fatalf("backendOf of a missing device = %q", b)
+	for backend, want := range map[string]int{"vol-a": 4, "vol-b": 12, "vol-c": -1, "vol-d": -1, "": -1, "vol": -1} {
+		if got := FindBackend(backend); got != want {
+			t.Errorf("FindBackend(%q) = %d, want %d", backend, got, want)
+		}
+	}
+	if major, minor, err := DeviceNumber(4); err != nil || major != 43 || minor != 128 {
+		t.Fatalf("DeviceNumber(4) = %d:%d, %v", major, minor, err)
+	}
+	if _, _, err := DeviceNumber(5); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("DeviceNumber of a missing device = %v, want NotFound", err)
+	}
+	if err := ReconfigureBackend(4, "", nil, 0); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("ReconfigureBackend without a backend = %v, want InvalidArgument", err)
 	}
 }

@@ -17,8 +17,14 @@ var errNoNBD = fmt.Errorf("nbdnl: NBD devices need Linux: %w", errdefs.ErrUnimpl
 
 func Connect(Config, []*os.File) (int, error)          { return -1, errNoNBD }
 func Reconfigure(int, []*os.File, time.Duration) error { return errNoNBD }
-func Disconnect(int) error                             { return errNoNBD }
-func Status(int) (bool, error)                         { return false, errNoNBD }
+func ReconfigureBackend(int, string, []*os.File, time.Duration) error {
+	return errNoNBD
+}
+func Backend(int) string                       { return "" }
+func FindBackend(string) int                   { return -1 }
+func DeviceNumber(int) (uint32, uint32, error) { return 0, 0, errNoNBD }
+func Disconnect(int) error                     { return errNoNBD }
+func Status(int) (bool, error)                 { return false, errNoNBD }
 
 type Watcher struct{}
 

@@ -165,12 +165,23 @@ func (c *Client) StopDaemons(ctx context.Context, volumeID string, known []daemo
 	return do(ctx, c, "StopDaemons", volumeReq{VolumeID: volumeID, Known: known, Teardown: teardown})
 }
 
+// ConnectNBD passes sock to the mounter as a descriptor (SCM_RIGHTS); the
+// caller keeps its own and may close it once the call returns.
 func (c *Client) ConnectNBD(ctx context.Context, req mounter.NBDRequest, sock *os.File) (mounter.Device, error) {
-	return call[nbdReq, mounter.Device](ctx, c, "ConnectNBD", nbdReq{Request: req}, sock)
+	return call[nbdReq, mounter.Device](ctx, c, "ConnectNBD", nbdReq{Request: req}, present(sock)...)
 }
 
 func (c *Client) ReconnectNBD(ctx context.Context, d mounter.Device, backend string, sock *os.File) error {
-	return do(ctx, c, "ReconnectNBD", nbdReq{Device: d, Backend: backend}, sock)
+	return do(ctx, c, "ReconnectNBD", nbdReq{Device: d, Backend: backend}, present(sock)...)
+}
+
+// present is f as the descriptors of a call: none for nil (the mounter
+// then refuses the call for want of one).
+func present(f *os.File) []*os.File {
+	if f == nil {
+		return nil
+	}
+	return []*os.File{f}
 }
 
 func (c *Client) DisconnectNBD(ctx context.Context, d mounter.Device, backend string) error {
