@@ -13,7 +13,6 @@ import (
 
 	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/mounter"
 )
 
 // BenchmarkPublishCycleInProcess times NodePublishVolume + NodeUnpublishVolume
@@ -100,7 +99,7 @@ func benchDriver(b *testing.B, dir string, size int64) *Driver {
 	b.Helper()
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(dir, "state")
-	d, err := New(Options{DriverName: "x.csi.io", NodeID: "n", StateDir: state, KubeletDir: dir, Config: cfg, Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: dir}})
+	d, err := New(Options{DriverName: "x.csi.io", NodeID: "n", StateDir: state, KubeletDir: dir, Config: cfg})
 	if err != nil {
 		b.Fatal(err)
 	}

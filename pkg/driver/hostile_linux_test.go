@@ -19,7 +19,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -61,8 +60,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 	}
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg,
-		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: e.kubelet}})
+	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg})
 	if err != nil {
 		t.Fatal(err)
 	}

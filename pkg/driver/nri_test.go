@@ -3,18 +3,14 @@ package driver
 import (
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/test/testutil"
 )
 
 func TestParseNRIAndMountGroup(t *testing.T) {
@@ -42,45 +38,6 @@ func TestParseNRIAndMountGroup(t *testing.T) {
 		if _, _, err := parseMountGroup(s); !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("parseMountGroup(%q): %v, want InvalidArgument", s, err)
 		}
-	}
-}
-
-// applyMountGroup changes group and modes below root only: a symlink in
-// the volume (which a container controls) never leads it outside.
-func TestApplyMountGroup(t *testing.T) {
-	testutil.RequireRoot(t)
-	root, outside := t.TempDir(), t.TempDir()
-	secret := filepath.Join(outside, "secret")
-	if err := os.WriteFile(secret, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(filepath.Join(root, "d"), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(root, "d", "run.sh"), nil, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(secret, filepath.Join(root, "link")); err != nil {
-		t.Fatal(err)
-	}
-	if err := applyMountGroup(root, 2000); err != nil {
-		t.Fatal(err)
-	}
-	check := func(p string, mode uint32) {
-		t.Helper()
-		var st unix.Stat_t
-		if err := unix.Lstat(p, &st); err != nil {
-			t.Fatal(err)
-		}
-		if st.Gid != 2000 || st.Mode&0o7777 != mode {
-			t.Errorf("%s: gid %d mode %o, want gid 2000 mode %o", p, st.Gid, st.Mode&0o7777, mode)
-		}
-	}
-	check(filepath.Join(root, "d"), 0o2770)
-	check(filepath.Join(root, "d", "run.sh"), 0o770)
-	var st unix.Stat_t
-	if err := unix.Stat(secret, &st); err != nil || st.Gid == 2000 || st.Mode&0o7777 != 0o600 {
-		t.Errorf("the symlink's target outside the volume changed: gid %d mode %o (%v)", st.Gid, st.Mode&0o7777, err)
 	}
 }
 

@@ -17,7 +17,6 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -45,8 +44,7 @@ func newRootDriver(t *testing.T) (*Driver, string) {
 	kubelet := filepath.Join(base, "kubelet")
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg,
-		Mounter: &mounter.Executor{Policy: cfg.PlanPolicy(state), KubeletDir: kubelet}})
+	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -73,7 +74,7 @@ func liveProcess(t *testing.T) (int, plan.Namespace) {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	})
-	ns, err := namespaceOf(cmd.Process.Pid)
+	ns, err := mountns.IdentityOf(cmd.Process.Pid)
 	if err != nil {
 		t.Fatalf("namespace of a child: %v", err)
 	}

@@ -21,8 +21,8 @@ import (
 // unmount fails for real.
 type thawFails struct{ *loop.Source }
 
-func (s thawFails) Freeze(ctx context.Context, v source.Volume, scratch string) (func() error, error) {
-	if _, err := s.Source.Freeze(ctx, v, scratch); err != nil {
+func (s thawFails) Freeze(ctx context.Context, v source.Volume) (func() error, error) {
+	if _, err := s.Source.Freeze(ctx, v); err != nil {
 		return nil, err
 	}
 	return func() error { return errors.New("injected: FITHAW failed") }, nil
