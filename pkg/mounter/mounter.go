@@ -262,7 +262,9 @@ type NBD interface {
 	DisconnectNBD(ctx context.Context, dev Device, backend string) error
 }
 
-// CHAP are the credentials of an iSCSI login.
+// CHAP are the credentials of an iSCSI login. Every field is at most 255
+// bytes without a line break or NUL (they go into a node record file);
+// empty fields: no authentication. String hides them.
 type CHAP struct {
 	User       string `json:"user,omitempty"`
 	Password   string `json:"password,omitempty"`
@@ -270,40 +272,60 @@ type CHAP struct {
 	PasswordIn string `json:"passwordIn,omitempty"`
 }
 
-// ISCSILogin logs in to one target portal.
+func (CHAP) String() string   { return "CHAP{redacted}" }
+func (CHAP) GoString() string { return "CHAP{redacted}" }
+
+// ISCSILogin logs in to one target portal, or joins the session the
+// mounter made there.
 type ISCSILogin struct {
 	IQN    string `json:"iqn"`
-	Portal string `json:"portal"` // host:port
+	Portal string `json:"portal"` // host:port, one iscsi.allowedPortals allows
 	TPGT   int    `json:"tpgt"`
-	// CHAP, when set, is written into the node record before the login
-	// (nil fields: no authentication). Nil: the login uses the record as
-	// the stage left it (a staged volume whose session was lost), so the
-	// secrets never pass through the plugin again.
+	// LUN is scanned for on the session once it is there, so that a LUN
+	// the target gained after the login shows too.
+	LUN int `json:"lun"`
+	// CHAP are the stage's credentials. A new session: they are written
+	// into the node record (mode 0600), then iscsiadm logs in from it.
+	// The session the mounter made to this target and portal: joined only
+	// with the credentials it was made with (the mounter keeps a salted
+	// hash of them, never them). Nil: a staged volume's re-login (its
+	// session was lost), from the node record the mounter wrote, so that
+	// the secrets never pass through the plugin again; refused when the
+	// mounter has no record of writing it.
 	CHAP *CHAP `json:"chap,omitempty"`
 }
 
-// ISCSISession is a session the mounter logged in.
+// ISCSISession is the session of a LoginISCSI.
 type ISCSISession struct {
 	SID int `json:"sid"`
-	// CreatedRecord: the node record did not exist before this login.
-	CreatedRecord bool `json:"createdRecord,omitempty"`
+	// Joined: the session was there already (the mounter made it, with
+	// the same credentials); this call logged nothing in.
+	Joined bool `json:"joined,omitempty"`
 }
 
-// ISCSILogout ends a session the mounter made.
+// ISCSILogout ends the session the mounter made to a target and portal.
 type ISCSILogout struct {
 	IQN    string `json:"iqn"`
 	Portal string `json:"portal"`
-	SID    int    `json:"sid"`
-	// DeleteRecord deletes the target's node record too.
-	DeleteRecord bool `json:"deleteRecord,omitempty"`
+	// SID is the session the caller knows of (0: none yet); the mounter
+	// ends the one it recorded, and says so when they differ.
+	SID int `json:"sid,omitempty"`
 }
 
-// ISCSI logs in to and out of iSCSI targets.
+// ISCSI logs in to and out of iSCSI targets. The mounter keeps a record
+// per session it logged in (target, portal, SID, boot, a salted hash of
+// the credentials); a plan may name only a disk of such a session.
 type ISCSI interface {
 	// LoginISCSI logs in, or joins the session to the same target and
-	// portal that the mounter made with the same credentials; a session
-	// it did not make, or made with other credentials, is refused.
+	// portal that the mounter made with the same credentials. Other
+	// credentials than the recorded ones are ErrPermissionDenied; a
+	// session to the target and portal that the mounter did not make is
+	// never joined nor logged out: ErrFailedPrecondition. A login that
+	// fails leaves no session, node record or record it made.
 	LoginISCSI(ctx context.Context, l ISCSILogin) (ISCSISession, error)
+	// LogoutISCSI ends the recorded session (if the kernel still shows
+	// it), deletes the node record if the mounter created it, and forgets
+	// the session. Nothing recorded: nothing to do, no error.
 	LogoutISCSI(ctx context.Context, l ISCSILogout) error
 }
 
