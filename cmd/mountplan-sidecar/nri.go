@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -16,6 +17,7 @@ type nriFlags struct {
 	enabled        bool
 	socket         string
 	pluginEndpoint string
+	timeout        time.Duration
 }
 
 func addNRIFlags(fs *flag.FlagSet) *nriFlags {
@@ -23,6 +25,9 @@ func addNRIFlags(fs *flag.FlagSet) *nriFlags {
 	fs.BoolVar(&f.enabled, "nri", false, "register with the container runtime as an NRI plugin, which gives containers the volumes published in NRI mode")
 	fs.StringVar(&f.socket, "nri-socket", "/var/run/nri/nri.sock", "the runtime's NRI socket")
 	fs.StringVar(&f.pluginEndpoint, "plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required with --nri)")
+	fs.DurationVar(&f.timeout, "nri-timeout", nri.DefaultTimeout,
+		"how long the hook may work on a container's creation or start before it fails it; keep it below the runtime's plugin timeout (containerd: 2s), "+
+			"after which the runtime would start the container without the volume")
 	return f
 }
 
@@ -41,6 +46,7 @@ func (f *nriFlags) start(ctx context.Context, m mounter.Interface, stateDir, kub
 		return nil, err
 	}
 	h := nri.NewHook(nri.PluginVolumes{Client: np}, m, stateDir, kubeletDir)
+	h.Timeout = f.timeout
 	logger := klog.FromContext(ctx).WithName("nri")
 	logger.Info("Registering with the container runtime", "nriSocket", f.socket, "stateDir", stateDir, "kubeletDir", kubeletDir)
 	done := make(chan struct{})

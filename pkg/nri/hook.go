@@ -14,7 +14,11 @@
 //
 // The hook keeps no state: what it claimed for a container is written in an
 // annotation of that container, which the runtime hands back with every
-// later event and at Synchronize after a restart.
+// later event and at Synchronize after a restart. An annotation is never
+// trusted alone (a pod's own annotations may reach its containers): a
+// claim is honoured only for a target below the container's own pod's
+// directory, or a block device the runtime gives the container, as the
+// runtime's view of the container says.
 package nri
 
 import (
@@ -91,9 +95,20 @@ type Hook struct {
 	// binds from below it can be targets.
 	podsDirs []string
 
+	// Timeout bounds the work of CreateContainer and StartContainer: it
+	// answers with an error (the container fails, kubelet retries) well
+	// before the runtime's own plugin timeout, after which the runtime
+	// would go on without the hook's adjustment, with the guard in place
+	// of the volume.
+	Timeout time.Duration
+
 	mu    sync.Mutex
 	guard *guard.Guard // while registered with the runtime
 }
+
+// DefaultTimeout leaves containerd's default plugin timeout (2s) room for
+// the answer to travel.
+const DefaultTimeout = 1500 * time.Millisecond
 
 // NewHook returns a hook; Run registers it with the runtime.
 func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) *Hook {
@@ -102,7 +117,7 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 	if resolved, err := filepath.EvalSymlinks(pods); err == nil && resolved != pods {
 		dirs = append(dirs, resolved)
 	}
-	return &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs}
+	return &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, Timeout: DefaultTimeout}
 }
 
 // CreateContainer claims every NRI-mode volume among the container's
@@ -112,10 +127,12 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (_ *nriapi.ContainerAdjustment, _ []*nriapi.ContainerUpdate, err error) {
 	var claims []Claim
 	start := time.Now()
+	ctx, cancel := h.bounded(ctx)
+	defer cancel()
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("mountplan: container %s of pod %s/%s: %w", ctr.GetName(), pod.GetNamespace(), pod.GetName(), err)
-			if rerr := h.release(ctx, ctr.GetId(), claims); rerr != nil {
+			if rerr := h.release(context.WithoutCancel(ctx), ctr.GetId(), claims); rerr != nil {
 				klog.FromContext(ctx).Error(rerr, "Releasing the claims of a container that failed")
 			}
 		}
@@ -125,7 +142,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		if m.GetType() != "bind" && !hasOption(m, "bind") && !hasOption(m, "rbind") {
 			continue
 		}
-		ours, err := h.owns(m.GetSource())
+		ours, err := h.owns(pod, m.GetSource())
 		if err != nil {
 			return nil, nil, err
 		}
@@ -142,7 +159,8 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		if d.GetType() != "b" || hostDevice(d) {
 			continue
 		}
-		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId()}
+		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId(),
+			ReadOnly: !writable(ctr, d)}
 		ours, err := h.claimDevice(ctx, adj, &c, d)
 		if err != nil {
 			return nil, nil, err
@@ -165,12 +183,15 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 }
 
 // owns says whether a container bind's source is a target published in NRI
-// mode: bound to the live guard.
-func (h *Hook) owns(source string) (bool, error) {
+// mode for the container's own pod: below its pod's directory, bound to
+// the live guard. A bind of another pod's target (a hostPath volume naming
+// it) is not claimed: the container gets what the runtime binds, the
+// guard, never the other pod's volume.
+func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (bool, error) {
 	// Only kubelet's directory is looked at: a container's other binds
 	// (hostPath volumes) may sit on file systems that hang a stat, and the
 	// runtime gives up on a plugin that takes more than 2 seconds.
-	if !slices.ContainsFunc(h.podsDirs, func(d string) bool { return plan.Within(d, source) }) {
+	if !h.ofPod(pod, source) {
 		return false, nil
 	}
 	h.mu.Lock()
@@ -207,14 +228,17 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 }
 
 // claimDevice prepares the volume published in NRI mode with the
-// container's device d, if there is one, and gives the container the
-// plan's device in its place (with access to it in its device cgroup).
+// container's device d, if there is one. The container keeps the device
+// the runtime gives it (kubelet's device node of the volume, with the
+// access kubelet asked for): the plan's device must be that very device.
+// A volume read-only to the container (kubelet's device rule without "w",
+// or a plan that binds the device ro) gets a rule that denies writes.
 //
 // Unlike a mount, a block volume does not depend on the hook: the runtime
 // gives the container the device of kubelet's device node anyway. So when
 // the plugin cannot be asked (the plugin's own container being created,
-// privileged, with the host's devices) the device is left as it is and
-// only its consumer record is missing.
+// with the host's devices) the device is left as it is and only its
+// consumer record is missing.
 func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, d *nriapi.LinuxDevice) (bool, error) {
 	id, mounts, err := h.volumes.Prepare(ctx, *c)
 	if errors.Is(err, errdefs.ErrNotFound) {
@@ -226,13 +250,48 @@ func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment,
 		return false, nil
 	}
 	c.VolumeID = id
-	dev, err := deviceOf(mounts)
+	dev, ro, err := deviceOf(mounts)
 	if err != nil {
 		return true, fmt.Errorf("block volume %s at %s: %w", id, c.Destination, err)
 	}
-	dev.Path, dev.FileMode, dev.Uid, dev.Gid = d.GetPath(), d.GetFileMode(), d.GetUid(), d.GetGid()
-	adj.AddDevice(dev)
+	if dev.GetMajor() != d.GetMajor() || dev.GetMinor() != d.GetMinor() {
+		return true, fmt.Errorf("block volume %s at %s: the plan's device %d:%d is not the container's %d:%d: %w",
+			id, c.Destination, dev.GetMajor(), dev.GetMinor(), d.GetMajor(), d.GetMinor(), errdefs.ErrFailedPrecondition)
+	}
+	c.ReadOnly = c.ReadOnly || ro
+	if c.ReadOnly {
+		denyWrites(adj, dev)
+	}
 	return true, nil
+}
+
+// writable reports whether the runtime lets the container write device d:
+// the last of its device cgroup rules that names d (or all block devices)
+// and "w" allows it.
+func writable(ctr *nriapi.Container, d *nriapi.LinuxDevice) bool {
+	w := false
+	for _, r := range ctr.GetLinux().GetResources().GetDevices() {
+		if (r.GetType() != "b" && r.GetType() != "a") || !strings.Contains(r.GetAccess(), "w") {
+			continue
+		}
+		if (r.GetMajor() == nil || r.GetMajor().GetValue() == d.GetMajor()) && (r.GetMinor() == nil || r.GetMinor().GetValue() == d.GetMinor()) {
+			w = r.GetAllow()
+		}
+	}
+	return w
+}
+
+// denyWrites adds a device cgroup rule that takes "w" away from dev: it
+// comes after the runtime's own rules, so it wins.
+func denyWrites(adj *nriapi.ContainerAdjustment, dev *nriapi.LinuxDevice) {
+	if adj.Linux == nil {
+		adj.Linux = &nriapi.LinuxContainerAdjustment{}
+	}
+	if adj.Linux.Resources == nil {
+		adj.Linux.Resources = &nriapi.LinuxResources{}
+	}
+	adj.Linux.Resources.Devices = append(adj.Linux.Resources.Devices, &nriapi.LinuxDeviceCgroup{
+		Allow: false, Type: "b", Major: nriapi.Int64(dev.GetMajor()), Minor: nriapi.Int64(dev.GetMinor()), Access: "w"})
 }
 
 // hostDevice reports whether a container's device is a device of the
@@ -245,23 +304,24 @@ func hostDevice(d *nriapi.LinuxDevice) bool {
 		unix.Major(uint64(st.Rdev)) == uint32(d.GetMajor()) && unix.Minor(uint64(st.Rdev)) == uint32(d.GetMinor()) //nolint:unconvert // Rdev is uint32 on some architectures
 }
 
-// deviceOf turns a block plan (a bind of a device node) into the device
-// the runtime creates in the container.
-func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, error) {
+// deviceOf returns the device a block plan (a bind of a device node)
+// names, and whether it binds it read-only.
+func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, bool, error) {
 	for _, m := range mounts {
 		if !m.IsDeviceBind() {
 			continue
 		}
 		var st unix.Stat_t
 		if err := unix.Stat(m.Source, &st); err != nil {
-			return nil, &os.PathError{Op: "stat", Path: m.Source, Err: err}
+			return nil, false, &os.PathError{Op: "stat", Path: m.Source, Err: err}
 		}
 		if st.Mode&unix.S_IFMT != unix.S_IFBLK {
-			return nil, fmt.Errorf("%s is not a block device", m.Source)
+			return nil, false, fmt.Errorf("%s is not a block device", m.Source)
 		}
-		return &nriapi.LinuxDevice{Type: "b", Major: int64(unix.Major(uint64(st.Rdev))), Minor: int64(unix.Minor(uint64(st.Rdev)))}, nil //nolint:unconvert // Rdev is uint32 on some architectures
+		dev := &nriapi.LinuxDevice{Type: "b", Major: int64(unix.Major(uint64(st.Rdev))), Minor: int64(unix.Minor(uint64(st.Rdev)))} //nolint:unconvert // Rdev is uint32 on some architectures
+		return dev, m.HasOption("ro"), nil
 	}
-	return nil, errors.New("the plan binds no device")
+	return nil, false, errors.New("the plan binds no device")
 }
 
 // StartContainer comes once the container's process exists and before it
@@ -270,9 +330,11 @@ func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, error) {
 // the plans the runtime could not (AtStart). The other volumes are already
 // in place: a failure to record only delays that record until the next
 // Synchronize, and does not stop the container.
-func (h *Hook) StartContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
+func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
 	start := time.Now()
-	claims := claimsOf(ctr)
+	ctx, cancel := h.bounded(ctx)
+	defer cancel()
+	claims := h.claimsOf(ctx, pod, ctr)
 	defer func() {
 		if len(claims) > 0 {
 			klog.FromContext(ctx).V(4).Info("Container starts", "container", ctr.GetId(), "pid", ctr.GetPid(), "took", time.Since(start))
@@ -300,13 +362,13 @@ func (h *Hook) StartContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nr
 // StopContainer releases the container's claims: its namespace, and the
 // volume's mounts in it, are gone or about to be.
 func (h *Hook) StopContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
-	return nil, h.release(ctx, ctr.GetId(), claimsOf(ctr))
+	return nil, h.release(ctx, ctr.GetId(), recordedClaims(ctr))
 }
 
 // RemoveContainer releases what StopContainer did not: a container created
 // and removed without running, a creation the runtime undid.
 func (h *Hook) RemoveContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	return h.release(ctx, ctr.GetId(), claimsOf(ctr))
+	return h.release(ctx, ctr.GetId(), recordedClaims(ctr))
 }
 
 func (h *Hook) release(ctx context.Context, containerID string, claims []Claim) error {
@@ -323,8 +385,29 @@ func (h *Hook) release(ctx context.Context, containerID string, claims []Claim) 
 	return errors.Join(errs...)
 }
 
-// claimsOf reads the hook's annotation of a container.
-func claimsOf(ctr *nriapi.Container) []Claim {
+// claimsOf reads the hook's annotation of a container and keeps only
+// what the runtime's view of the container backs: targets below its own
+// pod's directory, block devices the runtime gives it. What the
+// annotation says beyond that (another pod's volume: a forged annotation
+// reaches a container where the runtime passes pod annotations through)
+// is dropped, and logged.
+func (h *Hook) claimsOf(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) []Claim {
+	claims := recordedClaims(ctr)
+	kept := claims[:0]
+	for _, c := range claims {
+		if c.block() && hasDevice(ctr, c) || !c.block() && h.ofPod(pod, c.Target) {
+			kept = append(kept, c)
+			continue
+		}
+		klog.FromContext(ctx).Info("Ignoring a claim of the container's annotation that its pod does not back",
+			"container", ctr.GetId(), "pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "target", c.Target, "major", c.Major, "minor", c.Minor)
+	}
+	return kept
+}
+
+// recordedClaims reads the hook's annotation of a container, as it is: a
+// release (of that container's own claims, by its ID) needs no more.
+func recordedClaims(ctr *nriapi.Container) []Claim {
 	rec, ok := ctr.GetAnnotations()[Annotation]
 	if !ok {
 		return nil
@@ -339,6 +422,32 @@ func claimsOf(ctr *nriapi.Container) []Claim {
 	return claims
 }
 
+// ofPod reports whether p lies below pod's own directory in kubelet's
+// pods directory (the runtime gives the pod's UID).
+func (h *Hook) ofPod(pod *nriapi.PodSandbox, p string) bool {
+	uid := pod.GetUid()
+	if uid == "" || strings.ContainsAny(uid, "/\x00") || uid == "." || uid == ".." {
+		return false
+	}
+	return slices.ContainsFunc(h.podsDirs, func(d string) bool { return plan.Within(filepath.Join(d, uid), p) })
+}
+
+// hasDevice reports whether the runtime gives the container c's device at
+// c's destination.
+func hasDevice(ctr *nriapi.Container, c Claim) bool {
+	return slices.ContainsFunc(ctr.GetLinux().GetDevices(), func(d *nriapi.LinuxDevice) bool {
+		return d.GetType() == "b" && d.GetPath() == c.Destination && d.GetMajor() == int64(c.Major) && d.GetMinor() == int64(c.Minor)
+	})
+}
+
+// bounded gives a container event's work its deadline (Timeout).
+func (h *Hook) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	if h.Timeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, h.Timeout)
+}
+
 // Synchronize runs when the hook (re)registers: the guard starts (targets
 // left bound to a dead one are re-armed), the plugin re-learns the claims
 // of every container the runtime has (with its namespace when it runs)
@@ -348,18 +457,15 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 	if err := h.startGuard(ctx); err != nil {
 		return nil, err
 	}
-	podUID := map[string]string{}
+	podOf := map[string]*nriapi.PodSandbox{}
 	for _, p := range pods {
-		podUID[p.GetId()] = p.GetUid()
+		podOf[p.GetId()] = p
 	}
 	ids := make([]string, 0, len(ctrs))
 	var errs []error
 	for _, ctr := range ctrs {
 		ids = append(ids, ctr.GetId())
-		for _, c := range claimsOf(ctr) {
-			if !c.block() && !strings.Contains(c.Target, "/pods/"+podUID[ctr.GetPodSandboxId()]+"/") {
-				continue // an annotation that does not describe its own pod's volume
-			}
+		for _, c := range h.claimsOf(ctx, podOf[ctr.GetPodSandboxId()], ctr) {
 			if ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
 				c.PID = int(ctr.GetPid())
 			}
