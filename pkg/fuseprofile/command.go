@@ -43,10 +43,28 @@ func (p *Profile) Command(spec daemon.Spec, source string) (daemon.Command, erro
 	if err := CheckEnv(env); err != nil {
 		return daemon.Command{}, fmt.Errorf("fuse profile %s: %w", p.Name, err)
 	}
+	caps, err := p.DaemonCapabilities()
+	if err != nil {
+		return daemon.Command{}, err
+	}
 	s := spec
 	s.Params = maps.Clone(params)
 	s.Secrets = slices.Sorted(slices.Values(spec.Secrets))
-	return daemon.Command{Path: p.Binary, Args: args, Env: env, Stdin: stdin, Log: spec.Paths.Log, RunAs: p.RunAs, Spec: &s}, nil
+	return daemon.Command{Path: p.Binary, Args: args, Env: env, Stdin: stdin, Log: spec.Paths.Log, RunAs: p.RunAs,
+		Capabilities: caps, Spec: &s}, nil
+}
+
+// DaemonCapabilities are the capabilities p's daemons keep: p's list
+// (canonical), or daemon.DefaultCapabilities when p names none.
+func (p *Profile) DaemonCapabilities() ([]string, error) {
+	if p.Capabilities == nil {
+		return slices.Clone(daemon.DefaultCapabilities), nil
+	}
+	caps, err := daemon.ParseCapabilities(p.Capabilities)
+	if err != nil {
+		return nil, fmt.Errorf("fuse profile %s: %w", p.Name, err)
+	}
+	return caps, nil
 }
 
 // checkPaths accepts clean absolute paths from the safe character set: a

@@ -63,11 +63,19 @@ type Profile struct {
 	// Env is the daemon's environment besides PATH. Values are literal
 	// and must not hold secrets: another process can read an environment.
 	Env map[string]string `json:"env,omitempty"`
-	// RunAs runs the daemon as this user and group instead of root. The
-	// tool must then mount through fusermount3 (setuid), the state dir
-	// must be traversable by that user, and allow_other needs
-	// user_allow_other in /etc/fuse.conf.
+	// RunAs runs the daemon as this user and group instead of root, with
+	// no supplementary groups. It mounts with the Capabilities it is given
+	// as ambient capabilities (a setuid fusermount3 gains nothing under
+	// no_new_privs), and allow_other needs user_allow_other in
+	// /etc/fuse.conf.
 	RunAs *daemon.User `json:"runAs,omitempty"`
+	// Capabilities are all the daemon may ever have (SYS_ADMIN or
+	// CAP_SYS_ADMIN): its capability bounding set, and for a daemon of a
+	// RunAs user other than root its ambient set. Every daemon runs with
+	// no_new_privs besides, so a setuid helper (fusermount3) gains
+	// nothing. Absent: [SYS_ADMIN], what a daemon needs to mount its file
+	// system; [] gives none.
+	Capabilities []string `json:"capabilities,omitempty"`
 	// ReadyTimeout bounds how long the FUSE mount may take to appear after
 	// the daemon starts. Default 30s.
 	ReadyTimeout Duration `json:"readyTimeout,omitempty"`

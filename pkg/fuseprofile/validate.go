@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
@@ -41,6 +42,9 @@ func invalidf(format string, args ...any) error {
 func (p *Profile) validate() error {
 	if !filepath.IsAbs(p.Binary) || filepath.Clean(p.Binary) != p.Binary {
 		return invalidf("binary %q must be a clean absolute path", p.Binary)
+	}
+	if _, err := daemon.ParseCapabilities(p.Capabilities); err != nil {
+		return invalidf("capabilities: %v", err)
 	}
 	if p.ReadyTimeout.Duration < 0 {
 		return invalidf("readyTimeout must not be negative")

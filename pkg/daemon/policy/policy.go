@@ -1,18 +1,14 @@
-// Package policy is how the mounter starts daemons for the plugin (the
-// Mounter service's SpawnDaemon): it renders each command itself, from its
-// own copy of the admin's FUSE profiles and a daemon.Spec (profile name,
-// the volume's parameters, paths), so that whatever a caller sends, no
-// binary, argument, environment variable or user reaches a daemon that the
-// admin's profile would not give it.
+// Package policy is how the mounter renders the daemons it starts for the
+// plugin (mounter.Daemons): it renders each command itself, from its own
+// copy of the admin's FUSE profiles and a daemon.Spec (profile name, the
+// volume's parameters, the paths the mounter made), so that whatever a
+// caller sends, no binary, argument, environment variable, user or
+// capability reaches a daemon that the admin's profile would not give it.
 package policy
 
 import (
-	"context"
-	"errors"
 	"fmt"
-	"io/fs"
 	"os"
-	"path/filepath"
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
@@ -28,10 +24,10 @@ type Policy struct {
 	// Profiles are the admin's FUSE profiles. Empty: nothing is started.
 	Profiles []fuseprofile.Profile
 	// Roots are the directories below which a daemon's paths (mount point,
-	// work dir, secrets dir, log) must lie, symlinks resolved.
+	// work dir, secrets dir, log) must lie. The mounter makes those paths
+	// itself below its state dir, without following a symlink; this is
+	// the check that a path it is handed is one of them.
 	Roots []string
-	// Spawner starts the daemons; nil means daemon.LocalSpawner.
-	Spawner daemon.Spawner
 }
 
 // For is the policy of cfg's FUSE profiles with paths below roots. A nil
@@ -53,32 +49,31 @@ func (p *Policy) Names() []string {
 	return out
 }
 
-// Spawn renders the command of spec (Command) and starts it.
-func (p *Policy) Spawn(ctx context.Context, spec daemon.Spec) (daemon.Command, daemon.Proc, error) {
-	c, err := p.Command(spec)
-	if err != nil {
-		return c, daemon.Proc{}, err
+// Profile returns the policy's own profile called name. It fails with
+// FailedPrecondition when the policy has no profiles and InvalidArgument
+// for a name it lacks.
+func (p *Policy) Profile(name string) (*fuseprofile.Profile, error) {
+	if p == nil || len(p.Profiles) == 0 {
+		return nil, fmt.Errorf("this mounter starts no daemons: it has no FUSE profiles (--config): %w", errdefs.ErrFailedPrecondition)
 	}
-	sp := p.Spawner
-	if sp == nil {
-		sp = daemon.LocalSpawner{}
+	prof := fuseprofile.Find(p.Profiles, name)
+	if prof == nil {
+		return nil, fmt.Errorf("fuse profile %q is not in this mounter's config: %w", name, errdefs.ErrInvalidArgument)
 	}
-	proc, err := sp.Spawn(ctx, c)
-	return c, proc, err
+	return prof, nil
 }
 
 // Command renders the command of spec from the policy's own profile of
 // that name. It fails with FailedPrecondition when the policy has no
-// profiles, InvalidArgument for a spec the profile refuses, NotFound for a
-// path source that does not exist, and PermissionDenied for paths outside
-// the roots. Errors never quote a secret: a spec holds none.
+// profiles or the profile's binary is not an executable file here,
+// InvalidArgument for a spec the profile refuses (a path source outside
+// its roots included), NotFound for a path source that does not exist,
+// and PermissionDenied for paths outside the roots. Errors never quote a
+// secret: a spec holds none. It starts nothing and creates nothing.
 func (p *Policy) Command(spec daemon.Spec) (daemon.Command, error) {
-	if p == nil || len(p.Profiles) == 0 {
-		return daemon.Command{}, fmt.Errorf("this mounter starts no daemons: it has no FUSE profiles (--config): %w", errdefs.ErrFailedPrecondition)
-	}
-	prof := fuseprofile.Find(p.Profiles, spec.Profile)
-	if prof == nil {
-		return daemon.Command{}, fmt.Errorf("fuse profile %q is not in this mounter's config: %w", spec.Profile, errdefs.ErrInvalidArgument)
+	prof, err := p.Profile(spec.Profile)
+	if err != nil {
+		return daemon.Command{}, err
 	}
 	// The parameters are checked before the source is looked up on the host.
 	params, _, err := fuseprofile.VolumeParams([]fuseprofile.Profile{*prof}, spec.Params)
@@ -96,55 +91,21 @@ func (p *Policy) Command(spec daemon.Spec) (daemon.Command, error) {
 	if err := p.checkPaths(spec.Paths); err != nil {
 		return daemon.Command{}, err
 	}
+	if fi, err := os.Stat(prof.Binary); err != nil || !fi.Mode().IsRegular() || fi.Mode()&0o111 == 0 {
+		return daemon.Command{}, fmt.Errorf("fuse profile %s: binary %s is not an executable file in the mounter: %w", prof.Name, prof.Binary, errdefs.ErrFailedPrecondition)
+	}
 	return c, nil
 }
 
-// checkPaths keeps a daemon's paths below the roots once symlinks are
-// resolved. The mount point and work dir must be directories themselves,
-// not symlinks: a daemon mounting over a symlink to /etc would hide the
-// host's /etc. The secrets dir holds the files the daemon reads; the log
-// is opened with O_NOFOLLOW, so its directory is what is checked.
+// checkPaths keeps a daemon's paths (clean and absolute, fuseprofile
+// checked) below the roots.
 func (p *Policy) checkPaths(ps daemon.Paths) error {
-	for _, f := range []struct {
-		what, path string
-		dir        bool
-	}{
-		{"mount point", ps.MountPoint, true}, {"work dir", ps.WorkDir, true},
-		{"secrets dir", ps.SecretsDir, false}, {"log", ps.Log, false},
+	for _, f := range []struct{ what, path string }{
+		{"mount point", ps.MountPoint}, {"work dir", ps.WorkDir}, {"secrets dir", ps.SecretsDir}, {"log", ps.Log},
 	} {
-		if err := p.checkPath(f.what, f.path, f.dir); err != nil {
-			return err
+		if !plan.WithinAny(p.Roots, f.path) {
+			return fmt.Errorf("daemon %s %s is outside the mounter's allowed roots: %w", f.what, f.path, errdefs.ErrPermissionDenied)
 		}
-	}
-	return nil
-}
-
-func (p *Policy) checkPath(what, path string, dir bool) error {
-	if !plan.WithinAny(p.Roots, path) {
-		return fmt.Errorf("daemon %s %s is outside the mounter's allowed roots: %w", what, path, errdefs.ErrPermissionDenied)
-	}
-	parent, err := filepath.EvalSymlinks(filepath.Dir(path))
-	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("daemon %s %s: %w: %w", what, path, err, errdefs.ErrNotFound)
-	}
-	if err != nil {
-		return fmt.Errorf("daemon %s %s: %w", what, path, err)
-	}
-	if !plan.WithinAny(plan.RealPaths(p.Roots), filepath.Join(parent, filepath.Base(path))) {
-		return fmt.Errorf("daemon %s %s leads outside the allowed roots through a symlink: %w", what, path, errdefs.ErrPermissionDenied)
-	}
-	if !dir {
-		return nil
-	}
-	fi, err := os.Lstat(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("daemon %s: %w: %w", what, err, errdefs.ErrNotFound)
-	}
-	if err != nil {
-		return fmt.Errorf("daemon %s: %w", what, err)
-	}
-	if !fi.IsDir() {
-		return fmt.Errorf("daemon %s %s is not a directory (a symlink is not followed): %w", what, path, errdefs.ErrPermissionDenied)
 	}
 	return nil
 }
