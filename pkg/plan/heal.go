@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"slices"
 
-	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
@@ -64,46 +63,4 @@ type HealResult struct {
 	// Left holds the mounts of the dead connections still in place when
 	// the heal ended.
 	Left []StaleMount
-}
-
-// HealToProto converts a heal request to its wire form.
-func HealToProto(h Heal) *api.HealFuseRequest {
-	return &api.HealFuseRequest{DeadConnections: slices.Clone(h.Dead), Source: h.Source}
-}
-
-// HealFromProto converts a heal request from its wire form and validates it.
-func HealFromProto(r *api.HealFuseRequest) (Heal, error) {
-	h := Heal{Dead: slices.Clone(r.GetDeadConnections()), Source: r.GetSource()}
-	return h, h.Validate()
-}
-
-// HealResultToProto converts a heal's result to its wire form.
-func HealResultToProto(r HealResult) *api.HealFuseResponse {
-	return &api.HealFuseResponse{Healed: staleToProto(r.Healed), Left: staleToProto(r.Left)}
-}
-
-// HealResultFromProto converts a heal's result from its wire form.
-func HealResultFromProto(r *api.HealFuseResponse) HealResult {
-	return HealResult{Healed: staleFromProto(r.GetHealed()), Left: staleFromProto(r.GetLeft())}
-}
-
-func staleToProto(in []StaleMount) []*api.StaleMount {
-	out := make([]*api.StaleMount, 0, len(in))
-	for _, s := range in {
-		out = append(out, &api.StaleMount{MntNsInode: s.Namespace.Inode, MntNsId: s.Namespace.ID, Pid: s.PID,
-			MountPoint: s.MountPoint, Connection: s.Conn, Reason: s.Reason})
-	}
-	return out
-}
-
-func staleFromProto(in []*api.StaleMount) []StaleMount {
-	out := make([]StaleMount, 0, len(in))
-	for _, s := range in {
-		if s == nil {
-			continue
-		}
-		out = append(out, StaleMount{Namespace: Namespace{Inode: s.GetMntNsInode(), ID: s.GetMntNsId()}, PID: s.GetPid(),
-			MountPoint: s.GetMountPoint(), Conn: s.GetConnection(), Reason: s.GetReason()})
-	}
-	return out
 }
