@@ -34,6 +34,9 @@ import (
 	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
+// maxRequest bounds one request to the plugin's socket.
+const maxRequest = 4 << 20
+
 type flags struct {
 	endpoint, nodeID, stateDir, kubeletDir, driverName, configPath, mounterEndpoint, metricsAddress string
 	reconcileInterval                                                                               time.Duration
@@ -100,7 +103,7 @@ func run(f flags) error {
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
 		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Node: node, Metrics: mx, NRI: f.nri,
 		Sources: map[string]source.Source{fuse.Type: fuseSource,
-			nbd.Type: nbd.New(cfg.NBD, node, mx), iscsi.Type: iscsi.New(cfg.ISCSI, f.stateDir, node, mx)}})
+			nbd.Type: nbd.New(cfg.NBD, node, mx), iscsi.Type: iscsi.New(cfg.ISCSI, node, mx)}})
 	if err != nil {
 		return err
 	}
@@ -130,7 +133,9 @@ func run(f flags) error {
 	if err != nil {
 		return err
 	}
-	srv := grpc.NewServer(grpc.UnaryInterceptor(d.Interceptor))
+	// CSI requests are small; secrets (certificates, keys) are the
+	// largest part. The bound is gRPC's default, said out loud.
+	srv := grpc.NewServer(grpc.UnaryInterceptor(d.Interceptor), grpc.MaxRecvMsgSize(maxRequest))
 	d.Register(srv)
 	// A failure of what kubelet talks to besides the CSI socket stops the plugin.
 	ctx, failKubelet := context.WithCancelCause(ctx)

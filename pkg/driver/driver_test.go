@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -9,6 +10,7 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -246,5 +248,18 @@ func TestParseSize(t *testing.T) {
 		if _, err := parseSize(in); err == nil {
 			t.Errorf("parseSize(%q) accepted", in)
 		}
+	}
+}
+
+// TestConsumerBound: a volume takes no consumer beyond MaxConsumers (the
+// review's finding 6: nothing bounded them), with a clear code.
+func TestConsumerBound(t *testing.T) {
+	v := &journal.Volume{ID: "v", Consumers: make([]journal.Claim, MaxConsumers-1)}
+	if err := roomForConsumer(v); err != nil {
+		t.Fatalf("room for the last consumer: %v", err)
+	}
+	v.Consumers = append(v.Consumers, journal.Claim{})
+	if err := roomForConsumer(v); !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("one consumer too many: %v, want ResourceExhausted", err)
 	}
 }

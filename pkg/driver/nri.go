@@ -284,6 +284,9 @@ func (d *Driver) prepareContainer(ctx context.Context, v *journal.Volume, cons *
 	if err != nil {
 		return nil, err
 	}
+	if err := roomForConsumer(v); err != nil {
+		return nil, err
+	}
 	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared for a container", "volume", v.ID, "container", cons.ContainerID, "mountPoint", cons.MountPoint, "pid", cons.PID)
 	return mounts, d.vols.Put(v, journal.Runtime)

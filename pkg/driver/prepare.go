@@ -73,6 +73,9 @@ func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.
 	if err != nil {
 		return nil, err
 	}
+	if err := roomForConsumer(v); err != nil {
+		return nil, err
+	}
 	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
 	return mounts, d.vols.Put(v, journal.Runtime)
@@ -110,6 +113,20 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 		return &api.NodeUnprepareVolumeResponse{}, nil
 	}
 	return &api.NodeUnprepareVolumeResponse{}, d.vols.Put(v, journal.Runtime)
+}
+
+// MaxConsumers bounds the consumers of one volume: every container of a
+// node at once stays far below it, and a caller that records claims
+// without end (a loop, a hostile caller of NodePrepare) meets a clear
+// error instead of a record that grows with every call.
+const MaxConsumers = 4096
+
+// roomForConsumer refuses one more consumer of v beyond MaxConsumers.
+func roomForConsumer(v *journal.Volume) error {
+	if len(v.Consumers) >= MaxConsumers {
+		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have: %w", v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
+	}
+	return nil
 }
 
 // dropDeadConsumers forgets consumers whose namespace is gone (the kernel

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,127 +13,65 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
 	"github.com/mountplan/mountplan/pkg/source/sourcetest"
-	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
-// fakeNode is a node's iSCSI side without a kernel: a sysfs tree under
-// the source's SysDir and DevDir, and an iscsiadm (the source's run) that
-// makes and ends sessions in it and records its calls.
+// fakeNode is a node's iSCSI side without a kernel: the real mounter
+// (mounter.Local) logging in through a fake iscsiadm into a fake sysfs
+// (iscsitest.FakeNode), which the source reads as the node's /sys.
 type fakeNode struct {
-	t       *testing.T
-	s       *Source
-	nextSID int
-	disk    int // sd index of the next disk
-	calls   [][]string
-	// loginStatus, when set, is the exit status --login fails with.
-	loginStatus int
+	*iscsitest.FakeNode
+	t *testing.T
+	s *Source
+	m *mounter.Local
+	// records is the mounter's records dir.
+	records string
 }
 
 const (
-	fakeIQN    = "iqn.2024-01.io.mountplan.test:disk"
-	fakePortal = "127.0.0.1:3260"
-	fakeLUN    = 1
+	fakeIQN    = iscsitest.FakeIQN
+	fakePortal = iscsitest.FakePortal
+	fakeLUN    = iscsitest.FakeLUN
 )
 
 func newFakeNode(t *testing.T) *fakeNode {
 	t.Helper()
+	f := iscsitest.NewFakeNode(t)
 	s := newSource(t, "127.0.0.1:*")
-	s.SysDir, s.DevDir = t.TempDir(), t.TempDir()
-	n := &fakeNode{t: t, s: s, nextSID: 1}
-	s.runner = toolrun.Runner{Exec: n.iscsiadm}
-	if err := os.MkdirAll(filepath.Join(s.SysDir, "module", "iscsi_tcp"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	s.SysDir, s.DevDir = f.SysDir, f.DevDir
+	n := &fakeNode{FakeNode: f, t: t, s: s, records: filepath.Join(t.TempDir(), "records")}
+	n.m = n.mounter()
 	return n
 }
 
-func (n *fakeNode) sys(parts ...string) string {
-	return filepath.Join(append([]string{n.s.SysDir}, parts...)...)
-}
-
-func (n *fakeNode) write(path, content string) {
+// mounter starts a mounter over the node's records (again, for a
+// restart) and makes it the source's.
+func (n *fakeNode) mounter() *mounter.Local {
 	n.t.Helper()
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, NodeDBDir: n.NodeDBDir}}
+	m, err := mounter.NewNode(context.Background(), mounter.Options{StateDir: n.t.TempDir(), RecordsDir: n.records, Config: cfg})
+	if err != nil {
 		n.t.Fatal(err)
 	}
-	if err := os.WriteFile(path, []byte(content+"\n"), 0o644); err != nil {
-		n.t.Fatal(err)
-	}
+	n.t.Cleanup(func() { m.Close() })
+	m.SetISCSITestHooks(n.SysDir, n.Exec)
+	n.s.Devices = m
+	return m
 }
 
-// addSession makes session SID to the fake target, on SCSI host SID+10,
-// with LUN fakeLUN's disk, as the kernel shows a login.
-func (n *fakeNode) addSession() int {
-	n.t.Helper()
-	sid, host := n.nextSID, n.nextSID+10
-	n.nextSID++
-	hostDir := n.sys("devices", "platform", fmt.Sprintf("host%d", host))
-	sessDev := filepath.Join(hostDir, fmt.Sprintf("session%d", sid))
-	name := "sd" + string(rune('a'+n.disk))
-	n.disk++
-	hctl := fmt.Sprintf("%d:0:0:%d", host, fakeLUN)
-	devnum := "8:" + strconv.Itoa(16*(n.disk-1))
-	n.write(filepath.Join(sessDev, fmt.Sprintf("target%d:0:0", host), hctl, "block", name, "dev"), devnum)
-	sess := n.sys("class", "iscsi_session", fmt.Sprintf("session%d", sid))
-	n.write(filepath.Join(sess, "targetname"), fakeIQN)
-	n.write(filepath.Join(sess, "state"), "LOGGED_IN")
-	if err := os.Symlink(sessDev, filepath.Join(sess, "device")); err != nil {
-		n.t.Fatal(err)
-	}
-	conn := n.sys("class", "iscsi_connection", fmt.Sprintf("connection%d:0", sid))
-	n.write(filepath.Join(conn, "persistent_address"), "127.0.0.1")
-	n.write(filepath.Join(conn, "persistent_port"), "3260")
-	n.write(n.sys("class", "scsi_host", fmt.Sprintf("host%d", host), "scan"), "")
-	n.write(n.sys("class", "block", name, "dev"), devnum)
-	n.write(filepath.Join(n.s.DevDir, name), "")
-	return sid
-}
+func (n *fakeNode) addSession() int { return n.AddSession() }
 
-// dropSession is a logout behind the plugin's back (or a reboot).
-func (n *fakeNode) dropSession(sid int) {
-	sess := n.sys("class", "iscsi_session", fmt.Sprintf("session%d", sid))
-	link, _ := os.Readlink(filepath.Join(sess, "device"))
-	blocks, _ := filepath.Glob(filepath.Join(link, "target*", "*", "block", "*"))
-	for _, b := range blocks {
-		os.RemoveAll(n.sys("class", "block", filepath.Base(b)))
-		os.Remove(filepath.Join(n.s.DevDir, filepath.Base(b)))
-	}
-	os.RemoveAll(sess)
-	os.RemoveAll(n.sys("class", "iscsi_connection", fmt.Sprintf("connection%d:0", sid)))
-}
+func (n *fakeNode) dropSession(sid int) { n.DropSession(sid) }
 
-func (n *fakeNode) recordDir() string {
-	return filepath.Join(n.s.Config.NodeDBDir, fakeIQN, "127.0.0.1,3260,1")
-}
+func (n *fakeNode) recordDir() string { return n.RecordDir() }
 
-func (n *fakeNode) iscsiadm(_ context.Context, _ string, args []string) ([]byte, int, error) {
-	n.calls = append(n.calls, args)
-	a := strings.Join(args, " ")
-	switch {
-	case strings.HasPrefix(a, "-m node -o new "):
-		n.write(filepath.Join(n.recordDir(), "default"), "node.name = "+fakeIQN+"\nnode.session.auth.authmethod = None")
-	case strings.HasSuffix(a, " --login"):
-		if n.loginStatus != 0 {
-			return []byte("iscsiadm: login failed"), n.loginStatus, nil
-		}
-		if _, err := os.Stat(filepath.Join(n.recordDir(), "default")); err != nil {
-			return []byte("iscsiadm: No records found"), 21, nil
-		}
-		n.addSession()
-	case strings.HasPrefix(a, "-m session -r ") && strings.HasSuffix(a, " --logout"):
-		sid, _ := strconv.Atoi(args[3])
-		n.dropSession(sid)
-	case strings.HasPrefix(a, "-m node -o delete "):
-		os.RemoveAll(filepath.Join(n.s.Config.NodeDBDir, fakeIQN))
-	default:
-		n.t.Errorf("unexpected iscsiadm %s", a)
-	}
-	return nil, 0, nil
-}
+// fakeCreds are the credentials fakeNode.stage logs in with.
+var fakeCreds = credentials{user: "u", password: "canary-pw"}
 
-// stage stages volume "v1" (LUN fakeLUN, CHAP) through the plugin's join
+// stage stages volume id (LUN fakeLUN, CHAP) through the plugin's join
 // and waitDisk, as Stage does after discovery, and returns its record.
 func (n *fakeNode) stage(id string) source.Volume {
 	n.t.Helper()
@@ -142,7 +79,7 @@ func (n *fakeNode) stage(id string) source.Volume {
 	if err != nil {
 		n.t.Fatal(err)
 	}
-	c := credentials{user: "u", password: "canary-pw"}
+	c := fakeCreds
 	st, err := n.s.join(context.Background(), id, targetOf(v), Portal{Address: fakePortal, TPGT: 1}, &c)
 	if err != nil {
 		n.t.Fatal(err)
@@ -206,14 +143,14 @@ func TestAdoptLogsInAgain(t *testing.T) {
 	if !h.Abnormal || h.Reason != "SessionGone" {
 		t.Fatalf("health with the session gone: %+v, want SessionGone", h)
 	}
-	n.calls = nil
+	n.Calls()
 	raw, err := n.s.Adopt(ctx, v)
 	if err != nil {
 		t.Fatalf("Adopt with the session gone: %v", err)
 	}
 	want := [][]string{{"-m", "node", "-T", fakeIQN, "-p", fakePortal, "--login"}}
-	if !slices.EqualFunc(n.calls, want, slices.Equal) {
-		t.Fatalf("iscsiadm calls %q, want %q", n.calls, want)
+	if calls := n.Calls(); !slices.EqualFunc(calls, want, slices.Equal) {
+		t.Fatalf("iscsiadm calls %q, want %q", calls, want)
 	}
 	st := stateOf(t, raw)
 	if st.SID == old.SID || st.Device == old.Device || st.DevNum == "" || st.FsType != "ext4" || st.Session != old.Session || st.LUN != fakeLUN {
@@ -222,8 +159,8 @@ func TestAdoptLogsInAgain(t *testing.T) {
 	if recAfter, _ := os.ReadFile(rec); string(recAfter) != string(recBefore) {
 		t.Fatalf("Adopt changed the node record")
 	}
-	if own := n.owner(st.Session); own == nil || own.SID != st.SID || !own.CreatedRecord {
-		t.Fatalf("owner record %+v, want SID %d and createdRecord", own, st.SID)
+	if own := n.owner(st.Session); own == nil || own.SID != st.SID {
+		t.Fatalf("owner record %+v, want SID %d", own, st.SID)
 	}
 	if !slices.Contains(n.session(st.Session).Users, "v1") {
 		t.Fatalf("volume marker: %+v", n.session(st.Session))
@@ -233,16 +170,18 @@ func TestAdoptLogsInAgain(t *testing.T) {
 		t.Fatalf("health after Adopt: %+v", h)
 	}
 
-	n.calls = nil
 	if err := n.s.Unstage(ctx, v); err != nil {
 		t.Fatal(err)
 	}
 	want = [][]string{{"-m", "session", "-r", strconv.Itoa(st.SID), "--logout"}, {"-m", "node", "-o", "delete", "-T", fakeIQN, "-p", fakePortal}}
-	if !slices.EqualFunc(n.calls, want, slices.Equal) {
-		t.Fatalf("unstage's iscsiadm calls %q, want %q", n.calls, want)
+	if calls := n.Calls(); !slices.EqualFunc(calls, want, slices.Equal) {
+		t.Fatalf("unstage's iscsiadm calls %q, want %q", calls, want)
 	}
-	if ents, _ := os.ReadDir(filepath.Join(n.s.StateDir, "iscsi", "sessions")); len(ents) != 0 {
-		t.Fatalf("session registry not empty: %v", ents)
+	if keys, _ := n.s.getHost().SharedKeys(sharedKind); len(keys) != 0 {
+		t.Fatalf("session records left: %v", keys)
+	}
+	if recs, _ := filepath.Glob(filepath.Join(n.records, "iscsi", "*")); len(recs) != 0 || n.Record() != "" {
+		t.Fatalf("the mounter's records %v or the node record %q left", recs, n.Record())
 	}
 }
 
@@ -254,14 +193,14 @@ func TestAdoptRecordGone(t *testing.T) {
 	v := n.stage("v1")
 	st := stateOf(t, v.State)
 	n.dropSession(st.SID)
-	os.RemoveAll(filepath.Join(n.s.Config.NodeDBDir, fakeIQN))
-	n.calls = nil
+	os.RemoveAll(filepath.Join(n.NodeDBDir, fakeIQN))
+	n.Calls()
 	_, err := n.s.Adopt(context.Background(), v)
 	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "node record") || !strings.Contains(err.Error(), "stage it again") {
 		t.Fatalf("Adopt with the record gone = %v, want FailedPrecondition about the node record", err)
 	}
-	if len(n.calls) != 0 {
-		t.Fatalf("iscsiadm called: %q", n.calls)
+	if calls := n.Calls(); len(calls) != 0 {
+		t.Fatalf("iscsiadm called: %q", calls)
 	}
 	if !slices.Contains(n.session(st.Session).Users, "v1") {
 		t.Fatalf("volume marker gone: %+v", n.session(st.Session))
@@ -278,7 +217,7 @@ func TestAdoptLoginFails(t *testing.T) {
 	v := n.stage("v1")
 	st := stateOf(t, v.State)
 	n.dropSession(st.SID)
-	n.loginStatus = 8
+	n.FailLogins(8)
 	if _, err := n.s.Adopt(context.Background(), v); err == nil {
 		t.Fatal("Adopt with a failing login succeeded")
 	}
@@ -288,12 +227,12 @@ func TestAdoptLoginFails(t *testing.T) {
 	if !slices.Contains(n.session(st.Session).Users, "v1") {
 		t.Fatalf("volume marker gone after a failed re-login: %+v", n.session(st.Session))
 	}
-	n.loginStatus = 0
+	n.FailLogins(0)
 	raw, err := n.s.Adopt(context.Background(), v)
 	if err != nil {
 		t.Fatalf("Adopt once login works: %v", err)
 	}
-	if own := n.owner(st.Session); own == nil || own.SID != stateOf(t, raw).SID || !own.CreatedRecord {
+	if own := n.owner(st.Session); own == nil || own.SID != stateOf(t, raw).SID {
 		t.Fatalf("owner record after retry: %+v", own)
 	}
 }
@@ -309,7 +248,7 @@ func TestAdoptSharedSession(t *testing.T) {
 		t.Fatalf("two sessions: %d, %d", sa.SID, sb.SID)
 	}
 	n.dropSession(sa.SID)
-	n.calls = nil
+	n.Calls()
 	rawA, err := n.s.Adopt(context.Background(), a)
 	if err != nil {
 		t.Fatal(err)
@@ -318,68 +257,10 @@ func TestAdoptSharedSession(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(n.calls) != 1 {
-		t.Fatalf("iscsiadm calls %q, want one login", n.calls)
+	if calls := n.Calls(); len(calls) != 1 {
+		t.Fatalf("iscsiadm calls %q, want one login", calls)
 	}
 	if stateOf(t, rawA).SID != stateOf(t, rawB).SID {
 		t.Fatalf("volumes on different sessions after Adopt: %s %s", rawA, rawB)
-	}
-}
-
-// TestRedactPasswordFields: a record echoed by iscsiadm has its password
-// values blotted out even when the plugin does not know them (a re-login).
-func TestRedactPasswordFields(t *testing.T) {
-	in := "node.session.auth.username = u\nnode.session.auth.password = hunter2\nnode.session.auth.password_in=back two\nnode.name = x"
-	got := admOutput(t, in, credentials{})
-	if strings.Contains(got, "hunter2") || strings.Contains(got, "back two") || !strings.Contains(got, "username = u\n") || !strings.Contains(got, "node.name = x") {
-		t.Fatalf("redact:\n%s", got)
-	}
-}
-
-// admOutput is the error of an iscsiadm run that printed out and failed:
-// what of a tool's output reaches an error.
-func admOutput(t *testing.T, out string, c credentials) string {
-	t.Helper()
-	s := &Source{runner: toolrun.Runner{Exec: func(context.Context, string, []string) ([]byte, int, error) {
-		return []byte(out), 1, nil
-	}}}
-	_, err := s.adm(t.Context(), c, "-m", "node")
-	if err == nil {
-		t.Fatal("adm of a failing run succeeded")
-	}
-	return err.Error()
-}
-
-// TestLegacyRegistryTakenOver: the session registry a plugin of an
-// earlier version kept in files of its own becomes the driver's records
-// when the driver is handed over, and the files go.
-func TestLegacyRegistryTakenOver(t *testing.T) {
-	s := New(config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, NodeDBDir: t.TempDir()}, t.TempDir(), nil)
-	key := sessionKey(fakeIQN, fakePortal)
-	dir := filepath.Join(s.StateDir, "iscsi", "sessions", key)
-	if err := os.MkdirAll(filepath.Join(dir, "users"), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range []struct{ path, data string }{
-		{filepath.Join(dir, "users", "v1"), fakeIQN + " " + fakePortal + "\n"},
-		{filepath.Join(dir, "users", "v2"), fakeIQN + " " + fakePortal + "\n"},
-		{filepath.Join(dir, "owner.json"), `{"target":"` + fakeIQN + `","portal":"` + fakePortal + `","tpgt":1,"sid":7,"createdRecord":true}`},
-	} {
-		if err := os.WriteFile(f.path, []byte(f.data), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	host := &sourcetest.Host{}
-	s.SetHost(host)
-	var rec session
-	if err := json.Unmarshal(host.Shared(sharedKind, key), &rec); err != nil {
-		t.Fatal(err)
-	}
-	slices.Sort(rec.Users)
-	if !slices.Equal(rec.Users, []string{"v1", "v2"}) || rec.Owner == nil || rec.Owner.SID != 7 || !rec.Owner.CreatedRecord {
-		t.Fatalf("taken over: %+v (owner %+v)", rec, rec.Owner)
-	}
-	if _, err := os.Lstat(dir); !os.IsNotExist(err) {
-		t.Fatalf("the old registry is still there: %v", err)
 	}
 }

@@ -1,19 +1,22 @@
-// Package iscsi is the iSCSI volume source: stage logs in to a target with
-// open-iscsi (iscsiadm and iscsid), waits for the LUN's SCSI disk, formats
-// it on demand and records the session; the plan mounts the disk.
+// Package iscsi is the iSCSI volume source: stage discovers the target
+// (SendTargets, in Go), has the mounter log in to it (mounter.ISCSI: the
+// mounter runs iscsiadm, writes the node record and keeps the session's
+// record), waits for the LUN's SCSI disk in sysfs, formats it on demand
+// and records the session; the plan mounts the disk. The plugin runs no
+// iscsiadm and writes nothing under /etc/iscsi; it only reads sysfs.
 //
 // CHAP credentials come from the node-stage secret and never reach a
-// command line, an environment, a log line or an error: the plugin writes
-// them into the target's node record itself (a 0600 file, replaced
-// atomically) and iscsiadm --login reads them from there and hands them to
-// iscsid over its socket. iscsiadm's -o update -v SECRET, which would show
-// the password in /proc/PID/cmdline, is never used.
+// command line, an environment, a log line or an error: the plugin hands
+// them to the mounter in a typed call, which writes them into the
+// target's node record (a 0600 file, replaced atomically) for iscsiadm
+// --login to pass to iscsid.
 //
 // Several volumes may be LUNs of one target and share its session. The
 // driver keeps a record per session for this source (Host.WithShared):
-// the volumes using it, and the owner when the plugin itself logged the
-// session in; unstage logs out only a session the plugin created and no
-// volume uses any more.
+// the volumes using it, and the session the mounter logged in for them;
+// unstage asks the mounter to log out a session no volume uses any more.
+// Whether a volume may join a session is the mounter's decision: only a
+// session it made, and only with the credentials it was made with.
 package iscsi
 
 import (
@@ -21,7 +24,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -38,7 +40,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
-	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // Type is the volume_context type of this source.
@@ -84,15 +85,9 @@ type Source struct {
 	SysDir, DevDir string
 	// Devices is the mounter: it logs in and out, formats.
 	Devices Devices
-	// StateDir is the plugin's state dir, where plugins of earlier
-	// versions kept their session registry (<StateDir>/iscsi/sessions).
-	StateDir string
 
 	rules    []config.EndpointRule
 	rulesErr error // a config that bypassed config.Load: every volume is refused
-	// runner runs iscsiadm; its zero value runs the real one from PATH
-	// (tests put a fake here).
-	runner toolrun.Runner
 
 	mu   sync.Mutex
 	host source.Host // keeps the session records and their locks
@@ -104,16 +99,11 @@ var (
 	_ source.HostUser      = (*Source)(nil)
 )
 
-// SetHost receives the driver, which keeps the session records. Sessions
-// a plugin of an earlier version registered in files of its own are
-// taken over at once.
+// SetHost receives the driver, which keeps the session records.
 func (s *Source) SetHost(h source.Host) {
 	s.mu.Lock()
 	s.host = h
 	s.mu.Unlock()
-	if err := s.adoptLegacyRegistry(context.Background()); err != nil {
-		klog.Background().Error(err, "Taking over the iSCSI session registry of an earlier version")
-	}
 }
 
 func (s *Source) getHost() source.Host {
@@ -129,20 +119,14 @@ type Devices interface {
 }
 
 // New returns an iSCSI source with the admin's policy (checked by
-// config.Load), keeping its session registry under stateDir and timing its
-// steps in m (nil: not recorded).
-func New(cfg config.ISCSIConfig, stateDir string, devs Devices, m *metrics.Metrics) *Source {
+// config.Load), logging in through devs (the mounter) and timing its steps
+// in m (nil: not recorded).
+func New(cfg config.ISCSIConfig, devs Devices, m *metrics.Metrics) *Source {
 	rules, err := cfg.PortalRules()
-	if abs, aerr := filepath.Abs(stateDir); aerr == nil {
-		stateDir = abs
-	}
-	if cfg.NodeDBDir == "" {
-		cfg.NodeDBDir = "/etc/iscsi/nodes"
-	}
 	if cfg.InitiatorNameFile == "" {
 		cfg.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
 	}
-	return &Source{Config: cfg, Devices: devs, Metrics: m, SysDir: "/sys", DevDir: "/dev", StateDir: stateDir,
+	return &Source{Config: cfg, Devices: devs, Metrics: m, SysDir: "/sys", DevDir: "/dev",
 		rules: rules, rulesErr: err}
 }
 
@@ -206,16 +190,9 @@ type credentials struct {
 
 func (c credentials) String() string { return "credentials{redacted}" }
 
-// secrets are the values to blot out of tool output (the passwords; user
-// names are not secret and often part of IQNs).
-func (c credentials) secrets() []string {
-	var out []string
-	for _, s := range []string{c.password, c.passwordIn} {
-		if s != "" {
-			out = append(out, s)
-		}
-	}
-	return out
+// chap is what the mounter is given (empty fields: no authentication).
+func (c credentials) chap() mounter.CHAP {
+	return mounter.CHAP{User: c.user, Password: c.password, UserIn: c.userIn, PasswordIn: c.passwordIn}
 }
 
 func credentialsFrom(secrets map[string]string) (credentials, error) {
@@ -255,8 +232,8 @@ func targetOf(v source.Volume) target {
 	return target{portals: strings.Split(v.Parameters[CtxPortals], ","), iqn: v.Parameters[CtxIQN], lun: lun}
 }
 
-// Stage discovers the target, logs in (or joins a session the target
-// already has), waits for the LUN's disk and, for mount access, makes sure
+// Stage discovers the target, has the mounter log in (or let the volume
+// join the session it made with the same credentials), waits for the LUN's disk and, for mount access, makes sure
 // it holds a filesystem. The disk is not mounted.
 func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
 	creds, err := credentialsFrom(req.Secrets)
@@ -334,7 +311,8 @@ func (s *Source) discover(ctx context.Context, t target) (Portal, error) {
 	return Portal{}, fmt.Errorf("no portal of %s answered: %s: %w", t.iqn, strings.Join(errs, "; "), errdefs.ErrUnavailable)
 }
 
-// initiatorName reads this node's InitiatorName, or makes up a discovery-only one.
+// initiatorName reads this node's InitiatorName (where the plugin can read
+// it), or makes up a discovery-only one.
 func (s *Source) initiatorName() string {
 	b, err := os.ReadFile(s.Config.InitiatorNameFile)
 	if err == nil {
@@ -365,12 +343,12 @@ func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
 
 // Adopt checks that a staged volume's session and disk are still there and
 // repairs what a reboot (or a logout behind the plugin's back) took: when
-// no session to the recorded target and portal is left, it logs in again
-// from the node record the stage wrote (the CHAP secrets are in that 0600
-// file only; a missing record is FailedPrecondition), rescans for the LUN
-// and returns the state with the new session and disk. The session is
-// registered as Stage registers it, the plugin's own when it logged in.
-// A session that shows but is not logged in is iscsid's to recover.
+// the recorded session is gone, it has the mounter log in again from the
+// node record the stage wrote (the CHAP secrets are in that 0600 file
+// only; a missing record is FailedPrecondition), or join the session it
+// made again for another volume of the target, and returns the state with
+// the new session and disk. A session that shows but is not logged in is
+// iscsid's to recover.
 func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {

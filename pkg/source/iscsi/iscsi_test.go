@@ -3,13 +3,14 @@ package iscsi
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
 	"github.com/mountplan/mountplan/pkg/source/sourcetest"
@@ -17,7 +18,7 @@ import (
 
 func newSource(t *testing.T, portals ...string) *Source {
 	t.Helper()
-	s := New(config.ISCSIConfig{AllowedPortals: portals, NodeDBDir: t.TempDir()}, t.TempDir(), nil)
+	s := New(config.ISCSIConfig{AllowedPortals: portals}, nil, nil)
 	s.SetHost(&sourcetest.Host{})
 	return s
 }
@@ -79,52 +80,18 @@ func TestCredentials(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if strings.Contains(c.String(), "canary") || strings.Contains(admOutput(t, "login as u with canary-pw failed", c), "canary-pw") {
-		t.Fatal("credentials leak through String or redact")
+	if strings.Contains(fmt.Sprintf("%v %+v %s", c, c, c), "canary") || strings.Contains(fmt.Sprintf("%v %+v %#v", c.chap(), c.chap(), c.chap()), "canary") {
+		t.Fatal("credentials leak through String")
 	}
-}
-
-// TestWriteAuth: the CHAP fields replace the record's own, the file stays
-// 0600 and no temp file is left.
-func TestWriteAuth(t *testing.T) {
-	dir := t.TempDir()
-	rec := filepath.Join(dir, "default")
-	orig := "node.name = iqn.x:y\nnode.session.auth.authmethod = None\nnode.session.auth.chap_algs = MD5\nnode.session.auth.password = old\nnode.conn[0].port = 3260\n"
-	if err := os.WriteFile(rec, []byte(orig), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := writeAuth(rec, credentials{user: "alice", password: "s3cret", userIn: "tgt", passwordIn: "back"}); err != nil {
-		t.Fatal(err)
-	}
-	b, _ := os.ReadFile(rec)
-	got := string(b)
-	for _, want := range []string{"node.name = iqn.x:y\n", "chap_algs = MD5\n", "node.conn[0].port = 3260\n",
-		"node.session.auth.authmethod = CHAP\n", "node.session.auth.username = alice\n", "node.session.auth.password = s3cret\n",
-		"node.session.auth.username_in = tgt\n", "node.session.auth.password_in = back\n"} {
-		if !strings.Contains(got, want) {
-			t.Errorf("record lacks %q:\n%s", want, got)
-		}
-	}
-	if strings.Contains(got, "= old") || strings.Count(got, "authmethod") != 1 {
-		t.Errorf("old auth fields kept:\n%s", got)
-	}
-	if fi, _ := os.Stat(rec); fi.Mode().Perm() != 0o600 {
-		t.Errorf("record mode %v, want 0600", fi.Mode().Perm())
-	}
-	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
-		t.Errorf("temp files left: %v", ents)
-	}
-	if err := writeAuth(rec, credentials{}); err != nil {
-		t.Fatal(err)
-	}
-	if b, _ := os.ReadFile(rec); strings.Contains(string(b), "s3cret") || !strings.Contains(string(b), "authmethod = None") {
-		t.Errorf("clearing auth left:\n%s", b)
+	if c.chap() != (mounter.CHAP{User: "u", Password: "canary-pw"}) {
+		t.Fatalf("CHAP for the mounter: wrong fields")
 	}
 }
 
 // TestStageWithoutKernelSupport runs stage against a real tgtd on a kernel
 // without iscsi_tcp: discovery works, then a FailedPrecondition names the
-// module, and nothing is left (no session marker, no node record). A wrong
+// module, and nothing is left (no session record, no call to the
+// mounter: the source has none). A wrong
 // IQN is NotFound and a dead portal Unavailable, before any of that.
 func TestStageWithoutKernelSupport(t *testing.T) {
 	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{16 << 20}})
@@ -155,11 +122,8 @@ func TestStageWithoutKernelSupport(t *testing.T) {
 	if err := stage(tg.IQN, tg.Portal); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("Stage with the portal gone = %v, want Unavailable", err)
 	}
-	if ents, _ := os.ReadDir(filepath.Join(s.StateDir, "iscsi", "sessions")); len(ents) != 0 {
-		t.Fatalf("session registry not empty: %v", ents)
-	}
-	if ents, _ := os.ReadDir(s.Config.NodeDBDir); len(ents) != 0 {
-		t.Fatalf("node records written: %v", ents)
+	if keys, _ := s.getHost().SharedKeys(sharedKind); len(keys) != 0 {
+		t.Fatalf("session records left: %v", keys)
 	}
 }
 

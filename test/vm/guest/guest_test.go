@@ -18,6 +18,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -403,7 +404,7 @@ func TestISCSI(t *testing.T) {
 	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
 	argvLog := iscsiadmShim(t)
 	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
-		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, filepath.Join(t.TempDir(), "iscsi-src"), m, nil)}
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, m, nil)}
 	})
 	secrets := map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword}
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-vol", secrets: secrets,
@@ -478,8 +479,9 @@ func TestISCSI(t *testing.T) {
 	}
 }
 
-// iscsiadmShim puts a recording iscsiadm first on PATH (the plugin runs
-// "iscsiadm" from PATH) and returns the file its argv lines go to.
+// iscsiadmShim puts a recording iscsiadm first on PATH (the mounter, in
+// this process, runs "iscsiadm" from PATH) and returns the file its argv
+// lines go to.
 func iscsiadmShim(t *testing.T) string {
 	t.Helper()
 	shimDir := t.TempDir()
@@ -517,9 +519,8 @@ func TestISCSIReattach(t *testing.T) {
 	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{64 << 20}, CHAPUser: chapUser, CHAPPassword: chapPassword})
 	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
 	argvLog := iscsiadmShim(t)
-	srcState := filepath.Join(t.TempDir(), "iscsi-src")
 	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
-		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, m, nil)}
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, m, nil)}
 	})
 	f := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-re", secrets: map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword},
 		vctx: map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": "1"}}
@@ -568,7 +569,7 @@ func TestISCSIReattach(t *testing.T) {
 	w := watchSecret(chapPassword)
 	start := time.Now()
 	d2, _ := newDriverAt(t, cfg, func(m *service.Client) map[string]source.Source {
-		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, srcState, m, nil)}
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, m, nil)}
 	}, stateDir)
 	hits, scans := w.finish()
 	t.Logf("reconcile with re-login: %v", time.Since(start))
@@ -617,6 +618,168 @@ func TestISCSIReattach(t *testing.T) {
 	}
 	if n := bytes.Count(argv, []byte(" --login")); n != 2 {
 		t.Fatalf("iscsiadm logins %d, want 2 (stage, re-login):\n%s", n, argv)
+	}
+	t.Logf("iscsiadm calls (recorded by a shim):\n%s", argv)
+	if strings.Contains(logs.String(), chapPassword) {
+		t.Fatal("a log line shows the CHAP password")
+	}
+}
+
+// TestISCSISameTarget (review finding 4): two volumes are LUNs of one
+// CHAP target. While the first is staged and published, a second volume
+// of the target with no CHAP secret, or wrong ones, is refused
+// (PermissionDenied): the mounter shares its session only with the
+// credentials it made it with. The first volume keeps working: the same
+// session, its health, its data written and read back. With the right
+// credentials the second joins the session (no second login) and gets its
+// own LUN; its unstage leaves the first's session. A session that the
+// mounter did not log in (the admin's, to another target) is never
+// joined: FailedPrecondition, and it stays logged in.
+func TestISCSISameTarget(t *testing.T) {
+	requireGuest(t)
+	startIscsid(t)
+	tg := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{LUNSizes: []int64{64 << 20, 32 << 20}, CHAPUser: chapUser, CHAPPassword: chapPassword})
+	cfg := &config.Config{ISCSI: config.ISCSIConfig{AllowedPortals: []string{"127.0.0.1:*"}, DeviceTimeoutSeconds: 30}}
+	argvLog := iscsiadmShim(t)
+	d, stateDir := newDriver(t, cfg, func(m *service.Client) map[string]source.Source {
+		return map[string]source.Source{iscsi.Type: iscsi.New(cfg.ISCSI, m, nil)}
+	})
+	secrets := map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword}
+	lun := func(n string) map[string]string {
+		return map[string]string{"type": "iscsi", "portals": tg.Portal, "iqn": tg.IQN, "lun": n}
+	}
+	a := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-a", secrets: secrets, vctx: lun("1")}
+	if err := a.stage(); err != nil {
+		t.Fatalf("NodeStageVolume of the first volume: %v", err)
+	}
+	a.publish()
+	ss := sessions()
+	if len(ss) != 1 {
+		t.Fatalf("sessions %v, want 1", ss)
+	}
+	aState := a.state()
+	// firstWorks: the first volume's session is the same, healthy, and its
+	// filesystem takes a write that reads back from the disk.
+	firstWorks := func(when string) {
+		t.Helper()
+		if s := sessions(); !slices.Equal(s, ss) {
+			t.Fatalf("%s: sessions %v, want %v", when, s, ss)
+		}
+		if h := health(t, d, a.id); h != nil {
+			t.Fatalf("%s: health of the first volume: %v", when, h)
+		}
+		p := filepath.Join(a.target(), "a.txt")
+		want := []byte("first volume, " + when + "\n")
+		file, err := os.OpenFile(p, os.O_CREATE|os.O_TRUNC|os.O_WRONLY|os.O_SYNC, 0o644)
+		if err == nil {
+			_, err = file.Write(want)
+			if cerr := file.Close(); err == nil {
+				err = cerr
+			}
+		}
+		if err != nil {
+			t.Fatalf("%s: writing to the first volume: %v", when, err)
+		}
+		if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0); err != nil {
+			t.Logf("drop_caches: %v", err)
+		}
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("%s: read back from the first volume: %q, %v", when, got, err)
+		}
+	}
+	firstWorks("before")
+	logins := func() int {
+		b, _ := os.ReadFile(argvLog)
+		return bytes.Count(b, []byte(" --login"))
+	}
+	loginsBefore := logins()
+
+	for i, tc := range []struct {
+		name    string
+		secrets map[string]string
+	}{
+		{"no CHAP secret", nil},
+		{"a wrong CHAP password", map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword + "-wrong"}},
+		{"another CHAP user", map[string]string{iscsi.SecretUsername: "mallory", iscsi.SecretPassword: chapPassword}},
+		{"mutual CHAP added", map[string]string{iscsi.SecretUsername: chapUser, iscsi.SecretPassword: chapPassword,
+			iscsi.SecretUsernameIn: "target", iscsi.SecretPasswordIn: "target-secret-12"}},
+	} {
+		b := &flow{t: t, d: d, stateDir: stateDir, id: fmt.Sprintf("iscsi-bad%d", i), secrets: tc.secrets, vctx: lun("2")}
+		err := b.stage()
+		wantCode(t, "second volume of the target with "+tc.name, err, codes.PermissionDenied)
+		if strings.Contains(err.Error(), chapPassword) {
+			t.Fatalf("%s: the error shows the password", tc.name)
+		}
+		firstWorks("after a refused stage with " + tc.name)
+	}
+	if n := logins(); n != loginsBefore {
+		t.Fatalf("refused stages ran %d logins", n-loginsBefore)
+	}
+	if !bytes.Equal(a.state(), aState) {
+		t.Fatalf("the first volume's state changed: %s (was %s)", a.state(), aState)
+	}
+
+	// The same credentials: the second volume joins the session.
+	b := &flow{t: t, d: d, stateDir: stateDir, id: "iscsi-b", secrets: secrets, vctx: lun("2")}
+	if err := b.stage(); err != nil {
+		t.Fatalf("NodeStageVolume of the second volume with the session's credentials: %v", err)
+	}
+	if n := logins(); n != loginsBefore {
+		t.Fatalf("the second volume logged in again (%d logins) instead of joining", n-loginsBefore)
+	}
+	sid := strings.TrimPrefix(filepath.Base(ss[0]), "session")
+	if bs := b.state(); !bs.has(`"sid":`+sid+`,`) || !bs.has(`"lun":2,`) || bytes.Equal(bs, aState) {
+		t.Fatalf("second volume's state %s, want session %s and LUN 2", bs, sid)
+	}
+	b.writeRemountRead()
+	firstWorks("with the second volume staged")
+	if err := b.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume of the second volume: %v", err)
+	}
+	firstWorks("after the second volume's unstage")
+	a.unpublish()
+	if err := a.unstage(); err != nil {
+		t.Fatalf("NodeUnstageVolume of the first volume: %v", err)
+	}
+	if s := sessions(); len(s) != 0 {
+		t.Fatalf("sessions left after unstage: %v", s)
+	}
+	if recs, _ := filepath.Glob("/etc/iscsi/nodes/*"); len(recs) != 0 {
+		t.Fatalf("node records left after unstage: %v", recs)
+	}
+
+	// The admin's session to a target without CHAP: never joined.
+	other := iscsitest.StartTgtd(t, t.TempDir(), iscsitest.Options{IQN: "iqn.2024-01.io.mountplan.test:admins", LUNSizes: []int64{16 << 20}})
+	adm := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command("/usr/sbin/iscsiadm", args...).CombinedOutput(); err != nil {
+			t.Fatalf("iscsiadm %q: %v\n%s", args, err, out)
+		}
+	}
+	adm("-m", "node", "-o", "new", "-T", other.IQN, "-p", other.Portal)
+	adm("-m", "node", "-T", other.IQN, "-p", other.Portal, "--login")
+	admins := sessions()
+	if len(admins) != 1 {
+		t.Fatalf("sessions %v after the admin's login, want 1", admins)
+	}
+	for i, s := range []map[string]string{nil, secrets} {
+		c := &flow{t: t, d: d, stateDir: stateDir, id: fmt.Sprintf("iscsi-admins%d", i), secrets: s,
+			vctx: map[string]string{"type": "iscsi", "portals": other.Portal, "iqn": other.IQN, "lun": "1"}}
+		err := c.stage()
+		wantCode(t, "a volume of the admin's session's target", err, codes.FailedPrecondition)
+		if s := sessions(); !slices.Equal(s, admins) {
+			t.Fatalf("sessions %v after the refusal, want the admin's %v", s, admins)
+		}
+	}
+	adm("-m", "node", "-T", other.IQN, "-p", other.Portal, "--logout")
+	adm("-m", "node", "-o", "delete", "-T", other.IQN, "-p", other.Portal)
+
+	argv, err := os.ReadFile(argvLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(argv, []byte(chapPassword)) || bytes.Contains(argv, []byte(" -v ")) {
+		t.Fatalf("iscsiadm was given the password or a -v value:\n%s", argv)
 	}
 	t.Logf("iscsiadm calls (recorded by a shim):\n%s", argv)
 	if strings.Contains(logs.String(), chapPassword) {
