@@ -5,6 +5,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"os"
+	"path/filepath"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -120,6 +122,22 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	defer node.Close()
+	// Only root reaches the socket's directory, a directory of its own
+	// (docs/threat-model.md): a hostPath that kubelet made is 0755.
+	if p, err := endpoint.Path(*ep); err == nil {
+		dir := filepath.Dir(p)
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return err
+		}
+		if fi, err := os.Stat(dir); err != nil {
+			return err
+		} else if fi.Mode().Perm() != 0o700 {
+			if err := os.Chmod(dir, 0o700); err != nil {
+				return err
+			}
+			logger.Info("Made the socket's directory mode 0700", "dir", dir, "was", fi.Mode().Perm())
+		}
+	}
 	l, err := endpoint.Listen(*ep)
 	if err != nil {
 		return err
