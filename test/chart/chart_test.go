@@ -61,9 +61,12 @@ var valueSets = []struct {
 	{"metrics", map[string]any{"metrics": map[string]any{"enabled": true, "port": 9810}}},
 	{"noStorageClass", map[string]any{"storageClass": map[string]any{"create": false}}},
 	{"defaultStorageClass", map[string]any{"storageClass": map[string]any{"isDefault": true, "fsType": "xfs"}}},
+	{"hostNetwork", map[string]any{"hostNetwork": true}},
 	{"podNetwork", map[string]any{"hostNetwork": false, "healthPort": 9808}},
+	{"mounterDirs", map[string]any{"mounter": map[string]any{"socketDir": "/run/mountplan/", "recordsDir": "/var/lib/mountplan-records"}}},
 	{"sidecarRegistration", map[string]any{"registration": "sidecar"}},
 	{"sidecarRegistrationPodNetwork", map[string]any{"registration": "sidecar", "hostNetwork": false, "healthPort": 9808}},
+	{"sidecarRegistrationHostNetwork", map[string]any{"registration": "sidecar", "hostNetwork": true}},
 	{"noResizer", map[string]any{"resizer": map[string]any{"enabled": false}}},
 	{"snapshots", map[string]any{"snapshots": map[string]any{"enabled": true}}},
 	{"snapshotsDefaultClass", map[string]any{"driverName": "loop.storage.example.com",
@@ -108,7 +111,9 @@ type rendered struct {
 	text   string         // every document, in template order
 	objs   []renderedObj
 
-	ds      *appsv1.DaemonSet
+	// ds is <fullname>-node (the plugin and the kubernetes-csi sidecars),
+	// mds <fullname>-mounter (the mounter alone).
+	ds, mds *appsv1.DaemonSet
 	driver  *storagev1.CSIDriver
 	sc      *storagev1.StorageClass
 	cm      *corev1.ConfigMap
@@ -186,8 +191,8 @@ func render(t *testing.T, overrides map[string]any) *rendered {
 		}
 	}
 	r.text = strings.Join(all, "---\n")
-	if r.ds == nil || r.driver == nil || r.cm == nil {
-		t.Fatalf("render lacks a DaemonSet, CSIDriver or ConfigMap: %v", r.objs)
+	if r.ds == nil || r.mds == nil || r.driver == nil || r.cm == nil {
+		t.Fatalf("render lacks the node or the mounter DaemonSet, the CSIDriver or the ConfigMap: %v", r.objs)
 	}
 	r.loadConfig(t)
 	return r
@@ -256,7 +261,14 @@ func (r *rendered) decode(t *testing.T, template, doc string) {
 	}
 	switch o := obj.(type) {
 	case *appsv1.DaemonSet:
-		set(&r.ds)
+		switch {
+		case strings.HasSuffix(o.Name, "-node"):
+			set(&r.ds)
+		case strings.HasSuffix(o.Name, "-mounter"):
+			set(&r.mds)
+		default:
+			t.Fatalf("%s: DaemonSet %s is neither <fullname>-node nor <fullname>-mounter", template, o.Name)
+		}
 	case *storagev1.CSIDriver:
 		set(&r.driver)
 	case *storagev1.StorageClass:
@@ -318,35 +330,56 @@ func (r *rendered) builtin(t *testing.T) bool {
 	return r.str(t, "registration") == "builtin"
 }
 
-// hasContainer says whether the DaemonSet runs a container of that name.
-func (r *rendered) hasContainer(name string) bool {
-	for _, c := range r.ds.Spec.Template.Spec.Containers {
-		if c.Name == name {
-			return true
-		}
-	}
-	return false
+// daemonSets are the node's and the mounter's.
+func (r *rendered) daemonSets() []*appsv1.DaemonSet { return []*appsv1.DaemonSet{r.ds, r.mds} }
+
+// containers are every container of both pods.
+func (r *rendered) containers() []corev1.Container {
+	return append(slices.Clone(r.ds.Spec.Template.Spec.Containers), r.mds.Spec.Template.Spec.Containers...)
 }
 
+// hasContainer says whether either pod runs a container of that name.
+func (r *rendered) hasContainer(name string) bool {
+	return slices.ContainsFunc(r.containers(), func(c corev1.Container) bool { return c.Name == name })
+}
+
+// container finds a container of either pod by name.
 func (r *rendered) container(t *testing.T, name string) *corev1.Container {
 	t.Helper()
-	for i := range r.ds.Spec.Template.Spec.Containers {
-		if c := &r.ds.Spec.Template.Spec.Containers[i]; c.Name == name {
-			return c
+	for _, ds := range r.daemonSets() {
+		for i := range ds.Spec.Template.Spec.Containers {
+			if c := &ds.Spec.Template.Spec.Containers[i]; c.Name == name {
+				return c
+			}
 		}
 	}
-	t.Fatalf("DaemonSet %s has no container %q", r.ds.Name, name)
+	t.Fatalf("neither DaemonSet has a container %q", name)
 	return nil
 }
 
-func (r *rendered) volume(t *testing.T, name string) *corev1.Volume {
+// podOf is the DaemonSet whose pod holds c (a pointer container returned).
+func (r *rendered) podOf(t *testing.T, c *corev1.Container) *appsv1.DaemonSet {
 	t.Helper()
-	for i := range r.ds.Spec.Template.Spec.Volumes {
-		if v := &r.ds.Spec.Template.Spec.Volumes[i]; v.Name == name {
+	for _, ds := range r.daemonSets() {
+		for i := range ds.Spec.Template.Spec.Containers {
+			if &ds.Spec.Template.Spec.Containers[i] == c {
+				return ds
+			}
+		}
+	}
+	t.Fatalf("container %s is in neither DaemonSet", c.Name)
+	return nil
+}
+
+// volumeOf returns a volume of ds's pod.
+func volumeOf(t *testing.T, ds *appsv1.DaemonSet, name string) *corev1.Volume {
+	t.Helper()
+	for i := range ds.Spec.Template.Spec.Volumes {
+		if v := &ds.Spec.Template.Spec.Volumes[i]; v.Name == name {
 			return v
 		}
 	}
-	t.Fatalf("DaemonSet %s has no volume %q", r.ds.Name, name)
+	t.Fatalf("DaemonSet %s has no volume %q", ds.Name, name)
 	return nil
 }
 
@@ -355,7 +388,7 @@ func (r *rendered) mountOf(t *testing.T, c *corev1.Container, volume string) (*c
 	t.Helper()
 	for i := range c.VolumeMounts {
 		if m := &c.VolumeMounts[i]; m.Name == volume {
-			return m, r.volume(t, volume)
+			return m, volumeOf(t, r.podOf(t, c), volume)
 		}
 	}
 	t.Fatalf("container %s does not mount volume %q", c.Name, volume)
@@ -367,7 +400,7 @@ func (r *rendered) mountAt(t *testing.T, c *corev1.Container, mountPath string) 
 	t.Helper()
 	for i := range c.VolumeMounts {
 		if m := &c.VolumeMounts[i]; m.MountPath == mountPath {
-			return m, r.volume(t, m.Name)
+			return m, volumeOf(t, r.podOf(t, c), m.Name)
 		}
 	}
 	t.Fatalf("container %s mounts nothing at %s", c.Name, mountPath)
@@ -468,7 +501,7 @@ func TestObjects(t *testing.T) {
 			}
 		}
 		// Every image is pinned to a tag other than latest.
-		for _, c := range r.ds.Spec.Template.Spec.Containers {
+		for _, c := range r.containers() {
 			ref := c.Image
 			if i := strings.LastIndex(ref, "@"); i >= 0 {
 				continue // digest
@@ -504,64 +537,87 @@ func TestObjects(t *testing.T) {
 	})
 }
 
-// TestPodWiring checks the pod spec for internal consistency: volumes and mounts
-// match up, and no two mounts of a container collide.
+// TestPodWiring checks both pod specs for internal consistency: volumes and
+// mounts match up, no two mounts of a container collide, and each DaemonSet
+// selects its own pods and no other's.
 func TestPodWiring(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
-		spec := r.ds.Spec.Template.Spec
-		volumes := map[string]bool{}
-		for _, v := range spec.Volumes {
-			if volumes[v.Name] {
-				t.Errorf("volume %s defined twice", v.Name)
-			}
-			volumes[v.Name] = true
-		}
-		used := map[string]bool{}
 		names := map[string]bool{}
-		for _, c := range spec.Containers {
-			if names[c.Name] {
-				t.Errorf("container %s defined twice", c.Name)
+		for _, ds := range r.daemonSets() {
+			spec := ds.Spec.Template.Spec
+			volumes := map[string]bool{}
+			for _, v := range spec.Volumes {
+				if volumes[v.Name] {
+					t.Errorf("%s: volume %s defined twice", ds.Name, v.Name)
+				}
+				volumes[v.Name] = true
 			}
-			names[c.Name] = true
-			paths := map[string]bool{}
-			for _, m := range c.VolumeMounts {
-				if !volumes[m.Name] {
-					t.Errorf("container %s mounts undefined volume %s", c.Name, m.Name)
+			used := map[string]bool{}
+			for _, c := range spec.Containers {
+				if names[c.Name] {
+					t.Errorf("container %s defined twice", c.Name)
 				}
-				used[m.Name] = true
-				if paths[m.MountPath] {
-					t.Errorf("container %s mounts twice at %s", c.Name, m.MountPath)
+				names[c.Name] = true
+				paths := map[string]bool{}
+				for _, m := range c.VolumeMounts {
+					if !volumes[m.Name] {
+						t.Errorf("%s: container %s mounts undefined volume %s", ds.Name, c.Name, m.Name)
+					}
+					used[m.Name] = true
+					if paths[m.MountPath] {
+						t.Errorf("container %s mounts twice at %s", c.Name, m.MountPath)
+					}
+					paths[m.MountPath] = true
+					if m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional &&
+						(c.SecurityContext == nil || c.SecurityContext.Privileged == nil || !*c.SecurityContext.Privileged) {
+						t.Errorf("container %s: Bidirectional mount %s needs a privileged container", c.Name, m.Name)
+					}
 				}
-				paths[m.MountPath] = true
-				if m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional &&
-					(c.SecurityContext == nil || c.SecurityContext.Privileged == nil || !*c.SecurityContext.Privileged) {
-					t.Errorf("container %s: Bidirectional mount %s needs a privileged container", c.Name, m.Name)
+				for _, p := range c.Ports {
+					if len(p.Name) > 15 {
+						t.Errorf("container %s: port name %q longer than 15 characters", c.Name, p.Name)
+					}
 				}
 			}
-			for _, p := range c.Ports {
-				if len(p.Name) > 15 {
-					t.Errorf("container %s: port name %q longer than 15 characters", c.Name, p.Name)
+			for v := range volumes {
+				if !used[v] {
+					t.Errorf("%s: volume %s is not mounted by any container", ds.Name, v)
 				}
+			}
+			// The selector selects its pods, and only its own.
+			for k, v := range ds.Spec.Selector.MatchLabels {
+				if ds.Spec.Template.Labels[k] != v {
+					t.Errorf("%s: selector %s=%s does not match the pod template labels %v", ds.Name, k, v, ds.Spec.Template.Labels)
+				}
+			}
+			for _, other := range r.daemonSets() {
+				if other == ds {
+					continue
+				}
+				selects := true
+				for k, v := range ds.Spec.Selector.MatchLabels {
+					selects = selects && other.Spec.Template.Labels[k] == v
+				}
+				if selects {
+					t.Errorf("%s's selector %v selects %s's pods too", ds.Name, ds.Spec.Selector.MatchLabels, other.Name)
+				}
+			}
+			// The ConfigMap named by the config volume is the rendered one.
+			if cmName := volumeOf(t, ds, "config").ConfigMap; cmName == nil || cmName.Name != r.cm.Name {
+				t.Errorf("%s: config volume does not refer to ConfigMap %s", ds.Name, r.cm.Name)
 			}
 		}
-		for v := range volumes {
-			if !used[v] {
-				t.Errorf("volume %s is not mounted by any container", v)
-			}
-		}
-		// The selector selects the pods.
-		for k, v := range r.ds.Spec.Selector.MatchLabels {
-			if r.ds.Spec.Template.Labels[k] != v {
-				t.Errorf("selector %s=%s does not match the pod template labels %v", k, v, r.ds.Spec.Template.Labels)
-			}
-		}
-		// The ServiceAccount the pods use is the one bound to the provisioner's role.
-		sa := spec.ServiceAccountName
+		// The ServiceAccount the node pods use is the one bound to the
+		// provisioner's role; the mounter talks to no API server.
+		sa := r.ds.Spec.Template.Spec.ServiceAccountName
 		if r.sa != nil && r.sa.Name != sa {
 			t.Errorf("ServiceAccount %s rendered, pods use %s", r.sa.Name, sa)
 		}
 		if want := r.str(t, "serviceAccount.name"); want != "" && sa != want {
 			t.Errorf("pods use ServiceAccount %s, want serviceAccount.name %s", sa, want)
+		}
+		if m := r.mds.Spec.Template.Spec; m.ServiceAccountName != "" || m.AutomountServiceAccountToken == nil || *m.AutomountServiceAccountToken {
+			t.Errorf("the mounter's pod has ServiceAccount %q, automount %v: it needs no token", m.ServiceAccountName, m.AutomountServiceAccountToken)
 		}
 		if r.binding == nil || r.role == nil {
 			t.Fatal("no ClusterRole/ClusterRoleBinding rendered")
@@ -573,10 +629,6 @@ func TestPodWiring(t *testing.T) {
 		if !slices.Contains(r.binding.Subjects, want) {
 			t.Errorf("ClusterRoleBinding subjects %+v lack %+v", r.binding.Subjects, want)
 		}
-		// The ConfigMap named by the config volume is the rendered one.
-		if cmName := r.volume(t, "config").ConfigMap; cmName == nil || cmName.Name != r.cm.Name {
-			t.Errorf("config volume does not refer to ConfigMap %s", r.cm.Name)
-		}
 	})
 }
 
@@ -585,9 +637,6 @@ func TestPlugin(t *testing.T) {
 		c := r.container(t, "plugin")
 		if !slices.Equal(c.Command, []string{pluginBinary}) {
 			t.Errorf("plugin command %q, want %s", c.Command, pluginBinary)
-		}
-		if c.SecurityContext == nil || c.SecurityContext.Privileged == nil || !*c.SecurityContext.Privileged {
-			t.Error("plugin is not privileged")
 		}
 		wantArg(t, c, "--endpoint", csiEndpoint)
 		wantArg(t, c, "--node-id", "$(NODE_NAME)")
@@ -622,13 +671,14 @@ func TestPlugin(t *testing.T) {
 			}
 		}
 
-		// The state dir is the host's, at the same path (plans carry host paths),
-		// with Bidirectional propagation: FUSE and chain mounts live under it.
-		checkHostMount(t, r, c, "state-dir", r.stateDir(t), corev1.MountPropagationBidirectional)
-		checkHostMount(t, r, c, "pods-dir", r.kubeletDir(t)+"/pods", corev1.MountPropagationBidirectional)
-		checkHostMount(t, r, c, "kubelet-csi-dir", r.kubeletDir(t)+"/plugins/kubernetes.io/csi", corev1.MountPropagationBidirectional)
-		checkHostMount(t, r, c, "dev", "/dev", "")
-		checkHostMount(t, r, c, "sys", "/sys", "")
+		// The state dir is the host's, at the same path (plans carry host
+		// paths): the plugin writes the journal and the images there, and
+		// sees the chain and FUSE mounts the mounter makes under it. kubelet's
+		// pods and CSI dirs likewise (targets it makes; stats through the
+		// mounts the mounter made). HostToContainer: it makes no mount.
+		checkHostMount(t, r, c, "state-dir", r.stateDir(t), corev1.MountPropagationHostToContainer)
+		checkHostMount(t, r, c, "pods-dir", r.kubeletDir(t)+"/pods", corev1.MountPropagationHostToContainer)
+		checkHostMount(t, r, c, "kubelet-csi-dir", r.kubeletDir(t)+"/plugins/kubernetes.io/csi", corev1.MountPropagationHostToContainer)
 
 		// The CSI socket lives in <kubeletDir>/plugins/<driverName>, mounted at its directory.
 		sock := socketPath(t, csiEndpoint)
@@ -636,9 +686,10 @@ func TestPlugin(t *testing.T) {
 		if sv.HostPath == nil || sv.HostPath.Path != r.kubeletDir(t)+"/plugins/"+r.str(t, "driverName") {
 			t.Errorf("CSI socket dir volume %+v, want hostPath %s/plugins/%s", sv.VolumeSource, r.kubeletDir(t), r.str(t, "driverName"))
 		}
+		// The mounter's socket: its hostPath, read-only (connect works on it).
 		mm, mv := r.mountAt(t, c, filepath.Dir(socketPath(t, mounterEndpoint)))
-		if mv.EmptyDir == nil {
-			t.Errorf("mounter socket dir %s is not an emptyDir", mm.Name)
+		if mv.HostPath == nil || mv.HostPath.Path != r.mounterSocketDir(t) || !mm.ReadOnly {
+			t.Errorf("mounter socket dir %s: %+v (read-only %v), want hostPath %s read-only", mm.Name, mv.VolumeSource, mm.ReadOnly, r.mounterSocketDir(t))
 		}
 
 		// Liveness: kubelet probes /healthz on healthPort, served by the livenessprobe container.
@@ -729,11 +780,39 @@ func checkHostMount(t *testing.T, r *rendered, c *corev1.Container, volume, host
 	}
 }
 
+// mounterSocketDir is the host directory of the mounter's socket.
+func (r *rendered) mounterSocketDir(t *testing.T) string {
+	if d := strings.TrimSuffix(r.str(t, "mounter.socketDir"), "/"); d != "" {
+		return d
+	}
+	return r.kubeletDir(t) + "/plugins/" + r.str(t, "driverName") + "-mounter"
+}
+
+// recordsDir is the host directory of the mounter's own records.
+func (r *rendered) recordsDir(t *testing.T) string {
+	if d := strings.TrimSuffix(r.str(t, "mounter.recordsDir"), "/"); d != "" {
+		return d
+	}
+	return r.stateDir(t) + "-mounter"
+}
+
+// TestMounter: the mounter runs alone in a pod of its own that holds what
+// every privileged act needs: privileged, the host's PID and network
+// namespaces, /dev, the state dir and kubelet's dirs Bidirectional, its
+// socket's directory (shared with the plugin only) and its records (shared
+// with nobody).
 func TestMounter(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
 		c := r.container(t, "mounter")
-		if !r.ds.Spec.Template.Spec.HostPID {
-			t.Error("the node pod does not have hostPID: the mounter cannot reach consumers' mount namespaces")
+		spec := r.mds.Spec.Template.Spec
+		if r.podOf(t, c) != r.mds || len(spec.Containers) != 1 || len(spec.InitContainers) != 0 {
+			t.Errorf("the mounter's pod runs %d containers (%d init), want the mounter alone", len(spec.Containers), len(spec.InitContainers))
+		}
+		if !spec.HostPID {
+			t.Error("the mounter's pod does not have hostPID: it cannot reach consumers' mount namespaces")
+		}
+		if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+			t.Errorf("the mounter's pod: hostNetwork %v, dnsPolicy %s: iscsiadm and the nbd netlink family need the host's network", spec.HostNetwork, spec.DNSPolicy)
 		}
 		if c.SecurityContext == nil || c.SecurityContext.Privileged == nil || !*c.SecurityContext.Privileged {
 			t.Error("mounter is not privileged")
@@ -742,31 +821,50 @@ func TestMounter(t *testing.T) {
 			t.Errorf("mounter runs %q %q, want %s serve", c.Command, c.Args, sidecarBinary)
 		}
 		wantArg(t, c, "--endpoint", mounterEndpoint)
-		wantArg(t, c, "--allowed-root", r.stateDir(t))
+		wantArg(t, c, "--state-dir", r.stateDir(t))
+		wantArg(t, c, "--records-dir", r.recordsDir(t))
 		wantArg(t, c, "--kubelet-dir", r.kubeletDir(t))
-		// Same socket dir as the plugin's --mounter-endpoint.
-		_, v := r.mountAt(t, c, filepath.Dir(socketPath(t, mounterEndpoint)))
-		_, pv := r.mountAt(t, r.container(t, "plugin"), filepath.Dir(socketPath(t, mounterEndpoint)))
-		if v.Name != pv.Name || v.EmptyDir == nil {
-			t.Errorf("mounter and plugin do not share the emptyDir of the mounter socket (%s, %s)", v.Name, pv.Name)
+		// Its socket's directory: the hostPath the plugin mounts too.
+		sock := filepath.Dir(socketPath(t, mounterEndpoint))
+		_, v := r.mountAt(t, c, sock)
+		_, pv := r.mountAt(t, r.container(t, "plugin"), sock)
+		if v.HostPath == nil || pv.HostPath == nil || v.HostPath.Path != r.mounterSocketDir(t) || pv.HostPath.Path != v.HostPath.Path {
+			t.Errorf("mounter and plugin do not share the hostPath %s of the mounter's socket (%+v, %+v)", r.mounterSocketDir(t), v.VolumeSource, pv.VolumeSource)
 		}
+		checkHostMount(t, r, c, "records-dir", r.recordsDir(t), "")
 		checkHostMount(t, r, c, "pods-dir", r.kubeletDir(t)+"/pods", corev1.MountPropagationBidirectional)
 		checkHostMount(t, r, c, "kubelet-csi-dir", r.kubeletDir(t)+"/plugins/kubernetes.io/csi", corev1.MountPropagationBidirectional)
-		// FUSE daemons run in the mounter's container and mount under the
-		// state dir: their mounts must reach the host and the plugin.
+		// Chains, FUSE daemons and the guard mount under the state dir: the
+		// mounts must reach the host and the plugin.
 		checkHostMount(t, r, c, "state-dir", r.stateDir(t), corev1.MountPropagationBidirectional)
 		checkHostMount(t, r, c, "dev", "/dev", "")
-		// SpawnDaemon's policy is the plugin's config: the same file.
+		// The policy is the plugin's config: the same file.
 		wantArg(t, c, "--config", configPath)
 		m, cv := r.mountAt(t, c, filepath.Dir(configPath))
-		_, pcv := r.mountAt(t, r.container(t, "plugin"), filepath.Dir(configPath))
-		if cv.ConfigMap == nil || !m.ReadOnly || cv.Name != pcv.Name {
-			t.Errorf("%s in the mounter is not the plugin's read-only ConfigMap mount", filepath.Dir(configPath))
+		if cv.ConfigMap == nil || !m.ReadOnly || cv.ConfigMap.Name != r.cm.Name {
+			t.Errorf("%s in the mounter is not the plugin's read-only ConfigMap", filepath.Dir(configPath))
 		}
 		// The daemons live in the mounter's cgroup: an OOM kill must not
 		// take their mounts down.
 		if _, ok := c.Resources.Limits[corev1.ResourceMemory]; ok {
 			t.Errorf("the mounter has a memory limit (%v): the FUSE daemons run in its cgroup", c.Resources.Limits.Memory())
+		}
+		// Its records are its alone: no container of the node pod mounts the
+		// records dir or anything around it.
+		for _, nc := range r.ds.Spec.Template.Spec.Containers {
+			for _, nm := range nc.VolumeMounts {
+				hv := volumeOf(t, r.ds, nm.Name).HostPath
+				if hv != nil && (plan.Within(hv.Path, r.recordsDir(t)) || plan.Within(r.recordsDir(t), hv.Path)) {
+					t.Errorf("container %s mounts %s (host %s), which holds or lies in the mounter's records %s", nc.Name, nm.MountPath, hv.Path, r.recordsDir(t))
+				}
+			}
+		}
+		// Both DaemonSets are scheduled alike: a node with the plugin has the mounter.
+		n, md := r.ds.Spec.Template.Spec, spec
+		if !reflect.DeepEqual(n.Tolerations, md.Tolerations) || !reflect.DeepEqual(n.NodeSelector, md.NodeSelector) ||
+			!reflect.DeepEqual(n.Affinity, md.Affinity) || n.PriorityClassName != md.PriorityClassName ||
+			!reflect.DeepEqual(r.ds.Spec.UpdateStrategy, r.mds.Spec.UpdateStrategy) {
+			t.Errorf("the node and the mounter DaemonSets are scheduled differently")
 		}
 	})
 }
@@ -829,6 +927,11 @@ func TestAdminRoots(t *testing.T) {
 			if m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer {
 				t.Errorf("container %s: %s propagation %v, want HostToContainer (mounts made later on the host must show)", c.Name, root, m.MountPropagation)
 			}
+			// The plugin writes no admin root: it reads images and
+			// sources and connects to sockets (connect works read-only).
+			if c.Name == "plugin" && !m.ReadOnly {
+				t.Errorf("plugin: admin root %s is writable", root)
+			}
 		}
 		plugin, mounter := r.container(t, "plugin"), r.container(t, "mounter")
 		fuseRoots := map[string]bool{}
@@ -840,9 +943,9 @@ func TestAdminRoots(t *testing.T) {
 			}
 		}
 		for _, root := range r.config.ImageRoots {
-			visible(plugin, root) // attaches the images
-			// The mounter checks that a loop device's backing file is one it
-			// sees: read-only is enough, unless the root is a FUSE root too.
+			visible(plugin, root) // checks a static volume's image
+			// The mounter opens the image below the root and attaches it:
+			// read-only is enough, unless the root is a FUSE root too.
 			visible(mounter, root)
 			if fuseRoots[root] || root == stateDir || strings.HasPrefix(root, stateDir+"/") {
 				continue
@@ -851,8 +954,8 @@ func TestAdminRoots(t *testing.T) {
 				t.Errorf("mounter: image root %s is writable", root)
 			}
 		}
-		// NBD sockets: the plugin and its nbd-client connect to them; the
-		// mounter has no business there.
+		// NBD sockets: the plugin connects to them and hands the mounter the
+		// connected socket; the mounter has no business there.
 		for _, root := range r.config.NBD.SocketRoots {
 			visible(plugin, root)
 			if fuseRoots[root] || slices.Contains(r.config.ImageRoots, root) || plan.Within(stateDir, root) {
@@ -1017,25 +1120,30 @@ func TestStorageClass(t *testing.T) {
 
 func TestDaemonSetScheduling(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
-		spec := r.ds.Spec.Template.Spec
-		var want []corev1.Toleration
-		b, _ := yaml.Marshal(r.value(t, "tolerations"))
-		if err := yaml.UnmarshalStrict(b, &want); err != nil {
-			t.Fatal(err)
-		}
-		if !reflect.DeepEqual(spec.Tolerations, want) {
-			t.Errorf("tolerations %+v, want %+v", spec.Tolerations, want)
-		}
-		if spec.PriorityClassName != r.str(t, "priorityClassName") {
-			t.Errorf("priorityClassName %q", spec.PriorityClassName)
-		}
-		if got := spec.NodeSelector["kubernetes.io/os"]; got != "linux" {
-			t.Errorf("nodeSelector %v lacks kubernetes.io/os: linux", spec.NodeSelector)
-		}
-		u := r.ds.Spec.UpdateStrategy
-		if u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil ||
-			u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1 {
-			t.Errorf("updateStrategy %+v, want RollingUpdate maxUnavailable 1", u)
+		for _, ds := range r.daemonSets() {
+			spec := ds.Spec.Template.Spec
+			var want []corev1.Toleration
+			b, _ := yaml.Marshal(r.value(t, "tolerations"))
+			if err := yaml.UnmarshalStrict(b, &want); err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(spec.Tolerations, want) {
+				t.Errorf("%s: tolerations %+v, want %+v", ds.Name, spec.Tolerations, want)
+			}
+			if spec.PriorityClassName != r.str(t, "priorityClassName") {
+				t.Errorf("%s: priorityClassName %q", ds.Name, spec.PriorityClassName)
+			}
+			if got := spec.NodeSelector["kubernetes.io/os"]; got != "linux" {
+				t.Errorf("%s: nodeSelector %v lacks kubernetes.io/os: linux", ds.Name, spec.NodeSelector)
+			}
+			if !slices.Equal(spec.ImagePullSecrets, r.ds.Spec.Template.Spec.ImagePullSecrets) {
+				t.Errorf("%s: imagePullSecrets %v", ds.Name, spec.ImagePullSecrets)
+			}
+			u := ds.Spec.UpdateStrategy
+			if u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil ||
+				u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1 {
+				t.Errorf("%s: updateStrategy %+v, want RollingUpdate maxUnavailable 1", ds.Name, u)
+			}
 		}
 	})
 }
@@ -1043,12 +1151,14 @@ func TestDaemonSetScheduling(t *testing.T) {
 // TestDefaultScheduling pins the defaults operators rely on.
 func TestDefaultScheduling(t *testing.T) {
 	r := render(t, nil)
-	spec := r.ds.Spec.Template.Spec
-	if len(spec.Tolerations) != 1 || spec.Tolerations[0] != (corev1.Toleration{Operator: corev1.TolerationOpExists}) {
-		t.Errorf("default tolerations %+v, want one {operator: Exists}", spec.Tolerations)
-	}
-	if spec.PriorityClassName != "system-node-critical" {
-		t.Errorf("default priorityClassName %q", spec.PriorityClassName)
+	for _, ds := range r.daemonSets() {
+		spec := ds.Spec.Template.Spec
+		if len(spec.Tolerations) != 1 || spec.Tolerations[0] != (corev1.Toleration{Operator: corev1.TolerationOpExists}) {
+			t.Errorf("%s: default tolerations %+v, want one {operator: Exists}", ds.Name, spec.Tolerations)
+		}
+		if spec.PriorityClassName != "system-node-critical" {
+			t.Errorf("%s: default priorityClassName %q", ds.Name, spec.PriorityClassName)
+		}
 	}
 	if r.str(t, "kubeletDir") != defaultKubeletDir || r.str(t, "driverName") != defaultDriverName ||
 		r.str(t, "stateDir") != defaultStateDir || r.num(t, "healthPort") != defaultHealthPort {
@@ -1108,6 +1218,22 @@ func TestInvalidValues(t *testing.T) {
 		{"imageRoot /", map[string]any{"config": map[string]any{"imageRoots": []any{"/"}}}},
 		{"relative FUSE root", map[string]any{"config": map[string]any{"fuseProfiles": []any{
 			map[string]any{"name": "x", "binary": "/bin/x", "args": []any{"{mountpoint}"}, "source": map[string]any{"roots": []any{"srv"}}}}}}},
+		// The mounter's records: never where the plugin's container sees them.
+		{"recordsDir in the state dir", map[string]any{"mounter": map[string]any{"recordsDir": "/var/lib/mountplan/mounter"}}},
+		{"recordsDir is the state dir", map[string]any{"mounter": map[string]any{"recordsDir": "/var/lib/mountplan"}}},
+		{"recordsDir holds the state dir", map[string]any{"mounter": map[string]any{"recordsDir": "/var/lib"}}},
+		{"recordsDir under kubeletDir", map[string]any{"mounter": map[string]any{"recordsDir": "/var/lib/kubelet/mountplan-mounter"}}},
+		{"recordsDir in an image root", map[string]any{"mounter": map[string]any{"recordsDir": "/srv/images/records"},
+			"config": map[string]any{"imageRoots": []any{"/srv/images"}}}},
+		{"recordsDir is the socket dir", map[string]any{"mounter": map[string]any{"recordsDir": "/run/mountplan", "socketDir": "/run/mountplan"}}},
+		{"relative recordsDir", map[string]any{"mounter": map[string]any{"recordsDir": "mounter"}}},
+		// The mounter's socket: never where other containers, or the plugin
+		// with write access, see it.
+		{"socketDir in the state dir", map[string]any{"mounter": map[string]any{"socketDir": "/var/lib/mountplan/sock"}}},
+		{"socketDir is the plugin's socket dir", map[string]any{"mounter": map[string]any{"socketDir": "/var/lib/kubelet/plugins/mountplan.csi.io"}}},
+		{"socketDir in kubelet's pods dir", map[string]any{"mounter": map[string]any{"socketDir": "/var/lib/kubelet/pods/mounter"}}},
+		{"socketDir holds kubelet's dirs", map[string]any{"mounter": map[string]any{"socketDir": "/var/lib/kubelet"}}},
+		{"relative socketDir", map[string]any{"mounter": map[string]any{"socketDir": "run/mountplan"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if _, err := chartrender.Render(chartDir, tc.values); err == nil {
@@ -1185,4 +1311,67 @@ func lineDiff(want, got string) string {
 		}
 	}
 	return b.String()
+}
+
+// TestNodePodUnprivileged: nothing of the node pod (the plugin and the
+// kubernetes-csi sidecars) holds a privilege: not privileged, no capability
+// (every one dropped, none added), no escalation, a read-only root, the
+// node's PID and IPC namespaces not shared, no Bidirectional mount, no host
+// /dev, /sys or /proc. The plugin runs as root, only for the files it owns.
+func TestNodePodUnprivileged(t *testing.T) {
+	forEachValueSet(t, func(t *testing.T, r *rendered) {
+		spec := r.ds.Spec.Template.Spec
+		if spec.HostPID || spec.HostIPC {
+			t.Errorf("node pod: hostPID %v, hostIPC %v", spec.HostPID, spec.HostIPC)
+		}
+		if sc := spec.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+			t.Errorf("node pod: no RuntimeDefault seccomp profile: %+v", sc)
+		}
+		for _, v := range spec.Volumes {
+			if hp := v.HostPath; hp != nil {
+				for _, kernel := range []string{"/", "/dev", "/sys", "/proc"} {
+					if plan.Within(kernel, hp.Path) && (kernel != "/" || hp.Path == "/") {
+						t.Errorf("node pod: volume %s is the host's %s", v.Name, hp.Path)
+					}
+				}
+			}
+		}
+		if len(spec.InitContainers) != 0 || len(spec.EphemeralContainers) != 0 {
+			t.Errorf("node pod has init or ephemeral containers")
+		}
+		for _, c := range spec.Containers {
+			sc := c.SecurityContext
+			if sc == nil {
+				t.Errorf("container %s: no securityContext", c.Name)
+				continue
+			}
+			if sc.Privileged != nil && *sc.Privileged {
+				t.Errorf("container %s is privileged", c.Name)
+			}
+			if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+				t.Errorf("container %s may escalate its privileges", c.Name)
+			}
+			if sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) != 0 {
+				t.Errorf("container %s: capabilities %+v, want drop [ALL] and no add", c.Name, sc.Capabilities)
+			}
+			if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+				t.Errorf("container %s has a writable root filesystem", c.Name)
+			}
+			if sc.ProcMount != nil && *sc.ProcMount != corev1.DefaultProcMount {
+				t.Errorf("container %s: procMount %s", c.Name, *sc.ProcMount)
+			}
+			for _, m := range c.VolumeMounts {
+				if m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional {
+					t.Errorf("container %s: %s mounted Bidirectional", c.Name, m.MountPath)
+				}
+			}
+		}
+		p := r.container(t, "plugin").SecurityContext
+		if p.Privileged == nil || *p.Privileged {
+			t.Errorf("plugin: privileged %v, want false said explicitly", p.Privileged)
+		}
+		if p.RunAsUser == nil || *p.RunAsUser != 0 {
+			t.Errorf("plugin: runAsUser %v, want 0 (it owns the state dir's files)", p.RunAsUser)
+		}
+	})
 }

@@ -130,7 +130,7 @@ func TestDockerfileBinaries(t *testing.T) {
 		installed[dst] = true
 	}
 	r := render(t, nil)
-	for _, c := range r.ds.Spec.Template.Spec.Containers {
+	for _, c := range r.containers() {
 		if len(c.Command) > 0 && strings.HasPrefix(c.Image, r.str(t, "image.plugin.repository")) && !installed[c.Command[0]] {
 			t.Errorf("container %s runs %s, which the Dockerfile does not install (installs %v)", c.Name, c.Command[0], installed)
 		}

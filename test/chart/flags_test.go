@@ -50,7 +50,7 @@ var pendingFlags = map[string]string{}
 
 func TestSidecarFlags(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
-		for _, c := range r.ds.Spec.Template.Spec.Containers {
+		for _, c := range r.containers() {
 			repo, tag, _ := strings.Cut(c.Image, ":")
 			known, ok := sidecarFlags[repo]
 			if !ok {
@@ -81,7 +81,7 @@ func TestBinaryFlags(t *testing.T) {
 		defined[name] = fs
 	}
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
-		for _, c := range r.ds.Spec.Template.Spec.Containers {
+		for _, c := range r.containers() {
 			if len(c.Command) == 0 {
 				continue
 			}

@@ -32,7 +32,14 @@ func TestNRIWiring(t *testing.T) {
 	}
 	_, v := r.mountAt(t, c, filepath.Dir(socketPath(t, pe)))
 	_, pv := r.mountAt(t, r.container(t, "plugin"), filepath.Dir(socketPath(t, pluginEP)))
-	if v.Name != pv.Name {
-		t.Errorf("the mounter reaches the plugin's socket dir through %s, the plugin serves it from %s", v.Name, pv.Name)
+	if v.HostPath == nil || pv.HostPath == nil || v.HostPath.Path != pv.HostPath.Path {
+		t.Errorf("the mounter reaches the plugin's socket dir through %+v, the plugin serves it from %+v", v.VolumeSource, pv.VolumeSource)
+	}
+	// Without NRI the mounter has no business with the plugin's socket.
+	d := render(t, nil)
+	for _, m := range d.container(t, "mounter").VolumeMounts {
+		if m.MountPath == filepath.Dir(socketPath(t, pluginEP)) {
+			t.Errorf("the mounter mounts the plugin's socket dir without nri.enabled")
+		}
 	}
 }

@@ -60,19 +60,22 @@ func TestNetworkSourcesConfig(t *testing.T) {
 	if _, ok := d.rawConfig["iscsi"]; ok {
 		t.Errorf("the default config has an iscsi section: %v", d.rawConfig["iscsi"])
 	}
-	for _, v := range d.ds.Spec.Template.Spec.Volumes {
-		if strings.HasPrefix(v.Name, "iscsi-") || v.Name == "nbd-tls" {
-			t.Errorf("default render has volume %s", v.Name)
+	for _, ds := range d.daemonSets() {
+		for _, v := range ds.Spec.Template.Spec.Volumes {
+			if strings.HasPrefix(v.Name, "iscsi-") || v.Name == "nbd-tls" {
+				t.Errorf("default render has volume %s in %s", v.Name, ds.Name)
+			}
 		}
 	}
 }
 
-// TestNetworkSourcesMounts: what NBD and iSCSI need reaches the plugin's
-// container at the paths the config names: the socket roots, the Secret
-// with the TLS files, and the host's open-iscsi directories (the node
-// records the plugin writes CHAP into, the initiator name, iscsiadm's lock),
-// with the host's network for iscsid's abstract socket. The mounter needs
-// none of it.
+// TestNetworkSourcesMounts: what NBD and iSCSI need reaches the container
+// that needs it at the paths the config names. The plugin makes NBD's
+// connections (the socket roots, the Secret with the TLS files) and does
+// iSCSI's SendTargets discovery (the initiator name file, read-only); the
+// mounter runs iscsiadm (the host's open-iscsi directories: the node
+// records it writes CHAP into, the initiator name, iscsiadm's lock) in the
+// host's network for iscsid's abstract socket.
 func TestNetworkSourcesMounts(t *testing.T) {
 	forEachValueSet(t, func(t *testing.T, r *rendered) {
 		plugin, mounter := r.container(t, "plugin"), r.container(t, "mounter")
@@ -87,44 +90,60 @@ func TestNetworkSourcesMounts(t *testing.T) {
 				}
 			}
 		}
+		for _, m := range mounter.VolumeMounts {
+			if m.Name == "nbd-tls" || m.MountPath == nbdTLSDir {
+				t.Errorf("the mounter mounts the NBD TLS files at %s: the plugin makes the connections", m.MountPath)
+			}
+		}
 		iscsi := len(r.config.ISCSI.AllowedPortals) > 0
 		want := map[string]corev1.HostPathType{}
+		initiator := ""
 		if iscsi {
 			want["/etc/iscsi"] = corev1.HostPathDirectory
 			want["/run/lock/iscsi"] = corev1.HostPathDirectoryOrCreate
 			if p := r.config.ISCSI.NodeDBDir; p != "" && !strings.HasPrefix(p, "/etc/iscsi/") {
 				want[p] = corev1.HostPathDirectory
 			}
-			if p := r.config.ISCSI.InitiatorNameFile; p != "" && !strings.HasPrefix(p, "/etc/iscsi/") {
-				want[p] = corev1.HostPathFile
+			initiator = "/etc/iscsi/initiatorname.iscsi"
+			if p := r.config.ISCSI.InitiatorNameFile; p != "" {
+				initiator = p
+				if !strings.HasPrefix(p, "/etc/iscsi/") {
+					want[p] = corev1.HostPathFile
+				}
 			}
-			if !r.ds.Spec.Template.Spec.HostNetwork {
-				t.Error("iSCSI allowed without hostNetwork: iscsiadm cannot reach iscsid")
+			if !r.mds.Spec.Template.Spec.HostNetwork {
+				t.Error("iSCSI allowed without the mounter in the host's network: iscsiadm cannot reach iscsid")
+			}
+			// The plugin reads the initiator name, nothing else of open-iscsi.
+			m, v := r.mountAt(t, plugin, initiator)
+			if v.HostPath == nil || v.HostPath.Path != initiator || v.HostPath.Type == nil || *v.HostPath.Type != corev1.HostPathFile || !m.ReadOnly {
+				t.Errorf("plugin: %s is %+v (read-only %v), want the hostPath file read-only", initiator, v.VolumeSource, m.ReadOnly)
 			}
 		}
 		for p, typ := range want {
-			_, v := r.mountAt(t, plugin, p)
+			_, v := r.mountAt(t, mounter, p)
 			if v.HostPath == nil || v.HostPath.Path != p || v.HostPath.Type == nil || *v.HostPath.Type != typ {
-				t.Errorf("plugin: %s is %+v, want hostPath %s of type %s", p, v.VolumeSource, p, typ)
+				t.Errorf("mounter: %s is %+v, want hostPath %s of type %s", p, v.VolumeSource, p, typ)
 			}
 		}
-		for _, c := range []*corev1.Container{plugin, mounter} {
-			for _, m := range c.VolumeMounts {
-				if _, ok := want[m.MountPath]; strings.HasPrefix(m.Name, "iscsi-") && (!ok || c == mounter) {
-					t.Errorf("%s mounts %s at %s", c.Name, m.Name, m.MountPath)
-				}
+		for _, m := range mounter.VolumeMounts {
+			if _, ok := want[m.MountPath]; strings.HasPrefix(m.Name, "iscsi-") && !ok {
+				t.Errorf("mounter mounts %s at %s", m.Name, m.MountPath)
+			}
+		}
+		for _, m := range plugin.VolumeMounts {
+			if strings.HasPrefix(m.Name, "iscsi-") && m.MountPath != initiator || strings.HasPrefix(m.MountPath, "/etc/iscsi") && m.MountPath != initiator || m.MountPath == "/run/lock/iscsi" {
+				t.Errorf("plugin mounts %s at %s", m.Name, m.MountPath)
 			}
 		}
 	})
 }
 
 func TestInvalidNetworkSourceValues(t *testing.T) {
-	iscsi := map[string]any{"allowedPortals": []any{"192.0.2.1:3260"}}
 	for _, tc := range []struct {
 		name   string
 		values map[string]any
 	}{
-		{"iSCSI without hostNetwork", map[string]any{"hostNetwork": false, "config": map[string]any{"iscsi": iscsi}}},
 		{"relative nodeDBDir", map[string]any{"config": map[string]any{"iscsi": map[string]any{
 			"allowedPortals": []any{"192.0.2.1:3260"}, "nodeDBDir": "iscsi/nodes"}}}},
 		{"relative initiatorNameFile", map[string]any{"config": map[string]any{"iscsi": map[string]any{

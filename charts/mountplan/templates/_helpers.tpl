@@ -100,12 +100,13 @@ app.kubernetes.io/part-of: mountplan
 
 {{/*
 Host directories the admin config lets volumes name, as YAML: path -> the
-kinds of root it is (image: config.imageRoots, loop images the plugin
-attaches and the mounter checks a loop device's backing file against; fuse:
-source.roots of config.fuseProfiles, which the plugin checks and the daemons in
-the mounter's container read and write; nbd: config.nbd.socketRoots, unix
-sockets the plugin and nbd-client connect to). Roots under the state dir are
-left out: the state dir is mounted already.
+kinds of root it is (image: config.imageRoots, loop images the mounter
+opens below the root and attaches, and the plugin reads; fuse: source.roots
+of config.fuseProfiles, which the plugin checks and the daemons in the
+mounter's container read and write; nbd: config.nbd.socketRoots, unix
+sockets the plugin connects to). Roots under the state dir are left out: the
+state dir is mounted already. The plugin's container mounts every root
+read-only.
 */}}
 {{- define "mountplan.adminRoots" -}}
 {{- $stateDir := include "mountplan.stateDir" . -}}
@@ -141,20 +142,17 @@ left out: the state dir is mounted already.
 {{- end -}}
 
 {{/*
-Host paths the plugin's container needs for iSCSI volumes, as YAML: path ->
+Host paths the mounter's container needs for iSCSI volumes, as YAML: path ->
 hostPath type. Empty unless config.iscsi.allowedPortals allows some portal.
-iscsiadm runs in the plugin's container and talks to the host's iscsid through
-an abstract unix socket, which only the host's network namespace reaches: with
-iSCSI allowed, hostNetwork must be true.
+The mounter runs iscsiadm, which writes the node records (CHAP included) and
+talks to the host's iscsid through an abstract unix socket of the host's
+network namespace: the mounter's pod always runs in it.
 */}}
 {{- define "mountplan.iscsiHostPaths" -}}
 {{- $i := .Values.config.iscsi | default dict -}}
 {{- $paths := dict -}}
 {{- if $i.allowedPortals -}}
-{{- if not .Values.hostNetwork -}}
-{{- fail "config.iscsi.allowedPortals needs hostNetwork: true (iscsiadm reaches the host's iscsid through an abstract socket of the host's network)" -}}
-{{- end -}}
-{{- /* Node records (CHAP written by the plugin), iscsid.conf, the initiator name. */ -}}
+{{- /* Node records (CHAP written by the mounter), iscsid.conf, the initiator name. */ -}}
 {{- $_ := set $paths "/etc/iscsi" "Directory" -}}
 {{- /* iscsiadm's lock of the node records, shared with the host's iscsiadm and iscsid. */ -}}
 {{- $_ := set $paths "/run/lock/iscsi" "DirectoryOrCreate" -}}
@@ -170,7 +168,74 @@ iSCSI allowed, hostNetwork must be true.
 {{- toYaml $paths -}}
 {{- end -}}
 
-{{/* Where the Secret nbdTLSSecret is mounted in the plugin's container. */}}
+{{/*
+The one iSCSI file the plugin's container reads: this node's initiator name,
+for the plugin's own SendTargets discovery (read-only; it runs no iscsiadm
+and writes nothing under /etc/iscsi). Empty unless iSCSI is allowed.
+*/}}
+{{- define "mountplan.iscsiInitiatorNameFile" -}}
+{{- $i := .Values.config.iscsi | default dict -}}
+{{- if $i.allowedPortals -}}
+{{- with $i.initiatorNameFile -}}
+{{- include "mountplan.root" (dict "name" "config.iscsi.initiatorNameFile" "value" .) -}}
+{{- else -}}
+/etc/iscsi/initiatorname.iscsi
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether path .a is .b or lies below it. */}}
+{{- define "mountplan.within" -}}
+{{- if or (eq .a .b) (hasPrefix (printf "%s/" (trimSuffix "/" .b)) .a) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Host directory of the mounter's socket (mounter.socketDir; empty:
+<kubeletDir>/plugins/<driverName>-mounter). Only the plugin's and the
+mounter's containers mount it; the mounter makes it mode 0700 at start.
+Refused where another container, or the plugin with write access, would see
+it: in the state dir, the plugin's CSI socket dir, kubelet's pods, CSI or
+registration dirs.
+*/}}
+{{- define "mountplan.mounterSocketDir" -}}
+{{- $d := include "mountplan.pluginDir" . | printf "%s-mounter" -}}
+{{- with .Values.mounter.socketDir -}}
+{{- $d = include "mountplan.root" (dict "name" "mounter.socketDir" "value" (trimSuffix "/" (toString .))) -}}
+{{- end -}}
+{{- range $name, $p := dict "stateDir" (include "mountplan.stateDir" .) "the plugin's CSI socket dir" (include "mountplan.pluginDir" .) "kubelet's pods dir" (include "mountplan.podsDir" .) "kubelet's CSI dir" (include "mountplan.kubeletCSIDir" .) "kubelet's registration dir" (include "mountplan.registrationDir" .) -}}
+{{- if or (include "mountplan.within" (dict "a" $d "b" $p)) (include "mountplan.within" (dict "a" $p "b" $d)) -}}
+{{- fail (printf "mounter.socketDir %q must lie apart from %s %q: other containers see that" $d $name $p) -}}
+{{- end -}}
+{{- end -}}
+{{- $d -}}
+{{- end -}}
+
+{{/*
+Host directory of the mounter's own records (mounter.recordsDir; empty:
+<stateDir>-mounter): which devices and mounts it set up. Mounted into the
+mounter's container only; refused inside (or around) the state dir or
+kubelet's directory, which the plugin's container sees.
+*/}}
+{{- define "mountplan.mounterRecordsDir" -}}
+{{- $state := include "mountplan.stateDir" . -}}
+{{- $d := printf "%s-mounter" $state -}}
+{{- with .Values.mounter.recordsDir -}}
+{{- $d = include "mountplan.root" (dict "name" "mounter.recordsDir" "value" (trimSuffix "/" (toString .))) -}}
+{{- end -}}
+{{- range $name, $p := dict "stateDir" $state "kubeletDir" (include "mountplan.kubeletDir" .) "mounter.socketDir" (include "mountplan.mounterSocketDir" .) -}}
+{{- if or (include "mountplan.within" (dict "a" $d "b" $p)) (include "mountplan.within" (dict "a" $p "b" $d)) -}}
+{{- fail (printf "mounter.recordsDir %q must lie apart from %s %q: the plugin must not see or write the mounter's records" $d $name $p) -}}
+{{- end -}}
+{{- end -}}
+{{- range $p, $_ := include "mountplan.adminRoots" . | fromYaml -}}
+{{- if or (include "mountplan.within" (dict "a" $d "b" $p)) (include "mountplan.within" (dict "a" $p "b" $d)) -}}
+{{- fail (printf "mounter.recordsDir %q must lie apart from the admin root %q, which the plugin's container mounts" $d $p) -}}
+{{- end -}}
+{{- end -}}
+{{- $d -}}
+{{- end -}}
+
+{{/* Where the Secret nbdTLSSecret is mounted in the plugin's container (the plugin makes NBD's TLS connections). */}}
 {{- define "mountplan.nbdTLSDir" -}}/etc/mountplan-nbd-tls{{- end -}}
 
 {{/*
