@@ -51,8 +51,8 @@ func TestMountRejects(t *testing.T) {
 		{"bind outside roots", []plan.Mount{{Type: "bind", Source: "/etc", Options: safe}}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
 		{"bind through a symlink out of the root", []plan.Mount{{Type: "bind", Source: filepath.Join(root, "escape"), Options: safe}},
 			plan.Consumer{MountPoint: mp}, errdefs.ErrPermissionDenied},
-		{"lowerdir: a path-valued option", []plan.Mount{{Type: "overlay", Source: "o",
-			Options: opts("lowerdir=" + filepath.Join(root, "lower"))}}, plan.Consumer{MountPoint: mp}, errdefs.ErrPermissionDenied},
+		{"overlay: no default type", []plan.Mount{{Type: "overlay", Source: "o",
+			Options: opts("lowerdir=" + filepath.Join(root, "lower"))}}, plan.Consumer{MountPoint: mp}, errdefs.ErrInvalidArgument},
 		{"missing bind source", []plan.Mount{{Type: "bind", Source: filepath.Join(root, "none"), Options: safe}},
 			plan.Consumer{MountPoint: mp}, errdefs.ErrNotFound},
 		{"no such pid", []plan.Mount{tmpfs("t", "")}, plan.Consumer{PID: 1<<22 + 1, MountPoint: mp}, errdefs.ErrNotFound},
@@ -214,7 +214,9 @@ func TestOverlayPlanRefused(t *testing.T) {
 	mounts := []plan.Mount{{Type: "overlay", Source: "mp-overlay", Options: opts(
 		"lowerdir="+filepath.Join(dir, "lower"), "upperdir="+filepath.Join(dir, "upper"), "workdir="+filepath.Join(dir, "work"))}}
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
-	if err := executor(t, dir).Mount(context.Background(), mounts, c); !errors.Is(err, errdefs.ErrPermissionDenied) {
+	// Even where the admin's types allow overlay.
+	e := node(t, mounter.Options{StateDir: dir, Config: &config.Config{MountPolicy: config.MountPolicy{Types: []string{"overlay"}}}})
+	if err := e.Mount(context.Background(), mounts, c); !errors.Is(err, errdefs.ErrPermissionDenied) {
 		t.Fatalf("overlay plan = %v, want PermissionDenied", err)
 	}
 	if n := countMounts(t, pid, dir); n != 0 {

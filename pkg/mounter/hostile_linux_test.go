@@ -111,7 +111,7 @@ func TestHostileRequests(t *testing.T) {
 		{"ext4 of a path outside /dev", mount, ext4(filepath.Join(images, "x.img")), in, codes.InvalidArgument},
 		{"lowerdir under /dev", mount, []plan.Mount{{Type: "overlay", Source: "o", Options: opts("lowerdir=/dev/shm")}}, in, codes.InvalidArgument},
 		{"lowerdir under the state dir (a path the kernel resolves after the checks)", mount,
-			[]plan.Mount{{Type: "overlay", Source: "o", Options: opts("lowerdir=" + state)}}, in, codes.PermissionDenied},
+			[]plan.Mount{{Type: "overlay", Source: "o", Options: opts("lowerdir=" + state)}}, in, codes.InvalidArgument},
 		{"bind of a host path outside the roots", mount, bind("/etc"), in, codes.InvalidArgument},
 		{"errors=panic", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: opts("errors=panic")}}, in, codes.InvalidArgument},
 		{"suid and dev", mount, []plan.Mount{{Type: "ext4", Source: volume, Options: []string{"suid", "dev"}}}, in, codes.InvalidArgument},

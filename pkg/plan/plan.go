@@ -40,7 +40,7 @@ func (m Mount) String() string {
 func (m Mount) HasOption(opt string) bool { return slices.Contains(m.Options, opt) }
 
 // DefaultTypes are the mount types a plan may use unless the admin narrows them.
-var DefaultTypes = []string{"ext4", "xfs", "btrfs", "erofs", "squashfs", "overlay", "tmpfs", TypeBind}
+var DefaultTypes = []string{"ext4", "xfs", "btrfs", "erofs", "squashfs", "tmpfs", TypeBind}
 
 // Policy is what a plan may ask for. The plugin applies it when it builds a
 // plan and the mounter checks it again before it performs one, so a mounter

@@ -12,7 +12,9 @@ import (
 )
 
 func TestPolicyValidate(t *testing.T) {
-	p := Policy{Roots: []string{"/var/lib/mountplan"}}
+	// overlay is no default type (no plan of mountplan's has one): an
+	// admin's types may still name it, and its path options are checked.
+	p := Policy{Roots: []string{"/var/lib/mountplan"}, Types: append([]string{"overlay"}, DefaultTypes...)}
 	safe := []string{"nosuid", "nodev"}
 	tests := []struct {
 		name   string
@@ -46,6 +48,9 @@ func TestPolicyValidate(t *testing.T) {
 		{"duplicate targets", []Mount{{Type: "tmpfs", Source: "tmpfs", Options: safe}, {Type: "tmpfs", Source: "tmpfs", Options: safe}}, false},
 		{"bind with a data option", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan/fuse/v1", Options: []string{"nosuid", "nodev", "uid=0"}}}, false},
 		{"overlay source is a path", []Mount{{Type: "overlay", Source: "/x", Options: safe}}, false},
+	}
+	if err := (Policy{Roots: p.Roots}).Validate([]Mount{{Type: "overlay", Source: "o", Options: safe}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("overlay with the default types = %v, want InvalidArgument", err)
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
