@@ -49,7 +49,10 @@ func newEnv(t *testing.T, c *Cluster, repo, tag string) *env {
 
 // values are the chart values of the test: chart values only, no edited
 // manifests. kubeletDir and stateDir are the cluster's own (not the
-// defaults: kubelet runs with --root-dir under the cluster's directory).
+// defaults: kubelet runs with --root-dir under the cluster's directory);
+// the mounter's socket and records directories follow them by default
+// (<kubeletDir>/plugins/<driverName>-mounter, <stateDir>-mounter), and the
+// node pod runs in the pod network (hostNetwork's default, false).
 func (e *env) values() string {
 	r := e.c.cfg.path
 	return fmt.Sprintf(`kubeletDir: %[1]s
@@ -83,11 +86,90 @@ config:
 `, r("kubelet"), r("state"), e.imageRepo, e.tag, r("srv/images"), r("srv/fuse"), e.rollout)
 }
 
-// install installs or upgrades the chart and waits for the node pod.
+// install installs or upgrades the chart and waits for both DaemonSets:
+// the node pod (plugin and CSI sidecars) and the mounter's.
 func (e *env) install(t *testing.T) {
 	t.Helper()
 	e.c.helmInstall(t, e.chart, e.values())
-	must(t)(e.c.kubectl("-n", "kube-system", "rollout", "status", "daemonset/mountplan-node", "--timeout=180s"))
+	for _, ds := range []string{"mountplan-node", "mountplan-mounter"} {
+		must(t)(e.c.kubectl("-n", "kube-system", "rollout", "status", "daemonset/"+ds, "--timeout=180s"))
+	}
+}
+
+// The chart's components (app.kubernetes.io/component) and their main
+// containers.
+const (
+	nodeComponent    = "node"    // DaemonSet mountplan-node: plugin, provisioner, snapshotter, resizer
+	mounterComponent = "mounter" // DaemonSet mountplan-mounter: mounter alone
+	pluginContainer  = "plugin"
+	mounterContainer = "mounter"
+	pluginComm       = "mountplan-plugi" // /proc/PID/comm: 15 bytes
+	mounterComm      = "mountplan-sidec"
+)
+
+// podOf is the name of the one pod of a component, waiting (a rollout)
+// until there is one that is not being deleted.
+func (e *env) podOf(t *testing.T, component string) string {
+	t.Helper()
+	var name string
+	waitFor(t, 90*time.Second, "one "+component+" pod", func() error {
+		out, err := e.c.kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=mountplan,app.kubernetes.io/component="+component,
+			"-o", `go-template={{range .items}}{{if not .metadata.deletionTimestamp}}{{.metadata.name}}{{"\n"}}{{end}}{{end}}`)
+		if err != nil {
+			return err
+		}
+		names := strings.Fields(out)
+		if len(names) != 1 {
+			return fmt.Errorf("%d pods: %v", len(names), names)
+		}
+		name = names[0]
+		return nil
+	})
+	return name
+}
+
+// containerStatus is a field of a container's status in a component's pod
+// (jsonpath below .status.containerStatuses[name]).
+func (e *env) containerStatus(t *testing.T, component, container, field string) string {
+	t.Helper()
+	return strings.TrimSpace(must(t)(e.c.kubectl("-n", "kube-system", "get", "pod", e.podOf(t, component), "-o",
+		fmt.Sprintf(`jsonpath={.status.containerStatuses[?(@.name==%q)].%s}`, container, field))))
+}
+
+// containerExec runs a command in a container of a component's pod.
+func (e *env) containerExec(t *testing.T, component, container string, cmd ...string) (string, error) {
+	t.Helper()
+	return e.c.kubectl(append([]string{"-n", "kube-system", "exec", e.podOf(t, component), "-c", container, "--"}, cmd...)...)
+}
+
+// containerPID finds, by container name, the host PID of the process named
+// comm in a container of a component's pod: the container's ID from the
+// pod's status, its processes by its cgroup (containerd puts each container
+// in /<namespace>/<id>, see criNamespace).
+func (e *env) containerPID(t *testing.T, component, container, comm string) int {
+	t.Helper()
+	var pid int
+	waitFor(t, 60*time.Second, fmt.Sprintf("process %s in container %s", comm, container), func() error {
+		_, id, ok := strings.Cut(e.containerStatus(t, component, container, "containerID"), "://")
+		if !ok || id == "" {
+			return fmt.Errorf("container %s of the %s pod has no ID yet", container, component)
+		}
+		var pids []int
+		for p, c := range e.nodeProcs() {
+			if c != comm {
+				continue
+			}
+			if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", p)); err == nil && strings.Contains(string(b), "/"+criNamespace+"/"+id) {
+				pids = append(pids, p)
+			}
+		}
+		if len(pids) != 1 {
+			return fmt.Errorf("%d processes named %s in container %s (%s): %v", len(pids), comm, container, id, pids)
+		}
+		pid = pids[0]
+		return nil
+	})
+	return pid
 }
 
 // apply applies objects given as Go values (JSON is YAML).

@@ -30,6 +30,7 @@ type flow struct {
 
 var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
+	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
 	{name: "SnapshotRestoreClone", run: snapshotRestoreClone},
@@ -402,7 +403,8 @@ func (e *env) fuseTeardown(t *testing.T, names ...string) {
 }
 
 // killFUSE: the FUSE daemons killed (kill -9), then the mounter's
-// container, in whose cgroup they run, while pods use their mounts: each
+// container, in whose cgroup they run (found there by the container's
+// name), while pods use their mounts: each
 // pod's own copy of the mount must heal in place, and the time from the
 // kill to the first good read (and, on the writable rclone volume, write
 // and read back) in each pod is measured, the pods polled in parallel.
@@ -427,15 +429,20 @@ func killFUSE(t *testing.T, e *env) {
 			t.Fatalf("%s before the kills: %v", p, err)
 		}
 	}
+	daemons := map[string]int{}
+	for _, daemon := range []string{"squashfuse", "rclone"} {
+		daemons[daemon] = e.containerPID(t, mounterComponent, mounterContainer, daemon)
+	}
 	e.healAfter(t, "kill -9 of the daemons", "healed-1", checks, func() {
-		for _, daemon := range []string{"squashfuse", "rclone"} {
-			if err := unix.Kill(e.pidOf(t, daemon), unix.SIGKILL); err != nil {
+		for _, pid := range daemons {
+			if err := unix.Kill(pid, unix.SIGKILL); err != nil {
 				t.Fatal(err)
 			}
 		}
 	})
+	mounter := e.containerPID(t, mounterComponent, mounterContainer, mounterComm)
 	e.healAfter(t, "kill -9 of the mounter container", "healed-2", checks, func() {
-		if err := unix.Kill(e.pidOf(t, "mountplan-sidec"), unix.SIGKILL); err != nil {
+		if err := unix.Kill(mounter, unix.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -570,17 +577,18 @@ func (e *env) waitResizeState(t *testing.T, claim, state string) {
 
 // expandExt4: kubelet grows a filesystem only once it is published, so an
 // ext4 volume always grows online (resize2fs through the kernel's resize
-// ioctl), which needs CAP_SYS_RESOURCE in the plugin's container. Where the
-// container has it, the claim grows; where it has not (this kind of machine:
-// not even privileged containers get it), the claim must say why, and the
-// volume keeps working at its old size.
+// ioctl), which needs CAP_SYS_RESOURCE in the mounter's container (the
+// plugin has no capability; the mounter runs the tool). Where the container
+// has it, the claim grows; where it has not (this kind of machine: not even
+// privileged containers get it), the claim must say why, and the volume
+// keeps working at its old size.
 func expandExt4(t *testing.T, e *env) {
 	e.apply(t, pvc("ext", storageClass, "32Mi"))
 	e.run(t, pod("ext", withClaim("ext", "/data", false)))
 	tok := e.write(t, "ext", "/data/token")
 	before := e.fsSize(t, "ext", "/data")
 	e.resize(t, "ext", "64Mi")
-	if e.pluginHas(t, capSysResource) {
+	if e.has(t, e.containerPID(t, mounterComponent, mounterContainer, mounterComm), capSysResource) {
 		e.waitCapacity(t, "ext", "64Mi")
 		if after := e.fsSize(t, "ext", "/data"); after < before+20*1024 {
 			t.Errorf("filesystem %d KiB after the resize, was %d", after, before)
@@ -604,27 +612,34 @@ func expandExt4(t *testing.T, e *env) {
 	e.c.deleteAndWait(t, "pvc", "ext")
 }
 
-// capSysResource is the capability's bit in /proc/PID/status CapEff.
-const capSysResource = 24
+// Capabilities' bits in /proc/PID/status CapEff.
+const (
+	capSysAdmin    = 21
+	capSysResource = 24
+)
 
-// pluginHas says whether the plugin's process holds a capability.
-func (e *env) pluginHas(t *testing.T, bit uint) bool {
+// has says whether a process (a host PID) holds a capability.
+func (e *env) has(t *testing.T, pid int, bit uint) bool {
 	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", e.pidOf(t, "mountplan-plugi")))
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, l := range strings.Split(string(b), "\n") {
+	caps, err := capEff(string(b))
+	if err != nil {
+		t.Fatalf("process %d: %v", pid, err)
+	}
+	return caps&(1<<bit) != 0
+}
+
+// capEff reads CapEff from a /proc/PID/status text.
+func capEff(status string) (uint64, error) {
+	for _, l := range strings.Split(status, "\n") {
 		if v, ok := strings.CutPrefix(l, "CapEff:"); ok {
-			caps, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return caps&(1<<bit) != 0
+			return strconv.ParseUint(strings.TrimSpace(v), 16, 64)
 		}
 	}
-	t.Fatal("no CapEff in the plugin's status")
-	return false
+	return 0, fmt.Errorf("no CapEff in %q", status)
 }
 
 // writer is a pod that appends a counter to a file every 100 ms and notes
@@ -652,7 +667,9 @@ func (e *env) checkWrites(t *testing.T, pod string, last *int) {
 }
 
 // writesSurviveRestarts: a pod writes every 100 ms through a plugin
-// container restart, a DaemonSet rolling update and a kubelet restart.
+// container restart, a mounter container restart (after which a new volume
+// is provisioned, staged and mounted through the new mounter), a rolling
+// update of both DaemonSets and a kubelet restart.
 func writesSurviveRestarts(t *testing.T, e *env) {
 	e.apply(t, pvc("w", storageClass, "32Mi"))
 	e.run(t, writer("w", "w"))
@@ -660,26 +677,39 @@ func writesSurviveRestarts(t *testing.T, e *env) {
 	sleep(time.Second)
 	e.checkWrites(t, "w", &last)
 
-	// The plugin's container: its process killed, kubelet restarts it.
-	restarts := func() string {
-		return must(t)(e.c.kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=mountplan",
-			"-o", `jsonpath={.items[0].status.containerStatuses[?(@.name=="plugin")].restartCount}`))
-	}
-	was := restarts()
-	if err := unix.Kill(e.pidOf(t, "mountplan-plugi"), unix.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, 90*time.Second, "the plugin container restarted", func() error {
-		if now := restarts(); now == was {
-			return fmt.Errorf("restartCount %s", now)
+	// The plugin's container, then the mounter's: each one's process killed
+	// (found by its container's name), kubelet restarts the container.
+	for _, k := range []struct{ component, container, comm string }{
+		{nodeComponent, pluginContainer, pluginComm},
+		{mounterComponent, mounterContainer, mounterComm},
+	} {
+		was := e.containerStatus(t, k.component, k.container, "restartCount")
+		start := time.Now()
+		if err := unix.Kill(e.containerPID(t, k.component, k.container, k.comm), unix.SIGKILL); err != nil {
+			t.Fatal(err)
 		}
-		return nil
-	})
-	must(t)(e.c.kubectl("-n", "kube-system", "wait", "--for=condition=Ready", "pod", "-l", "app.kubernetes.io/name=mountplan", "--timeout=90s"))
-	sleep(2 * time.Second)
+		waitFor(t, 90*time.Second, "the "+k.container+" container restarted", func() error {
+			if now := e.containerStatus(t, k.component, k.container, "restartCount"); now == was {
+				return fmt.Errorf("restartCount %s", now)
+			}
+			return nil
+		})
+		must(t)(e.c.kubectl("-n", "kube-system", "wait", "--for=condition=Ready", "pod", "-l",
+			"app.kubernetes.io/name=mountplan,app.kubernetes.io/component="+k.component, "--timeout=90s"))
+		t.Logf("the %s container killed and Ready again in %v", k.container, time.Since(start).Round(time.Millisecond))
+		sleep(2 * time.Second)
+		e.checkWrites(t, "w", &last)
+	}
+	// The new mounter does its work: a new volume provisioned, attached,
+	// formatted and mounted, written and read back.
+	e.apply(t, pvc("after-mounter", storageClass, "32Mi"))
+	e.run(t, pod("after-mounter", withClaim("after-mounter", "/data", false)))
+	e.write(t, "after-mounter", "/data/token")
+	e.c.deleteAndWait(t, "pod", "after-mounter")
+	e.c.deleteAndWait(t, "pvc", "after-mounter")
 	e.checkWrites(t, "w", &last)
 
-	// A rolling update of the DaemonSet: every container of the node pod replaced.
+	// A rolling update of both DaemonSets: every container replaced.
 	e.rollout++
 	e.install(t)
 	sleep(2 * time.Second)

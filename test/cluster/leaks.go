@@ -181,8 +181,9 @@ func cleanStale(t *testing.T, root string) {
 
 // checkNodeClean checks inside the node, once every volume is deleted: no
 // mount under the state dir or kubelet's volume directories in the node's
-// mount namespace, no volume image file, no loop device backed by a file
-// under the cluster's directory.
+// mount namespace, no volume image file, no record left in the mounter's
+// records dir (of a device or mount it set up), no loop device backed by a
+// file under the cluster's directory.
 func (e *env) checkNodeClean(t *testing.T) {
 	t.Helper()
 	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", e.c.nodePID()))
@@ -205,6 +206,13 @@ func (e *env) checkNodeClean(t *testing.T) {
 	_ = filepath.WalkDir(e.c.cfg.path("state", "images"), func(p string, d os.DirEntry, err error) error {
 		if err == nil && d.Type().IsRegular() {
 			t.Errorf("leak: volume image left: %s", p)
+		}
+		return nil
+	})
+	_ = filepath.WalkDir(e.c.cfg.path("state")+"-mounter", func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			b, _ := os.ReadFile(p)
+			t.Errorf("leak: the mounter's record %s left: %s", p, strings.TrimSpace(string(b)))
 		}
 		return nil
 	})
