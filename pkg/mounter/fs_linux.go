@@ -128,6 +128,40 @@ func (n *Local) withScratchMount(d Device, f *os.File, fsType, data string, fn f
 	return fn(dir)
 }
 
+// clearScratch removes what an earlier mounter, killed while a tool worked
+// on a private mount (a grow, a log replay), left under the scratch
+// directory: the mounts, lazily (a tool it ran may still hold one), then
+// the directories.
+func (n *Local) clearScratch(ctx context.Context) error {
+	parent := filepath.Join(n.opts.RecordsDir, "scratch")
+	ents, err := os.ReadDir(parent)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range ents {
+		dir := filepath.Join(parent, e.Name())
+		for range 16 { // a stack of mounts at one place is short
+			if ok, err := mountns.IsMountPoint(dir); err != nil || !ok {
+				break
+			}
+			if err := mountns.Unmount(dir, true); err != nil {
+				errs = append(errs, err)
+				break
+			}
+		}
+		if err := os.Remove(dir); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, err)
+			continue
+		}
+		klog.FromContext(ctx).Info("Removed a private mount an earlier mounter left", "dir", dir)
+	}
+	return errors.Join(errs...)
+}
+
 func (n *Local) scratchDir() (string, error) {
 	parent := filepath.Join(n.opts.RecordsDir, "scratch")
 	if err := os.MkdirAll(parent, 0o700); err != nil {

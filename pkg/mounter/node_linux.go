@@ -86,6 +86,11 @@ func NewNode(ctx context.Context, o Options) (*Local, error) {
 	if err := n.records.load(ctx, n); err != nil {
 		klog.FromContext(ctx).Error(err, "Some of the mounter's records could not be taken back")
 	}
+	if !o.Observe {
+		if err := n.clearScratch(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Some private mounts of an earlier mounter are left")
+		}
+	}
 	// Each reads its records; one that observes (Options.Observe) holds,
 	// takes back and writes nothing.
 	for _, init := range []func(context.Context) error{n.initDaemons, n.initNBD, n.initISCSI} {

@@ -131,23 +131,28 @@ func TestPrepareOverlayChain(t *testing.T) {
 			if mi := prepHostMountAt(t, ch.Upper); mi == nil || mi.FSType != upperType {
 				t.Errorf("upper layer at %s: %+v, want %s", ch.Upper, mi, upperType)
 			}
-			isOverlay := func(mi *mountinfo.Info) bool {
-				return mi.FSType == "overlay" && strings.Contains(mi.VFSOptions, ch.Dir)
+			// The mounter builds the overlay once, at the chain's merged/
+			// under the state dir (as it mounts the layers there); a
+			// consumer binds it. The host shows it there and nowhere else.
+			if mi := prepHostMountAt(t, ch.Merged); mi == nil || mi.FSType != "overlay" {
+				t.Errorf("overlay at %s: %+v, want the chain's overlay", ch.Merged, mi)
 			}
-			watch := prepWatchHost(t, "an overlay over "+ch.Dir, isOverlay)
+			isOverlay := func(mi *mountinfo.Info) bool {
+				return mi.FSType == "overlay" && mi.Mountpoint != ch.Merged
+			}
+			watch := prepWatchHost(t, "an overlay elsewhere than "+ch.Merged, isOverlay)
 			tm.step(tc.name + ": staged")
 
 			target := "/" + tc.name
 			e.mustSidecarMount(id, c.PID(), target)
 			cons := e.wantConsumer(id, c.PID(), target)
-			wantPlan := []string{"nosuid", "nodev", "lowerdir=" + ch.Lower, "upperdir=" + filepath.Join(ch.Upper, "data"),
-				"workdir=" + filepath.Join(ch.Upper, "work")}
-			if len(cons.Mounts) != 1 || cons.Mounts[0].Type != "overlay" || strings.Join(cons.Mounts[0].Options, ",") != strings.Join(wantPlan, ",") {
-				t.Errorf("plan %v, want one overlay mount with %v", cons.Mounts, wantPlan)
+			if len(cons.Mounts) != 1 || cons.Mounts[0].Type != "bind" || cons.Mounts[0].Source != ch.Merged {
+				t.Errorf("plan %v, want one bind of %s", cons.Mounts, ch.Merged)
 			}
 			mi := prepMountAt(t, c.PID(), target)
-			if mi == nil || mi.FSType != "overlay" || !strings.Contains(mi.VFSOptions, "lowerdir="+ch.Lower) {
-				t.Fatalf("in the container at %s: %+v, want the overlay", target, mi)
+			hostMi := prepHostMountAt(t, ch.Merged)
+			if mi == nil || mi.FSType != "overlay" || hostMi == nil || mi.Major != hostMi.Major || mi.Minor != hostMi.Minor {
+				t.Fatalf("in the container at %s: %+v, want the chain's overlay %+v", target, mi, hostMi)
 			}
 			out, err := c.Exec(t, "sh", "-c", fmt.Sprintf("cat %[1]s/hello.txt %[1]s/sub/deep.txt && echo 'written inside' > %[1]s/new.txt && "+
 				"echo changed > %[1]s/sub/deep.txt && sync && cat %[1]s/new.txt %[1]s/sub/deep.txt", target))
@@ -167,7 +172,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 			}
 			for _, mi := range infos {
 				if isOverlay(mi) || mi.Mountpoint == target {
-					t.Errorf("the host shows the overlay: %s %s %s", mi.Mountpoint, mi.FSType, mi.VFSOptions)
+					t.Errorf("the host shows the overlay elsewhere than %s: %s %s %s", ch.Merged, mi.Mountpoint, mi.FSType, mi.VFSOptions)
 				}
 			}
 			tm.step(tc.name + ": mounted in the container, read and written")
@@ -193,7 +198,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 
 			e.unstage(id)
 			e.noRecord(id)
-			for _, p := range []string{ch.Lower, ch.Upper, ch.Dir} {
+			for _, p := range []string{ch.Lower, ch.Upper, ch.Merged, ch.Dir} {
 				if _, err := os.Lstat(p); !os.IsNotExist(err) {
 					t.Errorf("%s left after unstage: %v", p, err)
 				}
@@ -208,7 +213,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 			if got := prepSHA256(t, image); got != sum {
 				t.Errorf("the read-only image changed: sha256 %s, was %s", got, sum)
 			}
-			watch.check(t, "an overlay over "+ch.Dir)
+			watch.check(t, "an overlay elsewhere than "+ch.Merged)
 			tm.step(tc.name + ": unmounted and unstaged; chain gone")
 		})
 	}
