@@ -4,22 +4,21 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"slices"
-	"strconv"
 	"strings"
-	"time"
 
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/toolrun"
+	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/nbdnl"
+	"github.com/mountplan/mountplan/pkg/source"
+	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
 )
 
 // kernelReady fails with ErrFailedPrecondition, naming the module, when
-// the kernel has no NBD driver.
+// the kernel has no NBD driver: before any handshake or intent.
 func (s *Source) kernelReady() error {
 	if _, err := os.Stat(filepath.Join(s.SysDir, "module", "nbd")); err != nil {
 		return fmt.Errorf("this node's kernel has no NBD support (%s/module/nbd is missing): load the kernel module nbd (modprobe nbd) on the node: %w",
@@ -28,182 +27,147 @@ func (s *Source) kernelReady() error {
 	return nil
 }
 
-// devices lists the kernel's NBD devices by name ("nbd0"), in number order.
-func (s *Source) devices() ([]string, error) {
-	matches, err := filepath.Glob(filepath.Join(s.SysDir, "block", "nbd*"))
+// backendAt reads the backend the kernel shows for device index ("" for
+// none: not connected).
+func (s *Source) backendAt(index int) string {
+	if index < 0 {
+		return ""
+	}
+	b, err := os.ReadFile(filepath.Join(s.SysDir, "block", fmt.Sprintf("nbd%d", index), "backend"))
 	if err != nil {
-		return nil, err
+		return ""
 	}
-	var names []string
-	for _, m := range matches {
-		n := filepath.Base(m)
-		if _, err := strconv.Atoi(strings.TrimPrefix(n, "nbd")); err == nil {
-			names = append(names, n)
-		}
-	}
-	num := func(n string) int { i, _ := strconv.Atoi(strings.TrimPrefix(n, "nbd")); return i }
-	slices.SortFunc(names, func(a, b string) int { return num(a) - num(b) })
-	return names, nil
+	return strings.TrimSuffix(string(b), "\n")
 }
 
-// claimFree returns a device that is neither connected nor claimed by a
-// stage in progress, and the function that releases the claim.
-func (s *Source) claimFree() (string, func(), error) {
-	names, err := s.devices()
-	if err != nil {
-		return "", nil, err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, n := range names {
-		dev := filepath.Join(s.DevDir, n)
-		if s.claimed[dev] {
-			continue
-		}
-		if pid, err := s.devicePID(dev); err != nil || pid != 0 {
-			continue
-		}
-		if _, err := os.Stat(dev); err != nil {
-			continue
-		}
-		s.claimed[dev] = true
-		return dev, func() { s.mu.Lock(); delete(s.claimed, dev); s.mu.Unlock() }, nil
-	}
-	return "", nil, fmt.Errorf("all %d NBD devices are connected (raise the nbd module's nbds_max): %w", len(names), errdefs.ErrResourceExhausted)
+// shows reports whether the kernel shows st's device connected with st's
+// backend: the connection this volume's stage made, and no other (a
+// device number is soon reused once disconnected).
+func (s *Source) shows(st State) bool {
+	return st.Backend != "" && st.Index >= 0 && st.Device == fmt.Sprintf("/dev/nbd%d", st.Index) && s.backendAt(st.Index) == st.Backend
 }
 
-// devicePID reads /sys/block/nbdN/pid: the PID of the process that
-// connected the device, or 0 when it is not connected.
-func (s *Source) devicePID(dev string) (int, error) {
-	b, err := os.ReadFile(filepath.Join(s.SysDir, "block", filepath.Base(dev), "pid"))
-	if errors.Is(err, fs.ErrNotExist) {
-		return 0, nil
+// blockSize is the device's logical block size for tr: the server's
+// preferred one when the kernel can use it (a power of two from 512 to
+// the page size, which Negotiate checked for the power) and it divides
+// the size; else 4096 when that does, else 512.
+func blockSize(tr *Transmission) uint64 {
+	size := uint64(tr.Export.Size)
+	if bs := uint64(tr.BlockSize); bs >= 512 && bs <= uint64(os.Getpagesize()) && size%bs == 0 && uint64(tr.MinBlockSize) <= bs {
+		return bs
 	}
-	if err != nil {
-		return 0, err
+	if size%4096 == 0 {
+		return 4096
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil {
-		return 0, fmt.Errorf("%s: bad pid %q", dev, b)
-	}
-	return pid, nil
+	return 512
 }
 
-// deviceSize reads the device's size in bytes.
-func (s *Source) deviceSize(dev string) (int64, error) {
-	b, err := os.ReadFile(filepath.Join(s.SysDir, "block", filepath.Base(dev), "size"))
+// connect negotiates t's export, records the intent (the backend, chosen
+// now, so that an undo after a crash finds the device by it) and has the
+// mounter hand the socket to the kernel. A plain socket's copy here is
+// closed then; a TLS volume's proxy stays with the volume's link, which
+// watches for the connection's death from now on.
+func (s *Source) connect(ctx context.Context, id string, t target, readOnly bool, rec source.Recorder) (State, error) {
+	if err := s.kernelReady(); err != nil {
+		return State{}, err
+	}
+	backend, err := mounter.NewNBDBackend(id)
 	if err != nil {
-		return 0, err
+		return State{}, err
 	}
-	sectors, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-	return sectors * 512, err
-}
-
-// owns reports whether st's device is still the connection stage made: the
-// pid the kernel recorded then. A connect that was only intended (a crash
-// in stage) is recognised by the export's size instead.
-func (s *Source) owns(st State) (bool, error) {
-	pid, err := s.devicePID(st.Device)
-	if err != nil || pid == 0 {
-		return false, err
-	}
-	if !st.Pending {
-		return pid == st.PID, nil
-	}
-	size, err := s.deviceSize(st.Device)
-	return err == nil && st.Size > 0 && size == st.Size, err
-}
-
-// runConnect runs nbd-client for t on dev. (With TLS nbd-client leaves a
-// proxy process behind; toolrun does not wait for it.)
-func (s *Source) runConnect(ctx context.Context, t target, dev string, exp Export, readOnly bool) error {
-	ctx, cancel := context.WithTimeout(ctx, s.timeout())
-	defer cancel()
-	args, err := s.connectArgs(t, dev, exp, readOnly)
+	d, err := s.dialer(t, s.timeout())
 	if err != nil {
+		return State{}, err
+	}
+	tr, err := d.Negotiate(ctx, t.export)
+	if err != nil {
+		return State{}, err
+	}
+	if tr.Export.ReadOnly && !readOnly {
+		tr.Close()
+		return State{}, fmt.Errorf("%s is read-only; stage it with a read-only access mode: %w", t, errdefs.ErrFailedPrecondition)
+	}
+	st := State{Index: -1, Pending: true, Backend: backend, Server: t.server, Export: t.export, Size: tr.Export.Size,
+		BlockSize: blockSize(tr), TLS: t.tls, ReadOnly: readOnly}
+	if err := source.SaveState(rec, st); err != nil {
+		tr.Close()
+		return State{}, err
+	}
+	flags := uint64(tr.Flags)
+	if readOnly {
+		flags |= nbdnl.FlagReadOnly
+	}
+	req := mounter.NBDRequest{SizeBytes: uint64(tr.Export.Size), BlockSize: st.BlockSize, ServerFlags: flags,
+		Timeout: s.timeout(), DeadConnTimeout: s.deadConnTimeout(), Backend: backend}
+	var dev mounter.Device
+	err = s.Metrics.Step("nbd_connect", func() error {
+		var err error
+		dev, err = s.Devices.ConnectNBD(ctx, req, tr.Socket)
 		return err
+	})
+	_ = tr.Socket.Close() // the kernel holds its own reference (the proxy runs on)
+	if err == nil {
+		st.Index, err = indexOf(dev.Path)
 	}
-	out, err := s.run(ctx, args...)
 	if err != nil {
-		return fmt.Errorf("connect %s to %s: %w", dev, t, err)
+		tr.Close()
+		// The mounter may have connected the device before the call failed
+		// (the caller's deadline): undo by the backend.
+		if derr := s.Devices.DisconnectNBD(context.WithoutCancel(ctx), mounter.Device{}, backend); derr != nil {
+			klog.FromContext(ctx).Error(derr, "Undoing a failed NBD connect", "backend", backend)
+		}
+		return State{}, fmt.Errorf("connect %s: %w", t, err)
 	}
-	klog.FromContext(ctx).V(2).Info("NBD device connected", "device", dev, "server", t.server, "export", t.export, "output", out)
+	if !tr.Proxied() {
+		tr.Close()
+		tr = nil
+	}
+	st.Device, st.Pending = dev.Path, false
+	l := s.addLink(id, t, st, dev)
+	if tr != nil {
+		l.addProxy(tr)
+	}
+	klog.FromContext(ctx).V(2).Info("NBD device connected", "device", st.Device, "backend", backend, "server", t.server, "export", t.export,
+		"size", st.Size, "blockSize", st.BlockSize, "tls", t.tls)
+	return st, source.SaveState(rec, st)
+}
+
+// indexOf is N of /dev/nbdN.
+func indexOf(dev string) (int, error) {
+	var i int
+	if _, err := fmt.Sscanf(dev, "/dev/nbd%d", &i); err != nil || i < 0 || dev != fmt.Sprintf("/dev/nbd%d", i) {
+		return -1, fmt.Errorf("the mounter connected %q, which is not /dev/nbdN: %w", dev, errdefs.ErrUnavailable)
+	}
+	return i, nil
+}
+
+// disconnect stops the volume's reconnects, has the mounter disconnect
+// the device connected with st's backend (found by the backend alone when
+// the stage recorded only its intent) and stops the volume's proxy.
+func (s *Source) disconnect(ctx context.Context, id string, st State) error {
+	l := s.takeLink(id)
+	defer l.close()
+	if st.Backend == "" {
+		klog.FromContext(ctx).Info("NBD volume staged without a backend identifier (by an older mountplan): nothing the mounter would disconnect", "device", st.Device)
+		return nil
+	}
+	var dev mounter.Device
+	if s.shows(st) {
+		d, err := blockdev.DeviceOf(s.SysDir, st.Device)
+		if err == nil {
+			dev = d
+		}
+	}
+	err := s.Metrics.Step("nbd_disconnect", func() error { return s.Devices.DisconnectNBD(ctx, dev, st.Backend) })
+	if err != nil {
+		return fmt.Errorf("disconnect %s (backend %s): %w", st.Device, st.Backend, err)
+	}
+	if st.Index >= 0 && s.backendAt(st.Index) == st.Backend {
+		klog.FromContext(ctx).Info("NBD device disconnected; the kernel lets it go once nothing holds it open", "device", st.Device)
+	}
 	return nil
 }
 
-func (s *Source) connectArgs(t target, dev string, exp Export, readOnly bool) ([]string, error) {
-	var args []string
-	if strings.HasPrefix(t.server, "/") {
-		args = []string{"-unix", t.server, dev}
-	} else {
-		host, port, err := splitHostPort(t.server)
-		if err != nil {
-			return nil, err
-		}
-		args = []string{host, strconv.Itoa(port), dev}
-	}
-	bs := "512"
-	if exp.Known && exp.Size%4096 == 0 {
-		bs = "4096"
-	}
-	args = append(args, "-N", t.export, "-b", bs, "-t", strconv.Itoa(int(s.timeout()/time.Second)))
-	if readOnly {
-		args = append(args, "-readonly")
-	}
-	if t.tls {
-		c := s.Config.TLS
-		if c == nil {
-			return nil, fmt.Errorf("TLS asked for but the admin config has no nbd.tls: %w", errdefs.ErrFailedPrecondition)
-		}
-		host, _, _ := splitHostPort(t.server)
-		args = append(args, "-cacertfile", c.CAFile, "-tlshostname", host)
-		if c.CertFile != "" {
-			args = append(args, "-certfile", c.CertFile, "-keyfile", c.KeyFile)
-		}
-	}
-	return args, nil
-}
-
-// nbdClient connects devices; from PATH.
-var nbdClient = toolrun.Tool{Name: "nbd-client", Package: "nbd-client"}
-
-// run runs nbd-client with args and returns its output. A failure that is
-// neither a missing program nor the end of ctx is the server's or the
-// network's: ErrUnavailable.
-func (s *Source) run(ctx context.Context, args ...string) (string, error) {
-	out, err := s.runner.Run(ctx, nbdClient, args)
-	if err != nil && ctx.Err() == nil && !errors.Is(err, errdefs.ErrFailedPrecondition) {
-		return out, fmt.Errorf("%w: %w", err, errdefs.ErrUnavailable)
-	}
-	return out, err
-}
-
-// disconnect disconnects st's device if it is still ours and waits until
-// the kernel has let it go.
-func (s *Source) disconnect(ctx context.Context, st State) error {
-	ours, err := s.owns(st)
-	if err != nil {
-		return fmt.Errorf("checking %s: %w", st.Device, err)
-	}
-	if !ours {
-		klog.FromContext(ctx).V(2).Info("NBD device not connected to this volume any more; nothing to disconnect", "device", st.Device)
-		return nil
-	}
-	return s.Metrics.Step("nbd_disconnect", func() error {
-		dctx, cancel := context.WithTimeout(ctx, s.timeout())
-		defer cancel()
-		if _, err := s.run(dctx, "-d", st.Device); err != nil {
-			return fmt.Errorf("disconnect %s: %w", st.Device, err)
-		}
-		for {
-			if pid, err := s.devicePID(st.Device); err == nil && pid == 0 {
-				return nil
-			}
-			select {
-			case <-dctx.Done():
-				return fmt.Errorf("%s still connected after nbd-client -d: %w", st.Device, dctx.Err())
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-	})
-}
+// errGone: the kernel no longer shows the volume's device with its
+// backend; there is no connection to replace (Adopt connects afresh).
+var errGone = errors.New("the device is no longer connected with the volume's backend")

@@ -1,24 +1,35 @@
-// Package nbd is the NBD volume source: stage connects a free /dev/nbdN to
-// an export of an NBD server the admin allows, formats it on demand and
+// Package nbd is the NBD volume source: stage connects an NBD device to an
+// export of an NBD server the admin allows, formats it on demand and
 // records the device; the plan mounts the device.
 //
-// The connection itself is made by nbd-client from Debian's packages, in
-// its netlink mode: it performs the handshake (fixed newstyle, NBD_OPT_GO,
-// TLS through GnuTLS when asked), hands the socket to the kernel and exits,
-// so no process of ours holds the device and a plugin restart changes
-// nothing. Writing our own netlink client would save one binary but means
-// re-implementing TLS for the kernel's socket (nbd-client keeps a TLS proxy
-// process for that) and tracking the kernel's netlink ABI ourselves.
+// The plugin, with no privilege, does all the network work: it dials the
+// server, speaks the whole handshake (Dialer.Negotiate: fixed newstyle,
+// STARTTLS, NBD_OPT_GO) and hands the connected socket, in the
+// transmission phase, to the mounter as a descriptor (mounter.NBD over
+// pkg/unixrpc, SCM_RIGHTS); the mounter only gives it to the kernel
+// (pkg/nbdnl) and records the device. The kernel cannot speak TLS: for a
+// TLS volume the kernel's socket is one end of a socketpair, and a proxy
+// in this process carries its bytes to the server (per volume, until
+// unstage).
 //
-// The package does speak the handshake itself, for what needs no kernel:
-// Probe (NBD_OPT_INFO: does the export exist, its size, read-only?) before
-// every connect and for health checks, and List. So a wrong export is a
-// clear NotFound before any device is touched, on any node.
+// Identity: every connect gets a new backend identifier
+// (mounter.NewNBDBackend), which the kernel shows in
+// /sys/block/nbdN/backend. Stage records it before the connect, so that
+// an undo after a crash finds the device by it; unstage, health and adopt
+// trust a device only while sysfs shows it, and the mounter acts only on
+// a device it recorded with it.
 //
-// Identity: the kernel records in /sys/block/nbdN/pid the PID of the
-// process that connected the device (nbd-client). Stage records it; unstage
-// and health only trust a device whose pid file still holds it, since a
-// disconnected device is soon reused by another connection.
+// A connection that dies does not end the device: it is connected with a
+// dead-connection timeout, during which the kernel holds its I/O, and
+// this process reconnects it (a new handshake, then mounter.ReconnectNBD)
+// when the kernel reports the link dead (nbdnl.WatchLinkDead) and the
+// server answers again. A plugin restart is such a pause for TLS volumes,
+// whose proxy died with the process: Adopt negotiates again at once.
+//
+// The package also speaks the handshake for what needs no kernel: Probe
+// (NBD_OPT_INFO: does the export exist, its size, read-only?) before every
+// connect and for health checks, and List. So a wrong export is a clear
+// NotFound before any device is touched, on any node.
 package nbd
 
 import (
@@ -26,7 +37,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -43,10 +53,10 @@ import (
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/nbdnl"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 	"github.com/mountplan/mountplan/pkg/source/internal/blockdev"
-	"github.com/mountplan/mountplan/pkg/toolrun"
 )
 
 // Type is the volume_context type of this source.
@@ -60,18 +70,29 @@ const (
 	CtxTLS     = "tls"
 )
 
+// DefaultDeadConnTimeout is how long the kernel holds a device's I/O once
+// its connection died, for this process to connect it again: longer than
+// a plugin restart, shorter than anyone waits for a hung write.
+const DefaultDeadConnTimeout = 2 * time.Minute
+
 // State is what the journal keeps of a staged NBD volume.
 type State struct {
-	Device string `json:"device"`
-	// PID is /sys/block/nbdN/pid right after the connect; 0 while the
-	// connect is only intended (a crash then leaves Pending set).
-	PID     int    `json:"pid,omitempty"`
+	// Device is /dev/nbdN and Index its N; "" and -1 while the connect
+	// is only intended (Pending: a crash then leaves it set).
+	Device  string `json:"device,omitempty"`
+	Index   int    `json:"index"`
 	Pending bool   `json:"pending,omitempty"`
+	// Backend is the connection's identifier, chosen before the connect:
+	// the kernel shows it in /sys/block/nbdN/backend while the device is
+	// connected to this volume's export.
+	Backend string `json:"backend"`
 	Server  string `json:"server"`
 	Export  string `json:"export"`
 	Size    int64  `json:"size,omitempty"`
-	TLS     bool   `json:"tls,omitempty"`
-	// ReadOnly: connected read-only (-R).
+	// BlockSize is the device's logical block size.
+	BlockSize uint64 `json:"blockSize,omitempty"`
+	TLS       bool   `json:"tls,omitempty"`
+	// ReadOnly: connected read-only.
 	ReadOnly bool `json:"readOnly,omitempty"`
 	// FsType is the filesystem found or made ("" for block access).
 	FsType string `json:"fsType,omitempty"`
@@ -81,16 +102,22 @@ type State struct {
 type Source struct {
 	Config  config.NBDConfig
 	Metrics *metrics.Metrics
-	// SysDir and DevDir are /sys and /dev (tests may point elsewhere).
-	SysDir, DevDir string
+	// SysDir is /sys (tests may point elsewhere); the plugin reads it only.
+	SysDir string
 	// Devices is the mounter: it hands sockets to the kernel, formats.
 	Devices Devices
+	// DeadConnTimeout: see DefaultDeadConnTimeout (0: that).
+	DeadConnTimeout time.Duration
 
 	rules    []config.EndpointRule
-	rulesErr error      // a config that bypassed config.Load: every volume is refused
-	mu       sync.Mutex // guards claimed only
-	claimed  map[string]bool
-	runner   toolrun.Runner // nbd-client; its zero value runs the real one
+	rulesErr error // a config that bypassed config.Load: every volume is refused
+	// watchLinks subscribes to the kernel's link-dead notices
+	// (nbdnl.WatchLinkDead; tests replace it).
+	watchLinks func() (linkWatcher, error)
+
+	mu    sync.Mutex // guards links and the watcher
+	links map[string]*link
+	watch *watcher
 }
 
 var (
@@ -109,8 +136,8 @@ type Devices interface {
 // recorded).
 func New(cfg config.NBDConfig, devs Devices, m *metrics.Metrics) *Source {
 	rules, err := cfg.ServerRules()
-	return &Source{Config: cfg, Devices: devs, Metrics: m, SysDir: "/sys", DevDir: "/dev",
-		rules: rules, rulesErr: err, claimed: map[string]bool{}}
+	return &Source{Config: cfg, Devices: devs, Metrics: m, SysDir: "/sys", rules: rules, rulesErr: err,
+		links: map[string]*link{}, watchLinks: func() (linkWatcher, error) { return nbdnl.WatchLinkDead() }}
 }
 
 func (s *Source) timeout() time.Duration {
@@ -176,7 +203,7 @@ func (s *Source) checkAddress(addr string) (string, error) {
 }
 
 // checkSocket accepts a unix socket path under a socket root, symlinks
-// resolved (the resolved path is what nbd-client gets).
+// resolved (the resolved path is what the plugin dials).
 func (s *Source) checkSocket(p string) (string, error) {
 	if filepath.Clean(p) != p {
 		return "", fmt.Errorf("socket path %q is not clean: %w", p, errdefs.ErrInvalidArgument)
@@ -277,7 +304,7 @@ func (s *Source) tlsConfig(server string) (*tls.Config, error) {
 	return cfg, nil
 }
 
-// Stage probes the export, connects a free NBD device to it and, for mount
+// Stage probes the export, connects an NBD device to it and, for mount
 // access, makes sure it holds a filesystem. The device is not mounted.
 func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageRequest) (_ json.RawMessage, err error) {
 	t := targetOf(v)
@@ -288,7 +315,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	if exp.ReadOnly && !req.ReadOnly {
 		return nil, fmt.Errorf("%s is read-only; stage it with a read-only access mode: %w", t, errdefs.ErrFailedPrecondition)
 	}
-	st, err := s.connect(ctx, t, exp, req.ReadOnly, req.Record)
+	st, err := s.connect(ctx, v.ID, t, req.ReadOnly, req.Record)
 	if err != nil {
 		return nil, err
 	}
@@ -296,7 +323,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 		if err != nil {
 			// Not the request's context: if it expired, that is why the
 			// stage failed, and the rollback must still run.
-			if derr := s.disconnect(context.WithoutCancel(ctx), st); derr != nil {
+			if derr := s.disconnect(context.WithoutCancel(ctx), v.ID, st); derr != nil {
 				klog.FromContext(ctx).Error(derr, "Rollback: disconnect failed", "device", st.Device)
 			}
 		}
@@ -322,105 +349,103 @@ func (s *Source) probe(ctx context.Context, t target, timeout time.Duration) (Ex
 	return d.Probe(ctx, t.export)
 }
 
-// connect claims a free device, records it as an intent, runs nbd-client
-// and records the kernel's pid of the connection.
-func (s *Source) connect(ctx context.Context, t target, exp Export, readOnly bool, rec source.Recorder) (State, error) {
-	if err := s.kernelReady(); err != nil {
-		return State{}, err
-	}
-	var lastErr error
-	for range 3 { // a device taken by someone else between scan and connect: take the next
-		dev, release, err := s.claimFree()
-		if err != nil {
-			return State{}, err
-		}
-		st := State{Device: dev, Pending: true, Server: t.server, Export: t.export, Size: exp.Size, TLS: t.tls, ReadOnly: readOnly}
-		if err := source.SaveState(rec, st); err != nil {
-			release()
-			return State{}, err
-		}
-		err = s.Metrics.Step("nbd_connect", func() error { return s.runConnect(ctx, t, dev, exp, readOnly) })
-		if err == nil {
-			st.PID, err = s.devicePID(dev)
-			if err == nil && st.PID == 0 {
-				err = fmt.Errorf("nbd-client reported success but %s is not connected: %w", dev, errdefs.ErrUnavailable)
-			}
-		}
-		release()
-		if err == nil {
-			st.Pending = false
-			return st, source.SaveState(rec, st)
-		}
-		lastErr = err
-		if pid, _ := s.devicePID(dev); pid == 0 || errors.Is(err, errdefs.ErrFailedPrecondition) {
-			break // not a race for the device: the error is the answer
-		}
-	}
-	return State{}, lastErr
-}
-
 // Plan mounts the device (mount access) or binds its node (block access).
 func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
-	if st.Pending {
+	if st.Pending || st.Device == "" {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
 	return blockdev.Plan(v.ID, st.Device, st.FsType, st.ReadOnly, req)
 }
 
-// Unstage disconnects the device if it is still the connection stage made.
-// A server that is gone does not matter: the disconnect is local.
+// Unstage disconnects the device connected with the volume's backend,
+// also one a crash left connected before its index was recorded, and
+// stops the volume's proxy and reconnects. A server that is gone does not
+// matter: the disconnect is local.
 func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
 	if len(v.State) == 0 {
+		s.dropLink(v.ID)
 		return nil // a crash before the intent: nothing was connected
 	}
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return err
 	}
-	return s.disconnect(ctx, st)
+	return s.disconnect(ctx, v.ID, st)
 }
 
-// Adopt checks that a staged volume's device is still connected, and
-// connects it again when it is not (a node reboot).
+// Adopt makes a staged volume's connection live in this process: the
+// device still connected with the volume's backend is taken over (a TLS
+// volume's proxy died with the last plugin process: it negotiates again
+// and hands the mounter the new socket); a device the kernel no longer
+// shows (a node reboot) is connected again, and the state says where.
 func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, error) {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return nil, err
 	}
-	if ours, _ := s.owns(st); ours {
-		return v.State, nil
+	if st.Backend == "" {
+		return nil, fmt.Errorf("volume %s was staged without a backend identifier (by an older mountplan): unstage it and stage it again: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
-	klog.FromContext(ctx).Info("NBD device no longer connected; connecting again", "volume", v.ID, "device", st.Device, "server", st.Server)
 	t := targetOf(v)
-	exp, err := s.probe(ctx, t, s.timeout())
-	if err != nil {
-		return nil, err
+	if !s.shows(st) {
+		s.dropLink(v.ID)
+		klog.FromContext(ctx).Info("NBD device no longer connected; connecting again", "volume", v.ID, "device", st.Device, "backend", st.Backend, "server", st.Server)
+		if _, err := s.probe(ctx, t, s.timeout()); err != nil {
+			return nil, err
+		}
+		fresh, err := s.connect(ctx, v.ID, t, st.ReadOnly, nil)
+		if err != nil {
+			return nil, err
+		}
+		fresh.FsType = st.FsType
+		return json.Marshal(fresh)
 	}
-	fresh, err := s.connect(ctx, t, exp, st.ReadOnly, nil)
-	if err != nil {
-		return nil, err
+	l := s.linkOf(v.ID)
+	if l == nil {
+		dev, err := blockdev.DeviceOf(s.SysDir, st.Device)
+		if err != nil {
+			return nil, err
+		}
+		// Watching first: a link that dies after this is reconnected on
+		// the kernel's notice, one that died before by what follows.
+		l = s.addLink(v.ID, t, st, dev)
+		if !t.tls {
+			// The kernel holds the socket: the connection outlived the last
+			// plugin process, unless it died while none ran and its notice
+			// went unheard. One new socket, in the background, settles it:
+			// the kernel takes it only in a dead connection's place.
+			s.kick(l, 1)
+			return v.State, nil
+		}
 	}
-	fresh.FsType = st.FsType
-	return json.Marshal(fresh)
+	if t.tls && !l.proxyRunning() {
+		klog.FromContext(ctx).Info("TLS volume without its proxy in this process; negotiating again", "volume", v.ID, "device", st.Device)
+		if err := s.reconnect(ctx, l); err != nil {
+			s.kick(l, 0)
+			return nil, err
+		}
+	}
+	return v.State, nil
 }
 
 // Health reports a device that was disconnected behind the plugin's back,
-// and a server that no longer answers.
+// a connection that died and is not back yet, and a server that no
+// longer answers.
 func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
 		return source.Health{Abnormal: true, Reason: "NotStaged", Message: err.Error()}
 	}
-	if ours, err := s.owns(st); !ours {
-		msg := fmt.Sprintf("%s is no longer connected to %s", st.Device, targetOf(v))
-		if err != nil {
-			msg += ": " + err.Error()
-		}
-		return source.Health{Abnormal: true, Reason: "DeviceDisconnected", Message: msg}
+	if !s.shows(st) {
+		return source.Health{Abnormal: true, Reason: "DeviceDisconnected",
+			Message: fmt.Sprintf("%s is no longer connected to %s (the kernel does not show backend %s)", st.Device, targetOf(v), st.Backend)}
+	}
+	if lost, why := s.lost(v.ID, st); lost {
+		return source.Health{Abnormal: true, Reason: "ConnectionLost", Message: fmt.Sprintf("%s lost its connection to %s; reconnecting: %s", st.Device, targetOf(v), why)}
 	}
 	timeout := min(s.timeout(), 5*time.Second)
 	if _, err := s.probe(ctx, targetOf(v), timeout); err != nil {

@@ -48,7 +48,7 @@ type Transmission struct {
 	// Socket is the descriptor to hand to the kernel: the connection
 	// itself, or with TLS one end of a socketpair whose other end this
 	// process proxies (the kernel cannot speak TLS). It is in blocking
-	// mode, as the kernel's nbd and nbd-client expect. Whoever passes it on
+	// mode, as the kernel's nbd expects. Whoever passes it on
 	// may close it then; Close closes it too.
 	Socket *os.File
 

@@ -35,6 +35,9 @@ type Options struct {
 	TLSDir string
 	// ReadOnly serves the exports read-only.
 	ReadOnly bool
+	// Port, when set, is the TCP port to serve on (a server started again
+	// where clients knew it); 0: a free one.
+	Port int
 }
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
@@ -76,7 +79,10 @@ func StartNbdkit(t testing.TB, dir string, o Options) *Server {
 		if o.Unix != "" {
 			args = append(args, "--unix", o.Unix)
 		} else {
-			s.Port = FreePort(t)
+			s.Port = o.Port
+			if s.Port == 0 {
+				s.Port = FreePort(t)
+			}
 			s.Address = net.JoinHostPort("127.0.0.1", strconv.Itoa(s.Port))
 			args = append(args, "--ipaddr", "127.0.0.1", "--port", strconv.Itoa(s.Port))
 		}
