@@ -271,8 +271,8 @@ func TestNBD(t *testing.T) {
 		t.Fatalf("NodeStageVolume: %v", err)
 	}
 	st := f.state()
-	if !st.has(`"fsType":"ext4"`) || !st.has(`"device":"/dev/nbd`) {
-		t.Fatalf("state %s", st)
+	if !st.has(`"fsType":"ext4"`) || !st.has(`"device":"/dev/nbd`) || !st.has(`"backend":"mountplan:nbd-vol:`) || st.has(`"pid"`) {
+		t.Fatalf("state %s, want the device and its backend", st)
 	}
 	t.Logf("stage with format: %v, state %s", time.Since(start), st)
 	if len(connectedNBD()) != 1 {
