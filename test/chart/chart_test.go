@@ -1366,6 +1366,26 @@ func TestNodePodUnprivileged(t *testing.T) {
 				}
 			}
 		}
+		// The ServiceAccount's token only where the API server is called.
+		if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
+			t.Error("node pod: the ServiceAccount token is mounted into every container")
+		}
+		const tokenDir = "/var/run/secrets/kubernetes.io/serviceaccount"
+		for _, c := range spec.Containers {
+			needs := slices.Contains([]string{"csi-provisioner", "csi-snapshotter", "resizer"}, c.Name)
+			i := slices.IndexFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == tokenDir })
+			switch {
+			case needs && i < 0:
+				t.Errorf("container %s calls the API server without a token at %s", c.Name, tokenDir)
+			case needs:
+				v := volumeOf(t, r.ds, c.VolumeMounts[i].Name)
+				if v.Projected == nil || !c.VolumeMounts[i].ReadOnly || !slices.ContainsFunc(v.Projected.Sources, func(p corev1.VolumeProjection) bool { return p.ServiceAccountToken != nil }) {
+					t.Errorf("container %s: %s is %+v, want a read-only projected ServiceAccount token", c.Name, tokenDir, v.VolumeSource)
+				}
+			case i >= 0:
+				t.Errorf("container %s has the ServiceAccount token: it does not call the API server", c.Name)
+			}
+		}
 		p := r.container(t, "plugin").SecurityContext
 		if p.Privileged == nil || *p.Privileged {
 			t.Errorf("plugin: privileged %v, want false said explicitly", p.Privileged)
