@@ -19,7 +19,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/driver"
 	"github.com/mountplan/mountplan/pkg/endpoint"
 	"github.com/mountplan/mountplan/pkg/fdlimit"
@@ -96,7 +95,7 @@ func run(f flags) error {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
 	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles,
-		Spawner: daemon.LocalSpawner{}, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
+		Daemons: node, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
 	if err != nil {
 		return err
 	}

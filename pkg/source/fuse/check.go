@@ -7,6 +7,9 @@ import (
 	"github.com/mountplan/mountplan/pkg/fuseprofile"
 )
 
+// maxSecret bounds one secret (the mounter's bound too).
+const maxSecret = 64 << 10
+
 func invalid(format string, args ...any) error {
 	return fmt.Errorf(format+": %w", append(args, errdefs.ErrInvalidArgument)...)
 }
@@ -14,18 +17,13 @@ func invalid(format string, args ...any) error {
 // checkSecrets makes sure the stage request carries every required secret
 // of the profile, nothing else, and none too large. Errors name keys, never
 // values.
-func checkSecrets(p *fuseprofile.Profile, secrets map[string]string) (map[string]bool, error) {
-	given := map[string]bool{}
+func checkSecrets(p *fuseprofile.Profile, secrets map[string]string) error {
 	names := make([]string, 0, len(secrets))
 	for k, v := range secrets {
-		given[k] = true
 		names = append(names, k)
 		if len(v) > maxSecret {
-			return nil, invalid("secret %q is larger than %d bytes", k, maxSecret)
+			return invalid("secret %q is larger than %d bytes", k, maxSecret)
 		}
 	}
-	if err := p.CheckSecretNames(names); err != nil {
-		return nil, err
-	}
-	return given, nil
+	return p.CheckSecretNames(names)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -11,8 +12,10 @@ import (
 	"github.com/go-logr/logr"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -21,12 +24,15 @@ import (
 // wait: requests read its state under a mutex; its probes run in
 // goroutines of their own with deadlines; while it restarts a daemon it
 // holds the volume's lock, so a request on that volume is Aborted for the
-// CO to retry, as during any other operation on it.
+// CO to retry, as during any other operation on it. What it knows of the
+// daemon's process comes from the mounter (WaitDaemon, DaemonStatus); what
+// it knows of the mount, from the plugin's own mount table and statfs.
 type supervisor struct {
-	src *Source
-	id  string
-	l   layout
-	log logr.Logger
+	src    *Source
+	id     string
+	l      layout
+	params map[string]string
+	log    logr.Logger
 
 	mu sync.Mutex
 	st State
@@ -50,6 +56,10 @@ const (
 	stableAfter = time.Minute
 	// reattachTimeout bounds one Host.Reattach call (a heal).
 	reattachTimeout = time.Minute
+	// statusTimeout bounds a DaemonStatus call; mounterRetry is the pause
+	// before asking a mounter that did not answer again.
+	statusTimeout = 2 * time.Second
+	mounterRetry  = time.Second
 )
 
 func backoff(failures int) time.Duration {
@@ -60,10 +70,11 @@ func backoff(failures int) time.Duration {
 	return min(d, backoffMax)
 }
 
-// supervise starts (or replaces) the supervisor of volume id.
-func (s *Source) supervise(id string, st State, l layout) {
+// supervise starts (or replaces) the supervisor of volume id, whose
+// parameters (as the record keeps them) a restart hands the mounter.
+func (s *Source) supervise(id string, st State, params map[string]string, l layout) {
 	ctx, cancel := context.WithCancel(s.ctx)
-	sup := &supervisor{src: s, id: id, l: l, st: st, cancel: cancel, done: make(chan struct{}),
+	sup := &supervisor{src: s, id: id, l: l, params: maps.Clone(params), st: st, cancel: cancel, done: make(chan struct{}),
 		log: s.log.WithValues("volume", id)}
 	if len(st.Stale) > 0 {
 		sup.h = source.Health{Abnormal: true, Reason: "Reattaching",
@@ -108,23 +119,20 @@ func (sup *supervisor) state() State {
 
 func (sup *supervisor) daemon() Daemon { return sup.state().Daemon }
 
-func (sup *supervisor) setDaemon(d Daemon) {
+func (sup *supervisor) setDaemon(d Daemon, cmd *daemon.Command) {
 	sup.mu.Lock()
 	defer sup.mu.Unlock()
 	sup.st.Daemon = d
+	if cmd != nil {
+		sup.st.Command = *cmd
+	}
 }
 
-// health is the supervisor's last verdict, corrected by the process
-// table: a daemon killed a moment ago is down before the supervisor has
-// noticed.
+// health is the supervisor's last verdict.
 func (sup *supervisor) health() source.Health {
 	sup.mu.Lock()
-	h, d := sup.h, sup.st.Daemon
-	sup.mu.Unlock()
-	if !h.Abnormal && !d.Alive() {
-		return source.Health{Abnormal: true, Reason: "DaemonDown", Message: fmt.Sprintf("fuse daemon %s has exited; restarting it", d.Proc)}
-	}
-	return h
+	defer sup.mu.Unlock()
+	return sup.h
 }
 
 func (sup *supervisor) setHealth(reason, msg string) {
@@ -189,19 +197,44 @@ func sleep(ctx context.Context, d time.Duration) bool {
 
 type probeResult struct{ err error }
 
+// waitExit returns a channel closed when the mounter says d has exited
+// (or that it is no daemon it knows, which it cannot watch then either).
+// A mounter that cannot be reached (it restarts) is asked again.
+func (sup *supervisor) waitExit(ctx context.Context, p daemon.Proc) <-chan struct{} {
+	exited := make(chan struct{})
+	go func() {
+		for {
+			err := sup.src.daemons.WaitDaemon(ctx, p)
+			if ctx.Err() != nil {
+				return
+			}
+			if err == nil || errors.Is(err, errdefs.ErrNotFound) {
+				close(exited)
+				return
+			}
+			sup.log.V(2).Info("Cannot watch the daemon for now", "pid", p.PID, "err", err)
+			if !sleep(ctx, mounterRetry) {
+				return
+			}
+		}
+	}()
+	return exited
+}
+
 // watch returns when the daemon needs a restart: it exited, its mount is
 // gone, its connection was cut, or it has not answered a statfs for the
 // probe timeout while requests wait on its connection.
 func (sup *supervisor) watch(ctx context.Context) (reason, msg string) {
 	d := sup.daemon()
-	if !d.Alive() {
-		return "DaemonDown", fmt.Sprintf("fuse daemon %s is not running", d.Proc)
+	if d.PID <= 0 {
+		return "DaemonDown", "no fuse daemon is recorded for the volume"
 	}
 	if r, m := sup.checkMount(d); r != "" {
 		return r, m
 	}
-	exited, stop := watchExit(d.Proc)
-	defer stop()
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	exited := sup.waitExit(wctx, d.Proc)
 	tick := time.NewTicker(sup.src.probe)
 	defer tick.Stop()
 	results := make(chan probeResult, 1)
@@ -233,17 +266,35 @@ func (sup *supervisor) watch(ctx context.Context) (reason, msg string) {
 				continue
 			}
 			if since := time.Since(inFlight); since >= sup.src.deadline {
-				n, err := sup.src.ctl.waiting(d.Conn)
-				if err != nil || n > 0 {
-					return "DaemonHung", fmt.Sprintf("fuse daemon %s has not answered a statfs for %v (%d requests waiting)", d.Proc, since.Round(time.Second), n)
+				if r, m := sup.checkHung(ctx, d, since); r != "" {
+					return r, m
 				}
 			}
 		}
 	}
 }
 
+// checkHung asks the mounter about a daemon whose statfs has been
+// unanswered for since: requests waiting on its connection (or a
+// connection that is gone) mean it hangs; a mounter that cannot be
+// reached leaves it to the next tick.
+func (sup *supervisor) checkHung(ctx context.Context, d Daemon, since time.Duration) (reason, msg string) {
+	sctx, cancel := context.WithTimeout(ctx, statusTimeout)
+	st, err := sup.src.daemons.DaemonStatus(sctx, d.Proc, d.Conn)
+	cancel()
+	switch {
+	case ctx.Err() != nil || errors.Is(err, errdefs.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded):
+		return "", ""
+	case err == nil && !st.Alive:
+		return "DaemonDown", fmt.Sprintf("fuse daemon %s exited", d.Proc)
+	case err != nil || st.Waiting > 0:
+		return "DaemonHung", fmt.Sprintf("fuse daemon %s has not answered a statfs for %v (%d requests waiting)", d.Proc, since.Round(time.Second), st.Waiting)
+	}
+	return "", ""
+}
+
 // checkMount reports a daemon whose mount is no longer on top of its
-// mount point, as the mount table says.
+// mount point, as the plugin's mount table says.
 func (sup *supervisor) checkMount(d Daemon) (reason, msg string) {
 	info, err := fuseAt(sup.l.mnt())
 	if err != nil {
@@ -256,53 +307,52 @@ func (sup *supervisor) checkMount(d Daemon) (reason, msg string) {
 }
 
 // restart replaces the daemon, holding the volume's lock as an RPC
-// would: its connection is aborted (callers blocked on it return), its
-// session killed, the dead mounts lazily unmounted, and a new daemon
-// started on the same mount point. The volume's record follows every
-// incarnation (through the driver's Recorder), so a crash of the plugin
-// at any point leaves the newest daemon recorded for the next to adopt.
+// would. The volume's record follows every incarnation (through the
+// driver's Recorder), so a crash of the plugin at any point leaves the
+// newest daemon recorded for the next to adopt.
 func (sup *supervisor) restart(ctx context.Context) error {
 	host := sup.src.getHost()
 	if host == nil {
-		return sup.replaceDaemon(ctx, nil) // a test without a driver
+		return sup.replaceDaemon(ctx, sup.params, nil) // a test without a driver
 	}
-	return host.WithVolume(ctx, sup.id, "fuse-restart", func(_ source.Volume, found bool, rec source.Recorder) error {
+	return host.WithVolume(ctx, sup.id, "fuse-restart", func(v source.Volume, found bool, rec source.Recorder) error {
 		if !found {
 			return fmt.Errorf("volume %s has no record any more: %w", sup.id, errdefs.ErrNotFound)
 		}
-		return sup.replaceDaemon(ctx, rec)
+		return sup.replaceDaemon(ctx, v.Parameters, rec)
 	})
 }
 
-func (sup *supervisor) replaceDaemon(ctx context.Context, rec source.Recorder) error {
-	st := sup.state()
-	if st.Secrets {
-		if info, err := topMountAt(sup.l.secrets()); err == nil && info == nil {
-			return fmt.Errorf("the volume's secrets in %s are gone (the node restarted?); unstage and stage the volume again", sup.l.secrets())
-		}
-	}
-	old := st.Daemon
-	st = sup.markStale(old.Conn)
-	if old.Conn != 0 {
-		if err := sup.src.ctl.abort(old.Conn); err != nil {
-			sup.log.V(2).Info("Could not abort the old FUSE connection", "conn", old.Conn, "err", err)
-		}
-	}
-	signalSession(old.Proc, unix.SIGKILL)
-	waitGone(ctx, old.Proc, sup.src.grace)
-	if err := sup.src.unmountUnder(sup.l.mnt()); err != nil {
+// replaceDaemon has the mounter stop the failed daemon (its connection
+// aborted, so callers blocked on it return; its session killed; the dead
+// mount lazily unmounted; the directory and secrets kept) and start the
+// next generation on the same mount point. The old connection is recorded
+// as stale first, so that its mounts are healed even after a crash.
+func (sup *supervisor) replaceDaemon(ctx context.Context, params map[string]string, rec source.Recorder) error {
+	old := sup.daemon()
+	st := sup.markStale(old.Conn)
+	if err := source.SaveState(rec, st); err != nil {
 		return err
 	}
-	d, err := sup.src.start(ctx, sup.l, st, old.Generation+1, readRedactor(sup.l.secrets()), rec)
+	var known []daemon.Proc
+	if old.PID > 0 {
+		known = append(known, old.Proc)
+	}
+	if err := sup.src.daemons.StopDaemons(ctx, sup.id, known, false); err != nil {
+		return err
+	}
+	gen := old.Generation + 1
+	started := time.Now()
+	info, err := sup.src.daemons.StartDaemon(ctx, mounter.DaemonRequest{VolumeID: sup.id, Profile: st.Profile, Params: params,
+		ReadOnly: st.ReadOnly, Generation: gen, ReadyTimeout: st.ReadyTimeout})
 	if err != nil {
-		// start stopped the new process; it stays the current incarnation
-		// so that the next attempt counts generations on from it.
-		if d.PID != 0 {
-			sup.setDaemon(d)
-		}
+		// The failed generation stays the current one, so that the next
+		// attempt counts on from it.
+		sup.setDaemon(Daemon{Generation: gen, Started: started.UTC()}, nil)
 		return err
 	}
-	sup.setDaemon(d)
+	sup.src.metrics.ObserveStep("daemon_start", time.Since(started))
+	sup.setDaemon(Daemon{Generation: gen, Proc: info.Proc, Conn: info.Conn, Started: started.UTC()}, &info.Command)
 	sup.src.metrics.DaemonRestarted(st.Profile)
 	return source.SaveState(rec, sup.state())
 }
@@ -314,8 +364,8 @@ func (sup *supervisor) replaceDaemon(ctx context.Context, rec source.Recorder) e
 // abnormal while any is left; watch tries again after a backoff.
 func (sup *supervisor) heal(ctx context.Context) {
 	st := sup.state()
-	if len(st.Stale) == 0 || !st.Daemon.Alive() {
-		return // nothing to heal, or the daemon died again: watch sees it
+	if len(st.Stale) == 0 || st.Daemon.PID <= 0 {
+		return // nothing to heal, or no daemon to heal with: watch sees it
 	}
 	host := sup.src.getHost()
 	if host == nil { // a test without a driver
@@ -361,14 +411,12 @@ func (sup *supervisor) healFailed() {
 }
 
 // markStale adds the connection of a daemon being replaced to those whose
-// mounts must be healed; the state with it is recorded before the new
-// daemon starts (start's SaveState), so a plugin that crashes meanwhile
-// still heals them. The oldest are dropped past maxStale.
+// mounts must be healed. The oldest are dropped past maxStale.
 func (sup *supervisor) markStale(conn uint64) State {
 	sup.mu.Lock()
 	defer sup.mu.Unlock()
 	if conn != 0 && !slices.Contains(sup.st.Stale, conn) {
-		sup.st.Stale = append(sup.st.Stale, conn)
+		sup.st.Stale = append(slices.Clone(sup.st.Stale), conn)
 		if n := len(sup.st.Stale); n > maxStale {
 			sup.st.Stale = slices.Clone(sup.st.Stale[n-maxStale:])
 		}

@@ -32,11 +32,13 @@ func (s *Source) Run(ctx context.Context, interval time.Duration) {
 	periodic.Every(ctx, interval, sweep)
 }
 
-// Sweep tears down what lies under <state-dir>/fuse without a staged fuse
-// record: its FUSE connections are aborted, its mounts lazily unmounted,
-// its files removed. It asks the driver (Host) about each volume, holding
-// the volume's lock as any operation on it does, so a stage in flight is
-// never taken for an orphan.
+// Sweep tears down what lies under <state-dir>/fuse (its entries, and the
+// mounts the plugin's mount table shows there) without a staged fuse
+// record: the mounter aborts its FUSE connections, lazily unmounts its
+// mounts and removes its files (StopDaemons with teardown). It asks the
+// driver (Host) about each volume, holding the volume's lock as any
+// operation on it does, so a stage in flight is never taken for an
+// orphan.
 func (s *Source) Sweep(ctx context.Context) error {
 	host := s.getHost()
 	if host == nil {
@@ -83,14 +85,11 @@ func (s *Source) Sweep(ctx context.Context) error {
 
 func (s *Source) sweepOne(ctx context.Context, id string) error {
 	klog.FromContext(ctx).Info("Tearing down an orphaned FUSE volume", "volume", id)
-	l, err := s.layout(id)
+	m, err := s.mounter()
 	if err != nil {
 		return err
 	}
-	// Orphans are cut off first: aborting the connection also ends a daemon
-	// that is not recorded anywhere.
-	if err := s.unmountUnder(l.dir); err != nil {
-		return err
-	}
-	return s.teardown(ctx, id, Daemon{})
+	// The mounter aborts the connections first, which also ends a daemon
+	// that is recorded nowhere.
+	return m.StopDaemons(ctx, id, nil, true)
 }
