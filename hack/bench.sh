@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Latency of a volume cycle through mountplan-plugin's socket against the
 # kernel work it asks for (direct syscalls) and against util-linux tools, on
-# a 64 MiB ext4 loop volume. Prints markdown tables and a leak check. Then
-# container start latency with and without the NRI hook (BenchmarkContainerStart
-# in test/nri, median of 20), and the time of a snapshot by reflink and by
-# sparse copy (BenchmarkSnapshot in pkg/driver).
+# a 64 MiB ext4 loop volume, with the plugin beside its mounter
+# (mountplan-sidecar serve, --mounter-endpoint) as deployed; -alone runs the
+# plugin alone (its mounter in process). Prints markdown tables and a leak
+# check. Then container start latency with and without the NRI hook
+# (BenchmarkContainerStart in test/nri, median of 20), and the time of a
+# snapshot by reflink and by sparse copy (BenchmarkSnapshot in pkg/driver).
 #
 #   make bench                      # builds bin/ first
 #   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5] [-strace FILE] [-v]
 #   hack/bench.sh -phases 8 [-scale 10,100,1000,10000]   # scale: about 4 minutes
+#   hack/bench.sh -phases 1,2,4,5 -compare /tmp/mp-before-plugin   # against another plugin binary, alone
+#   hack/bench.sh -alone            # the plugin alone, as before the split
 #
 # With -phases only the chosen measurements of hack/bench run: the
 # container start and snapshot benchmarks below run with the default phases.
@@ -33,8 +37,13 @@ if [[ ! -x $plugin ]]; then
 	echo "hack/bench.sh: $plugin missing; building it" >&2
 	go build -trimpath -o bin/ ./cmd/mountplan-plugin
 fi
+sidecar=${SIDECAR:-bin/mountplan-sidecar}
+if [[ ! -x $sidecar ]]; then
+	echo "hack/bench.sh: $sidecar missing; building it" >&2
+	go build -trimpath -o bin/ ./cmd/mountplan-sidecar
+fi
 
-go run ./hack/bench -plugin "$plugin" "$@"
+go run ./hack/bench -plugin "$plugin" -sidecar "$sidecar" "$@"
 for arg in "$@"; do
 	[[ $arg == -phases || $arg == -phases=* || $arg == --phases || $arg == --phases=* ]] && exit 0
 done

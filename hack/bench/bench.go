@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -13,14 +14,10 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 const (
@@ -32,43 +29,35 @@ const (
 type bench struct {
 	o options
 
-	dir       string // the one temporary dir: everything below is ours
-	stateDir  string // the plugin's --state-dir
-	sock      string
-	pluginLog string
-	staging   string // staging_target_path (the plugin mounts nothing there)
-	target    string // target_path of NodePublishVolume
-	floorDir  string // mount point of the in-process and util-linux floors
-	consMount string // the consumer's mount point, as its namespace sees it
-	floorImg  string // a sparse copy of the formatted volume image
+	dir      string // the one temporary dir: everything below is ours
+	floorDir string // mount point of the in-process and util-linux floors
+	floorImg string // a sparse copy of the formatted volume image
 
-	metricsAddr string // the plugin's --metrics-address, "" if it has none
-	// reconcileInterval is the plugin's --reconcile-interval ("" for 1h);
-	// the last start took pluginListening from exec to the socket
-	// accepting, pluginReady to Probe ready.
-	reconcileInterval            string
-	pluginListening, pluginReady time.Duration
+	// The main instance (the current build, split unless -alone), whose
+	// fields the measurements use directly; others take turns with it in
+	// measurements 1 and 4.
+	*instance
+	alone  *instance // -hop: the current build alone (mounter in process)
+	before *instance // -compare: the other plugin binary, alone
 
-	plugin   *child
 	consumer *child
-	conn     *grpc.ClientConn
-	node     csi.NodeClient
-	ctrl     csi.ControllerClient
-	prep     api.NodePrepareClient
-	exec     *mounter.Executor
-	volumeID string
 	freshID  string // the volume of measurement 6 that exists now, if any
-	image    string
-	journal  *writeCounter
 
 	scale scaleState // measurement 8's volumes
 
 	inflateDir string   // -mounts: where the extra mounts are
 	inflated   []string // -mounts: the extra mounts made so far
+}
 
-	// What a cycle left half done, for the teardown.
-	published, prepared, staged bool
-	preparedCons                plan.Consumer
+// instances are the main instance and the others, in that order.
+func (b *bench) instances() []*instance {
+	out := []*instance{b.instance}
+	for _, in := range []*instance{b.alone, b.before} {
+		if in != nil {
+			out = append(out, in)
+		}
+	}
+	return out
 }
 
 func newBench(o options) (*bench, error) {
@@ -89,24 +78,52 @@ func newBench(o options) (*bench, error) {
 		return nil, err
 	}
 	b := &bench{
-		o:         o,
-		dir:       dir,
-		stateDir:  filepath.Join(dir, "state"),
-		sock:      filepath.Join(dir, "csi.sock"),
-		pluginLog: filepath.Join(dir, "plugin.log"),
-		staging:   filepath.Join(dir, "staging"),
-		target:    filepath.Join(dir, "publish", "target"),
-		floorDir:  filepath.Join(dir, "floor-mnt"),
-		consMount: filepath.Join(dir, "consumer-mnt"),
-		floorImg:  filepath.Join(dir, "floor.img"),
+		o:        o,
+		dir:      dir,
+		floorDir: filepath.Join(dir, "floor-mnt"),
+		floorImg: filepath.Join(dir, "floor.img"),
 	}
-	for _, d := range []string{b.stateDir, b.staging, filepath.Dir(b.target), b.floorDir, b.consMount} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
+	if err := os.MkdirAll(b.floorDir, 0o750); err != nil {
+		return b, err
+	}
+	now := "now"
+	if rev := revision(o.plugin); rev != "" {
+		now += " (" + rev + ")"
+	}
+	if b.instance, err = newInstance(dir, "", now+", "+shapeWord(!o.alone), o.plugin, !o.alone); err != nil {
+		return b, err
+	}
+	// The others take turns in measurements 1 and 4 only.
+	if !o.phases[1] && !o.phases[4] {
+		return b, nil
+	}
+	if o.hop && !o.alone {
+		if b.alone, err = newInstance(dir, "alone", now+", "+shapeWord(false), o.plugin, false); err != nil {
 			return b, err
 		}
 	}
-	b.exec = &mounter.Executor{Policy: (&config.Config{DefaultFsType: "ext4"}).PlanPolicy(b.stateDir), KubeletDir: b.dir}
+	if o.compare != "" && o.phases[1] {
+		label := "before"
+		switch rev := revision(o.compare); {
+		case o.compareLabel != "":
+			label += " (" + o.compareLabel + ")"
+		case rev != "":
+			label += " (" + rev + ")"
+		default:
+			label += " (" + filepath.Base(o.compare) + ")"
+		}
+		if b.before, err = newInstance(dir, "before", label+", "+shapeWord(false), o.compare, false); err != nil {
+			return b, err
+		}
+	}
 	return b, nil
+}
+
+func shapeWord(split bool) string {
+	if split {
+		return "split (plugin + mounter)"
+	}
+	return "plugin alone (mounter in process)"
 }
 
 func mountCap() *csi.VolumeCapability {
@@ -116,61 +133,83 @@ func mountCap() *csi.VolumeCapability {
 	}
 }
 
+// Numbers of the samples of the other instances, which take turns with
+// measurement 1 (publish) and 4 (prepare); measurement 6 uses 6 to 9.
+const (
+	nAlonePublish  = 10 // the current build alone (-hop)
+	nBeforePublish = 11 // the -compare binary alone
+	nAlonePrepare  = 12 // the current build alone (-hop)
+)
+
 // measure sets up and runs the selected measurements. The results gathered
 // so far are returned with an error.
 func (b *bench) measure(ctx context.Context) (*results, error) {
-	res := &results{o: b.o, env: describeEnv(b.dir)}
+	res := &results{o: b.o, env: describeEnv(b.dir), shape: b.instance.label}
+	if b.before != nil {
+		res.before = b.before.label
+	}
 	if b.o.mounts > 0 {
 		if err := b.inflateMounts(); err != nil {
 			return nil, err
 		}
 		res.env += fmt.Sprintf("; private mount namespace with %d extra mounts (%d in its table)", b.o.mounts, countMounts())
 	}
-	// Every measurement needs the plugin: the floors use a copy of the
-	// image its first stage formatted.
-	b.logf("starting plugin in %s", b.dir)
-	if err := b.startPlugin(ctx); err != nil {
-		return nil, err
-	}
-	if err := b.createVolume(ctx); err != nil {
-		return nil, err
+	// Every measurement needs the main instance: the floors use a copy of
+	// the image its first stage formatted.
+	for _, in := range b.instances() {
+		if err := b.startInstance(ctx, in); err != nil {
+			return nil, err
+		}
 	}
 	if b.o.phases[4] || b.o.phases[5] || b.o.phases[8] {
 		if err := b.startConsumer(ctx); err != nil {
 			return res, err
 		}
 	}
+	defer func() {
+		for _, in := range b.instances() {
+			in.journal.close()
+			in.records.close()
+		}
+	}()
 	var err error
-	wc, werr := newWriteCounter(filepath.Join(b.stateDir, "volumes"))
-	if werr != nil {
-		fmt.Fprintln(os.Stderr, "bench: not counting journal writes:", werr)
-	} else {
-		b.journal = wc
-		defer wc.close()
-	}
-
 	type phase struct {
 		n    int
+		sel  int // the measurement (-phases) it belongs to
 		name string
+		in   *instance // the instance a socket cycle runs on; nil for a floor
 		fn   func(context.Context, *sample) error
 	}
-	// A socket cycle and its floor run in turn, cycle by cycle, so that a
-	// drift in the machine's load hits both alike and their ratio holds.
-	groups := [][]phase{
-		{{1, "publish cycle via socket: stage + publish + unpublish + unstage", b.publishCycle},
-			{2, "floor, direct syscalls: attach + mount + umount + detach", b.floorCycle}},
-		{{3, "util-linux tools: losetup --find --show, mount, umount, losetup -d", b.toolsCycle}},
-		{{4, "prepare cycle via socket: stage + prepare + Executor.Mount in consumer ns + Executor.Unmount + unprepare + unstage", b.prepareCycle},
-			{5, "prepare floor: attach + fsopen/fsmount + setns + move_mount + umount in ns + detach", b.prepareFloorCycle}},
+	publish := func(in *instance) func(context.Context, *sample) error {
+		return func(ctx context.Context, s *sample) error { return b.publishCycle(ctx, in, s) }
 	}
+	prepare := func(in *instance) func(context.Context, *sample) error {
+		return func(ctx context.Context, s *sample) error { return b.prepareCycle(ctx, in, s) }
+	}
+	// A socket cycle and its floor run in turn, cycle by cycle, so that a
+	// drift in the machine's load hits both alike and their ratio holds;
+	// so do the other instances' cycles.
+	g1 := []phase{{1, 1, "publish cycle via socket: stage + publish + unpublish + unstage, " + b.instance.label, b.instance, publish(b.instance)}}
+	g4 := []phase{{4, 4, "prepare cycle via socket: stage + prepare + mount in consumer ns + unmount + unprepare + unstage, " + b.instance.label, b.instance, prepare(b.instance)}}
+	if b.alone != nil {
+		g1 = append(g1, phase{nAlonePublish, 1, "publish cycle via socket, " + b.alone.label, b.alone, publish(b.alone)})
+		g4 = append(g4, phase{nAlonePrepare, 4, "prepare cycle via socket, " + b.alone.label, b.alone, prepare(b.alone)})
+	}
+	if b.before != nil {
+		g1 = append(g1, phase{nBeforePublish, 1, "publish cycle via socket, " + b.before.label, b.before, publish(b.before)})
+	}
+	g1 = append(g1, phase{2, 2, "floor, direct syscalls: attach + mount + umount + detach", nil, b.floorCycle})
+	g4 = append(g4, phase{5, 5, "prepare floor: attach + fsopen/fsmount + setns + move_mount + umount in ns + detach", nil, b.prepareFloorCycle})
+	groups := [][]phase{g1, {{3, 3, "util-linux tools: losetup --find --show, mount, umount, losetup -d", nil, b.toolsCycle}}, g4}
 	for _, g := range groups {
-		g = slices.DeleteFunc(slices.Clone(g), func(p phase) bool { return !b.o.phases[p.n] })
+		g = slices.DeleteFunc(slices.Clone(g), func(p phase) bool { return !b.o.phases[p.sel] })
 		if len(g) == 0 {
 			continue
 		}
 		samples := make([]*sample, len(g))
 		for i, p := range g {
 			samples[i] = newSample(p.n, p.name)
+			samples[i].in = p.in
 			b.logf("measurement %d: %d warm-ups, %d timed", p.n, b.o.warmup, b.o.n)
 			for j := 0; j < b.o.warmup; j++ {
 				if err = p.fn(ctx, nil); err != nil {
@@ -178,16 +217,33 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 				}
 			}
 		}
-		// Only socket cycles (1, 4) use the plugin: its CPU time and
-		// metrics over the group are theirs.
-		socket := g[0].n == 1 || g[0].n == 4
-		cpu0, cpuErr := b.pluginCPU()
-		var m0 map[string]hist
-		if socket {
-			m0, _ = b.scrape(ctx)
+		// The calls each step of a split cycle makes to the mounter,
+		// counted once, untimed (strace of the plugin).
+		for i, p := range g {
+			if p.in != nil && p.in.split {
+				samples[i].mounterCalls = b.countMounterCalls(ctx, p.in, p.fn)
+			}
+		}
+		// Each instance is used by its own cycles only: its plugin's and
+		// mounter's CPU time and metrics over the group are theirs.
+		type before struct {
+			pluginCPU, mounterCPU time.Duration
+			cpuErr                error
+			metrics               map[string]hist
+		}
+		was := make([]before, len(g))
+		for i, p := range g {
+			if p.in == nil {
+				continue
+			}
+			was[i].pluginCPU, was[i].cpuErr = procCPU(p.in.plugin)
+			if p.in.mounterProc != nil {
+				was[i].mounterCPU, _ = procCPU(p.in.mounterProc)
+			}
+			was[i].metrics, _ = b.scrape(ctx, p.in)
 		}
 		var stopTrace func() string
-		if b.o.straceOut != "" && socket {
+		if b.o.straceOut != "" && g[0].in == b.instance {
 			if stopTrace, err = b.straceOn(fmt.Sprintf("%s.cycle%d", b.o.straceOut, g[0].n)); err != nil {
 				return res, err
 			}
@@ -203,12 +259,22 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 				}
 			}
 		}
-		if cpu1, err := b.pluginCPU(); err == nil && cpuErr == nil && socket {
-			samples[0].pluginCPU = (cpu1 - cpu0) / time.Duration(b.o.n)
-		}
-		if m0 != nil {
-			if m1, err := b.scrape(ctx); err == nil {
-				samples[0].inPlugin = meansBetween(m0, m1)
+		for i, p := range g {
+			if p.in == nil {
+				continue
+			}
+			if cpu1, err := procCPU(p.in.plugin); err == nil && was[i].cpuErr == nil {
+				samples[i].pluginCPU = (cpu1 - was[i].pluginCPU) / time.Duration(b.o.n)
+			}
+			if p.in.mounterProc != nil {
+				if cpu1, err := procCPU(p.in.mounterProc); err == nil {
+					samples[i].mounterCPU = (cpu1 - was[i].mounterCPU) / time.Duration(b.o.n)
+				}
+			}
+			if was[i].metrics != nil {
+				if m1, err := b.scrape(ctx, p.in); err == nil {
+					samples[i].inPlugin = meansBetween(was[i].metrics, m1)
+				}
 			}
 		}
 		if stopTrace != nil {
@@ -236,15 +302,44 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 	}
 	res.journalWrite = b.measureJournalWrite(ctx)
 	res.noopRPC = b.measureNoopRPC(ctx)
+	res.mounterRPC = b.measureMounterRPC(ctx)
 	return res, nil
 }
 
-// createVolume provisions the volume and stages and unstages it once, so
+// startInstance starts in's mounter (split) and plugin, creates its volume
+// and starts counting its record writes.
+func (b *bench) startInstance(ctx context.Context, in *instance) error {
+	if in.split {
+		b.logf("starting mounter (%s) in %s", in.label, in.root)
+		if err := b.startMounter(ctx, in); err != nil {
+			return err
+		}
+	}
+	b.logf("starting plugin (%s) in %s", in.label, in.root)
+	if err := b.startPlugin(ctx, in); err != nil {
+		return err
+	}
+	if err := b.createVolume(ctx, in); err != nil {
+		return fmt.Errorf("%s: %w", in.label, err)
+	}
+	var err error
+	if in.journal, err = newWriteCounter(filepath.Join(in.stateDir, "volumes")); err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %s: not counting journal writes: %v\n", in.label, err)
+	}
+	// The mounter's records: the loop devices it attached, the mounts it
+	// made below the state dir. A plugin from before the split has none.
+	if in.records, err = newWriteCounter(filepath.Join(in.recordsDir, "loops"), filepath.Join(in.recordsDir, "mounts")); err != nil && in == b.instance {
+		fmt.Fprintf(os.Stderr, "bench: %s: not counting the mounter's record writes: %v\n", in.label, err)
+	}
+	return nil
+}
+
+// createVolume provisions in's volume and stages and unstages it once, so
 // that it is formatted before anything is timed; the floors use a sparse
-// copy of the formatted image, on the same filesystem.
-func (b *bench) createVolume(ctx context.Context) error {
-	b.node, b.ctrl, b.prep = csi.NewNodeClient(b.conn), csi.NewControllerClient(b.conn), api.NewNodePrepareClient(b.conn)
-	r, err := b.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+// copy of the main instance's formatted image, on the same filesystem.
+func (b *bench) createVolume(ctx context.Context, in *instance) error {
+	in.node, in.ctrl, in.prep = csi.NewNodeClient(in.conn), csi.NewControllerClient(in.conn), api.NewNodePrepareClient(in.conn)
+	r, err := in.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name:               volumeName,
 		CapacityRange:      &csi.CapacityRange{RequiredBytes: imageSize},
 		VolumeCapabilities: []*csi.VolumeCapability{mountCap()},
@@ -252,45 +347,48 @@ func (b *bench) createVolume(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("CreateVolume: %w", err)
 	}
-	b.volumeID = r.GetVolume().GetVolumeId()
-	if err := b.stage(ctx); err != nil {
+	in.volumeID = r.GetVolume().GetVolumeId()
+	if err := in.stage(ctx); err != nil {
 		return fmt.Errorf("first stage (format): %w", err)
 	}
-	if err := b.unstage(ctx); err != nil {
+	if err := in.unstage(ctx); err != nil {
 		return err
 	}
-	st, err := journal.Open(b.stateDir)
+	if in != b.instance {
+		return nil
+	}
+	st, err := journal.Open(in.stateDir)
 	if err != nil {
 		return err
 	}
-	v, err := st.Get(b.volumeID)
+	v, err := st.Get(in.volumeID)
 	if err != nil {
 		return err
 	}
 	if v.Format == nil || !v.Format.Done || v.Format.FsType != "ext4" {
-		return fmt.Errorf("volume %s was not formatted ext4 by its first stage: %+v", b.volumeID, v.Format)
+		return fmt.Errorf("volume %s was not formatted ext4 by its first stage: %+v", in.volumeID, v.Format)
 	}
-	b.image = v.Image
-	b.logf("volume %s, image %s", b.volumeID, b.image)
-	return sparseCopy(b.image, b.floorImg)
+	in.image = v.Image
+	b.logf("volume %s, image %s", in.volumeID, in.image)
+	return sparseCopy(in.image, b.floorImg)
 }
 
-func (b *bench) stage(ctx context.Context) error {
-	_, err := b.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
-		VolumeId: b.volumeID, StagingTargetPath: b.staging, VolumeCapability: mountCap()})
+func (in *instance) stage(ctx context.Context) error {
+	_, err := in.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+		VolumeId: in.volumeID, StagingTargetPath: in.staging, VolumeCapability: mountCap()})
 	if err != nil {
 		return fmt.Errorf("NodeStageVolume: %w", err)
 	}
-	b.staged = true
+	in.staged = true
 	return nil
 }
 
-func (b *bench) unstage(ctx context.Context) error {
-	if _, err := b.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{
-		VolumeId: b.volumeID, StagingTargetPath: b.staging}); err != nil {
+func (in *instance) unstage(ctx context.Context) error {
+	if _, err := in.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{
+		VolumeId: in.volumeID, StagingTargetPath: in.staging}); err != nil {
 		return fmt.Errorf("NodeUnstageVolume: %w", err)
 	}
-	b.staged = false
+	in.staged = false
 	return nil
 }
 
@@ -384,13 +482,36 @@ func (b *bench) measureNoopRPC(ctx context.Context) *sample {
 	return s
 }
 
-// pluginCPU is the CPU time (user + system) the plugin has used so far,
-// from /proc/PID/stat, which includes its exited threads.
-func (b *bench) pluginCPU() (time.Duration, error) {
-	pid := b.plugin.pid()
+// measureMounterRPC times a call to the main instance's mounter that has
+// nothing to do (mounterNoop): the cost of one hop over pkg/unixrpc. nil
+// without a mounter process.
+func (b *bench) measureMounterRPC(ctx context.Context) *sample {
+	if b.mnt == nil {
+		return nil
+	}
+	s := newSample(0, "mounter round trip")
+	for i := 0; i < b.o.warmup+b.o.n && ctx.Err() == nil; i++ {
+		t := time.Now()
+		if err := mounterNoop(ctx, b.mnt); err != nil {
+			return nil
+		}
+		if i >= b.o.warmup {
+			s.add("LiveNamespaces of a consumer without namespace", time.Since(t))
+		}
+	}
+	return s
+}
+
+// procCPU is the CPU time (user + system) c has used so far, from
+// /proc/PID/stat, which includes its exited threads.
+func procCPU(c *child) (time.Duration, error) {
+	if c == nil {
+		return 0, errors.New("no such process")
+	}
+	pid := c.pid()
 	st, ok := daemon.ReadStat(pid)
 	if !ok {
-		return 0, fmt.Errorf("cannot read /proc/%d/stat: has the plugin exited?", pid)
+		return 0, fmt.Errorf("cannot read /proc/%d/stat: has the %s exited?", pid, c.name)
 	}
 	const clkTck = 100 // USER_HZ: the unit of /proc times on every Linux architecture Go supports
 	return time.Duration(st.UTime+st.STime) * time.Second / clkTck, nil

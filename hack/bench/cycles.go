@@ -14,22 +14,29 @@ import (
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // stepper times the steps of one cycle into s (nil: a warm-up, nothing is
-// recorded) with the journal writes each step made.
+// recorded) with the journal writes each step made: the plugin's volume
+// records and the mounter's records of in (nil for a floor).
 type stepper struct {
 	b     *bench
+	in    *instance
 	s     *sample
 	steps []stepTime
 }
 
 type stepTime struct {
-	name   string
-	d      time.Duration
-	writes int
+	name       string
+	start      time.Time
+	d          time.Duration
+	writes     int
+	recWrites  int
+	benchCalls int  // calls the bench itself made to the mounter in the step
+	aside      bool // not part of the cycle's total
 }
 
 // attachStep names the floor's attach: loopdev.Attach binds a number it
@@ -37,17 +44,33 @@ type stepTime struct {
 // LOOP_CTL_GET_FREE (which walks every loop device).
 const attachStep = "attach: loopdev.Attach (a number it detached, else LOOP_CTL_GET_FREE; LOOP_CONFIGURE)"
 
-func (b *bench) steps(s *sample) *stepper { return &stepper{b: b, s: s} }
+func (b *bench) steps(in *instance, s *sample) *stepper { return &stepper{b: b, in: in, s: s} }
 
-func (st *stepper) do(name string, fn func() error) error {
-	st.b.journal.drain()
+func (st *stepper) do(name string, fn func() error) error { return st.step(name, 0, false, fn) }
+
+// viaMounter is a step in which the bench calls the mounter itself, calls
+// times.
+func (st *stepper) viaMounter(name string, calls int, fn func() error) error {
+	return st.step(name, calls, false, fn)
+}
+
+// aside is a step shown with the others but left out of the cycle's total.
+func (st *stepper) aside(name string, fn func() error) error { return st.step(name, 0, true, fn) }
+
+func (st *stepper) step(name string, calls int, aside bool, fn func() error) error {
+	var jw, rw *writeCounter
+	if st.in != nil {
+		jw, rw = st.in.journal, st.in.records
+	}
+	jw.drain()
+	rw.drain()
 	t := time.Now()
 	err := fn()
 	d := time.Since(t)
 	if err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
-	st.steps = append(st.steps, stepTime{name: name, d: d, writes: st.b.journal.drain()})
+	st.steps = append(st.steps, stepTime{name: name, start: t, d: d, writes: jw.drain(), recWrites: rw.drain(), benchCalls: calls, aside: aside})
 	return nil
 }
 
@@ -59,27 +82,34 @@ func (st *stepper) done() {
 	var total time.Duration
 	for _, x := range st.steps {
 		st.s.add(x.name, x.d)
-		st.s.addWrites(x.name, x.writes)
-		total += x.d
+		st.s.addWrites(x.name, x.writes, x.recWrites)
+		if x.aside {
+			st.s.asides[x.name] = true
+		} else {
+			total += x.d
+		}
+		if st.s.windows != nil {
+			*st.s.windows = append(*st.s.windows, x)
+		}
 	}
 	st.s.addTotal(total)
 }
 
 // publishCycle: stage, publish at target_path, unpublish, unstage through
-// the socket.
-func (b *bench) publishCycle(ctx context.Context, s *sample) error {
+// in's socket.
+func (b *bench) publishCycle(ctx context.Context, in *instance, s *sample) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	st := b.steps(s)
-	if err := st.do("NodeStageVolume", func() error { return b.stage(ctx) }); err != nil {
+	st := b.steps(in, s)
+	if err := st.do("NodeStageVolume", func() error { return in.stage(ctx) }); err != nil {
 		return err
 	}
 	err := st.do("NodePublishVolume", func() error {
-		_, err := b.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
-			VolumeId: b.volumeID, StagingTargetPath: b.staging, TargetPath: b.target, VolumeCapability: mountCap()})
+		_, err := in.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+			VolumeId: in.volumeID, StagingTargetPath: in.staging, TargetPath: in.target, VolumeCapability: mountCap()})
 		if err == nil {
-			b.published = true
+			in.published = true
 		}
 		return err
 	})
@@ -87,16 +117,16 @@ func (b *bench) publishCycle(ctx context.Context, s *sample) error {
 		return err
 	}
 	err = st.do("NodeUnpublishVolume", func() error {
-		_, err := b.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: b.volumeID, TargetPath: b.target})
+		_, err := in.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: in.volumeID, TargetPath: in.target})
 		if err == nil {
-			b.published = false
+			in.published = false
 		}
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	if err := st.do("NodeUnstageVolume", func() error { return b.unstage(ctx) }); err != nil {
+	if err := st.do("NodeUnstageVolume", func() error { return in.unstage(ctx) }); err != nil {
 		return err
 	}
 	st.done()
@@ -108,7 +138,7 @@ func (b *bench) floorCycle(ctx context.Context, s *sample) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	st := b.steps(s)
+	st := b.steps(nil, s)
 	var dev *loopdev.Device
 	mounted := false
 	defer func() { // roll back what a failed cycle left
@@ -156,7 +186,7 @@ func (b *bench) toolsCycle(ctx context.Context, s *sample) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	st := b.steps(s)
+	st := b.steps(nil, s)
 	dev := ""
 	mounted := false
 	defer func() {
@@ -218,55 +248,82 @@ func exitDetail(err error) error {
 }
 
 // prepareCycle: stage, prepare for the consumer, perform the plan in its
-// namespace with the in-process executor, unmount, unprepare, unstage.
-func (b *bench) prepareCycle(ctx context.Context, s *sample) error {
+// namespace through the mounter that attached the device, unmount,
+// unprepare, unstage. Split, that is the mounter's socket (as the sidecar's
+// mount command or the NRI hook reach it); alone, a mounter.Local that
+// observes the plugin's in-process mounter's records, as
+// `mountplan-sidecar mount` makes one for each call (its start is shown as
+// a step of its own, outside the cycle's total).
+func (b *bench) prepareCycle(ctx context.Context, in *instance, s *sample) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	st := b.steps(s)
-	cons := plan.Consumer{PID: b.consumer.pid(), MountPoint: b.consMount}
+	st := b.steps(in, s)
+	cons := plan.Consumer{PID: b.consumer.pid(), MountPoint: in.consMount}
 	var mounts []plan.Mount
-	if err := st.do("NodeStageVolume", func() error { return b.stage(ctx) }); err != nil {
+	if err := st.do("NodeStageVolume", func() error { return in.stage(ctx) }); err != nil {
 		return err
 	}
-	err := st.do("NodePrepareVolume", func() error {
-		r, err := b.prep.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{
-			VolumeId: b.volumeID, StagingTargetPath: b.staging, VolumeCapability: mountCap(),
+	err = st.do("NodePrepareVolume", func() error {
+		r, err := in.prep.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{
+			VolumeId: in.volumeID, StagingTargetPath: in.staging, VolumeCapability: mountCap(),
 			Consumer: &api.Consumer{Pid: int64(cons.PID), MountPoint: cons.MountPoint}})
 		if err != nil {
 			return err
 		}
-		cons.Namespace.Inode = r.GetConsumer().GetMntNsInode()
+		cons.Namespace = plan.Namespace{Inode: r.GetConsumer().GetMntNsInode(), ID: r.GetConsumer().GetMntNsId()}
 		mounts = plan.FromProto(r.GetMounts())
-		b.prepared, b.preparedCons = true, cons
+		in.prepared, in.preparedCons = true, cons
 		return nil
 	})
 	if err != nil {
 		return err
 	}
-	if err := st.do("Executor.Mount (in consumer ns)", func() error { return b.exec.Mount(ctx, mounts, cons) }); err != nil {
+	var m mounter.Interface = in.mnt
+	mountStep, unmountStep, calls := "Mount via the mounter's socket (in consumer ns)", "Unmount via the mounter's socket (in consumer ns)", 1
+	if !in.split {
+		var local *mounter.Local
+		if err := st.aside(observeStep, func() (err error) {
+			local, err = mounter.NewNode(ctx, mounter.Options{StateDir: in.stateDir, KubeletDir: b.dir, RecordsDir: in.recordsDir, Observe: true})
+			return err
+		}); err != nil {
+			return err
+		}
+		defer func() {
+			if local != nil {
+				err = errors.Join(err, local.Close())
+			}
+		}()
+		m = local
+		mountStep, unmountStep, calls = "Local.Mount (in consumer ns)", "Local.Unmount (in consumer ns)", 0
+	}
+	if err := st.viaMounter(mountStep, calls, func() error { return m.Mount(ctx, mounts, cons) }); err != nil {
 		return err
 	}
-	if err := st.do("Executor.Unmount (in consumer ns)", func() error { return b.exec.Unmount(ctx, mounts, cons) }); err != nil {
+	if err := st.viaMounter(unmountStep, calls, func() error { return m.Unmount(ctx, mounts, cons) }); err != nil {
 		return err
 	}
 	err = st.do("NodeUnprepareVolume", func() error {
-		_, err := b.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{
-			VolumeId: b.volumeID, Consumer: plan.ConsumerToProto(cons)})
+		_, err := in.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{
+			VolumeId: in.volumeID, Consumer: plan.ConsumerToProto(cons)})
 		if err == nil {
-			b.prepared = false
+			in.prepared = false
 		}
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	if err := st.do("NodeUnstageVolume", func() error { return b.unstage(ctx) }); err != nil {
+	if err := st.do("NodeUnstageVolume", func() error { return in.unstage(ctx) }); err != nil {
 		return err
 	}
 	st.done()
 	return nil
 }
+
+// observeStep names the start of the observing mounter of a prepare cycle
+// of the plugin alone.
+const observeStep = "mounter.NewNode observing the plugin's records (mountplan-sidecar mount's start; not in the total)"
 
 // prepareFloorCycle does the kernel work of the prepare cycle in process:
 // the mount is built in our namespace and attached in the consumer's, then
@@ -276,7 +333,7 @@ func (b *bench) prepareFloorCycle(ctx context.Context, s *sample) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	st := b.steps(s)
+	st := b.steps(nil, s)
 	var (
 		dev     *loopdev.Device
 		built   *os.File

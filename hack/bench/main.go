@@ -1,9 +1,16 @@
 // Command bench measures what a volume cycle costs through mountplan-plugin's
 // socket against the kernel work that cycle asks for, on a 64 MiB ext4 loop
-// volume:
+// volume, in the deployment's shape: the plugin reaches its mounter
+// (`mountplan-sidecar serve`, every privileged act) with --mounter-endpoint
+// over pkg/unixrpc. With -alone the plugin runs alone, its mounter in
+// process, as before the split.
 //
 //  1. publish cycle through the socket: NodeStageVolume, NodePublishVolume,
 //     NodeUnpublishVolume, NodeUnstageVolume against the real plugin binary;
+//     with -hop (the default when split) the same binary alone and with
+//     -compare a second plugin binary alone (e.g. the commit before the
+//     split) take turns with it, each with a state dir and volume of its
+//     own, and the summary compares them;
 //
 //  2. its floor, in process: loopdev.Attach (a loop number it detached
 //     before, else LOOP_CTL_GET_FREE; LOOP_CONFIGURE), mount(2)
@@ -14,8 +21,11 @@
 //
 //  4. prepare cycle through the socket: NodeStageVolume, NodePrepareVolume,
 //     the returned plan performed in a consumer's mount namespace by the
-//     in-process mounter.Executor, Executor.Unmount, NodeUnprepareVolume,
-//     NodeUnstageVolume;
+//     mounter that attached the device (split: its socket, as the
+//     sidecar's mount command or the NRI hook; alone: a mounter.Local
+//     observing the plugin's records, as `mountplan-sidecar mount`), its
+//     Unmount, NodeUnprepareVolume, NodeUnstageVolume; with -hop the same
+//     binary alone takes turns with it;
 //
 //  5. its floor: attach, fsopen/fsmount (mountns.Build), setns into the
 //     consumer (mountns.OpenPID + Do), move_mount (mountns.Attach), umount
@@ -32,9 +42,9 @@
 //     node filled with staged and published volumes level by level
 //     (-scale), every per-volume operation of a few extra volumes and the
 //     floor cycle timed at each level; at the top level a restart of the
-//     plugin (ready time, RSS) and its idle CPU time; then the teardown by
-//     -scale-clients concurrent clients, the first and the last 1,000
-//     volumes timed (scale.go).
+//     plugin (ready time, RSS; the mounter's RSS beside it) and their idle
+//     CPU time; then the teardown by -scale-clients concurrent clients,
+//     the first and the last 1,000 volumes timed (scale.go).
 //
 // A socket cycle and its floor (1 and 2, 4 and 5) run in turn, cycle by
 // cycle, so that load drifts hit both alike.
@@ -42,14 +52,16 @@
 // It prints one summary table (operation, p50, p99, ratio, goal, met or
 // not) and writes the same figures as JSON with an SVG plot of every
 // cycle's latency under -out; then markdown tables of medians and p90s,
-// the median of every step (each RPC separately) with the journal writes
-// each RPC made, so that time above the floor can be attributed.
+// the median of every step (each RPC separately) with the journal and
+// mounter record writes each RPC made and its calls to the mounter, so that
+// time above the floor can be attributed.
 //
 // Everything it makes lives in one temporary directory and is removed at the
-// end, on error and on SIGINT/SIGTERM: the plugin is stopped, the consumer
-// process killed, loop devices detached and mounts removed. The last line is
-// a leak check of loop devices backed by files under that directory and of
-// mounts under it.
+// end, on error and on SIGINT/SIGTERM: the plugins and then the mounters are
+// stopped, the consumer process killed, loop devices detached and mounts
+// removed. The last line is a leak check of loop devices backed by files
+// under that directory, of mounts under it, and of the processes the bench
+// started and theirs (tool spawners).
 //
 // Run it as root: hack/bench.sh [-n 50] [-state-dir /var/tmp].
 package main
@@ -81,11 +93,18 @@ type options struct {
 	n, warmup int
 	baseDir   string
 	plugin    string
-	phases    map[int]bool
-	straceOut string
-	verbose   bool
-	mounts    int
-	outDir    string
+	sidecar   string // the mounter: mountplan-sidecar serve beside the plugin
+	alone     bool   // the plugin alone, its mounter in process (no sidecar)
+	hop       bool   // split: the current build alone takes turns too
+	compare   string // a second plugin binary, alone, taking turns
+	// compareLabel names it in the reports (default: its VCS revision,
+	// else its file name).
+	compareLabel string
+	phases       map[int]bool
+	straceOut    string
+	verbose      bool
+	mounts       int
+	outDir       string
 	// The data path measurement (7): seconds of I/O in all, in rounds.
 	dataSeconds float64
 	dataRounds  int
@@ -104,6 +123,11 @@ func main() {
 	flag.IntVar(&o.warmup, "warmup", 5, "untimed iterations before the timed ones")
 	flag.StringVar(&o.baseDir, "state-dir", "/var/tmp", "directory under which a fresh temporary dir is made for the plugin's state dir, the images, the socket and the mount points")
 	flag.StringVar(&o.plugin, "plugin", "bin/mountplan-plugin", "plugin binary")
+	flag.StringVar(&o.sidecar, "sidecar", "bin/mountplan-sidecar", "mounter binary: `mountplan-sidecar serve` runs beside the plugin (--mounter-endpoint), as deployed, unless -alone")
+	flag.BoolVar(&o.alone, "alone", false, "run the plugin alone with its mounter in process (no --mounter-endpoint), the shape before the split")
+	flag.BoolVar(&o.hop, "hop", true, "unless -alone: the same plugin binary also runs alone (mounter in process, a state dir and volume of its own) and its publish and prepare cycles take turns with measurements 1 and 4, so that the cost of the hop to the mounter shows")
+	flag.StringVar(&o.compareLabel, "compare-label", "", "what -compare's binary is called in the reports, e.g. its commit (default: the VCS revision stamped in it, else its file name)")
+	flag.StringVar(&o.compare, "compare", "", "a second plugin `binary` (e.g. built from the commit before the split), run alone with a state dir and volume of its own: its publish cycle takes turns with measurement 1's and the floor's, and the summary compares the two (the issue's goal: not slower by more than 10%)")
 	flag.StringVar(&phases, "phases", "1,2,3,4,5,6,7", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor, 6 fresh volumes: create, first and later stage, delete, 7 data path: O_DIRECT 1 MiB I/O on the backing file and through loop devices, 8 scale: every per-volume operation at -scale staged and published volumes, restart, idle CPU, teardown; not in the default)")
 	flag.StringVar(&levels, "scale", "10,100,1000,10000", "measurement 8: the numbers of staged and published volumes at which operations are timed, increasing")
 	flag.IntVar(&o.scaleOps, "scale-ops", 45, "measurement 8: extra volumes taken through every operation at each level (with 15, p50s of sub-millisecond operations moved by 0.7-1.5× from run to run)")
@@ -133,8 +157,25 @@ func main() {
 	if os.Geteuid() != 0 {
 		fail(errors.New("needs root: loop devices, mounts and mount namespaces"))
 	}
-	if o.plugin, err = filepath.Abs(o.plugin); err != nil {
-		fail(err)
+	for _, p := range []*string{&o.plugin, &o.sidecar, &o.compare} {
+		if *p == "" {
+			continue
+		}
+		if *p, err = filepath.Abs(*p); err != nil {
+			fail(err)
+		}
+	}
+	bins := []string{o.plugin}
+	if !o.alone {
+		bins = append(bins, o.sidecar)
+	}
+	if o.compare != "" {
+		bins = append(bins, o.compare)
+	}
+	for _, p := range bins {
+		if st, err := os.Stat(p); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
+			fail(fmt.Errorf("%s: no executable there (make build)", p))
+		}
 	}
 	if o.mounts > 0 && os.Getenv(inNamespaceEnv) == "" {
 		os.Exit(reexecInNamespace())
@@ -207,8 +248,8 @@ func run(ctx context.Context, o options) int {
 		fmt.Fprintln(os.Stderr, "bench: interrupted; tearing down")
 	case runErr != nil:
 		fmt.Fprintln(os.Stderr, "bench:", runErr)
-		if tail := b.pluginLogTail(30); tail != "" {
-			fmt.Fprintf(os.Stderr, "plugin log, last lines:\n%s\n", tail)
+		if tail := b.logTails(30); tail != "" {
+			fmt.Fprintln(os.Stderr, tail)
 		}
 	}
 	if res != nil {

@@ -39,16 +39,16 @@ func metricsAddress(plugin string) string {
 	return l.Addr().String()
 }
 
-// scrape reads the plugin's RPC and step histograms: keys are
+// scrape reads in's plugin's RPC and step histograms: keys are
 // "rpc:<method>" (successful calls, method without its service) and
 // "step:<step>".
-func (b *bench) scrape(ctx context.Context) (map[string]hist, error) {
-	if b.metricsAddr == "" {
+func (b *bench) scrape(ctx context.Context, in *instance) (map[string]hist, error) {
+	if in.metricsAddr == "" {
 		return nil, fmt.Errorf("plugin serves no metrics")
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.metricsAddr+"/metrics", nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+in.metricsAddr+"/metrics", nil)
 	if err != nil {
 		return nil, err
 	}

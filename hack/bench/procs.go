@@ -77,62 +77,66 @@ func (c *child) stop(sig syscall.Signal, grace time.Duration) error {
 	return nil
 }
 
-// startPlugin starts the plugin on sock with state dir state and waits
-// until Probe says ready (the startup reconcile has finished).
-func (b *bench) startPlugin(ctx context.Context) error {
-	logf, err := os.OpenFile(b.pluginLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+// startPlugin starts in's plugin on its socket with its state dir (and its
+// mounter's socket, split) and waits until Probe says ready (the startup
+// reconcile has finished).
+func (b *bench) startPlugin(ctx context.Context, in *instance) error {
+	logf, err := os.OpenFile(in.pluginLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
 	}
 	defer logf.Close()
 	// A long reconcile interval keeps the periodic reconcile out of the
 	// timed loops; the startup reconcile still runs.
-	interval := b.reconcileInterval
+	interval := in.reconcileInterval
 	if interval == "" {
 		interval = "1h"
 	}
-	args := []string{b.o.plugin,
-		"--endpoint", "unix://" + b.sock, "--state-dir", b.stateDir, "--kubelet-dir", b.dir, "--node-id", "bench-node",
+	args := []string{in.binary,
+		"--endpoint", "unix://" + in.sock, "--state-dir", in.stateDir, "--kubelet-dir", b.dir, "--node-id", "bench-node",
 		"--reconcile-interval", interval}
-	if b.metricsAddr = metricsAddress(b.o.plugin); b.metricsAddr != "" {
-		args = append(args, "--metrics-address", b.metricsAddr)
+	if in.split {
+		args = append(args, "--mounter-endpoint", "unix://"+in.mounterSock)
+	}
+	if in.metricsAddr = metricsAddress(in.binary); in.metricsAddr != "" {
+		args = append(args, "--metrics-address", in.metricsAddr)
 	}
 	start := time.Now()
-	b.plugin, err = startChild("plugin", logf, logf, args...)
+	in.plugin, err = startChild("plugin", logf, logf, args...)
 	if err != nil {
 		return err
 	}
-	b.logf("plugin pid %d, log %s", b.plugin.pid(), b.pluginLog)
+	b.logf("plugin pid %d, log %s", in.plugin.pid(), in.pluginLog)
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if b.plugin.exited() {
-			return fmt.Errorf("plugin exited at start: %v", b.plugin.err)
+		if in.plugin.exited() {
+			return fmt.Errorf("plugin (%s) exited at start: %v", in.label, in.plugin.err)
 		}
-		if c, err := net.DialTimeout("unix", b.sock, time.Second); err == nil {
-			b.pluginListening = time.Since(start)
+		if c, err := net.DialTimeout("unix", in.sock, time.Second); err == nil {
+			in.pluginListening = time.Since(start)
 			c.Close()
 			break
 		}
 		if time.Now().After(deadline) {
-			return errors.New("plugin socket did not accept connections within 30s")
+			return fmt.Errorf("plugin (%s) socket did not accept connections within 30s", in.label)
 		}
 		if err := sleepCtx(ctx, time.Millisecond); err != nil {
 			return err
 		}
 	}
-	b.conn, err = grpc.NewClient("unix://"+b.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	in.conn, err = grpc.NewClient("unix://"+in.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}
-	id := csi.NewIdentityClient(b.conn)
+	id := csi.NewIdentityClient(in.conn)
 	for {
 		r, err := id.Probe(ctx, &csi.ProbeRequest{})
 		if err == nil && r.GetReady().GetValue() {
-			b.pluginReady = time.Since(start)
+			in.pluginReady = time.Since(start)
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("plugin not ready within 30s (last probe: %v)", err)
+			return fmt.Errorf("plugin (%s) not ready within 30s (last probe: %v)", in.label, err)
 		}
 		if err := sleepCtx(ctx, time.Millisecond); err != nil {
 			return err
@@ -140,11 +144,25 @@ func (b *bench) startPlugin(ctx context.Context) error {
 	}
 }
 
-func (b *bench) pluginLogTail(n int) string {
-	if b == nil || b.pluginLog == "" {
+// logTails returns the last n lines of every instance's logs.
+func (b *bench) logTails(n int) string {
+	if b == nil || b.instance == nil {
 		return ""
 	}
-	data, err := os.ReadFile(b.pluginLog)
+	var out []string
+	for _, in := range b.instances() {
+		if t := in.logTails(n); t != "" {
+			out = append(out, t)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+func logTail(path string, n int) string {
+	if path == "" {
+		return ""
+	}
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return ""
 	}

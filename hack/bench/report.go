@@ -35,19 +35,43 @@ type goal struct {
 	label    string
 	toLabel  string
 	maxRatio float64
+	// pair: a comparison of two socket cycles (of against to), shown as
+	// the difference of their p50 and p99 and the ratio of their p50.
+	pair bool
 }
 
+// maxSlowdown is the issue's goal for the split: the publish cycle not
+// slower than before by more than 10%.
+const maxSlowdown = 1.1
+
 // rowsOf are the summary's operations in order; maxRatio 0 means no goal.
-var rowsOf = []goal{
-	{1, 2, "publish cycle via socket (stage, publish, unpublish, unstage)", "floor", 1.5},
-	{2, 0, "floor: attach, mount, umount, detach (direct syscalls)", "", 0},
-	{3, 2, "the same with util-linux tools", "floor", 0},
-	{4, 5, "prepare cycle via socket (stage, prepare, mount in ns, unmount, unprepare, unstage)", "prepare floor", 0},
-	{5, 0, "prepare floor: attach, fsmount, setns, move_mount, umount, detach", "", 0},
-	{6, 0, "CreateVolume, 64 MiB ext4", "", 0},
-	{7, 8, "first stage of a freshly created volume", "later stage", 2},
-	{8, 0, "later stage of the same volume", "", 0},
-	{9, 0, "DeleteVolume of an unstaged volume", "", 0},
+// Rows of samples this run does not have are left out.
+func (r *results) rowsOf() []goal {
+	label := func(n int) string {
+		if s := r.byN(n); s != nil && s.in != nil {
+			return s.in.label
+		}
+		return r.shape
+	}
+	main, alone, before := label(1), label(nAlonePublish), r.before
+	return []goal{
+		{of: 1, to: 2, label: "publish cycle via socket (stage, publish, unpublish, unstage), " + main, toLabel: "floor", maxRatio: 1.5},
+		{of: nAlonePublish, to: 2, label: "the same, " + alone, toLabel: "floor"},
+		{of: nBeforePublish, to: 2, label: "the same, " + before, toLabel: "floor"},
+		{of: 1, to: nBeforePublish, label: "publish cycle, now against before: " + main + " against " + before, toLabel: "before", maxRatio: maxSlowdown, pair: true},
+		{of: nAlonePublish, to: nBeforePublish, label: "publish cycle, now alone against before (the changes beside the hop): " + alone + " against " + before, toLabel: "before", pair: true},
+		{of: 1, to: nAlonePublish, label: "the hop to the mounter, publish cycle: " + main + " against " + alone, toLabel: "alone", pair: true},
+		{of: 2, label: "floor: attach, mount, umount, detach (direct syscalls)"},
+		{of: 3, to: 2, label: "the same with util-linux tools", toLabel: "floor"},
+		{of: 4, to: 5, label: "prepare cycle via socket (stage, prepare, mount in ns, unmount, unprepare, unstage), " + main, toLabel: "prepare floor"},
+		{of: nAlonePrepare, to: 5, label: "the same, " + label(nAlonePrepare) + " (the observing mounter's start not counted)", toLabel: "prepare floor"},
+		{of: 4, to: nAlonePrepare, label: "the hop to the mounter, prepare cycle: " + main + " against " + label(nAlonePrepare), toLabel: "alone", pair: true},
+		{of: 5, label: "prepare floor: attach, fsmount, setns, move_mount, umount, detach"},
+		{of: 6, label: "CreateVolume, 64 MiB ext4"},
+		{of: 7, to: 8, label: "first stage of a freshly created volume", toLabel: "later stage", maxRatio: 2},
+		{of: 8, label: "later stage of the same volume"},
+		{of: 9, label: "DeleteVolume of an unstaged volume"},
+	}
 }
 
 // scaleGoals are the goals of issue 13 that measurement 8 measures, shown
@@ -73,9 +97,15 @@ func msf(d time.Duration) float64 { return float64(d) / float64(time.Millisecond
 // not measure.
 func (r *results) summary() []row {
 	var rows []row
-	for _, g := range rowsOf {
+	for _, g := range r.rowsOf() {
 		s := r.byN(g.of)
 		if s == nil || len(s.totals) == 0 {
+			continue
+		}
+		if g.pair {
+			if x, ok := r.pairRow(g, s); ok {
+				rows = append(rows, x)
+			}
 			continue
 		}
 		x := row{Operation: g.label, N: len(s.totals), P50ms: msf(median(s.totals)), P99ms: msf(p99(s.totals)), Verdict: "–"}
@@ -106,16 +136,48 @@ func (r *results) summary() []row {
 	return rows
 }
 
+// pairRow compares two socket cycles that took turns: the difference of
+// their p50 and p99, and the ratio of their p50 (held to the goal, if
+// any; the p99 ratio is said beside it).
+func (r *results) pairRow(g goal, s *sample) (row, bool) {
+	to := r.byN(g.to)
+	if to == nil || len(to.totals) == 0 || median(to.totals) <= 0 {
+		return row{}, false
+	}
+	a50, b50, a99, b99 := median(s.totals), median(to.totals), p99(s.totals), p99(to.totals)
+	x := row{Operation: g.label, Value: fmt.Sprintf("%+.2f ms (p50), %+.2f ms (p99)", msf(a50-b50), msf(a99-b99)),
+		Ratio: float64(a50) / float64(b50), RatioTo: g.toLabel, Verdict: "–"}
+	p99r := fmt.Sprintf("p99 %.2f×", float64(a99)/float64(b99))
+	if g.maxRatio > 0 {
+		x.Goal = fmt.Sprintf("≤ %.1f× %s", g.maxRatio, g.toLabel)
+		x.Verdict = "not met"
+		if x.Ratio <= g.maxRatio {
+			x.Verdict = "met"
+		}
+		x.Verdict += "; " + p99r
+	} else {
+		x.Verdict = "– (" + p99r + ")"
+	}
+	return x, true
+}
+
 // rpcBound says, for a socket cycle that missed its goal, how far the
-// floor plus the cycle's calls as no-op RPCs already are from the floor:
-// what is left of the goal for the plugin's own work is the difference.
+// floor plus the cycle's calls as no-op RPCs (and its calls to the
+// mounter, when counted, as calls that do nothing) already are from the
+// floor: what is left of the goal for the plugin's own work is the
+// difference.
 func (r *results) rpcBound(s, floor *sample) string {
 	rpc, n := refMedian(r.noopRPC), rpcSteps(s)
 	if rpc == 0 || n == 0 || floor == nil {
 		return ""
 	}
 	f := median(floor.totals)
-	return fmt.Sprintf("; the floor plus %d no-op RPCs (%s each) alone: %.2f×", n, ms(rpc), float64(f+time.Duration(n)*rpc)/float64(f))
+	extra, calls := time.Duration(n)*rpc, ""
+	if mc, mr := mounterCallCount(s), refMedian(r.mounterRPC); mc > 0 && mr > 0 {
+		extra += time.Duration(mc) * mr
+		calls = fmt.Sprintf(" and %d mounter calls (%s each)", mc, ms(mr))
+	}
+	return fmt.Sprintf("; the floor plus %d no-op RPCs (%s each)%s alone: %.2f×", n, ms(rpc), calls, float64(f+extra)/float64(f))
 }
 
 // printSummary prints the summary as one markdown table.
@@ -145,6 +207,8 @@ func printSummary(w io.Writer, rows []row) {
 type report struct {
 	Time    time.Time            `json:"time"`
 	Env     string               `json:"env"`
+	Shape   string               `json:"shape"`             // the main instance
+	Before  string               `json:"compare,omitempty"` // the -compare instance
 	N       int                  `json:"n"`
 	Warmup  int                  `json:"warmup"`
 	Summary []row                `json:"summary"`
@@ -159,7 +223,7 @@ func (r *results) save(dir string, now time.Time) ([]string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	rep := report{Time: now.UTC(), Env: r.env, N: r.o.n, Warmup: r.o.warmup, Summary: r.summary(), Cycles: map[string][]float64{}, Data: r.dataPath, Scale: r.scale}
+	rep := report{Time: now.UTC(), Env: r.env, Shape: r.shape, Before: r.before, N: r.o.n, Warmup: r.o.warmup, Summary: r.summary(), Cycles: map[string][]float64{}, Data: r.dataPath, Scale: r.scale}
 	for _, s := range r.samples {
 		for _, d := range s.totals {
 			rep.Cycles[s.name] = append(rep.Cycles[s.name], msf(d))
@@ -197,8 +261,11 @@ var plotted = []struct {
 	label string
 }{
 	{1, "#d62728", "publish cycle via socket"},
+	{nAlonePublish, "#9467bd", "the same, plugin alone"},
+	{nBeforePublish, "#7f7f7f", "the same, before (-compare)"},
 	{2, "#ff9896", "its floor (direct syscalls)"},
 	{4, "#1f77b4", "prepare cycle via socket"},
+	{nAlonePrepare, "#17becf", "the same, plugin alone"},
 	{5, "#aec7e8", "its floor"},
 	{7, "#2ca02c", "first stage of a fresh volume"},
 	{8, "#98df8a", "later stage of the same volume"},

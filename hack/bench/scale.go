@@ -64,6 +64,7 @@ type scaleResult struct {
 
 type restartResult struct {
 	Volumes           int     `json:"volumes"`
+	Shape             string  `json:"shape"`
 	ListeningMs       float64 `json:"listening_ms"` // exec to the socket accepting
 	ReadyMs           float64 `json:"ready_ms"`     // exec to Probe ready (startup reconcile done)
 	RSSMiB            float64 `json:"rss_mib"`      // the larger of VmRSS at ready and after the idle window
@@ -71,6 +72,12 @@ type restartResult struct {
 	ReconcileInterval string  `json:"reconcile_interval"`
 	IdleSeconds       float64 `json:"idle_seconds"`
 	IdleCPUPercent    float64 `json:"idle_cpu_percent_of_a_core"`
+	// The mounter (split only), which the restart leaves running: its RSS
+	// (the larger of VmRSS at the plugin's ready and after the idle
+	// window), peak, and CPU over the same idle window.
+	MounterRSSMiB         float64 `json:"mounter_rss_mib,omitempty"`
+	MounterHWMMiB         float64 `json:"mounter_hwm_mib,omitempty"`
+	MounterIdleCPUPercent float64 `json:"mounter_idle_cpu_percent_of_a_core,omitempty"`
 }
 
 type teardownResult struct {
@@ -102,7 +109,7 @@ func (b *bench) measureScale(ctx context.Context, res *results) error {
 		}
 		sr.FillS[strconv.Itoa(n)] = time.Since(t).Seconds()
 		b.logf("measurement 8: %d volumes staged and published in %v; %d extra operations each", n, time.Since(t), b.o.scaleOps)
-		m0, _ := b.scrape(ctx)
+		m0, _ := b.scrape(ctx, b.instance)
 		for i := 0; i < b.o.scaleOps; i++ {
 			if err := b.extraVolume(ctx, sr, n, i); err != nil {
 				return fmt.Errorf("at %d volumes, extra volume %d: %w", n, i, err)
@@ -158,7 +165,7 @@ func (b *bench) measureScale(ctx context.Context, res *results) error {
 // a durable journal write's median: the parts of CreateVolume, stage and
 // publish that might grow with the node.
 func (b *bench) scaleInside(ctx context.Context, sr *scaleResult, n int, m0 map[string]hist) {
-	if m1, err := b.scrape(ctx); err == nil && m0 != nil {
+	if m1, err := b.scrape(ctx, b.instance); err == nil && m0 != nil {
 		means := meansBetween(m0, m1)
 		for _, step := range []string{"format", "attach", "mount"} {
 			if d, ok := means["step:"+step]; ok {
@@ -354,7 +361,9 @@ func (b *bench) teardownScale(ctx context.Context, k int) (time.Duration, error)
 
 // restartIdle stops the plugin, starts it again on the same state dir with
 // the scale reconcile interval, and measures how long it takes to answer,
-// its RSS, and its CPU time over the idle window.
+// its RSS, and its CPU time over the idle window. Split, the mounter stays
+// (the plugin's container restarts, not the mounter's): its RSS and CPU
+// over the same window are measured too.
 func (b *bench) restartIdle(ctx context.Context, volumes int) (*restartResult, error) {
 	if b.conn != nil {
 		_ = b.conn.Close()
@@ -364,34 +373,48 @@ func (b *bench) restartIdle(ctx context.Context, volumes int) (*restartResult, e
 		return nil, err
 	}
 	b.reconcileInterval = b.o.scaleReconcile.String()
-	if err := b.startPlugin(ctx); err != nil {
+	if err := b.startPlugin(ctx, b.instance); err != nil {
 		return nil, err
 	}
 	b.node, b.ctrl, b.prep = csi.NewNodeClient(b.conn), csi.NewControllerClient(b.conn), api.NewNodePrepareClient(b.conn)
-	rr := &restartResult{Volumes: volumes, ListeningMs: msf(b.pluginListening), ReadyMs: msf(b.pluginReady),
+	rr := &restartResult{Volumes: volumes, Shape: b.instance.shape(), ListeningMs: msf(b.pluginListening), ReadyMs: msf(b.pluginReady),
 		ReconcileInterval: b.reconcileInterval, IdleSeconds: b.o.scaleIdle.Seconds()}
-	rss0, _, err := procMem(b.plugin.pid())
-	if err != nil {
-		return nil, err
+	procs := []*child{b.plugin}
+	if b.mounterProc != nil {
+		procs = append(procs, b.mounterProc)
 	}
-	cpu0, err := b.pluginCPU()
-	if err != nil {
-		return nil, err
+	rss0, cpu0 := make([]int64, len(procs)), make([]time.Duration, len(procs))
+	for i, c := range procs {
+		var err error
+		if rss0[i], _, err = procMem(c.pid()); err != nil {
+			return nil, err
+		}
+		if cpu0[i], err = procCPU(c); err != nil {
+			return nil, err
+		}
 	}
 	t := time.Now()
 	if err := sleepCtx(ctx, b.o.scaleIdle); err != nil {
 		return nil, err
 	}
-	cpu1, err := b.pluginCPU()
-	if err != nil {
-		return nil, err
+	idle := time.Since(t)
+	for i, c := range procs {
+		cpu1, err := procCPU(c)
+		if err != nil {
+			return nil, err
+		}
+		rss1, hwm, err := procMem(c.pid())
+		if err != nil {
+			return nil, err
+		}
+		cpu := 100 * float64(cpu1-cpu0[i]) / float64(idle)
+		rss, peak := float64(max(rss0[i], rss1))/(1<<20), float64(hwm)/(1<<20)
+		if i == 0 {
+			rr.IdleCPUPercent, rr.RSSMiB, rr.HWMMiB = cpu, rss, peak
+		} else {
+			rr.MounterIdleCPUPercent, rr.MounterRSSMiB, rr.MounterHWMMiB = cpu, rss, peak
+		}
 	}
-	rr.IdleCPUPercent = 100 * float64(cpu1-cpu0) / float64(time.Since(t))
-	rss1, hwm, err := procMem(b.plugin.pid())
-	if err != nil {
-		return nil, err
-	}
-	rr.RSSMiB, rr.HWMMiB = float64(max(rss0, rss1))/(1<<20), float64(hwm)/(1<<20)
 	return rr, nil
 }
 

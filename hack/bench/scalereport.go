@@ -140,6 +140,13 @@ func (sr *scaleResult) rows() []row {
 			row{Operation: fmt.Sprintf("idle plugin with %s volumes, reconcile every %s: CPU over %.0f s", n, rr.ReconcileInterval, rr.IdleSeconds),
 				Value: fmt.Sprintf("%.2f %% of a core", rr.IdleCPUPercent), Goal: fmt.Sprintf("≤ %.0f %% of a core", idleCPUGoalPct),
 				Verdict: verdict(rr.IdleCPUPercent <= idleCPUGoalPct, rr.Volumes)})
+		if rr.MounterRSSMiB > 0 {
+			rows = append(rows,
+				row{Operation: fmt.Sprintf("RSS of the mounter (mountplan-sidecar serve, not restarted) holding %s volumes' loop devices (at the plugin's ready and after %.0f s idle)", n, rr.IdleSeconds),
+					Value: fmt.Sprintf("%.1f MiB", rr.MounterRSSMiB), Verdict: fmt.Sprintf("– (plugin and mounter: %.1f MiB)", rr.RSSMiB+rr.MounterRSSMiB)},
+				row{Operation: fmt.Sprintf("idle mounter with %s volumes: CPU over the same %.0f s", n, rr.IdleSeconds),
+					Value: fmt.Sprintf("%.2f %% of a core", rr.MounterIdleCPUPercent), Verdict: fmt.Sprintf("– (plugin and mounter: %.2f %%)", rr.IdleCPUPercent+rr.MounterIdleCPUPercent)})
+		}
 	}
 	return rows
 }
@@ -191,8 +198,12 @@ func (sr *scaleResult) print(w io.Writer) {
 		fmt.Fprintf(w, "\nFilling (create, stage, publish): %s.\n", strings.Join(fill, ", "))
 	}
 	if rr := sr.Restart; rr != nil {
-		fmt.Fprintf(w, "Restart with %s volumes: socket accepts after %.0f ms, ready after %.0f ms; RSS %.1f MiB (peak %.1f MiB); idle %.0f s with --reconcile-interval %s: %.2f %% of a core.\n",
-			thousands(rr.Volumes), rr.ListeningMs, rr.ReadyMs, rr.RSSMiB, rr.HWMMiB, rr.IdleSeconds, rr.ReconcileInterval, rr.IdleCPUPercent)
+		fmt.Fprintf(w, "Restart (%s) with %s volumes: socket accepts after %.0f ms, ready after %.0f ms; RSS %.1f MiB (peak %.1f MiB); idle %.0f s with --reconcile-interval %s: %.2f %% of a core.\n",
+			rr.Shape, thousands(rr.Volumes), rr.ListeningMs, rr.ReadyMs, rr.RSSMiB, rr.HWMMiB, rr.IdleSeconds, rr.ReconcileInterval, rr.IdleCPUPercent)
+		if rr.MounterRSSMiB > 0 {
+			fmt.Fprintf(w, "The mounter beside it (not restarted): RSS %.1f MiB (peak %.1f MiB); idle over the same window: %.2f %% of a core.\n",
+				rr.MounterRSSMiB, rr.MounterHWMMiB, rr.MounterIdleCPUPercent)
+		}
 	}
 }
 

@@ -17,19 +17,32 @@ import (
 type sample struct {
 	n      int // measurement number, 0 for a reference
 	name   string
+	in     *instance // the instance of a socket cycle; nil for a floor
 	order  []string
 	steps  map[string][]time.Duration
-	writes map[string][]int
+	writes map[string][]int // the plugin's volume records
+	// recWrites are the mounter's record writes (its loops and mounts).
+	recWrites map[string][]int
+	// asides are steps left out of the cycle's total.
+	asides map[string]bool
 	totals []time.Duration
-	// pluginCPU is the plugin's CPU time (user + system) per timed cycle.
-	pluginCPU time.Duration
+	// pluginCPU and mounterCPU are the CPU time (user + system) of the
+	// instance's plugin and mounter process per timed cycle.
+	pluginCPU, mounterCPU time.Duration
 	// inPlugin are the means of the plugin's own histograms over the timed
 	// cycles: "rpc:<method>" and "step:<device step>".
 	inPlugin map[string]time.Duration
+	// mounterCalls are the calls to the mounter in each step of one
+	// untimed cycle (nil: not counted).
+	mounterCalls map[string]int
+	// windows, when not nil, receives every step of the cycles recorded
+	// (countMounterCalls).
+	windows *[]stepTime
 }
 
 func newSample(n int, name string) *sample {
-	return &sample{n: n, name: name, steps: map[string][]time.Duration{}, writes: map[string][]int{}}
+	return &sample{n: n, name: name, steps: map[string][]time.Duration{}, writes: map[string][]int{},
+		recWrites: map[string][]int{}, asides: map[string]bool{}}
 }
 
 func (s *sample) add(step string, d time.Duration) {
@@ -39,7 +52,10 @@ func (s *sample) add(step string, d time.Duration) {
 	s.steps[step] = append(s.steps[step], d)
 }
 
-func (s *sample) addWrites(step string, w int) { s.writes[step] = append(s.writes[step], w) }
+func (s *sample) addWrites(step string, w, rw int) {
+	s.writes[step] = append(s.writes[step], w)
+	s.recWrites[step] = append(s.recWrites[step], rw)
+}
 
 func (s *sample) addTotal(d time.Duration) { s.totals = append(s.totals, d) }
 
@@ -91,9 +107,12 @@ func writesOf(ws []int) string {
 type results struct {
 	o            options
 	env          string
+	shape        string // the main instance's label
+	before       string // the -compare instance's label, "" without
 	samples      []*sample
 	journalWrite *sample
 	noopRPC      *sample
+	mounterRPC   *sample // nil without a mounter process
 	straces      []string
 	dataPath     []dataResult
 	scale        *scaleResult
@@ -109,7 +128,7 @@ func (r *results) byN(n int) *sample {
 }
 
 // floorOf names the floor each measurement is compared with.
-var floorOf = map[int]int{1: 2, 3: 2, 4: 5}
+var floorOf = map[int]int{1: 2, 3: 2, 4: 5, nAlonePublish: 2, nBeforePublish: 2, nAlonePrepare: 5}
 
 func (r *results) print(w io.Writer) {
 	if len(r.samples) == 0 && len(r.dataPath) == 0 && r.scale == nil {
@@ -117,11 +136,26 @@ func (r *results) print(w io.Writer) {
 	}
 	fmt.Fprintf(w, "## mountplan bench: 64 MiB ext4 loop volume, %d timed iterations after %d warm-ups\n\n", r.o.n, r.o.warmup)
 	fmt.Fprintf(w, "%s\n\n", r.env)
+	fmt.Fprintf(w, "Measured: %s", r.shape)
+	var others []string
+	for _, s := range r.samples {
+		if s.in != nil && s.in.label != r.shape && !slices.Contains(others, s.in.label) {
+			others = append(others, s.in.label)
+		}
+	}
+	if len(others) > 0 {
+		fmt.Fprintf(w, "; taking turns with it, each with a state dir and volume of its own: %s", strings.Join(others, "; "))
+	}
+	fmt.Fprint(w, ".\n\n")
 	printSummary(w, r.summary())
 	if len(r.samples) == 0 { // only measurements 7 and 8 ran
 		r.printDataPath(w)
 		r.scale.print(w)
 		return
+	}
+	if r.before != "" && r.byN(4) != nil {
+		fmt.Fprintf(w, "\nThe prepare cycle of %s is not measured: its plan names a loop device its own plugin attached, and the mounter of this build "+
+			"performs only plans of devices it set up itself (the executor of that commit, which checked nothing of the kind, is not in this build).\n", r.before)
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "### Each measurement")
@@ -146,24 +180,39 @@ func (r *results) print(w io.Writer) {
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "### Per step (each RPC timed separately at the client)")
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "| # | step | median | p90 | share of cycle median | journal writes per call | in plugin handler (mean, its metrics) |")
-	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|---:|")
+	fmt.Fprintln(w, "Journal writes are the plugin's volume records, mounter record writes the mounter's records of its loop devices and mounts "+
+		"(for a plugin alone, those of its mounter in process); mounter calls are counted in one untimed cycle (strace of the plugin, "+
+		"plus the bench's own calls).")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "| # | step | median | p90 | share of cycle median | journal writes per call | mounter record writes per call | mounter calls | in plugin handler (mean, its metrics) |")
+	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|")
 	for _, s := range r.samples {
 		tot := median(s.totals)
 		for _, step := range s.order {
 			ds := s.steps[step]
 			share := "–"
-			if tot > 0 {
+			switch {
+			case s.asides[step]:
+				share = "not in the total"
+			case tot > 0:
 				share = fmt.Sprintf("%.0f%%", 100*float64(median(ds))/float64(tot))
 			}
-			wr, in := "–", "–"
-			if (s.n == 1 || s.n == 4) && strings.HasPrefix(step, "Node") {
-				wr = writesOf(s.writes[step])
-				if d, ok := s.inPlugin["rpc:"+step]; ok {
-					in = ms(d)
+			wr, rw, calls, in := "–", "–", "–", "–"
+			if s.in != nil {
+				if strings.HasPrefix(step, "Node") {
+					wr = writesOf(s.writes[step])
+					if d, ok := s.inPlugin["rpc:"+step]; ok {
+						in = ms(d)
+					}
+				}
+				if s.in.records != nil {
+					rw = writesOf(s.recWrites[step])
+				}
+				if c, ok := s.mounterCalls[step]; ok {
+					calls = fmt.Sprint(c)
 				}
 			}
-			fmt.Fprintf(w, "| %d | %s | %s | %s | %s | %s | %s |\n", s.n, step, ms(median(ds)), ms(p90(ds)), share, wr, in)
+			fmt.Fprintf(w, "| %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", s.n, step, ms(median(ds)), ms(p90(ds)), share, wr, rw, calls, in)
 		}
 	}
 	r.printAttribution(w)
@@ -193,12 +242,36 @@ func rpcSteps(s *sample) int {
 	return n
 }
 
+// mounterCallCount is the number of calls to the mounter in one cycle of
+// s (counted once), 0 when not counted.
+func mounterCallCount(s *sample) int {
+	n := 0
+	for step, c := range s.mounterCalls {
+		if !s.asides[step] {
+			n += c
+		}
+	}
+	return n
+}
+
+// socketSamples are the samples of socket cycles, in the order run.
+func (r *results) socketSamples() []*sample {
+	var out []*sample
+	for _, s := range r.samples {
+		if s.in != nil {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
 // printAttribution splits each socket cycle's median into the kernel work
 // (its floor's median), the journal writes (count x the median of one
-// write), the bare cost of its RPCs (count x a no-op RPC), and the rest.
+// write), the bare cost of its RPCs (count x a no-op RPC), of its calls to
+// the mounter (count x a mounter call that does nothing), and the rest.
 // Medians do not add exactly: this is an estimate, not an accounting.
 func (r *results) printAttribution(w io.Writer) {
-	jw, rpc := refMedian(r.journalWrite), refMedian(r.noopRPC)
+	jw, rpc, mrpc := refMedian(r.journalWrite), refMedian(r.noopRPC), refMedian(r.mounterRPC)
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "### Where the cycle time goes (estimate from medians)")
 	fmt.Fprintln(w)
@@ -212,16 +285,20 @@ func (r *results) printAttribution(w io.Writer) {
 		fmt.Fprintf(w, "- one no-op RPC over the socket (Identity.GetPluginInfo): median %s, p90 %s\n",
 			ms(rpc), ms(p90(r.noopRPC.steps[r.noopRPC.order[0]])))
 	}
-	for _, n := range []int{1, 4} {
-		if s := r.byN(n); s != nil && s.pluginCPU > 0 {
-			fmt.Fprintf(w, "- plugin CPU time (user + system, /proc/PID/stat) per cycle %d: %s\n", n, ms(s.pluginCPU))
+	if mrpc > 0 {
+		fmt.Fprintf(w, "- one call to the mounter that does nothing (pkg/unixrpc, LiveNamespaces of a consumer without namespace, from the bench): median %s, p90 %s\n",
+			ms(mrpc), ms(p90(r.mounterRPC.steps[r.mounterRPC.order[0]])))
+	}
+	for _, s := range r.socketSamples() {
+		if s.pluginCPU > 0 || s.mounterCPU > 0 {
+			line := fmt.Sprintf("- CPU time (user + system, /proc/PID/stat) per cycle %d (%s): plugin %s", s.n, s.in.label, ms(s.pluginCPU))
+			if s.in.mounterProc != nil {
+				line += fmt.Sprintf(", mounter %s", ms(s.mounterCPU))
+			}
+			fmt.Fprintln(w, line)
 		}
 	}
-	for _, n := range []int{1, 4} {
-		s := r.byN(n)
-		if s == nil {
-			continue
-		}
+	for _, s := range r.socketSamples() {
 		var parts []string
 		for k, d := range s.inPlugin {
 			if step, ok := strings.CutPrefix(k, "step:"); ok {
@@ -230,17 +307,14 @@ func (r *results) printAttribution(w io.Writer) {
 		}
 		if len(parts) > 0 {
 			slices.Sort(parts)
-			fmt.Fprintf(w, "- device steps inside the plugin during cycle %d (mean, its step_duration_seconds): %s\n", n, strings.Join(parts, ", "))
+			fmt.Fprintf(w, "- device steps inside the plugin during cycle %d (mean, its step_duration_seconds): %s\n", s.n, strings.Join(parts, ", "))
 		}
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "| # | cycle median | kernel work (floor median) | journal writes | RPC round trips | rest (plugin and client code, scheduling) |")
-	fmt.Fprintln(w, "|---|---:|---:|---:|---:|---:|")
-	for _, n := range []int{1, 4} {
-		s, f := r.byN(n), r.byN(floorOf[n])
-		if s == nil {
-			continue
-		}
+	fmt.Fprintln(w, "| # | cycle median | kernel work (floor median) | journal writes | RPC round trips | mounter calls | rest (plugin, mounter and client code, scheduling) |")
+	fmt.Fprintln(w, "|---|---:|---:|---:|---:|---:|---:|")
+	for _, s := range r.socketSamples() {
+		f := r.byN(floorOf[s.n])
 		tot := median(s.totals)
 		pct := func(d time.Duration) string {
 			return fmt.Sprintf("%s (%.0f%%)", ms(d), 100*float64(d)/float64(tot))
@@ -253,33 +327,42 @@ func (r *results) printAttribution(w io.Writer) {
 		}
 		writes := 0
 		for _, step := range s.order {
-			if ws := s.writes[step]; len(ws) > 0 {
+			if ws := s.writes[step]; len(ws) > 0 && !s.asides[step] {
 				writes += slices.Max(ws)
 			}
 		}
 		jt := time.Duration(writes) * jw
 		calls := rpcSteps(s)
 		rt := time.Duration(calls) * rpc
-		rest := tot - kernel - jt - rt
-		fmt.Fprintf(w, "| %d | %s | %s | %d × = %s | %d × = %s | %s |\n", n, ms(tot), kernelCell, writes, pct(jt), calls, pct(rt), pct(rest))
+		mcalls := mounterCallCount(s)
+		mt := time.Duration(mcalls) * mrpc
+		mcell := "–"
+		if s.mounterCalls != nil && mrpc > 0 {
+			mcell = fmt.Sprintf("%d × = %s", mcalls, pct(mt))
+		}
+		rest := tot - kernel - jt - rt - mt
+		fmt.Fprintf(w, "| %d | %s | %s | %d × = %s | %d × = %s | %s | %s |\n", s.n, ms(tot), kernelCell, writes, pct(jt), calls, pct(rt), mcell, pct(rest))
 	}
 }
 
-// writeCounter counts journal writes (renames into, in-place rewrites of,
-// and deletions from <state-dir>/volumes) with inotify. It watches opens
+// writeCounter counts record writes (renames into, in-place rewrites of,
+// and deletions from the directories watched: <state-dir>/volumes, the
+// mounter's loops and mounts) with inotify. It watches opens
 // and creations too: inotify merges an event into an identical unread one,
 // and an open (or a durable write's temp file) between two writes of the
 // same record keeps them apart. A nil counter counts nothing.
 type writeCounter struct{ fd int }
 
-func newWriteCounter(dir string) (*writeCounter, error) {
+func newWriteCounter(dirs ...string) (*writeCounter, error) {
 	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
 	if err != nil {
 		return nil, fmt.Errorf("inotify_init1: %w", err)
 	}
-	if _, err := unix.InotifyAddWatch(fd, dir, unix.IN_CREATE|unix.IN_OPEN|unix.IN_CLOSE_WRITE|unix.IN_MOVED_TO|unix.IN_DELETE); err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("inotify_add_watch %s: %w", dir, err)
+	for _, dir := range dirs {
+		if _, err := unix.InotifyAddWatch(fd, dir, unix.IN_CREATE|unix.IN_OPEN|unix.IN_CLOSE_WRITE|unix.IN_MOVED_TO|unix.IN_DELETE); err != nil {
+			unix.Close(fd)
+			return nil, fmt.Errorf("inotify_add_watch %s: %w", dir, err)
+		}
 	}
 	return &writeCounter{fd: fd}, nil
 }

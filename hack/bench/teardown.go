@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -16,6 +17,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -24,17 +27,18 @@ type leakReport struct {
 	dir       string
 	loops     []string // "loopN -> backing file"
 	mounts    []string
+	procs     []string // processes the bench started (or theirs) still running
 	errs      []string
 	forced    bool // leftovers were removed by force afterwards
 	removedOK bool
 }
 
-func (l leakReport) clean() bool { return len(l.loops) == 0 && len(l.mounts) == 0 }
+func (l leakReport) clean() bool { return len(l.loops) == 0 && len(l.mounts) == 0 && len(l.procs) == 0 }
 
 func (l leakReport) String() string {
 	verdict := "OK"
 	if !l.clean() {
-		left := append(slices.Clone(l.loops), l.mounts...)
+		left := append(append(slices.Clone(l.loops), l.mounts...), l.procs...)
 		if len(left) > 10 { // thousands after a failed measurement 8
 			left = append(left[:10], fmt.Sprintf("and %d more", len(left)-10))
 		}
@@ -43,8 +47,8 @@ func (l leakReport) String() string {
 			verdict += " (removed by force afterwards)"
 		}
 	}
-	s := fmt.Sprintf("leak check: %d loop devices backed by files under %s, %d mounts under it: %s",
-		len(l.loops), l.dir, len(l.mounts), verdict)
+	s := fmt.Sprintf("leak check: %d loop devices backed by files under %s, %d mounts under it, %d processes of the bench's plugins and mounters left: %s",
+		len(l.loops), l.dir, len(l.mounts), len(l.procs), verdict)
 	if !l.removedOK {
 		s += "; the temp dir was NOT removed"
 	}
@@ -54,39 +58,24 @@ func (l leakReport) String() string {
 	return s
 }
 
-// teardown undoes everything, in order: what the plugin holds (through its
-// RPCs), the plugin, the consumer; then it checks for leftovers, removes them
-// by force, and removes the temp dir.
+// teardown undoes everything, in order: what each plugin holds (through
+// its RPCs), the plugins, the mounters, the consumer; then it checks for
+// leftovers (loop devices, mounts, processes), removes them by force, and
+// removes the temp dir.
 func (b *bench) teardown() leakReport {
 	rep := leakReport{dir: b.dir}
 	errf := func(format string, args ...any) { rep.errs = append(rep.errs, fmt.Sprintf(format, args...)) }
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	if b.conn != nil && b.plugin != nil && !b.plugin.exited() && b.volumeID != "" {
-		if b.published {
-			if _, err := b.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: b.volumeID, TargetPath: b.target}); err != nil {
-				errf("NodeUnpublishVolume: %v", err)
-			}
-		}
-		if b.prepared {
-			if err := b.exec.UnmountAll(ctx, b.preparedCons); err != nil {
-				errf("unmount in consumer: %v", err)
-			}
-			if _, err := b.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{
-				VolumeId: b.volumeID, Consumer: plan.ConsumerToProto(b.preparedCons)}); err != nil {
-				errf("NodeUnprepareVolume: %v", err)
-			}
-		}
-		// Unstage is idempotent: call it whatever the last cycle did.
-		if _, err := b.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: b.volumeID, StagingTargetPath: b.staging}); err != nil {
-			errf("NodeUnstageVolume: %v", err)
-		}
-		if _, err := b.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: b.volumeID}); err != nil {
-			errf("DeleteVolume: %v", err)
-		}
+	var ins []*instance
+	if b.instance != nil {
+		ins = b.instances()
 	}
-	if b.conn != nil && b.plugin != nil && !b.plugin.exited() && b.freshID != "" {
+	for _, in := range ins {
+		b.undo(ctx, in, errf)
+	}
+	if b.instance != nil && b.conn != nil && b.plugin != nil && !b.plugin.exited() && b.freshID != "" {
 		if _, err := b.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: b.freshID, StagingTargetPath: b.staging}); err != nil {
 			errf("NodeUnstageVolume %s: %v", b.freshID, err)
 		}
@@ -94,7 +83,7 @@ func (b *bench) teardown() leakReport {
 			errf("DeleteVolume %s: %v", b.freshID, err)
 		}
 	}
-	if b.conn != nil && b.plugin != nil && !b.plugin.exited() {
+	if b.instance != nil && b.conn != nil && b.plugin != nil && !b.plugin.exited() {
 		// Measurement 8 may hold thousands of volumes: a longer budget.
 		sctx, scancel := context.WithTimeout(context.Background(), 15*time.Minute)
 		if err := b.teardownScaleAll(sctx); err != nil {
@@ -102,12 +91,29 @@ func (b *bench) teardown() leakReport {
 		}
 		scancel()
 	}
-	if b.conn != nil {
-		_ = b.conn.Close()
+	// The processes to be gone at the end: every child and what it
+	// started (the tool spawners), seen now.
+	var procs []procID
+	for _, in := range ins {
+		procs = append(procs, treeOf(in.plugin)...)
+		procs = append(procs, treeOf(in.mounterProc)...)
 	}
-	if b.plugin != nil {
-		if err := b.plugin.stop(syscall.SIGTERM, 10*time.Second); err != nil {
-			errf("stop plugin: %v", err)
+	procs = append(procs, treeOf(b.consumer)...)
+	for _, in := range ins {
+		if in.conn != nil {
+			_ = in.conn.Close()
+		}
+		if in.plugin != nil {
+			if err := in.plugin.stop(syscall.SIGTERM, 10*time.Second); err != nil {
+				errf("stop plugin (%s): %v", in.label, err)
+			}
+		}
+	}
+	// The mounters after the plugins, as a node drains: the kernel clears
+	// the loop devices they held that nothing mounts.
+	for _, in := range ins {
+		if err := in.stopMounter(); err != nil {
+			errf("stop mounter (%s): %v", in.label, err)
 		}
 	}
 	if b.consumer != nil {
@@ -123,10 +129,11 @@ func (b *bench) teardown() leakReport {
 	b.inflated = nil
 
 	// The kernel drops a dead namespace's mounts, and autoclear loop
-	// devices with them, asynchronously: give it a moment.
+	// devices with them, asynchronously, and a spawner ends once it reads
+	// EOF: give them a moment.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		rep.loops, rep.mounts = loopsUnder(b.dir), mountsUnder(b.dir)
+		rep.loops, rep.mounts, rep.procs = loopsUnder(b.dir), mountsUnder(b.dir), alive(procs)
 		if rep.clean() || time.Now().After(deadline) {
 			break
 		}
@@ -134,6 +141,7 @@ func (b *bench) teardown() leakReport {
 	}
 	if !rep.clean() {
 		rep.forced = true
+		killAll(procs)
 		b.forceClean(errf)
 	}
 	if len(mountsUnder(b.dir)) == 0 {
@@ -144,6 +152,97 @@ func (b *bench) teardown() leakReport {
 		}
 	}
 	return rep
+}
+
+// undo releases, through in's plugin (and mounter), what its last cycle
+// left half done, and deletes its volume.
+func (b *bench) undo(ctx context.Context, in *instance, errf func(string, ...any)) {
+	if in.conn == nil || in.plugin == nil || in.plugin.exited() || in.volumeID == "" {
+		return
+	}
+	if in.published {
+		if _, err := in.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: in.volumeID, TargetPath: in.target}); err != nil {
+			errf("NodeUnpublishVolume (%s): %v", in.label, err)
+		}
+	}
+	if in.prepared {
+		// Everything at the consumer's mount point, without a plan, as
+		// `mountplan-sidecar unmount` does.
+		if err := (&mounter.Executor{}).UnmountAll(ctx, in.preparedCons); err != nil {
+			errf("unmount in consumer (%s): %v", in.label, err)
+		}
+		if _, err := in.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{
+			VolumeId: in.volumeID, Consumer: plan.ConsumerToProto(in.preparedCons)}); err != nil {
+			errf("NodeUnprepareVolume (%s): %v", in.label, err)
+		}
+	}
+	// Unstage is idempotent: call it whatever the last cycle did.
+	if _, err := in.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: in.volumeID, StagingTargetPath: in.staging}); err != nil {
+		errf("NodeUnstageVolume (%s): %v", in.label, err)
+	}
+	if _, err := in.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: in.volumeID}); err != nil {
+		errf("DeleteVolume (%s): %v", in.label, err)
+	}
+}
+
+// procID names a process across PID reuse: its PID and start time.
+type procID struct {
+	pid   int
+	start uint64
+	name  string
+}
+
+// treeOf is c's process and its descendants now (nil for none).
+func treeOf(c *child) []procID {
+	if c == nil || c.exited() {
+		return nil
+	}
+	children := map[int][]int{}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if st, ok := daemon.ReadStat(pid); ok {
+			children[st.PPID] = append(children[st.PPID], pid)
+		}
+	}
+	var out []procID
+	todo := []int{c.pid()}
+	for len(todo) > 0 {
+		pid := todo[0]
+		todo = todo[1:]
+		st, ok := daemon.ReadStat(pid)
+		if !ok {
+			continue
+		}
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		out = append(out, procID{pid: pid, start: st.StartTime, name: c.name + ": " + strings.TrimSpace(string(comm))})
+		todo = append(todo, children[pid]...)
+	}
+	return out
+}
+
+// alive lists the processes of ps still running (zombies are gone).
+func alive(ps []procID) []string {
+	var out []string
+	for _, p := range ps {
+		if st, ok := daemon.ReadStat(p.pid); ok && st.StartTime == p.start && st.State != 'Z' {
+			out = append(out, fmt.Sprintf("pid %d (%s)", p.pid, p.name))
+		}
+	}
+	return out
+}
+
+// killAll SIGKILLs the processes of ps still running, each by its PID once
+// its start time says it is still the same process.
+func killAll(ps []procID) {
+	for _, p := range ps {
+		if st, ok := daemon.ReadStat(p.pid); ok && st.StartTime == p.start {
+			_ = unix.Kill(p.pid, unix.SIGKILL)
+		}
+	}
 }
 
 // forceClean unmounts what is mounted under the dir (deepest first) and
