@@ -166,17 +166,22 @@ type Namespaces interface {
 	MakeDeviceNode(ctx context.Context, target string, dev Device) (created bool, err error)
 }
 
-// DaemonRequest starts one incarnation of a volume's FUSE daemon.
+// DaemonRequest starts one incarnation of a volume's FUSE daemon. It names
+// an admin profile and the volume's parameters, never a command or a path:
+// the mounter renders the command from its own copy of the profile.
 type DaemonRequest struct {
 	VolumeID string            `json:"volumeID"`
 	Profile  string            `json:"profile"`
 	Params   map[string]string `json:"params"`
 	ReadOnly bool              `json:"readOnly,omitempty"`
 	// Secrets are the node-stage secrets the profile reads from files,
-	// by name; written once, on the first start, into a tmpfs.
-	Secrets      map[string]string `json:"secrets,omitempty"`
-	Generation   int               `json:"generation"`
-	ReadyTimeout time.Duration     `json:"readyTimeout"`
+	// by name; written once, on the first start, into a tmpfs. A later
+	// start (a restart) reuses them and takes none.
+	Secrets    map[string]string `json:"secrets,omitempty"`
+	Generation int               `json:"generation"` // 1 at stage, +1 per restart
+	// ReadyTimeout bounds the wait for the mount to serve (default 30s,
+	// at most 5 minutes).
+	ReadyTimeout time.Duration `json:"readyTimeout"`
 }
 
 // DaemonInfo is a running daemon and its FUSE connection.
@@ -200,18 +205,27 @@ type DaemonStatus struct {
 
 // Daemons runs the FUSE daemons of volumes under <state-dir>/fuse/<id>.
 type Daemons interface {
-	// StartDaemon makes the volume's directory (and secrets), starts the
-	// daemon and returns once its FUSE mount serves; on failure it stops
-	// it again.
+	// StartDaemon makes the volume's directory (and secrets, at the
+	// first start), starts the daemon (no_new_privs, the profile's
+	// capabilities only) and returns once its FUSE mount serves; on
+	// failure it stops it again. A volume whose daemon runs is
+	// ErrFailedPrecondition: stop it first.
 	StartDaemon(ctx context.Context, req DaemonRequest) (DaemonInfo, error)
-	// WaitDaemon returns when p has exited (or ctx ends).
+	// WaitDaemon returns nil when p, a daemon the mounter started, has
+	// exited, or ctx's error; a live process it did not start is
+	// ErrNotFound.
 	WaitDaemon(ctx context.Context, p daemon.Proc) error
-	// DaemonStatus reports on p and its connection.
+	// DaemonStatus reports on p, a daemon the mounter started, and on
+	// its connection conn (0: not asked); a connection that is gone is
+	// ErrNotFound.
 	DaemonStatus(ctx context.Context, p daemon.Proc, conn uint64) (DaemonStatus, error)
-	// StopDaemons aborts the FUSE connections under the volume's mount
-	// point, stops every daemon the mounter started for it (and known,
-	// given by the caller) and lazily unmounts what is left; teardown
-	// also removes the secrets and the volume's directory.
+	// StopDaemons aborts the FUSE connections under the volume's
+	// directory, stops every daemon the mounter started for it (and
+	// those in known that still are the volume's daemons) and lazily
+	// unmounts what is left on its mount point. Without teardown (a
+	// restart) the daemons get SIGKILL at once and the directory and
+	// secrets stay; with teardown they get SIGTERM first, and the
+	// secrets and the volume's directory are removed. Idempotent.
 	StopDaemons(ctx context.Context, volumeID string, known []daemon.Proc, teardown bool) error
 }
 
