@@ -3,14 +3,18 @@
 package guest
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -309,4 +313,102 @@ func spareSocket(t *testing.T, d nbd.Dialer) *os.File {
 	}
 	t.Cleanup(func() { tr.Close() })
 	return tr.Socket
+}
+
+// TestNBDUnprivilegedWatch: what the plugin does of NBD needs no
+// privilege. A child of this test running as nobody (no capability) is
+// refused a connect (PermissionDenied), yet hears the kernel's link-dead
+// notice of a device the test connected and reads its backend in sysfs.
+func TestNBDUnprivilegedWatch(t *testing.T) {
+	requireGuest(t)
+	dir := t.TempDir()
+	nbdtest.AddExport(t, dir, "w", 16<<20)
+	srv := nbdtest.StartNbdkit(t, dir, nbdtest.Options{})
+	n := connectNL(t, nbd.Dialer{Network: "tcp", Address: srv.Address, Timeout: 10 * time.Second}, "w", "mountplan:watched:"+strings.Repeat("0f", 16), 30*time.Second)
+
+	cmd := exec.Command(os.Args[0], "-test.run=^TestNBDUnprivilegedChild$", "-test.v")
+	cmd.Env = append(os.Environ(), "MOUNTPLAN_NBD_CHILD="+strconv.Itoa(n.index))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := bufio.NewScanner(out)
+	var seen []string
+	expect := func(prefix string) string {
+		t.Helper()
+		for lines.Scan() {
+			seen = append(seen, lines.Text())
+			if strings.HasPrefix(lines.Text(), prefix) {
+				return lines.Text()
+			}
+		}
+		t.Fatalf("the unprivileged child never said %q:\n%s", prefix, strings.Join(seen, "\n"))
+		return ""
+	}
+	if who := expect("child: "); who != "child: Uid: 65534 CapEff: 0000000000000000" {
+		t.Fatalf("the child is not unprivileged: %q", who)
+	}
+	expect("child: subscribed")
+	srv.Stop() // the connection dies
+	got := expect("child: dead ")
+	t.Log(got)
+	if got != fmt.Sprintf("child: dead nbd%d backend %s", n.index, sysfs(t, n.index, "backend")) {
+		t.Fatalf("the child heard %q", got)
+	}
+	for lines.Scan() {
+		seen = append(seen, lines.Text())
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("the unprivileged child: %v\n%s", err, strings.Join(seen, "\n"))
+	}
+}
+
+// TestNBDUnprivilegedChild is TestNBDUnprivilegedWatch's child.
+func TestNBDUnprivilegedChild(t *testing.T) {
+	index, err := strconv.Atoi(os.Getenv("MOUNTPLAN_NBD_CHILD"))
+	if err != nil {
+		return // not run as the child (a skip would fail the VM test)
+	}
+	status, _ := os.ReadFile("/proc/self/status")
+	var who []string
+	for _, l := range strings.Split(string(status), "\n") {
+		if f := strings.Fields(l); len(f) > 1 && (f[0] == "Uid:" || f[0] == "CapEff:") {
+			who = append(who, f[0]+" "+f[1])
+		}
+	}
+	fmt.Printf("child: %s\n", strings.Join(who, " "))
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := os.NewFile(uintptr(fds[0]), "sock")
+	defer sock.Close()
+	defer syscall.Close(fds[1])
+	_, err = nbdnl.Connect(nbdnl.Config{Index: -1, SizeBytes: 1 << 20, Backend: "mountplan:child:" + strings.Repeat("0f", 16)}, []*os.File{sock})
+	if !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Fatalf("an unprivileged connect: %v, want PermissionDenied", err)
+	}
+	w, err := nbdnl.WatchLinkDead()
+	if err != nil {
+		t.Fatalf("WatchLinkDead without privilege: %v", err)
+	}
+	defer w.Close()
+	fmt.Println("child: subscribed")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for {
+		dead, err := w.Next(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dead == index {
+			fmt.Printf("child: dead nbd%d backend %s\n", dead, nbdnl.Backend(dead))
+			return
+		}
+	}
 }
