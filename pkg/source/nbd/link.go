@@ -236,6 +236,9 @@ func (s *Source) kick(l *link, attempts int) {
 			case errors.Is(err, errGone):
 				log.Info("NBD device no longer connected with the volume's backend; not reconnecting it", "backend", l.st.Backend)
 				err = nil
+			case attempts == 1:
+				// Adopt's spare socket: the connection most likely lives.
+				log.Info("Could not hand the kernel a spare connection for the NBD device; its own lives on unless the kernel reports it dead", "err", err)
 			default:
 				log.Error(err, "Reconnecting the NBD device failed", "attempt", n)
 			}
