@@ -9,7 +9,7 @@ pkgs=(
   containerd runc busybox-static        # real containers in end-to-end tests
   protobuf-compiler libprotobuf-dev     # make verify regenerates the protos (protoc, and the well-known .protos under /usr/include)
   fuse3 sshfs rclone squashfuse openssh-server openssh-client  # FUSE volumes: the daemons, and an sshd for their tests
-  nbdkit nbd-client tgt open-iscsi qemu-system-x86 kmod xz-utils  # NBD and iSCSI volumes: servers and initiators on loopback; make test-vm boots Debian's kernel under qemu (modprobe --show-depends, vmlinux from xz)
+  nbdkit tgt open-iscsi qemu-system-x86 kmod xz-utils  # NBD and iSCSI volumes: servers and initiators on loopback; make test-vm boots Debian's kernel under qemu (modprobe --show-depends, vmlinux from xz)
   mmdebstrap containernetworking-plugins iproute2  # make test-cluster: the image's Debian root, pod networking (bridge, host-local), the node's network namespace
 )
 missing=()

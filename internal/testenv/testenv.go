@@ -120,7 +120,6 @@ var CommandPackages = map[string]string{
 	"sshd":               "openssh-server",
 	"ssh-keygen":         "openssh-client",
 	"nbdkit":             "nbdkit",
-	"nbd-client":         "nbd-client",
 	"tgtd":               "tgt",
 	"tgtadm":             "tgt",
 	"iscsid":             "open-iscsi",

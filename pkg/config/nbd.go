@@ -26,12 +26,13 @@ type NBDConfig struct {
 	// TLS, when set, lets volumes ask for TLS (attribute tls: "true") with
 	// these files; Required makes every connection use it.
 	TLS *NBDTLS `json:"tls,omitempty"`
-	// TimeoutSeconds bounds the probe handshake and nbd-client's connect,
-	// and is the kernel's I/O timeout. 0: 30.
+	// TimeoutSeconds bounds the plugin's handshake with the server (a
+	// probe, a connect) and is the kernel's I/O timeout. 0: 30.
 	TimeoutSeconds int `json:"timeoutSeconds,omitempty"`
 }
 
-// NBDTLS names the files nbd-client presents and trusts.
+// NBDTLS names the files the plugin presents and trusts when it makes a
+// TLS connection to an NBD server.
 type NBDTLS struct {
 	CertFile string `json:"certFile,omitempty"`
 	KeyFile  string `json:"keyFile,omitempty"`

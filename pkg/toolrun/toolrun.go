@@ -1,5 +1,5 @@
 // Package toolrun runs the external programs the plugin depends on
-// (blkid, mkfs, resize2fs, nbd-client, iscsiadm) in one way.
+// (blkid, mkfs, resize2fs, iscsiadm) in one way.
 //
 // What a program prints is kept for errors, redacted and bounded: every
 // secret the caller names, and every match of the tool's secret pattern,
@@ -11,7 +11,7 @@
 // files.
 //
 // Output goes to an anonymous file rather than a pipe: a tool that leaves
-// a daemon behind (nbd-client without netlink) would hold a pipe open and
+// a daemon behind (a tool that forks one) would hold a pipe open and
 // the run would never end.
 package toolrun
 

@@ -65,7 +65,7 @@ func TestRunContextEnds(t *testing.T) {
 }
 
 // TestRunDoesNotWaitForDescendants: a tool that leaves a process behind
-// holding its output (nbd-client's daemon mode) still returns when the
+// holding its output (a tool that forks a daemon) still returns when the
 // tool itself exits.
 func TestRunDoesNotWaitForDescendants(t *testing.T) {
 	start := time.Now()

@@ -45,7 +45,7 @@ func (tm *timings) start(name string) func() {
 }
 
 // guestTools are the host programs the guest needs, with their libraries.
-var guestTools = []string{"nbd-client", "nbdkit", "mke2fs", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
+var guestTools = []string{"nbdkit", "mke2fs", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
 
 // guestModules are loaded, with their dependencies, before the tests run.
 var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop"}
