@@ -15,7 +15,7 @@ type ISCSIConfig struct {
 	// DeviceTimeoutSeconds bounds discovery, login and the wait for the
 	// SCSI disk after login. 0: 30.
 	DeviceTimeoutSeconds int `json:"deviceTimeoutSeconds,omitempty"`
-	// NodeDBDir is open-iscsi's node record directory, where the plugin
+	// NodeDBDir is open-iscsi's node record directory, where the mounter
 	// writes CHAP credentials into a record itself (mode 0600) instead of
 	// passing them to iscsiadm on its command line. Empty: /etc/iscsi/nodes.
 	NodeDBDir string `json:"nodeDBDir,omitempty"`
