@@ -56,10 +56,12 @@ const (
 	stableAfter = time.Minute
 	// reattachTimeout bounds one Host.Reattach call (a heal).
 	reattachTimeout = time.Minute
-	// statusTimeout bounds a DaemonStatus call; mounterRetry is the pause
-	// before asking a mounter that did not answer again.
-	statusTimeout = 2 * time.Second
-	mounterRetry  = time.Second
+	// statusTimeout bounds a DaemonStatus call. A mounter that did not
+	// answer (it restarts) is asked again after mounterRetryMin, doubling
+	// up to mounterRetry.
+	statusTimeout   = 2 * time.Second
+	mounterRetryMin = 25 * time.Millisecond
+	mounterRetry    = time.Second
 )
 
 func backoff(failures int) time.Duration {
@@ -203,6 +205,7 @@ type probeResult struct{ err error }
 func (sup *supervisor) waitExit(ctx context.Context, p daemon.Proc) <-chan struct{} {
 	exited := make(chan struct{})
 	go func() {
+		pause := mounterRetryMin
 		for {
 			err := sup.src.daemons.WaitDaemon(ctx, p)
 			if ctx.Err() != nil {
@@ -213,9 +216,10 @@ func (sup *supervisor) waitExit(ctx context.Context, p daemon.Proc) <-chan struc
 				return
 			}
 			sup.log.V(2).Info("Cannot watch the daemon for now", "pid", p.PID, "err", err)
-			if !sleep(ctx, mounterRetry) {
+			if !sleep(ctx, pause) {
 				return
 			}
+			pause = min(2*pause, mounterRetry)
 		}
 	}()
 	return exited
