@@ -405,7 +405,7 @@ func (c *crasher) expand(ctx context.Context) error {
 func (c *crasher) prepare(ctx context.Context) error {
 	return c.runOneShot(ctx, "mount", "--plugin-endpoint", c.e.plugin.Endpoint, "--volume-id", c.id,
 		"--staging-path", c.e.staging(c.id), "--pid", fmt.Sprint(c.consumer.PID), "--target", c.consumerTarget,
-		"--allowed-root", c.e.stateDir())
+		"--state-dir", c.e.stateDir())
 }
 
 func (c *crasher) unprepare(ctx context.Context) error {

@@ -117,7 +117,7 @@ func newEnv(t *testing.T, config string) *env {
 	return e
 }
 
-// stateDir is the plugin's --state-dir (the mounter's --allowed-root).
+// stateDir is the plugin's --state-dir (the mounter's --state-dir).
 func (e *env) stateDir() string { return filepath.Join(e.short, "state") }
 
 // startPlugin starts the plugin with the config, the state dir, --v=4, the
@@ -421,7 +421,7 @@ func (e *env) sidecarMount(id string, pid int, target string, extra ...string) (
 	e.t.Helper()
 	args := append([]string{"mount", "--plugin-endpoint", e.plugin.Endpoint, "--volume-id", id,
 		"--staging-path", e.staging(id), "--pid", strconv.Itoa(pid), "--target", target,
-		"--allowed-root", e.stateDir()}, extra...)
+		"--state-dir", e.stateDir()}, extra...)
 	return e.runSidecar(args...)
 }
 
@@ -479,7 +479,7 @@ func (e *env) startMounter(cgroup string, args ...string) *mounterProc {
 	}
 	defer logf.Close()
 	// --kubelet-dir as testutil gives the plugin: publishes land below it.
-	m.cmd = exec.Command(e.sidecar, append([]string{"serve", "--endpoint", m.endpoint(), "--allowed-root", e.stateDir(),
+	m.cmd = exec.Command(e.sidecar, append([]string{"serve", "--endpoint", m.endpoint(), "--state-dir", e.stateDir(),
 		"--config", e.config, "--kubelet-dir", os.TempDir(), "--v=4"}, args...)...)
 	m.cmd.Stdout, m.cmd.Stderr = logf, logf
 	m.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

@@ -81,9 +81,9 @@ func newEnv(t testing.TB, o envOptions) *env {
 	}
 	e.plugin = testutil.StartPlugin(t, pluginBin, append(args, o.pluginArgs...)...)
 	e.sidecar = startProc(t, "sidecar", filepath.Join(e.cri.Dir, "sidecar.log"), append([]string{sidecarBin, "serve",
-		"--endpoint", mounterEP, "--allowed-root", e.plugin.StateDir, "--config", cfg,
+		"--endpoint", mounterEP, "--state-dir", e.plugin.StateDir, "--config", cfg,
 		"--nri", "--nri-socket", e.cri.NRISocket, "--plugin-endpoint", e.plugin.Endpoint,
-		"--state-dir", e.plugin.StateDir, "--kubelet-dir", e.kubelet, "--v=4"}, o.sidecarArgs...)...)
+		"--kubelet-dir", e.kubelet, "--v=4"}, o.sidecarArgs...)...)
 	conn, err := endpoint.Dial(e.plugin.Endpoint)
 	if err != nil {
 		t.Fatal(err)
