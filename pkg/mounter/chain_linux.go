@@ -91,7 +91,7 @@ func (n *Local) mountLayer(dir string, dev Device, m plan.Mount) error {
 		return err
 	}
 	defer mnt.Close()
-	return n.attachBelowState(dir, mnt, "chain")
+	return n.attachBelowState(dir, mnt, kindChain)
 }
 
 // attachBelowState attaches the detached mount mnt exactly at dir, opened
@@ -136,7 +136,7 @@ func (n *Local) mountOverlay(c Chain) error {
 		return err
 	}
 	defer mnt.Close()
-	return n.attachBelowState(c.Merged, mnt, "chain")
+	return n.attachBelowState(c.Merged, mnt, kindChain)
 }
 
 // TeardownChain unmounts a volume's chain, newest first, and removes its

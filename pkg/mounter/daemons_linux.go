@@ -330,7 +330,7 @@ func (n *Local) readSecrets(l fuseLayout, names []string) ([]string, error) {
 	}
 	rec, ok := n.records.madeMount(dir)
 	dir.Close()
-	if !ok || rec.Kind != "fuse-secrets" {
+	if !ok || rec.Kind != kindSecrets {
 		return nil, fmt.Errorf("%s is not the tmpfs the mounter mounted", l.secrets())
 	}
 	var vals []string
@@ -437,7 +437,7 @@ func (n *Local) mountSecrets(l fuseLayout, runAs *daemon.User, names []string, v
 			return fmt.Errorf("secret file %s: %w", filepath.Join(l.secrets(), name), err)
 		}
 	}
-	return n.attachBelowState(l.secrets(), mnt, "fuse-secrets")
+	return n.attachBelowState(l.secrets(), mnt, kindSecrets)
 }
 
 func writeSecret(dir *os.File, name, value string, runAs *daemon.User) error {
@@ -493,7 +493,7 @@ func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons,
 		return proc, conn, err
 	}
 	defer f.Close()
-	if err := n.records.addMount("fuse", l.mnt(), f); err != nil {
+	if err := n.records.addMount(kindFuse, l.mnt(), f); err != nil {
 		return proc, conn, err
 	}
 	log.Info("Daemon serving", "volume", req.VolumeID, "pid", proc.PID, "conn", conn, "after", time.Since(started).Round(time.Millisecond))

@@ -293,6 +293,28 @@ func TestDaemonSecrets(t *testing.T) {
 	if b, _ := os.ReadFile(filepath.Join(secrets, "token")); string(b) != token {
 		t.Errorf("after the restart the secret file holds %q", b)
 	}
+	// A plan binds the volume's mount, never its secrets (they are the
+	// mounter's, recorded, but not for binding: a plugin could otherwise
+	// hand one volume's secrets to another's consumer).
+	pid := mountnstest.Namespace(t, "private")
+	target := filepath.Join(f.dir, "consumer")
+	mkdirs(t, target)
+	c := plan.Consumer{PID: pid, MountPoint: target}
+	for _, src := range []string{secrets, filepath.Join(secrets, "token")} {
+		err := f.n.Mount(ctx, []plan.Mount{{Type: plan.TypeBind, Source: src, Options: opts("ro")}}, c)
+		if !errors.Is(err, errdefs.ErrPermissionDenied) {
+			t.Errorf("a plan binding %s = %v, want PermissionDenied", src, err)
+		}
+		if got := mountedDev(t, pid, f.dir, target); got != 0 {
+			t.Errorf("a refused bind of %s left a mount at the target", src)
+		}
+	}
+	mnt := filepath.Join(f.volDir(id), "mnt")
+	if err := f.n.Mount(ctx, []plan.Mount{{Type: plan.TypeBind, Source: mnt, Options: opts("ro")}}, c); err != nil {
+		t.Errorf("a plan binding the volume's mount %s: %v", mnt, err)
+	} else {
+		undo(t, f.n, c)
+	}
 	f.stop(id, true)
 	f.gone(id)
 

@@ -135,8 +135,13 @@ func (n *Local) openBindSource(p string) (*os.File, error) {
 // state dir's own filesystem: one that carries no mount, on itself or on
 // the way to it, that the mounter did not make. Anything else (the host's
 // /etc bound there by whoever could mount) is refused.
+//
+// A volume's secrets (their tmpfs) are the mounter's too, and never bound.
 func (n *Local) checkBindSource(f *os.File, p string) error {
-	if _, ok := n.records.madeMount(f); ok {
+	if rec, ok := n.records.madeMount(f); ok {
+		if !bindable(rec.Kind) {
+			return fmt.Errorf("bind source %s is on a %s mount of the mounter's, which is never bound: %w", p, rec.Kind, errdefs.ErrPermissionDenied)
+		}
 		return nil
 	}
 	got, _, err := statMount(f)

@@ -18,6 +18,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // The mounter trusts only what it set up itself: a plan may name a block
@@ -52,6 +53,19 @@ type mountRecord struct {
 	Kind    string `json:"kind"`
 	Boot    string `json:"boot"`
 }
+
+// The kinds of mounts recorded: the ones a plan may bind (a chain's
+// layers, a FUSE daemon's mount, the NRI guard) and a volume's secrets,
+// which only their daemon reads.
+const (
+	kindChain   = "chain"
+	kindFuse    = "fuse"
+	kindGuard   = "guard"
+	kindSecrets = "fuse-secrets"
+)
+
+// bindable reports whether a plan may bind a mount of this kind.
+func bindable(kind string) bool { return kind == kindChain || kind == kindFuse || kind == kindGuard }
 
 // heldLoop is a recorded loop device and the descriptor that keeps it.
 type heldLoop struct {
@@ -254,6 +268,18 @@ func (r *registry) dropMount(p string) error {
 	r.mu.Unlock()
 	return r.mntDB.Delete(key)
 }
+
+// RecordGuard records the NRI guard's mount root at p (a bind source
+// its hook's publishes name); see guard.Recorder.
+func (n *Local) RecordGuard(p string, root *os.File) error {
+	if !plan.Within(n.opts.StateDir, p) {
+		return fmt.Errorf("the guard at %s is not below the state dir: %w", p, errdefs.ErrInvalidArgument)
+	}
+	return n.records.addMount(kindGuard, p, root)
+}
+
+// ForgetGuard forgets the NRI guard recorded at p.
+func (n *Local) ForgetGuard(p string) error { return n.records.dropMount(p) }
 
 // madeMount reports whether f lies on a mount the registry holds: its
 // root, or a file or directory in it (a volume's own data, as a subPath).
