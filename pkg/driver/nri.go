@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"slices"
 	"strconv"
 	"time"
@@ -97,10 +96,13 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 		}
 		pub.Mounts = mounts
 	} else {
-		src := guard.Path(d.opts.StateDir)
-		if _, err := os.Lstat(src); errors.Is(err, fs.ErrNotExist) {
+		src, err := guard.Source(d.opts.StateDir)
+		if errors.Is(err, fs.ErrNotExist) {
 			return fmt.Errorf("volume %s is in NRI mode and no mountplan NRI hook is registered with the container runtime (no %s): "+
-				"no container could get it: %w", v.ID, src, errdefs.ErrUnavailable)
+				"no container could get it: %w", v.ID, guard.Path(d.opts.StateDir), errdefs.ErrUnavailable)
+		}
+		if err != nil {
+			return err
 		}
 		pub.Mounts = []plan.Mount{guard.Bind(src)}
 	}

@@ -102,6 +102,12 @@ type Hook struct {
 	// of the volume.
 	Timeout time.Duration
 
+	// Guards records the guard's mount point with the mounter, whose
+	// checks of bind sources then let NRI-mode publishes bind it. NewHook
+	// takes the mounter when it is one (mounter.Local, in the mounter's
+	// process).
+	Guards guard.Recorder
+
 	mu    sync.Mutex
 	guard *guard.Guard // while registered with the runtime
 }
@@ -117,7 +123,9 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 	if resolved, err := filepath.EvalSymlinks(pods); err == nil && resolved != pods {
 		dirs = append(dirs, resolved)
 	}
-	return &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, Timeout: DefaultTimeout}
+	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, Timeout: DefaultTimeout}
+	h.Guards, _ = m.(guard.Recorder)
+	return h
 }
 
 // CreateContainer claims every NRI-mode volume among the container's
@@ -492,7 +500,7 @@ func (h *Hook) startGuard(ctx context.Context) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.guard == nil {
-		g, err := guard.Start(h.stateDir)
+		g, err := guard.Start(h.stateDir, h.Guards)
 		if err != nil {
 			return fmt.Errorf("starting the guard: %w", err)
 		}

@@ -155,7 +155,7 @@ func TestReview2StartContainerTrustsAnnotation(t *testing.T) {
 // publish does through the mounter; cleanup unmounts it.
 func bindGuard(t *testing.T, stateDir, target string) {
 	t.Helper()
-	src, err := filepath.EvalSymlinks(guard.Path(stateDir))
+	src, err := guard.Source(stateDir)
 	if err != nil {
 		t.Fatal(err)
 	}

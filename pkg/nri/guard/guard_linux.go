@@ -5,8 +5,10 @@ package guard
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -14,6 +16,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -23,10 +26,41 @@ const FSType = "fuse." + guardName
 
 const guardName = "mountplan-nri-guard"
 
-// Path is where the live guard is reached under the state dir: a symlink
-// to its mount point, which the plugin's NRI-mode publish binds at
-// kubelet's target path. Nothing is there while no hook is registered.
-func Path(stateDir string) string { return filepath.Join(stateDir, "nri", "guard") }
+// linkName is the symlink, in <state-dir>/nri, to the live guard's mount
+// point; mountPrefix starts the name of every guard's mount point there.
+const (
+	linkName    = "guard"
+	mountPrefix = "g-"
+)
+
+// Path is where the live guard is announced under the state dir: a
+// symlink to its mount point (Source resolves it). Nothing is there while
+// no hook is registered.
+func Path(stateDir string) string { return filepath.Join(stateDir, "nri", linkName) }
+
+// Source returns the mount point of the live guard below stateDir, which
+// the plugin's NRI-mode publish binds at kubelet's target path: the
+// resolved path, since the mounter follows no symlink in a bind's source.
+// It wraps fs.ErrNotExist when no guard runs.
+func Source(stateDir string) (string, error) {
+	dest, err := os.Readlink(Path(stateDir))
+	if err != nil {
+		return "", err
+	}
+	if !strings.HasPrefix(dest, mountPrefix) || strings.Contains(dest, "/") {
+		return "", fmt.Errorf("%s leads to %q, not a guard's mount point: %w", Path(stateDir), dest, errdefs.ErrFailedPrecondition)
+	}
+	return filepath.Join(filepath.Dir(Path(stateDir)), dest), nil
+}
+
+// Recorder is told of the guard's mount point, so that a bind of it
+// passes the mounter's check of bind sources (mounter.Local is one).
+type Recorder interface {
+	// RecordGuard records root, the guard's mount root at path.
+	RecordGuard(path string, root *os.File) error
+	// ForgetGuard forgets the guard recorded at path.
+	ForgetGuard(path string) error
+}
 
 // Guard is what stands at kubelet's target path of a volume published in
 // NRI mode instead of the volume: an empty, read-only FUSE filesystem that
@@ -43,60 +77,136 @@ func Path(stateDir string) string { return filepath.Join(stateDir, "nri", "guard
 //     getting an empty directory of the node's disk in place of its volume.
 //
 // A new guard re-arms the targets left bound to a dead one (Rearm).
+//
+// The plugin (unprivileged, but the owner of the state dir) may rename or
+// replace anything there: every step below <state-dir>/nri goes through
+// that directory's descriptor, opened without following a symlink, and
+// names entries in it, never a path resolved again.
 type Guard struct {
-	dir   string // <state-dir>/nri
-	mnt   string // where this guard's filesystem is mounted
+	dir   *os.File // <state-dir>/nri, O_PATH
+	path  string   // its path, for messages and records
+	name  string   // this guard's mount point in dir
+	rec   Recorder
 	dev   *os.File
 	devno uint64 // its filesystem's device number
 	done  chan struct{}
 }
 
-// Start mounts a new guard under stateDir, serves it, points Path at it
-// and removes what earlier guards left there.
-func Start(stateDir string) (_ *Guard, err error) {
-	g := &Guard{dir: filepath.Dir(Path(stateDir)), done: make(chan struct{})}
-	if err := os.MkdirAll(g.dir, 0o700); err != nil {
+// Start mounts a new guard under stateDir, serves it, records it with rec
+// (if any), points Path at it and removes what earlier guards left there.
+func Start(stateDir string, rec Recorder) (_ *Guard, err error) {
+	g := &Guard{
+		path: filepath.Dir(Path(stateDir)),
+		name: mountPrefix + strconv.FormatInt(time.Now().UnixNano(), 36),
+		rec:  rec,
+		done: make(chan struct{}),
+	}
+	if g.dir, err = openDir(stateDir, g.path); err != nil {
 		return nil, err
 	}
-	g.mnt = filepath.Join(g.dir, "g-"+strconv.FormatInt(time.Now().UnixNano(), 36))
-	if err := os.Mkdir(g.mnt, 0o755); err != nil {
-		return nil, err
+	if err := unix.Mkdirat(g.fd(), g.name, 0o755); err != nil {
+		g.dir.Close()
+		return nil, &os.PathError{Op: "mkdirat", Path: g.mnt(), Err: err}
 	}
 	defer func() {
 		if err != nil {
-			g.stop()
+			err = errors.Join(err, g.stop())
 		}
 	}()
 	if err := g.mount(); err != nil {
 		return nil, err
 	}
-	var st unix.Stat_t
-	if err := unix.Stat(g.mnt, &st); err != nil {
-		return nil, &os.PathError{Op: "stat", Path: g.mnt, Err: err}
-	}
-	g.devno = uint64(st.Dev) //nolint:unconvert // Dev is uint32 on some architectures
-	tmp := Path(stateDir) + ".new"
-	_ = os.Remove(tmp)
-	if err := os.Symlink(filepath.Base(g.mnt), tmp); err != nil {
+	root, err := g.open(g.name)
+	if err != nil {
 		return nil, err
 	}
-	if err := os.Rename(tmp, Path(stateDir)); err != nil {
+	defer root.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(root.Fd()), &st); err != nil {
+		return nil, &os.PathError{Op: "fstat", Path: g.mnt(), Err: err}
+	}
+	g.devno = uint64(st.Dev) //nolint:unconvert // Dev is uint32 on some architectures
+	if st.Dev == g.parentDev() {
+		return nil, fmt.Errorf("%s: no guard is mounted there after mounting it", g.mnt())
+	}
+	if g.rec != nil {
+		if err := g.rec.RecordGuard(g.mnt(), root); err != nil {
+			return nil, err
+		}
+	}
+	if err := g.announce(); err != nil {
 		return nil, err
 	}
 	return g, g.removeStale()
 }
 
-// mount opens /dev/fuse, mounts the filesystem read-only at g.mnt and
-// starts serving it.
+// openDir makes dir (below stateDir) and opens it, never through a symlink.
+func openDir(stateDir, dir string) (*os.File, error) {
+	if err := os.MkdirAll(stateDir, 0o700); err != nil { // the admin's path
+		return nil, err
+	}
+	root, err := mountns.OpenRoot(stateDir)
+	if err != nil {
+		return nil, err
+	}
+	defer root.Close()
+	if _, err := root.MkdirAll(dir, false); err != nil {
+		return nil, err
+	}
+	f, err := root.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	// Only the mounter: the plugin reads the symlink (as the owner).
+	if err := unix.Chmod(procFd(f), 0o700); err != nil {
+		f.Close()
+		return nil, &os.PathError{Op: "chmod", Path: dir, Err: err}
+	}
+	return f, nil
+}
+
+func (g *Guard) fd() int            { return int(g.dir.Fd()) }
+func (g *Guard) mnt() string        { return filepath.Join(g.path, g.name) }
+func (g *Guard) at(n string) string { return filepath.Join(g.path, n) }
+
+// open opens the entry name of the guard's directory (O_PATH), never a
+// symlink.
+func (g *Guard) open(name string) (*os.File, error) {
+	fd, err := unix.Openat(g.fd(), name, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	runtime.KeepAlive(g.dir)
+	if err != nil {
+		return nil, &os.PathError{Op: "openat", Path: g.at(name), Err: err}
+	}
+	return os.NewFile(uintptr(fd), g.at(name)), nil
+}
+
+func (g *Guard) parentDev() uint64 {
+	var st unix.Stat_t
+	if unix.Fstat(g.fd(), &st) != nil {
+		return 0
+	}
+	return uint64(st.Dev) //nolint:unconvert // Dev is uint32 on some architectures
+}
+
+// mount opens /dev/fuse, mounts the filesystem read-only on the guard's
+// directory (reached through its descriptor: the kernel follows the magic
+// link /proc/self/fd/N to exactly that directory) and starts serving it.
 func (g *Guard) mount() error {
+	at, err := g.open(g.name)
+	if err != nil {
+		return err
+	}
+	defer at.Close()
 	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return &os.PathError{Op: "open", Path: "/dev/fuse", Err: err}
 	}
 	opts := fmt.Sprintf("fd=%d,rootmode=40555,user_id=0,group_id=0", fd)
-	if err := unix.Mount(guardName, g.mnt, FSType, unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
+	err = unix.Mount(guardName, procFd(at), FSType, unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts)
+	runtime.KeepAlive(at)
+	if err != nil {
 		unix.Close(fd)
-		return &os.PathError{Op: "mount " + FSType, Path: g.mnt, Err: err}
+		return &os.PathError{Op: "mount " + FSType, Path: g.mnt(), Err: err}
 	}
 	// Only now, with a connection behind it, can the device be polled:
 	// made non-blocking, os.NewFile hands it to Go's poller, and Close can
@@ -111,16 +221,34 @@ func (g *Guard) mount() error {
 	return nil
 }
 
+func procFd(f *os.File) string { return "/proc/self/fd/" + strconv.Itoa(int(f.Fd())) }
+
+// announce points Path at this guard: a new symlink renamed over the old.
+func (g *Guard) announce() error {
+	tmp := linkName + ".new"
+	if err := unix.Unlinkat(g.fd(), tmp, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return &os.PathError{Op: "unlinkat", Path: g.at(tmp), Err: err}
+	}
+	if err := unix.Symlinkat(g.name, g.fd(), tmp); err != nil {
+		return &os.PathError{Op: "symlinkat", Path: g.at(tmp), Err: err}
+	}
+	if err := unix.Renameat(g.fd(), tmp, g.fd(), linkName); err != nil {
+		return &os.PathError{Op: "renameat", Path: g.at(linkName), Err: err}
+	}
+	runtime.KeepAlive(g.dir)
+	return nil
+}
+
 // Source is the mount point of this guard's filesystem.
-func (g *Guard) Source() string { return g.mnt }
+func (g *Guard) Source() string { return g.mnt() }
 
 // Stop unpoints Path, aborts the connection (every target still bound
 // to this guard now fails with ENOTCONN) and unmounts the guard's own
 // mount point.
 func (g *Guard) Stop() error {
-	link := filepath.Join(g.dir, "guard")
-	if dest, err := os.Readlink(link); err == nil && dest == filepath.Base(g.mnt) {
-		_ = os.Remove(link)
+	buf := make([]byte, unix.NAME_MAX)
+	if n, err := unix.Readlinkat(g.fd(), linkName, buf); err == nil && string(buf[:n]) == g.name {
+		_ = unix.Unlinkat(g.fd(), linkName, 0)
 	}
 	return g.stop()
 }
@@ -131,33 +259,78 @@ func (g *Guard) stop() error {
 		<-g.done
 		g.dev = nil
 	}
-	if err := mountns.Unmount(g.mnt, true); err != nil {
-		return err
+	err := g.remove(g.name)
+	if g.dir != nil {
+		g.dir.Close()
+		g.dir = nil
 	}
-	if err := unix.Rmdir(g.mnt); err != nil && !errors.Is(err, unix.ENOENT) {
-		return &os.PathError{Op: "rmdir", Path: g.mnt, Err: err}
+	return err
+}
+
+// remove detaches the mounts on the entry name of the guard's directory,
+// removes it, and forgets its record.
+func (g *Guard) remove(name string) error {
+	for range maxStacked {
+		f, err := g.open(name)
+		if errors.Is(err, fs.ErrNotExist) {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &st); err == nil && uint64(st.Dev) == g.parentDev() { //nolint:unconvert // Dev is uint32 on some architectures
+			f.Close()
+			break // nothing (left) mounted on it
+		}
+		// A dead guard's root fails the stat (ENOTCONN): unmount it too.
+		err = unix.Unmount(procFd(f), unix.MNT_DETACH)
+		f.Close()
+		if errors.Is(err, unix.EINVAL) {
+			break
+		}
+		if err != nil {
+			return &os.PathError{Op: "umount2", Path: g.at(name), Err: err}
+		}
+	}
+	err := unix.Unlinkat(g.fd(), name, unix.AT_REMOVEDIR)
+	if errors.Is(err, unix.ENOTDIR) { // planted (a symlink): removed, never followed
+		err = unix.Unlinkat(g.fd(), name, 0)
+	}
+	if err != nil && !errors.Is(err, unix.ENOENT) {
+		return &os.PathError{Op: "remove", Path: g.at(name), Err: err}
+	}
+	runtime.KeepAlive(g.dir)
+	if g.rec != nil {
+		return g.rec.ForgetGuard(g.at(name))
 	}
 	return nil
 }
 
+// maxStacked bounds the mounts removed from one entry.
+const maxStacked = 16
+
 // removeStale detaches and removes the mount points of earlier guards.
 func (g *Guard) removeStale() error {
-	entries, err := os.ReadDir(g.dir)
+	d, err := g.open(".")
+	if err != nil {
+		return err
+	}
+	// An O_PATH descriptor cannot be listed: reopen the very directory.
+	dir, err := os.Open(procFd(d))
+	d.Close()
+	if err != nil {
+		return err
+	}
+	names, err := dir.Readdirnames(-1)
+	dir.Close()
 	if err != nil {
 		return err
 	}
 	var errs []error
-	for _, e := range entries {
-		p := filepath.Join(g.dir, e.Name())
-		if !strings.HasPrefix(e.Name(), "g-") || p == g.mnt {
-			continue
-		}
-		if err := mountns.Unmount(p, true); err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		if err := unix.Rmdir(p); err != nil && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, &os.PathError{Op: "rmdir", Path: p, Err: err})
+	for _, name := range names {
+		if strings.HasPrefix(name, mountPrefix) && name != g.name {
+			errs = append(errs, g.remove(name))
 		}
 	}
 	return errors.Join(errs...)
@@ -184,16 +357,21 @@ func (g *Guard) Owns(path string) (bool, error) {
 // returns how many it re-armed.
 func (g *Guard) Rearm(root string) (int, error) {
 	stale, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
-		return i.FSType != FSType || !plan.Within(root, i.Mountpoint) ||
+		return i.FSType != FSType || !plan.Within(root, i.Mountpoint) || i.Mountpoint == root ||
 			unix.Mkdev(uint32(i.Major), uint32(i.Minor)) == g.devno, false
 	})
+	if err != nil || len(stale) == 0 {
+		return 0, err
+	}
+	r, err := mountns.OpenRoot(root)
 	if err != nil {
 		return 0, err
 	}
+	defer r.Close()
 	n := 0
 	var errs []error
 	for _, i := range stale {
-		if err := g.arm(i.Mountpoint); err != nil {
+		if err := g.arm(r, i); err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -202,17 +380,60 @@ func (g *Guard) Rearm(root string) (int, error) {
 	return n, errors.Join(errs...)
 }
 
-// arm replaces what is mounted at target by a bind of this guard.
-func (g *Guard) arm(target string) error {
-	if err := mountns.Unmount(target, true); err != nil {
+// arm replaces the dead guard i at its mount point by a bind of this
+// guard. The plugin can rename kubelet's directories (not the mount
+// points, but their parents): the mount point is reached below root
+// without a symlink, and only the very mount the table showed is
+// replaced.
+func (g *Guard) arm(root *mountns.Root, i *mountinfo.Info) error {
+	t, err := root.Open(i.Mountpoint)
+	if err != nil {
 		return err
 	}
-	fd, err := mountns.Build(Bind(g.mnt))
+	id, err := mountIDOf(t)
+	if err == nil && id != i.ID {
+		err = fmt.Errorf("%s is no longer the dead guard's mount %d (it is %d): %w", i.Mountpoint, i.ID, id, errdefs.ErrFailedPrecondition)
+	}
+	if err == nil {
+		if err = unix.Unmount(procFd(t), unix.MNT_DETACH); err != nil {
+			err = &os.PathError{Op: "umount2", Path: i.Mountpoint, Err: err}
+		}
+	}
+	t.Close()
+	if err != nil {
+		return err
+	}
+	src, err := g.open(g.name)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	fd, err := mountns.BuildFrom(Bind(g.mnt()), src)
 	if err != nil {
 		return err
 	}
 	defer fd.Close()
-	return mountns.Attach(fd, target)
+	if t, err = root.Open(i.Mountpoint); err != nil {
+		return err
+	}
+	defer t.Close()
+	return mountns.AttachAt(fd, t)
+}
+
+// mountIDOf reads the ID of the mount f is on from /proc: a stat of a dead
+// guard's root would fail (ENOTCONN).
+func mountIDOf(f *os.File) (int, error) {
+	b, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(int(f.Fd())))
+	runtime.KeepAlive(f)
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "mnt_id:"); ok {
+			return strconv.Atoi(strings.TrimSpace(v))
+		}
+	}
+	return 0, fmt.Errorf("no mnt_id in the fdinfo of %s", f.Name())
 }
 
 // Bind is the plan that binds a guard at a target.
