@@ -35,7 +35,7 @@ func addNodeFlags(fs *flag.FlagSet) *nodeFlags {
 	fs.StringVar(&f.stateDir, "state-dir", config.DefaultStateDir,
 		"the plugin's state directory: the only place the mounter mounts for the plugin (overlay chains, FUSE daemons, the NRI guard) and where its images live")
 	fs.StringVar(&f.recordsDir, "records-dir", "",
-		"the mounter's own records of the devices and mounts it set up; give it a directory the plugin cannot write (default: <state-dir>/mounter)")
+		"the mounter's own records of the devices and mounts it set up: a directory the plugin cannot reach, outside the state dir (default: <state-dir>-mounter, beside it)")
 	fs.StringVar(&f.configPath, "config", "", "the plugin's admin config (YAML): plan policy, image roots, FUSE profiles, iSCSI settings")
 	fs.BoolVar(&f.allowSuidDev, "allow-suid-dev", false, "accept plans whose mounts lack nosuid,nodev")
 	fs.BoolVar(&f.allowPropagation, "allow-propagation", false,
@@ -59,11 +59,17 @@ func (f *nodeFlags) options() (mounter.Options, error) {
 	if f.allowSuidDev {
 		cfg.MountPolicy.AllowSuidDev = true
 	}
-	records := f.recordsDir
-	if records == "" {
-		records = filepath.Join(f.stateDir, "mounter")
+	state := filepath.Clean(f.stateDir)
+	records := filepath.Clean(f.recordsDir)
+	if f.recordsDir == "" {
+		records = state + "-mounter"
 	}
-	return mounter.Options{StateDir: filepath.Clean(f.stateDir), KubeletDir: f.kubeletDir, RecordsDir: records, Config: cfg,
+	// The plugin owns what it puts in the state dir and could rename the
+	// records away or forge them there.
+	if !filepath.IsAbs(records) || plan.Within(state, records) || plan.Within(records, state) {
+		return mounter.Options{}, fmt.Errorf("--records-dir %q must be an absolute path outside --state-dir %s (and not holding it): %w", f.recordsDir, state, errUsage)
+	}
+	return mounter.Options{StateDir: state, KubeletDir: f.kubeletDir, RecordsDir: records, Config: cfg,
 		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation}, nil
 }
 

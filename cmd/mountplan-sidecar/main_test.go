@@ -72,7 +72,7 @@ func TestMountAndUnmountCommands(t *testing.T) {
 	target := filepath.Join(dir, "mp")
 	common := []string{"--plugin-endpoint", endpoint, "--volume-id", "vol-1", "--pid", strconv.Itoa(pid), "--target", target}
 
-	if err := run(context.Background(), "mount", append(common, "--staging-path", "/staging", "--state-dir", dir, "--records-dir", filepath.Join(dir, "records"))); err != nil {
+	if err := run(context.Background(), "mount", append(common, "--staging-path", "/staging", "--state-dir", dir, "--records-dir", t.TempDir())); err != nil {
 		t.Fatal(err)
 	}
 	if n := len(mountnstest.MountsUnder(t, pid, dir)); n != 2 {
@@ -92,20 +92,18 @@ func TestMountAndUnmountCommands(t *testing.T) {
 	}
 }
 
-// TestMountCommandReleasesOnFailure: the default allowed root does not
-// contain the plan's overlay dirs, so the plan is refused and the claim
-// released.
+// TestMountCommandReleasesOnFailure: a plan binding what lies outside the
+// state dir (the host's /etc) is refused, and the claim released.
 func TestMountCommandReleasesOnFailure(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	dir := mountnstest.Scratch(t)
-	p := &fakePlugin{mounts: []plan.Mount{{Type: "overlay", Source: "o",
-		Options: []string{"nosuid", "nodev", "lowerdir=" + dir}}}}
+	p := &fakePlugin{mounts: []plan.Mount{{Type: "bind", Source: "/etc", Options: []string{"nosuid", "nodev"}}}}
 	endpoint := startPlugin(t, p)
 	err := run(context.Background(), "mount", []string{"--plugin-endpoint", endpoint, "--volume-id", "vol-2",
 		"--staging-path", "/staging", "--pid", strconv.Itoa(os.Getpid()), "--target", filepath.Join(dir, "mp"),
-		"--state-dir", dir, "--records-dir", filepath.Join(dir, "records")})
-	if !errors.Is(err, errdefs.ErrPermissionDenied) {
-		t.Fatalf("mount = %v, want PermissionDenied (a path-valued option)", err)
+		"--state-dir", dir, "--records-dir", t.TempDir()})
+	if !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("mount = %v, want InvalidArgument (a bind from outside the state dir)", err)
 	}
 	if got := p.released(); len(got) != 1 || got[0] != "vol-2" {
 		t.Fatalf("released %v, want [vol-2]", got)
@@ -120,7 +118,7 @@ func TestServeCommand(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, "serve", []string{"--endpoint", "unix://" + sock, "--state-dir", dir, "--records-dir", filepath.Join(dir, "records")})
+		done <- run(ctx, "serve", []string{"--endpoint", "unix://" + sock, "--state-dir", dir, "--records-dir", t.TempDir()})
 	}()
 	// Serving starts asynchronously: wait for the socket.
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
@@ -161,7 +159,7 @@ func TestServeConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	err := run(context.Background(), "serve", []string{"--endpoint", "unix://" + filepath.Join(dir, "bad.sock"), "--config", bad,
-		"--state-dir", dir, "--records-dir", filepath.Join(dir, "records")})
+		"--state-dir", dir, "--records-dir", t.TempDir()})
 	if err == nil {
 		t.Error("serve accepted an invalid config")
 	}
@@ -173,6 +171,13 @@ func TestUsageErrors(t *testing.T) {
 		{"mount", "--volume-id", "v"},
 		{"serve"},
 		{"unmount", "--plugin-endpoint", "unix:///x", "--volume-id", "v", "--pid", "1", "--target", "/x", "extra"},
+		// The plugin owns the state dir: the mounter's records stay out of it.
+		{"serve", "--endpoint", "unix:///x", "--state-dir", "/var/lib/mp", "--records-dir", "/var/lib/mp/mounter"},
+		{"serve", "--endpoint", "unix:///x", "--state-dir", "/var/lib/mp", "--records-dir", "/var/lib/mp"},
+		{"serve", "--endpoint", "unix:///x", "--state-dir", "/var/lib/mp", "--records-dir", "/var"},
+		{"serve", "--endpoint", "unix:///x", "--state-dir", "/var/lib/mp", "--records-dir", "records"},
+		{"mount", "--plugin-endpoint", "unix:///x", "--volume-id", "v", "--staging-path", "/s", "--pid", "1", "--target", "/x",
+			"--state-dir", "/var/lib/mp", "--records-dir", "/var/lib/mp/mounter"},
 	} {
 		if err := run(context.Background(), args[0], args[1:]); !errors.Is(err, errUsage) {
 			t.Errorf("%v: %v, want a usage error", args, err)

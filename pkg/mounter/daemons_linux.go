@@ -34,6 +34,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/fuseprofile"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/keylock"
@@ -355,12 +356,17 @@ func (n *Local) readSecrets(l fuseLayout, names []string) ([]string, error) {
 // a first start mounts the secrets' tmpfs with the secret files in it.
 // Nothing may be mounted on mnt/ yet, nor on secrets/ at a first start.
 func (n *Local) makeVolumeDir(l fuseLayout, runAs *daemon.User, restart bool, names []string, values map[string]string) error {
-	// <state>/fuse and the volume's directory: traversable by a daemon of
-	// another user than root, listable by root only.
-	for _, d := range []string{filepath.Dir(l.dir), l.dir} {
-		if err := n.makeDir(d, 0o711, nil); err != nil {
-			return err
-		}
+	// <state>/fuse and the volume's directory belong to the mounter's
+	// user (see fsutil.MounterUID): the daemon is given their paths as
+	// strings, and the plugin must not rename or plant anything there.
+	// The volume's directory is traversable by a daemon of another user
+	// than root, and listable by the mounter only.
+	owner := &daemon.User{UID: fsutil.MounterUID, GID: fsutil.MounterGID}
+	if err := n.makeDir(filepath.Dir(l.dir), 0o755, owner); err != nil {
+		return err
+	}
+	if err := n.makeDir(l.dir, 0o711, owner); err != nil {
+		return err
 	}
 	for _, d := range []string{l.mnt(), l.work()} {
 		if err := n.makeDir(d, 0o700, runAs); err != nil {

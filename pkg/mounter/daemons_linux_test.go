@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -571,4 +572,53 @@ func TestDaemonHostile(t *testing.T) {
 	if _, err := observer.StartDaemon(ctx, f.request("obs", "squashfuse")); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Errorf("StartDaemon of an observer = %v, want FailedPrecondition", err)
 	}
+}
+
+// TestDaemonTreeAgainstPlugin: the daemons are given the paths of their
+// volume's directory as strings, so the plugin (root without a
+// capability, the owner of what it makes in the state dir) must not be
+// able to swap any directory on the way for one of its own or a symlink
+// between the node's checks and the daemon's use. As such a process: the
+// FUSE tree cannot be renamed, removed or written, the mounter's records
+// cannot be read or written; the plugin's own entries in the state dir
+// still can be made, renamed and removed.
+func TestDaemonTreeAgainstPlugin(t *testing.T) {
+	f := newDaemonFixture(t)
+	mountnstest.RequireTool(t, "setpriv")
+	const id = "treevol"
+	f.start(f.request(id, "squashfuse"))
+	asPlugin := func(script string) error {
+		cmd := exec.Command("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--", "sh", "-euc", script)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		return nil
+	}
+	fuse, vol := filepath.Join(f.state, "fuse"), f.volDir(id)
+	for _, tt := range []struct{ name, script string }{
+		{"rename the FUSE tree", "mv " + fuse + " " + fuse + ".old"},
+		{"remove the FUSE tree", "rm -rf " + fuse},
+		{"plant in the FUSE tree", "ln -s /etc " + fuse + "/planted"},
+		{"rename a volume's directory", "mv " + vol + " " + fuse + "/moved"},
+		{"rename a volume's mount point", "mv " + vol + "/mnt " + vol + "/mnt.old"},
+		{"rename a volume's work dir", "mv " + vol + "/work " + vol + "/work.old"},
+		{"plant in a volume's directory", "ln -s /etc " + vol + "/daemon.log.1"},
+		{"list the mounter's records", "ls " + f.records},
+		{"forge a record", "echo '{}' > " + f.records + "/forged.json"},
+	} {
+		if err := asPlugin(tt.script); err == nil {
+			t.Errorf("as the plugin, %s (%s): allowed", tt.name, tt.script)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(vol, "mnt", "hello.txt")); err != nil {
+		t.Errorf("the volume's mount after the attempts: %v", err)
+	}
+	// The plugin's own work in the state dir goes on.
+	mine := filepath.Join(f.state, "volumes")
+	if err := asPlugin("mkdir -p " + mine + " && echo x > " + mine + "/v.json && mv " + mine + "/v.json " + mine + "/w.json && rm " + mine + "/w.json && mv " + mine + " " + mine + ".2 && rmdir " + mine + ".2"); err != nil {
+		t.Errorf("as the plugin, its own entries in the state dir: %v", err)
+	}
+	f.stop(id, true)
+	f.gone(id)
 }

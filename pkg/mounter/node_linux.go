@@ -6,12 +6,14 @@ import (
 	"os"
 	"path/filepath"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
 	"github.com/mountplan/mountplan/pkg/daemon/policy"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -58,6 +60,11 @@ func NewNode(ctx context.Context, o Options) (*Local, error) {
 	}
 	if err := os.MkdirAll(o.StateDir, 0o700); err != nil {
 		return nil, err
+	}
+	if !o.Observe {
+		if err := protectStateDir(o.StateDir); err != nil {
+			return nil, err
+		}
 	}
 	state, err := mountns.OpenRoot(o.StateDir)
 	if err != nil {
@@ -141,4 +148,22 @@ func (n *Local) volumeDir(kind, id string) (string, error) {
 // (Executor.UnmountAll).
 func (n *Local) UnmountAll(ctx context.Context, c plan.Consumer) error {
 	return n.exec.UnmountAll(ctx, c)
+}
+
+// protectStateDir gives the state dir to fsutil.MounterUID, sticky and
+// writable by the plugin's group (fsutil.StateDirMode): the plugin keeps
+// adding its own entries but can no longer rename or remove the mounter's.
+func protectStateDir(dir string) error {
+	f, err := os.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return fmt.Errorf("mounter: state dir: %w", err)
+	}
+	defer f.Close()
+	if err := f.Chown(fsutil.MounterUID, 0); err != nil {
+		return fmt.Errorf("mounter: state dir: %w", err)
+	}
+	if err := f.Chmod(fsutil.StateDirMode); err != nil {
+		return fmt.Errorf("mounter: state dir: %w", err)
+	}
+	return nil
 }

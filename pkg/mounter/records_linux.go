@@ -16,6 +16,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/loopdev"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -89,7 +90,11 @@ func openRegistry(dir string, observe bool) (*registry, error) {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return nil, err
 		}
-		// Only the mounter: the plugin must not forge what the mounter trusts.
+		// Only the mounter: the plugin (root without a capability) must not
+		// read or forge what the mounter trusts.
+		if err := os.Chown(dir, fsutil.MounterUID, fsutil.MounterGID); err != nil {
+			return nil, err
+		}
 		if err := os.Chmod(dir, 0o700); err != nil {
 			return nil, err
 		}

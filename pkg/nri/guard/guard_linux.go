@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -157,8 +158,13 @@ func openDir(stateDir, dir string) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Only the mounter: the plugin reads the symlink (as the owner).
-	if err := unix.Chmod(procFd(f), 0o700); err != nil {
+	// The mounter's (fsutil.MounterUID): the plugin reads the symlink but
+	// cannot change it or plant a guard's name.
+	if err := unix.Chown(procFd(f), fsutil.MounterUID, fsutil.MounterGID); err != nil {
+		f.Close()
+		return nil, &os.PathError{Op: "chown", Path: dir, Err: err}
+	}
+	if err := unix.Chmod(procFd(f), 0o755); err != nil {
 		f.Close()
 		return nil, &os.PathError{Op: "chmod", Path: dir, Err: err}
 	}
