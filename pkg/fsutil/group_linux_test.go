@@ -10,8 +10,6 @@ import (
 	"github.com/mountplan/mountplan/internal/testenv"
 )
 
-
-
 // ApplyGroup changes group and modes below root only: a symlink in
 // the volume (which a container controls) never leads it outside.
 func TestApplyGroup(t *testing.T) {
