@@ -228,27 +228,3 @@ func TestTooLarge(t *testing.T) {
 		t.Fatalf("oversized request: %v, want ResourceExhausted", err)
 	}
 }
-
-// BenchmarkCall measures one round trip of a small request on a pooled
-// connection (the plugin's cost per call to the mounter).
-func BenchmarkCall(b *testing.B) {
-	s := unixrpc.NewServer(klog.Background())
-	unixrpc.Handle(s, "Echo", func(_ context.Context, r echoReq, _ []*os.File) (echoResp, error) {
-		return echoResp{Text: r.Text}, nil
-	})
-	path := filepath.Join(b.TempDir(), "rpc.sock")
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() { _ = s.Serve(ctx, l) }()
-	c := unixrpc.NewClient(path)
-	defer c.Close()
-	for b.Loop() {
-		if _, err := unixrpc.Call[echoReq, echoResp](ctx, c, "Echo", echoReq{Text: "/dev/loop3"}); err != nil {
-			b.Fatal(err)
-		}
-	}
-}
