@@ -27,12 +27,6 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// refused reports whether err is a refusal of the request itself: what a
-// mounter answers a plan it will not perform.
-func refused(err error) bool {
-	return errors.Is(err, errdefs.ErrPermissionDenied) || errors.Is(err, errdefs.ErrInvalidArgument)
-}
-
 // mkdirs makes each directory (and its parents).
 func mkdirs(t testing.TB, dirs ...string) {
 	t.Helper()

@@ -193,7 +193,7 @@ func TestNBDServerRestart(t *testing.T) {
 		return h != nil && h.GetReason() == "ConnectionLost"
 	})
 	t.Logf("health %v after the server stopped: %v", time.Since(stopped), health(t, d, f.id))
-	srv = nbdtest.StartNbdkit(t, dir, nbdtest.Options{Port: srv.Port})
+	nbdtest.StartNbdkit(t, dir, nbdtest.Options{Port: srv.Port})
 	back := time.Now()
 	waitFor(t, "the plugin to reconnect the device", func() bool { return health(t, d, f.id) == nil })
 	t.Logf("reconnected %v after the server came back", time.Since(back))
