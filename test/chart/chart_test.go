@@ -944,14 +944,14 @@ func TestAdminRoots(t *testing.T) {
 		}
 		for _, root := range r.config.ImageRoots {
 			visible(plugin, root) // checks a static volume's image
-			// The mounter opens the image below the root and attaches it:
-			// read-only is enough, unless the root is a FUSE root too.
+			// The mounter opens the image below the root and attaches it,
+			// read-write for a writable volume.
 			visible(mounter, root)
-			if fuseRoots[root] || root == stateDir || strings.HasPrefix(root, stateDir+"/") {
+			if root == stateDir || strings.HasPrefix(root, stateDir+"/") {
 				continue
 			}
-			if m, _ := r.mountAt(t, mounter, root); !m.ReadOnly {
-				t.Errorf("mounter: image root %s is writable", root)
+			if m, _ := r.mountAt(t, mounter, root); m.ReadOnly {
+				t.Errorf("mounter: image root %s is read-only: a writable static volume cannot be attached", root)
 			}
 		}
 		// NBD sockets: the plugin connects to them and hands the mounter the

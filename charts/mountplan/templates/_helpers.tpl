@@ -101,7 +101,8 @@ app.kubernetes.io/part-of: mountplan
 {{/*
 Host directories the admin config lets volumes name, as YAML: path -> the
 kinds of root it is (image: config.imageRoots, loop images the mounter
-opens below the root and attaches, and the plugin reads; fuse: source.roots
+opens below the root and attaches, read-write for a writable volume, and
+the plugin reads; fuse: source.roots
 of config.fuseProfiles, which the plugin checks and the daemons in the
 mounter's container read and write; nbd: config.nbd.socketRoots, unix
 sockets the plugin connects to). Roots under the state dir are left out: the
