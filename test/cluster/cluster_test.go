@@ -49,7 +49,9 @@ func TestCluster(t *testing.T) {
 	_, err = os.Stat(filepath.Join("/sys/fs/cgroup", criNamespace))
 	hadNSCgroup := len(v1) > 0 || err == nil
 	c := startCluster(t, root, path)
+	logs := keepPodLogs(c)
 	defer func() {
+		logs.stop() // before the node's stop removes the pods' logs
 		left, err := c.stop()
 		if err != nil {
 			t.Error(err)
@@ -67,7 +69,7 @@ func TestCluster(t *testing.T) {
 			t.Errorf("leak: %s", l)
 		}
 		if t.Failed() {
-			t.Logf("logs kept under %s", c.cfg.path("logs"))
+			t.Logf("logs kept under %s (the plugin's and the mounter's: pods/kube-system_mountplan-*)", c.cfg.path("logs"))
 			return
 		}
 		if err := os.RemoveAll(root); err != nil {
