@@ -1393,5 +1393,8 @@ func TestNodePodUnprivileged(t *testing.T) {
 		if p.RunAsUser == nil || *p.RunAsUser != 0 {
 			t.Errorf("plugin: runAsUser %v, want 0 (it owns the state dir's files)", p.RunAsUser)
 		}
+		if p.RunAsGroup == nil || *p.RunAsGroup != 0 {
+			t.Errorf("plugin: runAsGroup %v, want 0 (the state dir is the mounter's uid's, writable by group 0)", p.RunAsGroup)
+		}
 	})
 }
