@@ -105,8 +105,11 @@ func startServerProcess(b *testing.B, path string) int {
 // in this process and in another one, for a handler that does nothing and
 // one that stats a path. The caller's context has a deadline, as a gRPC
 // handler's has. Besides the time of a call it reports the CPU time both
-// processes spent on it (cpu-ns/op): wake-ups of idle threads cost CPU
-// even where they do not add to the call's latency.
+// processes spent on it (cpu-ns/op) and how often one of their threads
+// went to sleep (sleeps/op: voluntary context switches, each ended by a
+// wake-up): wake-ups of idle threads cost CPU and, on a loaded node,
+// latency, even where they are off a call's path. The least is two: the
+// server sleeps after its answer, the client while it waits for it.
 func BenchmarkCall(b *testing.B) {
 	for _, where := range []string{"child", "same"} {
 		for _, method := range []string{"Noop", "Stat"} {
@@ -123,14 +126,15 @@ func BenchmarkCall(b *testing.B) {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 				defer cancel()
 				req := statReq{Path: path}
-				cpu := cpuTime(b, pids)
+				cpu, sleeps := cpuTime(b, pids), sleepCount(b, pids)
 				for b.Loop() {
 					if _, err := unixrpc.Call[statReq, statResp](ctx, c, method, req); err != nil {
 						b.Fatal(err)
 					}
 				}
-				cpu = cpuTime(b, pids) - cpu
+				cpu, sleeps = cpuTime(b, pids)-cpu, sleepCount(b, pids)-sleeps
 				b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
+				b.ReportMetric(float64(sleeps)/float64(b.N), "sleeps/op")
 			})
 		}
 	}
@@ -169,6 +173,35 @@ func cpuTime(b *testing.B, pids []int) time.Duration {
 				b.Fatal(err)
 			}
 			total += time.Duration(ticks) * 10 * time.Millisecond
+		}
+	}
+	return total
+}
+
+// sleepCount is how often the threads of the processes pids went to sleep
+// so far: the sum of their voluntary context switches (a thread that
+// exited is no longer counted; the Go runtime keeps its threads).
+func sleepCount(b *testing.B, pids []int) int64 {
+	var total int64
+	for _, pid := range pids {
+		tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/status", pid))
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, task := range tasks {
+			data, err := os.ReadFile(task)
+			if err != nil {
+				continue // the thread exited
+			}
+			for _, line := range strings.Split(string(data), "\n") {
+				if v, ok := strings.CutPrefix(line, "voluntary_ctxt_switches:"); ok {
+					n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+					if err != nil {
+						b.Fatal(err)
+					}
+					total += n
+				}
+			}
 		}
 	}
 	return total

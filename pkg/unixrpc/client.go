@@ -25,10 +25,16 @@ type Client struct {
 	path string
 
 	mu        sync.Mutex
-	idle      []*net.UnixConn
+	idle      []*clientConn
 	closed    bool
 	instance  string
 	onRestart []func()
+}
+
+// clientConn is a connection of a client and the reader of its answers.
+type clientConn struct {
+	*net.UnixConn
+	r *reader
 }
 
 // NewClient returns a client of the server at socket path. Nothing is
@@ -61,71 +67,69 @@ func (c *Client) Close() error {
 // cannot be reached is ErrUnavailable.
 func Call[Req, Resp any](ctx context.Context, c *Client, method string, req Req, files ...*os.File) (Resp, error) {
 	var out Resp
-	body, err := c.call(ctx, method, req, files)
-	if err != nil {
-		return out, err
-	}
-	if err := json.Unmarshal(body, &out); err != nil {
-		return out, fmt.Errorf("unixrpc: %s: decoding the answer: %w", method, err)
-	}
-	return out, nil
+	err := c.call(ctx, method, req, &out, files)
+	return out, err
 }
 
-func (c *Client) call(ctx context.Context, method string, in any, files []*os.File) (json.RawMessage, error) {
+// call sends in and decodes the answer into out, a pointer.
+func (c *Client) call(ctx context.Context, method string, in, out any, files []*os.File) error {
 	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("%s: %w", method, err)
+		return fmt.Errorf("%s: %w", method, err)
 	}
-	body, err := json.Marshal(in)
-	if err != nil {
-		return nil, err
-	}
-	req := request{Method: method, Body: body}
+	req := outRequest{Method: method, Body: in}
 	if d, ok := ctx.Deadline(); ok {
 		req.Deadline = d.UnixNano()
 	}
 	msg, err := json.Marshal(req)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if len(msg) > MaxMessage {
-		return nil, fmt.Errorf("%s: request of %d bytes exceeds %d: %w", method, len(msg), MaxMessage, errdefs.ErrResourceExhausted)
+		return fmt.Errorf("%s: request of %d bytes exceeds %d: %w", method, len(msg), MaxMessage, errdefs.ErrResourceExhausted)
 	}
 	conn, err := c.send(msg, files)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", method, err)
+		return fmt.Errorf("%s: %w", method, err)
 	}
 	// The context ending wakes the read; the connection is then closed,
 	// which tells the server to cancel the handler.
 	stop := context.AfterFunc(ctx, func() { _ = conn.SetReadDeadline(time.Now()) })
-	b, rfiles, err := readMessage(conn)
+	b, rfiles, err := conn.r.read(conn.UnixConn)
 	closeFiles(rfiles)
 	if !stop() || err != nil {
 		conn.Close()
 		if ctx.Err() != nil {
-			return nil, fmt.Errorf("%s: %w", method, ctx.Err())
+			return fmt.Errorf("%s: %w", method, ctx.Err())
 		}
-		return nil, fmt.Errorf("%s: the connection to %s broke during the call, its outcome is unknown: %v: %w", method, c.path, err, errdefs.ErrUnavailable)
+		return fmt.Errorf("%s: the connection to %s broke during the call, its outcome is unknown: %v: %w", method, c.path, err, errdefs.ErrUnavailable)
 	}
-	var resp response
-	if err := json.Unmarshal(b, &resp); err != nil {
+	// b is the reader's until the connection's next read: decoded before
+	// the connection goes back to the pool.
+	resp := response{Body: out}
+	err = json.Unmarshal(b, &resp)
+	var typeErr *json.UnmarshalTypeError
+	if err != nil && !errors.As(err, &typeErr) {
 		conn.Close()
-		return nil, fmt.Errorf("%s: malformed answer: %v: %w", method, err, errdefs.ErrUnavailable)
+		return fmt.Errorf("%s: malformed answer: %v: %w", method, err, errdefs.ErrUnavailable)
 	}
 	c.put(conn)
 	c.sawInstance(resp.Instance)
 	if resp.Code != uint32(codes.OK) {
-		return nil, errdefs.FromGRPC(status.Error(codes.Code(resp.Code), resp.Message))
+		return errdefs.FromGRPC(status.Error(codes.Code(resp.Code), resp.Message))
 	}
-	return resp.Body, nil
+	if err != nil {
+		return fmt.Errorf("unixrpc: %s: decoding the answer: %w", method, err)
+	}
+	return nil
 }
 
 // send writes msg on an idle connection, or a new one. A pooled
 // connection whose server went away (it restarted) fails at once with
 // EPIPE or ECONNRESET, before the server saw anything: the request is
 // sent again on a fresh connection.
-func (c *Client) send(msg []byte, files []*os.File) (*net.UnixConn, error) {
+func (c *Client) send(msg []byte, files []*os.File) (*clientConn, error) {
 	if conn := c.take(); conn != nil {
-		err := writeMessage(conn, msg, files)
+		err := writeMessage(conn.UnixConn, msg, files)
 		if err == nil {
 			return conn, nil
 		}
@@ -138,22 +142,22 @@ func (c *Client) send(msg []byte, files []*os.File) (*net.UnixConn, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := writeMessage(conn, msg, files); err != nil {
+	if err := writeMessage(conn.UnixConn, msg, files); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("%v: %w", err, errdefs.ErrUnavailable)
 	}
 	return conn, nil
 }
 
-func (c *Client) dial() (*net.UnixConn, error) {
+func (c *Client) dial() (*clientConn, error) {
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: c.path, Net: "unix"})
 	if err != nil {
 		return nil, fmt.Errorf("reaching %s: %v: %w", c.path, errors.Unwrap(err), errdefs.ErrUnavailable)
 	}
-	return conn, nil
+	return &clientConn{UnixConn: conn, r: newReader()}, nil
 }
 
-func (c *Client) take() *net.UnixConn {
+func (c *Client) take() *clientConn {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if n := len(c.idle); n > 0 {
@@ -164,7 +168,7 @@ func (c *Client) take() *net.UnixConn {
 	return nil
 }
 
-func (c *Client) put(conn *net.UnixConn) {
+func (c *Client) put(conn *clientConn) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed || len(c.idle) >= maxIdle {

@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -26,9 +25,15 @@ import (
 // keep it).
 type Handler func(ctx context.Context, body []byte, files []*os.File) (any, error)
 
+// method is a registered handler and the logger of its calls.
+type method struct {
+	h   Handler
+	log klog.Logger
+}
+
 // Server dispatches calls to the handlers registered with Handle.
 type Server struct {
-	handlers map[string]Handler
+	methods  map[string]method
 	instance string
 	log      klog.Logger
 	// AllowUID is the one user whose processes may call (checked with
@@ -36,9 +41,7 @@ type Server struct {
 	// when the socket sits somewhere less guarded.
 	allowUID uint32
 
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	conns map[*net.UnixConn]bool
+	wg sync.WaitGroup
 }
 
 // NewServer returns a server that accepts calls from processes of the
@@ -47,11 +50,10 @@ func NewServer(logger klog.Logger) *Server {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return &Server{
-		handlers: map[string]Handler{},
+		methods:  map[string]method{},
 		instance: fmt.Sprintf("%d-%s", os.Getpid(), hex.EncodeToString(b[:])),
 		log:      logger,
 		allowUID: uint32(os.Geteuid()),
-		conns:    map[*net.UnixConn]bool{},
 	}
 }
 
@@ -61,16 +63,17 @@ func (s *Server) Instance() string { return s.instance }
 
 // Handle registers fn as method: the request's body decodes into Req
 // (unknown fields are an InvalidArgument), the answer encodes Resp.
-func Handle[Req, Resp any](s *Server, method string, fn func(ctx context.Context, req Req, files []*os.File) (Resp, error)) {
-	s.handlers[method] = func(ctx context.Context, body []byte, files []*os.File) (any, error) {
+func Handle[Req, Resp any](s *Server, name string, fn func(ctx context.Context, req Req, files []*os.File) (Resp, error)) {
+	h := func(ctx context.Context, body []byte, files []*os.File) (any, error) {
 		var req Req
 		if len(body) > 0 {
 			if err := decodeStrict(body, &req); err != nil {
-				return nil, fmt.Errorf("%s: request: %v: %w", method, err, errdefs.ErrInvalidArgument)
+				return nil, fmt.Errorf("%s: request: %v: %w", name, err, errdefs.ErrInvalidArgument)
 			}
 		}
 		return fn(ctx, req, files)
 	}
+	s.methods[name] = method{h: h, log: klog.LoggerWithValues(s.log, "method", name)}
 }
 
 func decodeStrict(b []byte, v any) error {
@@ -86,17 +89,23 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	if !ok {
 		return fmt.Errorf("unixrpc: %T is not a unix listener: %w", l, errdefs.ErrInvalidArgument)
 	}
+	h, err := newHangups()
+	if err != nil {
+		return err
+	}
+	defer h.close()
+	go func() {
+		if err := h.run(); err != nil {
+			s.log.Error(err, "Calls are no longer cancelled when their client goes away")
+		}
+	}()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	// Ending closes the listener and every connection: idle ones wait in a
-	// read, and a call in flight sees its client gone and is cancelled.
+	// read; calls in flight are cancelled with ctx.
 	stop := context.AfterFunc(ctx, func() {
 		ul.Close()
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		for c := range s.conns {
-			c.Close()
-		}
+		h.closeConns()
 	})
 	defer stop()
 	for {
@@ -109,40 +118,49 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 			}
 			return err
 		}
-		s.mu.Lock()
-		if ctx.Err() != nil {
+		cn, err := h.add(c)
+		if err != nil {
+			s.log.Error(err, "Refusing a connection")
 			c.Close()
+			continue
 		}
-		s.conns[c] = true
-		s.mu.Unlock()
+		if ctx.Err() != nil {
+			c.Close() // it may have come after closeConns
+		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.serveConn(ctx, c)
-			s.mu.Lock()
-			delete(s.conns, c)
-			s.mu.Unlock()
+			s.serveConn(ctx, cn)
 		}()
 	}
 }
 
-func (s *Server) serveConn(ctx context.Context, c *net.UnixConn) {
-	defer c.Close()
+func (s *Server) serveConn(ctx context.Context, cn *conn) {
+	c := cn.c
+	defer func() {
+		cn.h.remove(cn)
+		c.Close()
+	}()
 	if uid, err := peerUID(c); err != nil || uid != s.allowUID {
 		s.log.Error(err, "Refusing a caller of another user", "uid", uid, "allowed", s.allowUID)
 		return
 	}
+	r := newReader()
 	for ctx.Err() == nil {
-		b, files, err := readMessage(c)
+		b, files, err := r.read(c)
 		if err != nil {
 			return // the client closed the connection, or broke the protocol
 		}
-		resp, hungUp := s.dispatch(ctx, c, b, files)
+		resp, hungUp := s.dispatch(ctx, cn, b, files)
 		closeFiles(files)
 		if hungUp {
 			return
 		}
 		out, err := json.Marshal(resp)
+		if err != nil {
+			// The handler's answer does not encode.
+			out, err = json.Marshal(s.fail(response{Instance: s.instance}, "", fmt.Errorf("unixrpc: encoding the answer: %w", err)))
+		}
 		if err == nil {
 			err = writeMessage(c, out, nil)
 		}
@@ -154,13 +172,13 @@ func (s *Server) serveConn(ctx context.Context, c *net.UnixConn) {
 
 // dispatch runs the request's handler; hungUp says the client closed the
 // connection meanwhile (and the handler's context was cancelled).
-func (s *Server) dispatch(ctx context.Context, c *net.UnixConn, b []byte, files []*os.File) (resp response, hungUp bool) {
+func (s *Server) dispatch(ctx context.Context, cn *conn, b []byte, files []*os.File) (resp response, hungUp bool) {
 	resp.Instance = s.instance
 	var req request
 	if err := json.Unmarshal(b, &req); err != nil {
 		return s.fail(resp, "", fmt.Errorf("unixrpc: malformed request: %v: %w", err, errdefs.ErrInvalidArgument)), false
 	}
-	h, ok := s.handlers[req.Method]
+	m, ok := s.methods[req.Method]
 	if !ok {
 		return s.fail(resp, req.Method, fmt.Errorf("unixrpc: no method %q: %w", req.Method, errdefs.ErrUnimplemented)), false
 	}
@@ -171,21 +189,18 @@ func (s *Server) dispatch(ctx context.Context, c *net.UnixConn, b []byte, files 
 		callCtx, cancelDeadline = context.WithDeadline(callCtx, time.Unix(0, req.Deadline))
 		defer cancelDeadline()
 	}
-	log := klog.LoggerWithValues(s.log, "method", req.Method)
-	callCtx = klog.NewContext(callCtx, log)
-	watch := watchHangup(c, cancel)
-	out, err := s.call(callCtx, h, req, files)
+	callCtx = klog.NewContext(callCtx, m.log)
+	watch := cn.watch(cancel)
+	out, err := s.call(callCtx, m.h, req, files)
 	if watch() {
-		log.V(2).Info("Caller went away during the call", "err", err)
+		m.log.V(2).Info("Caller went away during the call", "err", err)
 		return resp, true
 	}
 	if err != nil {
 		return s.fail(resp, req.Method, err), false
 	}
-	if resp.Body, err = json.Marshal(out); err != nil {
-		return s.fail(resp, req.Method, fmt.Errorf("unixrpc: encoding the answer: %w", err)), false
-	}
-	log.V(4).Info("Call succeeded")
+	resp.Body = out
+	m.log.V(4).Info("Call succeeded")
 	return resp, false
 }
 
@@ -207,27 +222,4 @@ func (s *Server) fail(resp response, method string, err error) response {
 	resp.Code, resp.Message = uint32(st.Code()), st.Message()
 	s.log.Error(err, "Call failed", "method", method, "code", st.Code())
 	return resp
-}
-
-// watchHangup cancels cancel when the client closes c while a handler
-// runs: the client sends nothing else before the answer, so any return of
-// a read means it is gone. stop ends the watch and reports whether the
-// client hung up.
-func watchHangup(c *net.UnixConn, cancel context.CancelFunc) (stop func() (hungUp bool)) {
-	done := make(chan bool, 1)
-	go func() {
-		var b [1]byte
-		_, err := c.Read(b[:])
-		gone := !errors.Is(err, os.ErrDeadlineExceeded)
-		if gone {
-			cancel()
-		}
-		done <- gone
-	}()
-	return func() bool {
-		_ = c.SetReadDeadline(time.Now())
-		gone := <-done
-		_ = c.SetReadDeadline(time.Time{})
-		return gone
-	}
 }

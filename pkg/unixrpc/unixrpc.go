@@ -41,7 +41,7 @@ const MaxMessage = 4 << 20
 // MaxFiles bounds the descriptors one request may carry.
 const MaxFiles = 8
 
-// request is what a client sends.
+// request is what a server reads.
 type request struct {
 	Method string `json:"m"`
 	// Deadline is the caller's, in Unix nanoseconds; 0: none.
@@ -49,13 +49,23 @@ type request struct {
 	Body     json.RawMessage `json:"b,omitempty"`
 }
 
+// outRequest is what a client sends: a request with its body encoded in
+// the same pass.
+type outRequest struct {
+	Method   string `json:"m"`
+	Deadline int64  `json:"d,omitempty"`
+	Body     any    `json:"b,omitempty"`
+}
+
 // response is what a server answers. Code is a gRPC code (0: OK, then
-// Body is the answer).
+// Body is the answer). The server sets Body to the handler's result,
+// encoded in the same pass; the client sets it to a pointer to the
+// result's type, which the answer decodes into.
 type response struct {
-	Code     uint32          `json:"c,omitempty"`
-	Message  string          `json:"e,omitempty"`
-	Body     json.RawMessage `json:"b,omitempty"`
-	Instance string          `json:"i"`
+	Code     uint32 `json:"c,omitempty"`
+	Message  string `json:"e,omitempty"`
+	Body     any    `json:"b,omitempty"`
+	Instance string `json:"i"`
 }
 
 // writeMessage sends b as one message on c, with files attached to its
@@ -84,55 +94,86 @@ func writeMessage(c *net.UnixConn, b []byte, files []*os.File) error {
 	return err
 }
 
-// readMessage reads one message from c and the descriptors sent with it.
-// The descriptors come back as files the caller owns, close-on-exec.
-func readMessage(c *net.UnixConn) (_ []byte, files []*os.File, err error) {
+// reader reads the messages of one connection. A message that fits its
+// buffer takes one recvmsg: the peer sends one message and then waits
+// for the answer, so a read never takes bytes of the next one.
+type reader struct {
+	buf []byte
+	oob []byte
+}
+
+// readBuffer fits every message but the rare large one (a plan of many
+// mounts, namespaces of many consumers): those take a second recvmsg.
+const readBuffer = 4 << 10
+
+func newReader() *reader {
+	return &reader{buf: make([]byte, readBuffer), oob: make([]byte, unix.CmsgSpace(MaxFiles*4))}
+}
+
+// read reads one message from c and the descriptors sent with it. The
+// descriptors come back as files the caller owns, close-on-exec; the
+// message is valid until the next read.
+func (r *reader) read(c *net.UnixConn) (_ []byte, files []*os.File, err error) {
 	defer func() {
 		if err != nil {
 			closeFiles(files)
 			files = nil
 		}
 	}()
-	var head [4]byte
-	if files, err = readFull(c, head[:], files); err != nil {
-		return nil, files, err
+	n := 0
+	for n < 4 {
+		m, fs, err := r.recv(c, r.buf[n:], files)
+		files, n = fs, n+m
+		if err != nil {
+			return nil, files, err
+		}
 	}
-	n := binary.BigEndian.Uint32(head[:])
-	if n > MaxMessage {
-		return nil, files, fmt.Errorf("unixrpc: peer sent a message of %d bytes, more than %d: %w", n, MaxMessage, errdefs.ErrResourceExhausted)
+	size := binary.BigEndian.Uint32(r.buf)
+	if size > MaxMessage {
+		return nil, files, fmt.Errorf("unixrpc: peer sent a message of %d bytes, more than %d: %w", size, MaxMessage, errdefs.ErrResourceExhausted)
 	}
-	b := make([]byte, n)
-	files, err = readFull(c, b, files)
-	return b, files, err
+	end := 4 + int(size)
+	if n > end {
+		return nil, files, fmt.Errorf("unixrpc: peer sent %d bytes past a message of %d: %w", n-end, size, errdefs.ErrInvalidArgument)
+	}
+	msg := r.buf[4:n]
+	if end > len(r.buf) {
+		msg = make([]byte, size)
+		copy(msg, r.buf[4:n])
+	} else {
+		msg = r.buf[4:end]
+	}
+	for off := n - 4; off < len(msg); {
+		m, fs, err := r.recv(c, msg[off:], files)
+		files, off = fs, off+m
+		if err != nil {
+			return nil, files, err
+		}
+	}
+	return msg, files, nil
 }
 
-// readFull fills b, collecting the descriptors that arrive on the way.
-func readFull(c *net.UnixConn, b []byte, files []*os.File) ([]*os.File, error) {
-	oob := make([]byte, unix.CmsgSpace(MaxFiles*4))
-	for off := 0; off < len(b); {
-		n, oobn, flags, _, err := c.ReadMsgUnix(b[off:], oob)
-		if oobn > 0 {
-			fs, perr := parseRights(oob[:oobn])
-			files = append(files, fs...)
-			if perr != nil {
-				return files, perr
-			}
+// recv reads some bytes into b, collecting the descriptors that arrive
+// with them.
+func (r *reader) recv(c *net.UnixConn, b []byte, files []*os.File) (int, []*os.File, error) {
+	n, oobn, flags, _, err := c.ReadMsgUnix(b, r.oob)
+	if oobn > 0 {
+		fs, perr := parseRights(r.oob[:oobn])
+		files = append(files, fs...)
+		if perr != nil {
+			return n, files, perr
 		}
-		if flags&unix.MSG_CTRUNC != 0 {
-			return files, fmt.Errorf("unixrpc: peer sent more than %d descriptors: %w", MaxFiles, errdefs.ErrResourceExhausted)
-		}
-		if len(files) > MaxFiles {
-			return files, fmt.Errorf("unixrpc: peer sent more than %d descriptors: %w", MaxFiles, errdefs.ErrResourceExhausted)
-		}
-		if err != nil {
-			return files, err
-		}
-		if n == 0 {
-			return files, io.ErrUnexpectedEOF
-		}
-		off += n
 	}
-	return files, nil
+	if flags&unix.MSG_CTRUNC != 0 || len(files) > MaxFiles {
+		return n, files, fmt.Errorf("unixrpc: peer sent more than %d descriptors: %w", MaxFiles, errdefs.ErrResourceExhausted)
+	}
+	if err != nil {
+		return n, files, err
+	}
+	if n == 0 {
+		return n, files, io.ErrUnexpectedEOF
+	}
+	return n, files, nil
 }
 
 func parseRights(oob []byte) ([]*os.File, error) {

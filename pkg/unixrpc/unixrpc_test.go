@@ -2,6 +2,7 @@ package unixrpc_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"net"
 	"os"
@@ -167,13 +168,7 @@ func TestCancel(t *testing.T) {
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Block: %v, want DeadlineExceeded", err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for !cancelled.Load() {
-		if time.Now().After(deadline) {
-			t.Fatal("the handler's context was not cancelled")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitFor(t, "the handler's context to be cancelled", cancelled.Load)
 	if _, err := unixrpc.Call[echoReq, echoResp](context.Background(), c, "Echo", echoReq{Text: "after"}); err != nil {
 		t.Fatalf("call after a cancelled one: %v", err)
 	}
@@ -226,5 +221,86 @@ func TestTooLarge(t *testing.T) {
 	_, err := unixrpc.Call[echoReq, echoResp](context.Background(), c, "Echo", echoReq{Text: strings.Repeat("x", unixrpc.MaxMessage)})
 	if !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("oversized request: %v, want ResourceExhausted", err)
+	}
+}
+
+// TestHangup: a client that closes its connection during a call, without
+// a context of this package's client behind it, has the handler's
+// context cancelled, at once or after it sent the request.
+func TestHangup(t *testing.T) {
+	for _, pause := range []time.Duration{0, 50 * time.Millisecond} {
+		t.Run(pause.String(), func(t *testing.T) {
+			s, cancelled := newServer(t)
+			path := serve(t, s)
+			c, err := net.Dial("unix", path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body := []byte(`{"m":"Block","b":{}}`)
+			msg := append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+			if _, err := c.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(pause)
+			c.Close()
+			waitFor(t, "the handler's context to be cancelled", cancelled.Load)
+		})
+	}
+}
+
+// TestShutdown: a server whose context ends cancels the call in flight
+// and returns; its client learns that the call did not complete.
+func TestShutdown(t *testing.T) {
+	s, cancelled := newServer(t)
+	path := filepath.Join(t.TempDir(), "rpc.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ctx, l) }()
+	c := unixrpc.NewClient(path)
+	defer c.Close()
+	called := make(chan error, 1)
+	go func() {
+		_, err := unixrpc.Call[echoReq, echoResp](context.Background(), c, "Block", echoReq{})
+		called <- err
+	}()
+	time.Sleep(50 * time.Millisecond)
+	stop()
+	if err := <-done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	if !cancelled.Load() {
+		t.Error("Serve returned before the call in flight was cancelled")
+	}
+	// The handler may answer before its connection is closed.
+	if err := <-called; !errors.Is(err, errdefs.ErrUnavailable) && !errors.Is(err, context.Canceled) {
+		t.Errorf("the call in flight: %v, want Unavailable or Canceled", err)
+	}
+}
+
+// TestLarge: messages larger than a read's buffer, up to the bound, make
+// the round trip whole.
+func TestLarge(t *testing.T) {
+	s, _ := newServer(t)
+	c := unixrpc.NewClient(serve(t, s))
+	defer c.Close()
+	for _, n := range []int{4<<10 - 40, 4 << 10, 64 << 10, unixrpc.MaxMessage - 64} {
+		text := strings.Repeat("x", n)
+		got, err := unixrpc.Call[echoReq, echoResp](context.Background(), c, "Echo", echoReq{Text: text})
+		if err != nil || got.Text != text {
+			t.Fatalf("%d bytes: %d bytes back, %v", n, len(got.Text), err)
+		}
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited 5s for %s", what)
+		}
 	}
 }
