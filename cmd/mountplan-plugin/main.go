@@ -195,7 +195,7 @@ func newMounter(ctx context.Context, f flags, cfg *config.Config) (node mounter.
 		klog.ErrorS(err, "Cannot start the tool spawner; tools are started directly")
 	}
 	local, err := mounter.NewNode(ctx, mounter.Options{StateDir: stateDir, KubeletDir: f.kubeletDir,
-		RecordsDir: filepath.Join(stateDir, "mounter"), Config: cfg})
+		RecordsDir: mounter.DefaultRecordsDir(stateDir), Config: cfg})
 	if err != nil {
 		return nil, nil, nil, err
 	}

@@ -62,7 +62,7 @@ func (f *nodeFlags) options() (mounter.Options, error) {
 	state := filepath.Clean(f.stateDir)
 	records := filepath.Clean(f.recordsDir)
 	if f.recordsDir == "" {
-		records = state + "-mounter"
+		records = mounter.DefaultRecordsDir(state)
 	}
 	// The plugin owns what it puts in the state dir and could rename the
 	// records away or forge them there.

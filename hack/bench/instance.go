@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/mounter"
 	"github.com/mountplan/mountplan/pkg/mounter/service"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -91,7 +92,7 @@ func newInstance(base, name, label, binary string, split bool) (*instance, error
 		in.mounterLog = filepath.Join(root, "mounter.log")
 		in.recordsDir = filepath.Join(root, "mounter-records")
 	} else {
-		in.recordsDir = filepath.Join(in.stateDir, "mounter") // as the plugin sets it
+		in.recordsDir = mounter.DefaultRecordsDir(in.stateDir) // as the plugin sets it
 	}
 	for _, d := range []string{in.stateDir, in.staging, filepath.Dir(in.target), in.consMount} {
 		if err := os.MkdirAll(d, 0o750); err != nil {

@@ -99,7 +99,7 @@ func New(opts Options) (*Driver, error) {
 	}
 	if opts.Node == nil {
 		if opts.Node, err = mounter.NewNode(context.Background(), mounter.Options{StateDir: stateDir, KubeletDir: opts.KubeletDir,
-			RecordsDir: filepath.Join(stateDir, "mounter"), Config: opts.Config}); err != nil {
+			RecordsDir: mounter.DefaultRecordsDir(stateDir), Config: opts.Config}); err != nil {
 			return nil, err
 		}
 	}

@@ -11,7 +11,9 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/mountns"
+	nriguard "github.com/mountplan/mountplan/pkg/nri/guard"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -38,21 +40,42 @@ func identify(mounts []plan.Mount) []hostID {
 // unmountIfOurs unmounts target if the mount on top of it is m. target is
 // resolved below root without following a symlink, and what is unmounted
 // is the path that resolution found. Run inside the namespace.
+//
+// A plan's bind of the NRI guard removes every guard stacked there: a new
+// guard is put on top of a dead one where it cannot go beneath it
+// (guard.Guard.Rearm).
 func unmountIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID) error {
+	if m.Type != plan.TypeBind || !nriguard.IsSource(m.Source) {
+		_, err := unmountOnceIfOurs(ns, root, target, m, id)
+		return err
+	}
+	for range maxGuards {
+		if ours, err := unmountOnceIfOurs(ns, root, target, m, id); err != nil || !ours {
+			return err
+		}
+	}
+	return fmt.Errorf("more than %d guards stacked at %s: %w", maxGuards, target, errdefs.ErrFailedPrecondition)
+}
+
+// maxGuards bounds the guards removed from one target: one per restart of
+// the mounter while the target was published.
+const maxGuards = 64
+
+func unmountOnceIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID) (bool, error) {
 	t, err := root.Open(target)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil
+		return false, nil
 	}
 	if err != nil {
-		return err
+		return false, err
 	}
 	ours, lazy, p, err := isOurs(ns, t, m, id)
 	// The descriptor would keep the mount busy.
 	t.Close()
 	if err != nil || !ours {
-		return err
+		return false, err
 	}
-	return mountns.Unmount(p, lazy)
+	return true, mountns.Unmount(p, lazy)
 }
 
 // isOurs reports whether the mount on top at t (an open target) is m, and
@@ -72,7 +95,8 @@ func isOurs(ns *mountns.Namespace, t *os.File, m plan.Mount, id hostID) (ours, l
 		return false, false, p, err
 	}
 	if matches(info, m, id) {
-		return true, false, p, nil
+		// A guard holds nothing, and a dead one may be busy.
+		return true, info.FSType == nriguard.FSType, p, nil
 	}
 	return deadFuseBind(info, m, t), true, p, nil
 }
@@ -130,9 +154,16 @@ func deadFuseBind(info *mountinfo.Info, m plan.Mount, target *os.File) bool {
 // another (a path suffix would take a consumer's own bind of some /data
 // for a volume's), so none is taken; a dead FUSE bind is recognised by its
 // dead connection instead (deadFuseBind).
+//
+// The NRI guard is the exception: a bind of any guard is the plan's bind
+// of one (nriguard.IsSource), since a new guard re-arms the targets of a dead
+// one.
 func matches(info *mountinfo.Info, m plan.Mount, id hostID) bool {
 	if m.Type != plan.TypeBind {
 		return info.FSType == m.Type && info.Source == m.Source
+	}
+	if info.FSType == nriguard.FSType {
+		return nriguard.IsSource(m.Source)
 	}
 	if !id.known || unix.Mkdev(uint32(info.Major), uint32(info.Minor)) != id.dev {
 		return false

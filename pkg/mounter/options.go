@@ -1,13 +1,15 @@
 package mounter
 
 import (
+	"path/filepath"
+
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/daemon"
 )
 
 // Options configure a Local node.
 type Options struct {
-	// StateDir is the plugin's state dir (the sidecar's --allowed-root):
+	// StateDir is the plugin's state dir (the sidecar's --state-dir):
 	// the one place where the mounter mounts for the plugin (overlay
 	// chains, FUSE daemons, the NRI guard) and where provisioned images
 	// live (StateDir/images). The mounter trusts the path as given, and
@@ -18,8 +20,8 @@ type Options struct {
 	// mounter's own namespace) are performed only below it.
 	KubeletDir string
 	// RecordsDir keeps the mounter's records of what it set up; only the
-	// mounter may write it (in the chart, a host directory the plugin's
-	// pod does not mount).
+	// mounter may reach it: outside the state dir (DefaultRecordsDir), in
+	// the chart a host directory the plugin's pod does not mount.
 	RecordsDir string
 	// Config is the admin's config: the plan policy, the static image
 	// roots, the FUSE profiles, the iSCSI settings.
@@ -35,3 +37,9 @@ type Options struct {
 	// holds no device, takes nothing back and writes nothing.
 	Observe bool
 }
+
+// DefaultRecordsDir is where a mounter keeps its records when not told:
+// beside the state dir (<state-dir>-mounter), out of the plugin's reach,
+// for the serving mounter, the one-shot commands that read its records
+// and a plugin that runs its own alike.
+func DefaultRecordsDir(stateDir string) string { return filepath.Clean(stateDir) + "-mounter" }

@@ -19,6 +19,22 @@ const moveMountBeneath = 0x200
 // to take the other way.
 var beneathFlag = moveMountBeneath
 
+// AttachBeneath attaches the detached mount fd beneath the mount on top
+// at target (an O_PATH file of that mount's root), at the same mount
+// point. Where the kernel refuses (before Linux 6.5, or under a shared
+// parent whose propagation it would have to repeat) the error wraps
+// unix.EINVAL.
+func AttachBeneath(fd, target *os.File) error {
+	err := unix.MoveMount(int(fd.Fd()), "", int(target.Fd()), "",
+		unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH|beneathFlag)
+	runtime.KeepAlive(fd)
+	runtime.KeepAlive(target)
+	if err != nil {
+		return &OpError{Op: "move_mount (beneath)", Path: target.Name(), Err: err}
+	}
+	return nil
+}
+
 // AttrOf maps the per-mount options of a mount table line (field 6 of
 // mountinfo: "ro,nosuid,nodev,relatime") to the attributes that give a
 // new mount the same ones (mount_setattr), propagation private.
@@ -89,15 +105,12 @@ func CloneBelow(dir *os.File, rel string, attr *unix.MountAttr) (_ *os.File, err
 // then: in between, for a moment, the mount point shows the directory
 // underneath. beneath reports which way was taken. Call it inside Do.
 func (n *Namespace) ReplaceAt(fd, target *os.File, reopen func() (*os.File, error)) (beneath bool, err error) {
-	err = unix.MoveMount(int(fd.Fd()), "", int(target.Fd()), "",
-		unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH|beneathFlag)
-	runtime.KeepAlive(fd)
-	runtime.KeepAlive(target)
+	err = AttachBeneath(fd, target)
 	if err == nil {
 		return true, n.UnmountAt(target)
 	}
 	if !errors.Is(err, unix.EINVAL) {
-		return false, &OpError{Op: "move_mount (beneath)", Path: target.Name(), Err: err}
+		return false, err
 	}
 	if err := n.UnmountAt(target); err != nil {
 		return false, err

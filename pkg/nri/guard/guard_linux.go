@@ -54,6 +54,15 @@ func Source(stateDir string) (string, error) {
 	return filepath.Join(filepath.Dir(Path(stateDir)), dest), nil
 }
 
+// IsSource reports whether p names a guard's mount point (Source's form:
+// <state-dir>/nri/g-...), live or long gone. A plan that binds one binds
+// whichever guard stands at its target: Rearm replaces a dead guard's bind
+// with the live one's, so a publish recorded while an earlier guard served
+// is undone by unmounting the guard that is there now.
+func IsSource(p string) bool {
+	return filepath.Base(filepath.Dir(p)) == "nri" && strings.HasPrefix(filepath.Base(p), mountPrefix)
+}
+
 // Recorder is told of the guard's mount point, so that a bind of it
 // passes the mounter's check of bind sources (mounter.Local is one).
 type Recorder interface {
@@ -358,16 +367,28 @@ func (g *Guard) Owns(path string) (bool, error) {
 }
 
 // Rearm binds this guard at every mount point under root (kubelet's
-// directory) where a dead guard is mounted, in this process's mount
+// directory) where a dead guard is on top, in this process's mount
 // namespace: the targets published while an earlier mounter served. It
 // returns how many it re-armed.
 func (g *Guard) Rearm(root string) (int, error) {
-	stale, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
-		return i.FSType != FSType || !plan.Within(root, i.Mountpoint) || i.Mountpoint == root ||
-			unix.Mkdev(uint32(i.Major), uint32(i.Minor)) == g.devno, false
+	below, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
+		return !plan.Within(root, i.Mountpoint) || i.Mountpoint == root, false
 	})
-	if err != nil || len(stale) == 0 {
+	if err != nil {
 		return 0, err
+	}
+	stacks := map[string][]*mountinfo.Info{}
+	for _, i := range below {
+		stacks[i.Mountpoint] = append(stacks[i.Mountpoint], i)
+	}
+	var stale []*mountinfo.Info
+	for _, stack := range stacks {
+		if top := mountns.Top(stack); top != nil && top.FSType == FSType && unix.Mkdev(uint32(top.Major), uint32(top.Minor)) != g.devno {
+			stale = append(stale, top)
+		}
+	}
+	if len(stale) == 0 {
+		return 0, nil
 	}
 	r, err := mountns.OpenRoot(root)
 	if err != nil {
@@ -386,28 +407,24 @@ func (g *Guard) Rearm(root string) (int, error) {
 	return n, errors.Join(errs...)
 }
 
-// arm replaces the dead guard i at its mount point by a bind of this
-// guard. The plugin can rename kubelet's directories (not the mount
-// points, but their parents): the mount point is reached below root
-// without a symlink, and only the very mount the table showed is
-// replaced.
+// arm puts a bind of this guard in place of the dead guard i at its mount
+// point, never leaving the mount point bare (a container created then
+// would get the directory beneath, and a mounter killed then would leave
+// it so): beneath the dead guard, which then goes; where the kernel
+// refuses that (a shared parent, as kubelet's directory is), on top of
+// it, where the dead one stays beneath until the target is unpublished
+// (the mounter's unmount of a guard's bind removes every guard there).
+// The plugin can rename kubelet's directories (not the mount points, but
+// their parents): the mount point is reached below root without a
+// symlink, and only the very mount the table showed is replaced.
 func (g *Guard) arm(root *mountns.Root, i *mountinfo.Info) error {
 	t, err := root.Open(i.Mountpoint)
 	if err != nil {
 		return err
 	}
-	id, err := mountIDOf(t)
-	if err == nil && id != i.ID {
-		err = fmt.Errorf("%s is no longer the dead guard's mount %d (it is %d): %w", i.Mountpoint, i.ID, id, errdefs.ErrFailedPrecondition)
-	}
-	if err == nil {
-		if err = unix.Unmount(procFd(t), unix.MNT_DETACH); err != nil {
-			err = &os.PathError{Op: "umount2", Path: i.Mountpoint, Err: err}
-		}
-	}
-	t.Close()
-	if err != nil {
-		return err
+	defer t.Close()
+	if id, err := mountIDOf(t); err != nil || id != i.ID {
+		return fmt.Errorf("%s is no longer the dead guard's mount %d (it is %d, %v): %w", i.Mountpoint, i.ID, id, err, errdefs.ErrFailedPrecondition)
 	}
 	src, err := g.open(g.name)
 	if err != nil {
@@ -419,11 +436,17 @@ func (g *Guard) arm(root *mountns.Root, i *mountinfo.Info) error {
 		return err
 	}
 	defer fd.Close()
-	if t, err = root.Open(i.Mountpoint); err != nil {
+	err = mountns.AttachBeneath(fd, t)
+	if errors.Is(err, unix.EINVAL) {
+		return mountns.AttachAt(fd, t)
+	}
+	if err != nil {
 		return err
 	}
-	defer t.Close()
-	return mountns.AttachAt(fd, t)
+	if err := unix.Unmount(procFd(t), unix.MNT_DETACH); err != nil {
+		return &os.PathError{Op: "umount2", Path: i.Mountpoint, Err: err}
+	}
+	return nil
 }
 
 // mountIDOf reads the ID of the mount f is on from /proc: a stat of a dead
