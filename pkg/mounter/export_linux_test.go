@@ -19,3 +19,12 @@ func RecordMount(n *Local, kind, p string) error {
 	defer f.Close()
 	return n.records.addMount(kind, p, f)
 }
+
+// CheckBindSource opens p as a plan's bind source would be (openBindSource).
+func CheckBindSource(n *Local, p string) error {
+	f, err := n.openBindSource(p)
+	if err == nil {
+		f.Close()
+	}
+	return err
+}

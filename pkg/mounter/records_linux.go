@@ -51,6 +51,11 @@ type mountRecord struct {
 	MountID uint64 `json:"mountID"`
 	Unique  bool   `json:"unique,omitempty"`
 	Dev     uint64 `json:"dev"`
+	// Ino is the mount's root inode. Mount IDs are those of one mount
+	// namespace (a restarted mounter's container is a new one, and so is
+	// a one-shot command's); the filesystem and its root are not: a
+	// record is taken back (current) where they are found at its path.
+	Ino uint64 `json:"ino,omitempty"`
 	Kind    string `json:"kind"`
 	Boot    string `json:"boot"`
 }
@@ -134,7 +139,7 @@ func pathKey(p string) string {
 func (r *registry) load(ctx context.Context, n *Local) error {
 	log := klog.FromContext(ctx)
 	if r.observe {
-		return r.observeAll()
+		return r.observeAll(n)
 	}
 	loops, lerr := r.loopDB.List()
 	var errs []error
@@ -153,17 +158,21 @@ func (r *registry) load(ctx context.Context, n *Local) error {
 	}
 	mounts, merr := r.mntDB.List()
 	for key, rec := range mounts {
-		if rec.Boot != r.boot || !rec.stillThere() {
+		now, ok := rec.current(n)
+		if rec.Boot != r.boot || !ok {
 			errs = append(errs, r.mntDB.Delete(key))
 			continue
 		}
-		r.mounts[key] = rec
+		if now != rec {
+			errs = append(errs, r.mntDB.Put(key, now))
+		}
+		r.mounts[key] = now
 	}
 	return errors.Join(lerr, merr, errors.Join(errs...))
 }
 
 // observeAll reads the records of this boot as they are, holding nothing.
-func (r *registry) observeAll() error {
+func (r *registry) observeAll(n *Local) error {
 	if r.loopDB == nil {
 		return nil
 	}
@@ -175,8 +184,8 @@ func (r *registry) observeAll() error {
 	}
 	mounts, merr := r.mntDB.List()
 	for key, rec := range mounts {
-		if rec.Boot == r.boot {
-			r.mounts[key] = rec
+		if now, ok := rec.current(n); ok && rec.Boot == r.boot {
+			r.mounts[key] = now
 		}
 	}
 	return errors.Join(lerr, merr)
@@ -314,7 +323,7 @@ func mountOf(f *os.File) (mountRecord, error) {
 	if st.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 && st.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
 		return mountRecord{}, fmt.Errorf("%s is not the root of a mount: %w", f.Name(), errdefs.ErrFailedPrecondition)
 	}
-	return mountRecord{MountID: st.Mnt_id, Unique: unique, Dev: unix.Mkdev(st.Dev_major, st.Dev_minor)}, nil
+	return mountRecord{MountID: st.Mnt_id, Unique: unique, Dev: unix.Mkdev(st.Dev_major, st.Dev_minor), Ino: st.Ino}, nil
 }
 
 // statMount stats f for its mount: the unique mount ID where the kernel
@@ -336,15 +345,19 @@ func (m mountRecord) sameMount(got mountRecord) bool {
 	return m.Unique == got.Unique && m.MountID == got.MountID && m.Dev == got.Dev
 }
 
-// stillThere reports whether the recorded mount is still the one at its
-// path.
-func (m mountRecord) stillThere() bool {
-	fd, err := unix.Open(m.Path, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+// current returns the record as this mount namespace sees it: the mount
+// at its path (opened below the state dir without a symlink) when that is
+// the root of the same filesystem, with this namespace's mount ID.
+func (m mountRecord) current(n *Local) (mountRecord, bool) {
+	f, err := n.state.Open(m.Path)
 	if err != nil {
-		return false
+		return m, false
 	}
-	f := os.NewFile(uintptr(fd), m.Path)
 	defer f.Close()
 	got, err := mountOf(f)
-	return err == nil && m.sameMount(got)
+	if err != nil || got.Dev != m.Dev || got.Ino != m.Ino {
+		return m, false
+	}
+	m.MountID, m.Unique = got.MountID, got.Unique
+	return m, true
 }
