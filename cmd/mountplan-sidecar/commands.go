@@ -122,20 +122,9 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	defer node.Close()
-	// Only root reaches the socket's directory, a directory of its own
-	// (docs/threat-model.md): a hostPath that kubelet made is 0755.
 	if p, err := endpoint.Path(*ep); err == nil {
-		dir := filepath.Dir(p)
-		if err := os.MkdirAll(dir, 0o700); err != nil {
+		if err := privateSocketDir(logger, p); err != nil {
 			return err
-		}
-		if fi, err := os.Stat(dir); err != nil {
-			return err
-		} else if fi.Mode().Perm() != 0o700 {
-			if err := os.Chmod(dir, 0o700); err != nil {
-				return err
-			}
-			logger.Info("Made the socket's directory mode 0700", "dir", dir, "was", fi.Mode().Perm())
 		}
 	}
 	l, err := endpoint.Listen(*ep)
@@ -191,5 +180,37 @@ func parse(fs *flag.FlagSet, args []string, required ...string) error {
 			return fmt.Errorf("--%s is required: %w", name, errUsage)
 		}
 	}
+	return nil
+}
+
+// privateSocketDir makes the socket's directory mode 0700 when it is a
+// directory of its own (empty, or holding only an earlier socket of this
+// name): only root reaches it then (docs/threat-model.md), where a
+// hostPath that kubelet made is 0755. A directory shared with other files
+// (/run, given by hand) is left as it is: the socket itself is 0600 and
+// its callers' uid is checked.
+func privateSocketDir(logger klog.Logger, socket string) error {
+	dir := filepath.Dir(socket)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	fi, err := os.Stat(dir)
+	if err != nil || fi.Mode().Perm() == 0o700 {
+		return err
+	}
+	names, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range names {
+		if e.Name() != filepath.Base(socket) {
+			logger.Info("The socket's directory holds other files: its mode is left as it is", "dir", dir, "mode", fi.Mode().Perm())
+			return nil
+		}
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return err
+	}
+	logger.Info("Made the socket's directory mode 0700", "dir", dir, "was", fi.Mode().Perm())
 	return nil
 }

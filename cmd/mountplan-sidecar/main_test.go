@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -181,6 +182,29 @@ func TestUsageErrors(t *testing.T) {
 	} {
 		if err := run(context.Background(), args[0], args[1:]); !errors.Is(err, errUsage) {
 			t.Errorf("%v: %v, want a usage error", args, err)
+		}
+	}
+}
+
+// TestPrivateSocketDir: the socket's own directory becomes 0700; one
+// shared with other files (a /run given by hand) keeps its mode.
+func TestPrivateSocketDir(t *testing.T) {
+	own, shared := filepath.Join(t.TempDir(), "own"), t.TempDir()
+	if err := os.Mkdir(own, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(shared, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(shared, "other.pid"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for dir, want := range map[string]os.FileMode{own: 0o700, shared: 0o755} {
+		if err := privateSocketDir(klog.Background(), filepath.Join(dir, "mounter.sock")); err != nil {
+			t.Fatal(err)
+		}
+		if fi, err := os.Stat(dir); err != nil || fi.Mode().Perm() != want {
+			t.Errorf("%s: mode %v (%v), want %v", dir, fi.Mode().Perm(), err, want)
 		}
 	}
 }
