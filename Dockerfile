@@ -9,10 +9,12 @@
 # when publishing: no image registry is reachable from the environment this file
 # was written in, so the digests could not be resolved here.
 #
-# Both binaries run as root on purpose: the plugin attaches loop/NBD/iSCSI devices,
-# formats them and starts FUSE daemons, the mounter calls fsmount/move_mount in other
-# mount namespaces; both need CAP_SYS_ADMIN (the chart runs them privileged). The
-# kubernetes-csi sidecars in the same pod drop every capability instead.
+# Both binaries run as root on purpose, with very different privileges: the chart
+# runs the plugin as uid 0 and gid 0 with no capability at all (it owns its state dir
+# and kubelet's targets, and asks the mounter for everything else), and the mounter
+# (mountplan-sidecar serve) privileged in a pod of its own: it attaches loop devices,
+# hands NBD sockets to the kernel, logs in to iSCSI targets, formats, starts the FUSE
+# daemons and performs every mount.
 # test/chart/dockerfile_test.go checks that every tool the code execs is installed here.
 
 FROM golang:1.26-bookworm AS builder
@@ -28,19 +30,18 @@ RUN CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
         -o /out/mountplan-resizer ./cmd/mountplan-resizer
 
 FROM debian:bookworm-slim
-# Tools the plugin execs (see the table in test/chart/dockerfile_test.go):
+# Tools the mounter execs (see the table in test/chart/dockerfile_test.go):
 #   util-linux  blkid, fsck            mount       mount, umount, losetup
 #   e2fsprogs   mkfs.ext4, resize2fs,  xfsprogs    mkfs.xfs, xfs_growfs, xfs_repair,
 #               e2fsck                             xfs_admin
 #   fuse3       fusermount3            sshfs, rclone, squashfuse: FUSE daemons
-#   nbd-client  nbd-client             open-iscsi  iscsiadm (talks to the host's iscsid)
+#   open-iscsi  iscsiadm (talks to the host's iscsid); NBD needs no tool (netlink)
 RUN apt-get update && \
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         ca-certificates \
         e2fsprogs \
         fuse3 \
         mount \
-        nbd-client \
         open-iscsi \
         rclone \
         squashfuse \

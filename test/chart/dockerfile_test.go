@@ -49,7 +49,6 @@ var execTools = []struct {
 	{"sshfs", "sshfs", "FUSE profile"},
 	{"rclone", "rclone", "FUSE profile"},
 	{"squashfuse", "squashfuse", "FUSE profile"},
-	{"nbd-client", "nbd-client", "type nbd"},
 	{"iscsiadm", "open-iscsi", "type iscsi"},
 }
 
