@@ -14,38 +14,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
-
-	"github.com/mountplan/mountplan/pkg/mountns"
-	"github.com/mountplan/mountplan/pkg/plan"
 )
-
-// isFuse reports whether a mount is a FUSE filesystem (fuse, fuseblk,
-// fuse.sshfs, ...).
-func isFuse(i *mountinfo.Info) bool {
-	return i.FSType == "fuse" || i.FSType == "fuseblk" || strings.HasPrefix(i.FSType, "fuse.") || strings.HasPrefix(i.FSType, "fuseblk.")
-}
-
-// mountsUnder returns the mounts at or below dir in the mounter's
-// namespace, in the table's order (oldest first).
-func mountsUnder(dir string) ([]*mountinfo.Info, error) {
-	return mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
-		return !plan.Within(dir, i.Mountpoint), false
-	})
-}
-
-// fuseAt returns the FUSE mount on top at p, or nil when the top is not
-// FUSE or nothing is mounted there.
-func fuseAt(p string) (*mountinfo.Info, error) {
-	stack, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) { return i.Mountpoint != p, false })
-	if err != nil {
-		return nil, err
-	}
-	i := mountns.Top(stack)
-	if i == nil || !isFuse(i) {
-		return nil, nil
-	}
-	return i, nil
-}
 
 // mountWatch wakes when the mounter's mount table changes:
 // /proc/self/mountinfo polls with POLLPRI after every mount or unmount in

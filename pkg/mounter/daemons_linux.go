@@ -517,7 +517,7 @@ func (n *Local) waitReady(ctx context.Context, l fuseLayout, p daemon.Proc, time
 	defer stop()
 	deadline := time.Now().Add(timeout)
 	for {
-		info, err := fuseAt(l.realMnt())
+		info, err := mountns.FuseAt(l.realMnt())
 		if err != nil {
 			return 0, err
 		}
@@ -661,12 +661,12 @@ func (n *Local) StopDaemons(ctx context.Context, volumeID string, known []daemon
 func (n *Local) stopVolume(ctx context.Context, l fuseLayout, id string, known []daemon.Proc, teardown bool) error {
 	log := klog.FromContext(ctx).WithValues("volume", id)
 	var errs []error
-	mounts, err := mountsUnder(l.real)
+	mounts, err := mountns.MountsUnder(l.real)
 	if err != nil {
 		return err
 	}
 	for _, m := range mounts {
-		if isFuse(m) {
+		if mountns.IsFuse(m) {
 			if err := n.daemons.ctl.abort(connOf(m)); err != nil {
 				log.V(2).Info("Could not abort a FUSE connection", "conn", connOf(m), "err", err)
 			}

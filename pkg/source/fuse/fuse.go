@@ -41,6 +41,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/journal"
 	"github.com/mountplan/mountplan/pkg/metrics"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -365,7 +366,7 @@ func (s *Source) Health(_ context.Context, v source.Volume) source.Health {
 	if sup := s.supervisorOf(v.ID); sup != nil {
 		return sup.health()
 	}
-	info, err := fuseAt(st.MountPoint)
+	info, err := mountns.FuseAt(st.MountPoint)
 	if err != nil || info == nil || connOf(info) != st.Daemon.Conn {
 		return source.Health{Abnormal: true, Reason: "MountGone", Message: "the fuse mount at " + st.MountPoint + " is gone"}
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/fsutil"
 	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -300,7 +301,7 @@ func (sup *supervisor) checkHung(ctx context.Context, d Daemon, since time.Durat
 // checkMount reports a daemon whose mount is no longer on top of its
 // mount point, as the plugin's mount table says.
 func (sup *supervisor) checkMount(d Daemon) (reason, msg string) {
-	info, err := fuseAt(sup.l.mnt())
+	info, err := mountns.FuseAt(sup.l.mnt())
 	if err != nil {
 		return "", "" // cannot tell; the next tick retries
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
 	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/periodic"
 	"github.com/mountplan/mountplan/pkg/source"
 )
@@ -58,7 +59,7 @@ func (s *Source) Sweep(ctx context.Context) error {
 	}
 	// A mount whose directory entry is somehow gone from the listing
 	// still names its volume.
-	mounts, err := mountsUnder(root)
+	mounts, err := mountns.MountsUnder(root)
 	if err != nil {
 		return err
 	}
