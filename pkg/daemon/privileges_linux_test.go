@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -17,33 +16,8 @@ import (
 
 	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/pkg/mountns/mountnstest"
 )
-
-// ProcStatus reads the fields of /proc/PID/status.
-func procStatus(t *testing.T, pid int) map[string]string {
-	t.Helper()
-	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	out := map[string]string{}
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, _ := strings.Cut(sc.Text(), ":")
-		out[k] = strings.TrimSpace(v)
-	}
-	return out
-}
-
-func capField(t *testing.T, st map[string]string, field string) uint64 {
-	t.Helper()
-	v, err := strconv.ParseUint(st[field], 16, 64)
-	if err != nil {
-		t.Fatalf("%s %q: %v", field, st[field], err)
-	}
-	return v
-}
 
 // spawnSleeper starts sleep 30 with c's user and capabilities and kills it
 // at the end of the test.
@@ -97,7 +71,7 @@ func TestDaemonPrivileges(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := spawnSleeper(t, tt.c)
-			st := procStatus(t, p.PID)
+			st := mountnstest.ProcStatus(t, p.PID)
 			if st["NoNewPrivs"] != "1" {
 				t.Errorf("NoNewPrivs %q, want 1", st["NoNewPrivs"])
 			}
@@ -106,17 +80,17 @@ func TestDaemonPrivileges(t *testing.T) {
 			}
 			allowed := CapabilityMask(tt.c.Capabilities)
 			for _, f := range []string{"CapEff", "CapPrm", "CapBnd"} {
-				if got := capField(t, st, f); got&^allowed != 0 {
+				if got := mountnstest.CapSet(t, st, f); got&^allowed != 0 {
 					t.Errorf("%s %016x holds capabilities beyond %v (%016x)", f, got, tt.c.Capabilities, allowed)
 				}
 			}
-			if got := capField(t, st, "CapEff"); got != tt.eff {
+			if got := mountnstest.CapSet(t, st, "CapEff"); got != tt.eff {
 				t.Errorf("CapEff %016x, want %016x", got, tt.eff)
 			}
-			if got := capField(t, st, "CapInh"); got&^tt.amb != 0 {
+			if got := mountnstest.CapSet(t, st, "CapInh"); got&^tt.amb != 0 {
 				t.Errorf("CapInh %016x, want at most %016x", got, tt.amb)
 			}
-			if got := capField(t, st, "CapAmb"); got != tt.amb {
+			if got := mountnstest.CapSet(t, st, "CapAmb"); got != tt.amb {
 				t.Errorf("CapAmb %016x, want %016x", got, tt.amb)
 			}
 			if tt.noGroups && st["Groups"] != "" {
@@ -126,8 +100,8 @@ func TestDaemonPrivileges(t *testing.T) {
 	}
 	// The spawning process keeps what it had: only the daemon's thread
 	// was restricted.
-	self := procStatus(t, os.Getpid())
-	if self["NoNewPrivs"] != "0" || capField(t, self, "CapBnd")&sysAdmin == 0 {
+	self := mountnstest.ProcStatus(t, os.Getpid())
+	if self["NoNewPrivs"] != "0" || mountnstest.CapSet(t, self, "CapBnd")&sysAdmin == 0 {
 		t.Errorf("the spawner lost its own privileges: NoNewPrivs %s CapBnd %s", self["NoNewPrivs"], self["CapBnd"])
 	}
 }

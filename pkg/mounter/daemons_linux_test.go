@@ -3,7 +3,6 @@
 package mounter_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -145,30 +144,6 @@ func (f *daemonFixture) gone(id string) {
 	if _, err := os.Stat(filepath.Join(f.records, "daemons", id+".json")); err == nil {
 		f.t.Errorf("the mounter's record of %s is still there", id)
 	}
-}
-
-func procStatus(t *testing.T, pid int) map[string]string {
-	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := map[string]string{}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		k, v, _ := strings.Cut(sc.Text(), ":")
-		out[k] = strings.TrimSpace(v)
-	}
-	return out
-}
-
-func capSet(t *testing.T, st map[string]string, field string) uint64 {
-	t.Helper()
-	v, err := strconv.ParseUint(st[field], 16, 64)
-	if err != nil {
-		t.Fatalf("%s %q: %v", field, st[field], err)
-	}
-	return v
 }
 
 // TestDaemonLifecycle: a daemon started through the node serves its
@@ -350,16 +325,16 @@ func TestDaemonPrivilegesInMounter(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.profile, func(t *testing.T) {
 			info := f.start(f.request(tt.profile, tt.profile))
-			st := procStatus(t, info.PID)
+			st := mountnstest.ProcStatus(t, info.PID)
 			if st["NoNewPrivs"] != "1" {
 				t.Errorf("NoNewPrivs %q, want 1", st["NoNewPrivs"])
 			}
 			for _, field := range []string{"CapEff", "CapPrm", "CapBnd"} {
-				if got := capSet(t, st, field); got&^sysAdmin != 0 {
+				if got := mountnstest.CapSet(t, st, field); got&^sysAdmin != 0 {
 					t.Errorf("%s %016x holds more than the profile's SYS_ADMIN", field, got)
 				}
 			}
-			if got := capSet(t, st, "CapAmb"); got != tt.amb {
+			if got := mountnstest.CapSet(t, st, "CapAmb"); got != tt.amb {
 				t.Errorf("CapAmb %016x, want %016x", got, tt.amb)
 			}
 			if uid := strings.Fields(st["Uid"]); len(uid) == 0 || uid[0] != tt.uid {

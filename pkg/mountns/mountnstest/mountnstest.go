@@ -205,3 +205,29 @@ func run(t testing.TB, name string, args ...string) string {
 	}
 	return string(out)
 }
+
+// ProcStatus reads /proc/PID/status as its fields (Uid, CapEff, ...).
+func ProcStatus(t testing.TB, pid int) map[string]string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]string{}
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		out[k] = strings.TrimSpace(v)
+	}
+	return out
+}
+
+// CapSet is the capability set field (CapEff, CapBnd, ...) of a status
+// ProcStatus read.
+func CapSet(t testing.TB, status map[string]string, field string) uint64 {
+	t.Helper()
+	v, err := strconv.ParseUint(status[field], 16, 64)
+	if err != nil {
+		t.Fatalf("%s %q: %v", field, status[field], err)
+	}
+	return v
+}
