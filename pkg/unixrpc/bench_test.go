@@ -102,42 +102,53 @@ func startServerProcess(b *testing.B, path string) int {
 
 // BenchmarkCall measures one round trip of a small request on a pooled
 // connection (the plugin's cost per call to the mounter), with the server
-// in this process and in another one, for a handler that does nothing and
-// one that stats a path. The caller's context has a deadline, as a gRPC
-// handler's has. Besides the time of a call it reports the CPU time both
-// processes spent on it (cpu-ns/op) and how often one of their threads
-// went to sleep (sleeps/op: voluntary context switches, each ended by a
-// wake-up): wake-ups of idle threads cost CPU and, on a loaded node,
-// latency, even where they are off a call's path. The least is two: the
-// server sleeps after its answer, the client while it waits for it.
+// in another process (child/) and in this one (same/), for a handler that
+// does nothing and one that stats a path, with a deadline on the
+// caller's context (as kubelet gives every CSI call) and without one
+// (none/, as the bench's calls). Besides the time of a call it reports
+// the CPU time both processes spent on it (cpu-ns/op) and how often one
+// of their threads went to sleep (sleeps/op: voluntary context switches,
+// each ended by a wake-up): wake-ups of idle threads cost CPU and, on a
+// loaded node, latency, even where they are off a call's path. The least
+// is two: the server sleeps after its answer, the client while it waits
+// for it.
 func BenchmarkCall(b *testing.B) {
 	for _, where := range []string{"child", "same"} {
 		for _, method := range []string{"Noop", "Stat"} {
-			b.Run(where+"/"+method, func(b *testing.B) {
-				path := filepath.Join(b.TempDir(), "rpc.sock")
-				pids := []int{os.Getpid()}
-				if where == "child" {
-					pids = append(pids, startServerProcess(b, path))
-				} else {
-					serveBench(b, path)
-				}
-				c := unixrpc.NewClient(path)
-				defer c.Close()
-				ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
-				defer cancel()
-				req := statReq{Path: path}
-				cpu, sleeps := cpuTime(b, pids), sleepCount(b, pids)
-				for b.Loop() {
-					if _, err := unixrpc.Call[statReq, statResp](ctx, c, method, req); err != nil {
-						b.Fatal(err)
-					}
-				}
-				cpu, sleeps = cpuTime(b, pids)-cpu, sleepCount(b, pids)-sleeps
-				b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
-				b.ReportMetric(float64(sleeps)/float64(b.N), "sleeps/op")
-			})
+			for _, deadline := range []string{"deadline", "none"} {
+				b.Run(where+"/"+method+"/"+deadline, func(b *testing.B) {
+					benchCall(b, where, method, deadline == "deadline")
+				})
+			}
 		}
 	}
+}
+
+func benchCall(b *testing.B, where, method string, deadline bool) {
+	path := filepath.Join(b.TempDir(), "rpc.sock")
+	pids := []int{os.Getpid()}
+	if where == "child" {
+		pids = append(pids, startServerProcess(b, path))
+	} else {
+		serveBench(b, path)
+	}
+	c := unixrpc.NewClient(path)
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	if deadline {
+		ctx, cancel = context.WithTimeout(context.Background(), time.Hour)
+	}
+	defer cancel()
+	req := statReq{Path: path}
+	cpu, sleeps := cpuTime(b, pids), sleepCount(b, pids)
+	for b.Loop() {
+		if _, err := unixrpc.Call[statReq, statResp](ctx, c, method, req); err != nil {
+			b.Fatal(err)
+		}
+	}
+	cpu, sleeps = cpuTime(b, pids)-cpu, sleepCount(b, pids)-sleeps
+	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
+	b.ReportMetric(float64(sleeps)/float64(b.N), "sleeps/op")
 }
 
 func serveBench(b *testing.B, path string) {

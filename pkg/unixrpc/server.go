@@ -41,7 +41,8 @@ type Server struct {
 	// when the socket sits somewhere less guarded.
 	allowUID uint32
 
-	wg sync.WaitGroup
+	deadlines deadlines
+	wg        sync.WaitGroup
 }
 
 // NewServer returns a server that accepts calls from processes of the
@@ -185,9 +186,9 @@ func (s *Server) dispatch(ctx context.Context, cn *conn, b []byte, files []*os.F
 	callCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if req.Deadline > 0 {
-		var cancelDeadline context.CancelFunc
-		callCtx, cancelDeadline = context.WithDeadline(callCtx, time.Unix(0, req.Deadline))
-		defer cancelDeadline()
+		var done func()
+		callCtx, done = s.deadlines.start(callCtx, time.Unix(0, req.Deadline))
+		defer done()
 	}
 	callCtx = klog.NewContext(callCtx, m.log)
 	watch := cn.watch(cancel)

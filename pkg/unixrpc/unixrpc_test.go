@@ -3,7 +3,10 @@ package unixrpc_test
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -12,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -74,6 +78,12 @@ func newServer(t *testing.T) (*unixrpc.Server, *atomic.Bool) {
 		<-ctx.Done()
 		cancelled.Store(true)
 		return echoResp{}, ctx.Err()
+	})
+	unixrpc.Handle(s, "BlockDerived", func(ctx context.Context, _ echoReq, _ []*os.File) (echoResp, error) {
+		ctx, cancel := context.WithTimeout(ctx, time.Hour)
+		defer cancel()
+		<-ctx.Done()
+		return echoResp{}, context.Cause(ctx)
 	})
 	unixrpc.Handle(s, "Deadline", func(ctx context.Context, _ echoReq, _ []*os.File) (echoResp, error) {
 		d, ok := ctx.Deadline()
@@ -302,5 +312,53 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		if time.Now().After(deadline) {
 			t.Fatalf("waited 5s for %s", what)
 		}
+	}
+}
+
+// TestDeadline: the server ends a call at its client's deadline, whether
+// or not the client hangs up then: the handler's context ends with
+// DeadlineExceeded, as does (as its cause) a context derived from it; a
+// deadline already past ends the call at once.
+func TestDeadline(t *testing.T) {
+	s, _ := newServer(t)
+	path := serve(t, s)
+	cases := []struct {
+		method string
+		in     time.Duration
+	}{
+		{"Block", 50 * time.Millisecond},
+		{"BlockDerived", 50 * time.Millisecond},
+		{"Block", -time.Second},
+	}
+	for _, tc := range cases {
+		t.Run(fmt.Sprintf("%s/%v", tc.method, tc.in), func(t *testing.T) {
+			c, err := net.Dial("unix", path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			body := fmt.Appendf(nil, `{"m":%q,"d":%d,"b":{}}`, tc.method, time.Now().Add(tc.in).UnixNano())
+			if _, err := c.Write(append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)); err != nil {
+				t.Fatal(err)
+			}
+			_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+			var head [4]byte
+			if _, err := io.ReadFull(c, head[:]); err != nil {
+				t.Fatalf("no answer: %v", err)
+			}
+			answer := make([]byte, binary.BigEndian.Uint32(head[:]))
+			if _, err := io.ReadFull(c, answer); err != nil {
+				t.Fatal(err)
+			}
+			var resp struct {
+				Code uint32 `json:"c"`
+			}
+			if err := json.Unmarshal(answer, &resp); err != nil {
+				t.Fatal(err)
+			}
+			if codes.Code(resp.Code) != codes.DeadlineExceeded {
+				t.Errorf("answer %s, want code DeadlineExceeded", answer)
+			}
+		})
 	}
 }
