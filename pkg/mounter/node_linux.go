@@ -2,7 +2,9 @@ package mounter
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -153,13 +155,17 @@ func (n *Local) UnmountAll(ctx context.Context, c plan.Consumer) error {
 // protectStateDir gives the state dir to fsutil.MounterUID, sticky and
 // writable by the plugin's group (fsutil.StateDirMode): the plugin keeps
 // adding its own entries but can no longer rename or remove the mounter's.
+// A node without CAP_CHOWN is a plugin's own mounter, run unprivileged:
+// there is no boundary between them to keep, and it leaves the dir as is.
 func protectStateDir(dir string) error {
 	f, err := os.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY, 0)
 	if err != nil {
 		return fmt.Errorf("mounter: state dir: %w", err)
 	}
 	defer f.Close()
-	if err := f.Chown(fsutil.MounterUID, 0); err != nil {
+	if err := f.Chown(fsutil.MounterUID, 0); errors.Is(err, fs.ErrPermission) {
+		return nil
+	} else if err != nil {
 		return fmt.Errorf("mounter: state dir: %w", err)
 	}
 	if err := f.Chmod(fsutil.StateDirMode); err != nil {

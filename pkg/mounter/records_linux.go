@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -55,9 +56,9 @@ type mountRecord struct {
 	// namespace (a restarted mounter's container is a new one, and so is
 	// a one-shot command's); the filesystem and its root are not: a
 	// record is taken back (current) where they are found at its path.
-	Ino uint64 `json:"ino,omitempty"`
-	Kind    string `json:"kind"`
-	Boot    string `json:"boot"`
+	Ino  uint64 `json:"ino,omitempty"`
+	Kind string `json:"kind"`
+	Boot string `json:"boot"`
 }
 
 // The kinds of mounts recorded: the ones a plan may bind (a chain's
@@ -97,7 +98,9 @@ func openRegistry(dir string, observe bool) (*registry, error) {
 		}
 		// Only the mounter: the plugin (root without a capability) must not
 		// read or forge what the mounter trusts.
-		if err := os.Chown(dir, fsutil.MounterUID, fsutil.MounterGID); err != nil {
+		// (A node without CAP_CHOWN is the plugin's own: nothing to keep
+		// from it.)
+		if err := os.Chown(dir, fsutil.MounterUID, fsutil.MounterGID); err != nil && !errors.Is(err, fs.ErrPermission) {
 			return nil, err
 		}
 		if err := os.Chmod(dir, 0o700); err != nil {
