@@ -71,9 +71,7 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 		t.Fatal(err)
 	}
 	f.img = filepath.Join(f.images, "img.sqfs")
-	if out, err := exec.Command("mksquashfs", content, f.img, "-quiet", "-noappend").CombinedOutput(); err != nil {
-		t.Fatalf("mksquashfs: %v: %s", err, out)
-	}
+	mountnstest.Squashfs(t, content, f.img)
 	if err := os.Chmod(f.img, 0o644); err != nil {
 		t.Fatal(err)
 	}

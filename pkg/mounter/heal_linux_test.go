@@ -82,9 +82,7 @@ func (f *healFixture) image(name string, linked bool) string {
 		}
 	}
 	img := filepath.Join(f.dir, name+".sqfs")
-	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
-		f.t.Fatalf("mksquashfs: %v: %s", err, out)
-	}
+	mountnstest.Squashfs(f.t, content, img)
 	return img
 }
 

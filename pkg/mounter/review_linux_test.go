@@ -222,9 +222,7 @@ func TestReview5cCheckThenUse(t *testing.T) {
 		writeFile(t, filepath.Join(content, f), "")
 	}
 	img := filepath.Join(dir, "stall.sqfs")
-	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
-		t.Fatalf("mksquashfs: %v: %s", err, out)
-	}
+	mountnstest.Squashfs(t, content, img)
 	stall := filepath.Join(dir, "stall")
 	mkdirs(t, stall)
 	daemon := startSquashfuse(t, img, stall)
@@ -346,9 +344,7 @@ func TestReview6aUnmountBySuffix(t *testing.T) {
 	mkdirs(t, content)
 	writeFile(t, filepath.Join(content, "marker"), "other volume\n")
 	img := filepath.Join(dir, "other.sqfs")
-	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
-		t.Fatalf("mksquashfs: %v: %s", err, out)
-	}
+	mountnstest.Squashfs(t, content, img)
 	other := filepath.Join(state, "fuse", "other", "mnt")
 	mkdirs(t, other)
 	startSquashfuse(t, img, other)

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"syscall"
 	"testing"
@@ -49,9 +48,7 @@ func TestDaemonsThroughTheSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 	img := filepath.Join(images, "img.sqfs")
-	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
-		t.Fatalf("mksquashfs: %v: %s", err, out)
-	}
+	mountnstest.Squashfs(t, content, img)
 	hostKeys := filepath.Join(outside, "ssh")
 	if err := os.Mkdir(hostKeys, 0o700); err != nil {
 		t.Fatal(err)

@@ -5,12 +5,9 @@ package service_test
 import (
 	"context"
 	"errors"
-	"net"
 	"os"
 	"path/filepath"
 	"testing"
-
-	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/pkg/config"
 	"github.com/mountplan/mountplan/pkg/errdefs"
@@ -24,29 +21,8 @@ import (
 // returns the plugin's client of it.
 func serve(t *testing.T, state string) *service.Client {
 	t.Helper()
-	n, err := mounter.NewNode(context.Background(), mounter.Options{StateDir: state, KubeletDir: state,
+	return serveWith(t, mounter.Options{StateDir: state, KubeletDir: state,
 		RecordsDir: filepath.Join(t.TempDir(), "records"), Config: &config.Config{}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(t.TempDir(), "mounter.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- service.Serve(klog.NewContext(ctx, klog.Background()), l, n) }()
-	c := service.NewClient(sock)
-	t.Cleanup(func() {
-		c.Close()
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-		n.Close()
-	})
-	return c
 }
 
 // TestThroughTheSocket has a volume's whole life cross the socket, as the

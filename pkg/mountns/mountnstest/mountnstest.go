@@ -231,3 +231,11 @@ func CapSet(t testing.TB, status map[string]string, field string) uint64 {
 	}
 	return v
 }
+
+// Squashfs makes img, a squashfs image of the directory content.
+func Squashfs(t testing.TB, content, img string) {
+	t.Helper()
+	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
+		t.Fatalf("mksquashfs: %v: %s", err, out)
+	}
+}

@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"syscall"
 	"testing"
@@ -42,9 +41,7 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 		t.Fatal(err)
 	}
 	img := filepath.Join(images, "img.sqfs")
-	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
-		t.Fatalf("mksquashfs: %v: %s", err, out)
-	}
+	mountnstest.Squashfs(t, content, img)
 	cfg := &config.Config{FuseProfiles: []fuseprofile.Profile{{Name: "squashfuse", Binary: "/usr/bin/squashfuse",
 		Args: []string{"-f", "{source}", "{mountpoint}"}, Source: fuseprofile.SourceRule{Roots: []string{images}}}}}
 	ctx := context.Background()
