@@ -6,7 +6,7 @@
 # plugin alone (its mounter in process). Prints markdown tables and a leak
 # check. Then container start latency with and without the NRI hook
 # (BenchmarkContainerStart in test/nri, median of 20), and the time of a
-# snapshot by reflink and by sparse copy (BenchmarkSnapshot in pkg/driver).
+# snapshot by reflink and by sparse copy (BenchmarkSnapshot in internal/driver).
 #
 #   make bench                      # builds bin/ first
 #   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5] [-strace FILE] [-v]
@@ -54,4 +54,4 @@ go test -count=1 -run '^$' -bench ContainerStart -benchtime 1x ./test/nri
 
 # Snapshot time of a published 1 GiB ext4 volume holding 100 MiB: state dir
 # on xfs (reflink) and on ext4 (sparse copy), each on a loop device of its own.
-go test -count=1 -run '^$' -bench '^BenchmarkSnapshot$' -benchtime 5x ./pkg/driver
+go test -count=1 -run '^$' -bench '^BenchmarkSnapshot$' -benchtime 5x ./internal/driver

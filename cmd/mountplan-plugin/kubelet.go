@@ -10,9 +10,9 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/health"
-	"github.com/mountplan/mountplan/pkg/registration"
+	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/health"
+	"github.com/mountplan/mountplan/internal/registration"
 )
 
 // errKubelet marks a failure of what kubelet talks to besides the CSI socket.

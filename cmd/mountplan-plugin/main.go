@@ -18,19 +18,19 @@ import (
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/driver"
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/fdlimit"
-	"github.com/mountplan/mountplan/pkg/metrics"
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/mounter/service"
-	"github.com/mountplan/mountplan/pkg/periodic"
-	"github.com/mountplan/mountplan/pkg/source"
-	"github.com/mountplan/mountplan/pkg/source/fuse"
-	"github.com/mountplan/mountplan/pkg/source/iscsi"
-	"github.com/mountplan/mountplan/pkg/source/nbd"
-	"github.com/mountplan/mountplan/pkg/toolrun"
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/driver"
+	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/fdlimit"
+	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/mounter/service"
+	"github.com/mountplan/mountplan/internal/periodic"
+	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/internal/source/fuse"
+	"github.com/mountplan/mountplan/internal/source/iscsi"
+	"github.com/mountplan/mountplan/internal/source/nbd"
+	"github.com/mountplan/mountplan/internal/toolrun"
 )
 
 // maxRequest bounds one request to the plugin's socket.
@@ -210,7 +210,7 @@ func version() string {
 }
 
 // raiseFileLimit makes room for one open file per staged loop volume
-// (pkg/fdlimit) and says how much room there is.
+// (internal/fdlimit) and says how much room there is.
 func raiseFileLimit() {
 	lim, err := fdlimit.Raise(fdlimit.Want)
 	if err != nil {

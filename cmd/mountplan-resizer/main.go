@@ -1,5 +1,5 @@
 // Command mountplan-resizer expands the PersistentVolumeClaims whose volumes
-// live on its node (pkg/resizer). It runs in the node pod next to the
+// live on its node (internal/resizer). It runs in the node pod next to the
 // plugin, whose Controller service it calls on the plugin's socket.
 package main
 
@@ -17,9 +17,9 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/driver"
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/resizer"
+	"github.com/mountplan/mountplan/internal/driver"
+	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/resizer"
 )
 
 func main() {

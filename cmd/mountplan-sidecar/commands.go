@@ -11,13 +11,13 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/fdlimit"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/mounter/service"
+	"github.com/mountplan/mountplan/internal/mountns"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/fdlimit"
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/mounter/service"
-	"github.com/mountplan/mountplan/pkg/mountns"
 )
 
 func runMount(ctx context.Context, args []string) error {
@@ -144,7 +144,7 @@ func runServe(ctx context.Context, args []string) error {
 }
 
 // raiseFileLimit makes room for one open file per loop device the mounter
-// holds (pkg/fdlimit) and says how much room there is.
+// holds (internal/fdlimit) and says how much room there is.
 func raiseFileLimit() {
 	lim, err := fdlimit.Raise(fdlimit.Want)
 	if err != nil {

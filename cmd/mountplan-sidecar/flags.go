@@ -8,8 +8,8 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/mounter"
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 

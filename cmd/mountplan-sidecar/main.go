@@ -3,8 +3,8 @@
 // (mount, unmount), or serves the Mounter gRPC service that the plugin
 // hands kubelet's publish requests to (serve). Besides the wiring, this
 // holds the mount command's client flow (prepare.go); plans are performed
-// by pkg/mounter and pkg/mountns, served by pkg/mounter/service, and
-// daemons are started as pkg/daemon/policy allows.
+// by internal/mounter and internal/mountns, served by internal/mounter/service, and
+// daemons are started as internal/daemon/policy allows.
 package main
 
 import (
@@ -16,7 +16,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/mountplan/mountplan/pkg/toolrun"
+	"github.com/mountplan/mountplan/internal/toolrun"
 	"k8s.io/klog/v2"
 )
 

@@ -8,8 +8,8 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/nri"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/nri"
 )
 
 // nriFlags configure serve's NRI hook.

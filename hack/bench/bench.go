@@ -15,9 +15,9 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/daemon"
+	"github.com/mountplan/mountplan/internal/journal"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/daemon"
-	"github.com/mountplan/mountplan/pkg/journal"
 )
 
 const (
@@ -483,7 +483,7 @@ func (b *bench) measureNoopRPC(ctx context.Context) *sample {
 }
 
 // measureMounterRPC times a call to the main instance's mounter that has
-// nothing to do (mounterNoop): the cost of one hop over pkg/unixrpc. nil
+// nothing to do (mounterNoop): the cost of one hop over internal/unixrpc. nil
 // without a mounter process.
 func (b *bench) measureMounterRPC(ctx context.Context) *sample {
 	if b.mnt == nil {

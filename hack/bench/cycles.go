@@ -12,10 +12,10 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/loopdev"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/mountns"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/loopdev"
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 

@@ -14,7 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/loopdev"
+	"github.com/mountplan/mountplan/internal/loopdev"
 )
 
 // The data path measurement: O_DIRECT 1 MiB reads and writes at random

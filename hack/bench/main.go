@@ -2,7 +2,7 @@
 // socket against the kernel work that cycle asks for, on a 64 MiB ext4 loop
 // volume, in the deployment's shape: the plugin reaches its mounter
 // (`mountplan-sidecar serve`, every privileged act) with --mounter-endpoint
-// over pkg/unixrpc. With -alone the plugin runs alone, its mounter in
+// over internal/unixrpc. With -alone the plugin runs alone, its mounter in
 // process, as before the split.
 //
 //  1. publish cycle through the socket: NodeStageVolume, NodePublishVolume,

@@ -13,7 +13,7 @@ import (
 
 // countMounterCalls runs one untimed cycle of fn with strace attached to
 // in's plugin and counts, for each step, the calls the plugin made to its
-// mounter (pkg/unixrpc sends a request with one sendmsg, and nothing else
+// mounter (internal/unixrpc sends a request with one sendmsg, and nothing else
 // in the plugin calls sendmsg: gRPC writes with write) plus those the bench
 // made itself (a prepare cycle's mount and unmount). nil when strace is
 // missing or the cycle fails.

@@ -286,7 +286,7 @@ func (r *results) printAttribution(w io.Writer) {
 			ms(rpc), ms(p90(r.noopRPC.steps[r.noopRPC.order[0]])))
 	}
 	if mrpc > 0 {
-		fmt.Fprintf(w, "- one call to the mounter that does nothing (pkg/unixrpc, LiveNamespaces of a consumer without namespace, from the bench): median %s, p90 %s\n",
+		fmt.Fprintf(w, "- one call to the mounter that does nothing (internal/unixrpc, LiveNamespaces of a consumer without namespace, from the bench): median %s, p90 %s\n",
 			ms(mrpc), ms(p90(r.mounterRPC.steps[r.mounterRPC.order[0]])))
 	}
 	for _, s := range r.socketSamples() {

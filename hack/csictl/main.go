@@ -18,7 +18,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/internal/endpoint"
 )
 
 func main() {

@@ -5,7 +5,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/internal/errdefs"
 )
 
 // Namespace identifies a mount namespace. The inode (of /proc/PID/ns/mnt)

@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"slices"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/internal/errdefs"
 )
 
 // Heal asks the mounter to replace every mount of FUSE connections whose

@@ -15,7 +15,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/internal/errdefs"
 )
 
 // TypeBind attaches an existing host path (a directory, a FUSE daemon's

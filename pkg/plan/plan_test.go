@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
+	"github.com/mountplan/mountplan/internal/errdefs"
 )
 
 func TestPolicyValidate(t *testing.T) {

@@ -5,8 +5,8 @@ import (
 	"math"
 	"slices"
 
+	"github.com/mountplan/mountplan/internal/errdefs"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/errdefs"
 )
 
 // ToProto converts a plan to its wire form.

@@ -21,7 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/mountplan/mountplan/pkg/config"
+	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/test/chart/chartrender"
 )
@@ -198,7 +198,7 @@ func render(t *testing.T, overrides map[string]any) *rendered {
 	return r
 }
 
-// loadConfig reads the rendered config.yaml with pkg/config, the plugin's
+// loadConfig reads the rendered config.yaml with internal/config, the plugin's
 // strict loader, so that the chart cannot render a field the plugin rejects.
 func (r *rendered) loadConfig(t *testing.T) {
 	t.Helper()

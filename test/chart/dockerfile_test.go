@@ -27,21 +27,21 @@ var (
 // execTools is the one table of external programs mountplan runs on a node and
 // the Debian (bookworm) package that ships each. TestDockerfileTools checks
 // that the runtime image installs every package listed here, and
-// TestExecToolsListed that every program the code under pkg/ and cmd/ runs is
+// TestExecToolsListed that every program the code under internal/, pkg/ and cmd/ runs is
 // listed. The package of each tool was checked with dpkg -S on bookworm;
 // TestExecToolsPackages repeats that check where the tool is installed.
 var execTools = []struct {
 	tool, pkg, usedFor string
 }{
-	{"mkfs.ext4", "e2fsprogs", "format ext4 (pkg/fsutil)"},
-	{"resize2fs", "e2fsprogs", "expand ext4 (pkg/fsutil)"},
+	{"mkfs.ext4", "e2fsprogs", "format ext4 (internal/fsutil)"},
+	{"resize2fs", "e2fsprogs", "expand ext4 (internal/fsutil)"},
 	{"e2fsck", "e2fsprogs", "check ext4 before a resize"},
-	{"blkid", "util-linux", "detect filesystems (pkg/fsutil)"},
+	{"blkid", "util-linux", "detect filesystems (internal/fsutil)"},
 	{"fsck", "util-linux", "filesystem check front end"},
-	{"mkfs.xfs", "xfsprogs", "format xfs (pkg/fsutil)"},
-	{"xfs_growfs", "xfsprogs", "expand xfs (pkg/fsutil)"},
+	{"mkfs.xfs", "xfsprogs", "format xfs (internal/fsutil)"},
+	{"xfs_growfs", "xfsprogs", "expand xfs (internal/fsutil)"},
 	{"xfs_repair", "xfsprogs", "check xfs"},
-	{"xfs_admin", "xfsprogs", "a UUID of its own for a copied xfs (pkg/fsutil)"},
+	{"xfs_admin", "xfsprogs", "a UUID of its own for a copied xfs (internal/fsutil)"},
 	{"mount", "mount", "fallback mounts, FUSE helpers"},
 	{"umount", "mount", "fallback unmounts"},
 	{"losetup", "mount", "loop device fallback and diagnostics"},
@@ -202,10 +202,10 @@ func TestExecToolsPackages(t *testing.T) {
 	t.Logf("%d of %d tools checked against dpkg", checked, len(execTools))
 }
 
-// TestExecToolsListed finds the programs that the Go code under pkg/ and cmd/
+// TestExecToolsListed finds the programs that the Go code under internal/, pkg/ and cmd/
 // runs and checks that execTools lists each of them.
 func TestExecToolsListed(t *testing.T) {
-	found, declared, unresolved, err := findExecTools(repoRoot, []string{"pkg", "cmd"})
+	found, declared, unresolved, err := findExecTools(repoRoot, []string{"internal", "pkg", "cmd"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,11 +230,11 @@ func TestExecToolsListed(t *testing.T) {
 	for _, u := range unresolved {
 		t.Errorf("%s: cannot tell which program this runs; use a string literal or constant for the name so the image can be checked", u)
 	}
-	t.Logf("programs run by pkg/ and cmd/: %v", names)
+	t.Logf("programs run by internal/, pkg/ and cmd/: %v", names)
 }
 
 // findExecTools parses the non-test Go files under dirs (skipping test helper
-// packages, whose directory name ends in "test") and returns the program names
+// packages, whose directory name ends in "test", and internal/testenv) and returns the program names
 // passed to Command/CommandContext/LookPath (of os/exec or k8s.io/utils/exec),
 // directly or through wrapper functions of the same package that pass one of
 // their parameters on, and those declared as toolrun.Tool values (declared:
@@ -252,7 +252,7 @@ func findExecTools(root string, dirs []string) (found map[string][]string, decla
 				return err
 			}
 			if de.IsDir() {
-				if de.Name() != d && (strings.HasSuffix(de.Name(), "test") || de.Name() == "testdata") {
+				if de.Name() != d && (strings.HasSuffix(de.Name(), "test") || de.Name() == "testenv" || de.Name() == "testdata") {
 					return filepath.SkipDir
 				}
 				return nil
@@ -310,7 +310,7 @@ func findExecTools(root string, dirs []string) (found map[string][]string, decla
 					utilExec[f] = true
 				}
 			}
-			// Tools declared for pkg/toolrun's runner: toolrun.Tool{Name: ..., Package: ...}.
+			// Tools declared for internal/toolrun's runner: toolrun.Tool{Name: ..., Package: ...}.
 			ast.Inspect(f, func(n ast.Node) bool {
 				lit, ok := n.(*ast.CompositeLit)
 				if !ok || !isToolType(lit.Type) {
@@ -424,7 +424,7 @@ func findExecTools(root string, dirs []string) (found map[string][]string, decla
 	return found, declared, unresolved, nil
 }
 
-// isToolType says whether a composite literal's type is pkg/toolrun's Tool.
+// isToolType says whether a composite literal's type is internal/toolrun's Tool.
 func isToolType(e ast.Expr) bool {
 	sel, ok := e.(*ast.SelectorExpr)
 	if !ok || sel.Sel.Name != "Tool" {
@@ -591,7 +591,7 @@ func helper() { _ = exec.Command("only-in-tests") }
 import "os/exec"
 func helper() { _ = exec.Command("unshare") }
 `)
-	found, declared, unresolved, err := findExecTools(root, []string{"pkg", "cmd"})
+	found, declared, unresolved, err := findExecTools(root, []string{"internal", "pkg", "cmd"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,7 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/internal/journal"
 )
 
 // flow is one scenario of the issue, run in order against the same

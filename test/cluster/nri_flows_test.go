@@ -20,7 +20,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 
-	"github.com/mountplan/mountplan/pkg/nri/guard"
+	"github.com/mountplan/mountplan/internal/nri/guard"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 

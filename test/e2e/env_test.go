@@ -30,10 +30,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/source/loop"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

@@ -14,7 +14,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
-	"github.com/mountplan/mountplan/pkg/toolrun"
+	"github.com/mountplan/mountplan/internal/toolrun"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -110,7 +110,7 @@ func TestFuseBadInput(t *testing.T) {
 	}
 }
 
-// isToolSpawner tells the plugin's tool spawner (pkg/toolrun), a child it
+// isToolSpawner tells the plugin's tool spawner (internal/toolrun), a child it
 // has from its start, from the processes a stage starts.
 func isToolSpawner(pid string) bool {
 	cmdline, _ := os.ReadFile("/proc/" + pid + "/cmdline")

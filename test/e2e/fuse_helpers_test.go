@@ -1,7 +1,7 @@
 package e2e
 
 // Helpers of the TestFuse* tests (FUSE volumes): the shared harness
-// (env_test.go) with the example profiles of pkg/source/fuse/testdata, the
+// (env_test.go) with the example profiles of internal/source/fuse/testdata, the
 // real daemons from Debian's packages (sshfs against an sshd started here,
 // rclone, squashfuse), and views of the kernel and of the daemons that do
 // not go through the product.
@@ -22,8 +22,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 
-	"github.com/mountplan/mountplan/pkg/source/fuse"
-	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
+	"github.com/mountplan/mountplan/internal/source/fuse"
+	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -251,7 +251,7 @@ func fuseCheckNoSecretInProcs(t *testing.T, when string, pieces []string) {
 }
 
 // fuseEnv is the shared harness (env) with the example profiles of
-// pkg/source/fuse/testdata in its config, their roots pointed at test
+// internal/source/fuse/testdata in its config, their roots pointed at test
 // directories.
 type fuseEnv struct {
 	*env

@@ -8,8 +8,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/mountplan/mountplan/pkg/source/iscsi"
-	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
+	"github.com/mountplan/mountplan/internal/source/iscsi"
+	"github.com/mountplan/mountplan/internal/source/iscsi/iscsitest"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

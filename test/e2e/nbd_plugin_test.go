@@ -13,8 +13,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/mountplan/mountplan/pkg/endpoint"
-	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
+	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

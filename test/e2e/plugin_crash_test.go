@@ -14,7 +14,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

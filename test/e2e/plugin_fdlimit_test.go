@@ -12,7 +12,7 @@ import (
 
 // TestPluginStagesBeyondFileLimit: the plugin holds one open file per
 // staged loop volume, so it raises its own RLIMIT_NOFILE at start
-// (pkg/fdlimit). Started with a soft limit of 64 open files (as a container
+// (internal/fdlimit). Started with a soft limit of 64 open files (as a container
 // runtime sets 1,024), it stages more loop volumes than that limit would
 // allow, and its limit shows the raise. The hard limit stays as it is: this
 // machine's root has no CAP_SYS_RESOURCE, without which neither the plugin

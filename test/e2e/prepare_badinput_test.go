@@ -13,9 +13,9 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/source/loop"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
-	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

@@ -20,7 +20,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/journal"
+	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

@@ -17,8 +17,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/source/loop"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -74,7 +74,7 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 		waitNoLoop(t, image)
 		e.delete(id)
 		t.Errorf("NodeUnstageVolume refused because of dead consumer pid %d: an unrelated namespace (pid %d) reuses its "+
-			"mount namespace inode %d, and pkg/driver/prepare.go namespaceAlive treats any process in a namespace with that inode "+
+			"mount namespace inode %d, and internal/driver/prepare.go namespaceAlive treats any process in a namespace with that inode "+
 			"as the consumer: %v", dead.PID, reuser.PID, dead.Namespace.Inode, err)
 	}
 	if err != nil {

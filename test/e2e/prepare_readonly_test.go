@@ -11,8 +11,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/source/loop"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -79,7 +79,7 @@ func TestPrepareReadOnlyBesideWriter(t *testing.T) {
 	}
 	cleanup()
 	if len(bugs) > 0 {
-		t.Errorf("a read-only consumer cannot share a volume with a writable one: pkg/mountns/options_linux.go "+
+		t.Errorf("a read-only consumer cannot share a volume with a writable one: internal/mountns/options_linux.go "+
 			"turns the plan's \"ro\" into the superblock flag ro (fsconfig) for every block filesystem, so the kernel refuses "+
 			"to mount a superblock that is already mounted read-write (and the reverse):\n%s", strings.Join(bugs, "\n"))
 	}

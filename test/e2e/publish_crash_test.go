@@ -19,7 +19,7 @@ import (
 // before the answer; the mounter, stopped meanwhile (SIGSTOP: the request
 // waits in its socket), goes on once the plugin is dead and restarted.
 // Whether it then completes the mount behind the new plugin's back or
-// drops the request of a caller that is gone (pkg/unixrpc cancels it),
+// drops the request of a caller that is gone (internal/unixrpc cancels it),
 // the unpublish kubelet sends next must leave no mount and no target and
 // answer OK, not NotFound for ever. (The mounter no longer blocks on a
 // FUSE source inside Mount: it stats nothing through the daemon.)

@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
-	"github.com/mountplan/mountplan/pkg/nri/guard"
+	"github.com/mountplan/mountplan/internal/nri/guard"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 

@@ -20,7 +20,7 @@ import (
 	"github.com/onsi/ginkgo/v2"
 	"github.com/onsi/gomega"
 
-	"github.com/mountplan/mountplan/pkg/endpoint"
+	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -70,7 +70,7 @@ func Run(t *testing.T, accessType, fsType string) {
 	// by gomega's Equal, which compares the protobuf messages' internals:
 	// its own copy carries the sizeCache that marshalling its request
 	// left, the plugin's answer does not, so no driver that reports a
-	// snapshot's topology can pass. TestSnapshotTopology in pkg/driver
+	// snapshot's topology can pass. TestSnapshotTopology in internal/driver
 	// checks the same with proto.Equal.
 	suite.SkipStrings = append(suite.SkipStrings, "should succeed when creating a snapshot with accessibility requirements")
 	sc := sanity.GinkgoTest(&cfg)

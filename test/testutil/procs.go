@@ -10,7 +10,7 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/mountplan/mountplan/pkg/daemon"
+	"github.com/mountplan/mountplan/internal/daemon"
 )
 
 // ProcInfo is one process as /proc shows it.

@@ -30,17 +30,17 @@ import (
 	"google.golang.org/grpc/codes"
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/driver"
-	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/journal"
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/mounter/service"
-	"github.com/mountplan/mountplan/pkg/source"
-	"github.com/mountplan/mountplan/pkg/source/iscsi"
-	"github.com/mountplan/mountplan/pkg/source/iscsi/iscsitest"
-	"github.com/mountplan/mountplan/pkg/source/nbd"
-	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/driver"
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/mounter/service"
+	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/internal/source/iscsi"
+	"github.com/mountplan/mountplan/internal/source/iscsi/iscsitest"
+	"github.com/mountplan/mountplan/internal/source/nbd"
+	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 )
 
 // logs collects klog's output, to prove no secret reaches a log line.

@@ -18,15 +18,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mountplan/mountplan/pkg/config"
-	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/mounter"
-	"github.com/mountplan/mountplan/pkg/mounter/service"
-	"github.com/mountplan/mountplan/pkg/nbdnl"
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/mounter/service"
+	"github.com/mountplan/mountplan/internal/nbdnl"
+	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/internal/source/nbd"
+	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 	"github.com/mountplan/mountplan/pkg/plan"
-	"github.com/mountplan/mountplan/pkg/source"
-	"github.com/mountplan/mountplan/pkg/source/nbd"
-	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
 )
 
 // These tests run NBD volumes as the plugin and the mounter split them:

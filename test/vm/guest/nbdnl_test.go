@@ -26,15 +26,15 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/pkg/errdefs"
-	"github.com/mountplan/mountplan/pkg/nbdnl"
-	"github.com/mountplan/mountplan/pkg/source/nbd"
-	"github.com/mountplan/mountplan/pkg/source/nbd/nbdtest"
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/nbdnl"
+	"github.com/mountplan/mountplan/internal/source/nbd"
+	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 )
 
 // These tests connect NBD devices as the plugin and the mounter are to:
 // the handshake by nbd.Dialer.Negotiate (TLS through its proxy), the
-// hand-over by pkg/nbdnl over generic netlink; no nbd-client runs.
+// hand-over by internal/nbdnl over generic netlink; no nbd-client runs.
 
 // nlDevice is a device connected through nbdnl.
 type nlDevice struct {

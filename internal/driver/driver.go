@@ -1,0 +1,179 @@
+// Package driver serves the CSI Identity, Controller and Node services and
+// mountplan's NodePrepare extension on one gRPC server. It validates
+// requests, takes per-volume locks, keeps the journal, and delegates device
+// work to the volume sources and mount work to a mounter. Errors are mapped
+// to gRPC codes in one place: the unary interceptor (see server.go).
+package driver
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"sync/atomic"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/internal/source/loop"
+	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// TopologyKey is the segment that pins a volume to the node that made it.
+const TopologyKey = "topology.mountplan.csi.io/node"
+
+// Options configure a Driver.
+type Options struct {
+	DriverName string
+	NodeID     string
+	Version    string
+	StateDir   string
+	// KubeletDir is kubelet's root directory (default /var/lib/kubelet):
+	// every staging and target path a CO sends must lie under it.
+	KubeletDir string
+	Config     *config.Config
+	// Node is the mounter: every privileged act (devices, mounts, daemons,
+	// looking into other processes) is asked of it. nil: a mounter in this
+	// process (mounter.Local), its records under StateDir/mounter.
+	Node mounter.Node
+	// Mounter, when set, performs plans instead of Node (tests).
+	Mounter mounter.Interface
+	// Metrics, when not nil, records RPC latencies and device steps.
+	Metrics *metrics.Metrics
+	// Sources are the volume kinds besides loop, by volume_context type.
+	Sources map[string]source.Source
+	// NRI lets volumes ask for NRI mode (attribute nri: "true"): the
+	// mounter's NRI hook gives them to containers through the runtime.
+	NRI bool
+}
+
+// Driver implements the services. Create it with New.
+type Driver struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	csi.UnimplementedNodeServer
+	api.UnimplementedNodePrepareServer
+
+	opts    Options
+	node    mounter.Node
+	loop    *loop.Source
+	vols    *volumes
+	snaps   *snapshots
+	sources map[string]source.Source
+	policy  plan.Policy
+	kubelet kubeletDir
+	ready   atomic.Bool
+}
+
+// New builds a driver over the state dir. It touches no device: Reconcile
+// does that, and Probe says not-ready until it has.
+func New(opts Options) (*Driver, error) {
+	if opts.DriverName == "" || opts.NodeID == "" || opts.StateDir == "" {
+		return nil, fmt.Errorf("driver: name, node id and state dir are required: %w", errdefs.ErrInvalidArgument)
+	}
+	if opts.Config == nil {
+		opts.Config = &config.Config{DefaultFsType: "ext4"}
+	}
+	stateDir, err := filepath.Abs(opts.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	opts.StateDir = stateDir
+	kubelet, err := newKubeletDir(opts.KubeletDir)
+	if err != nil {
+		return nil, err
+	}
+	vols, err := openVolumes(stateDir)
+	if err != nil {
+		return nil, err
+	}
+	snaps, err := openSnapshots(stateDir)
+	if err != nil {
+		return nil, err
+	}
+	if opts.Node == nil {
+		if opts.Node, err = mounter.NewNode(context.Background(), mounter.Options{StateDir: stateDir, KubeletDir: opts.KubeletDir,
+			RecordsDir: mounter.DefaultRecordsDir(stateDir), Config: opts.Config}); err != nil {
+			return nil, err
+		}
+	}
+	if opts.Mounter == nil {
+		opts.Mounter = opts.Node
+	}
+	ls := loop.New(stateDir, opts.Node)
+	ls.Metrics, ls.ImageRoots = opts.Metrics, opts.Config.ImageRoots
+	sources := map[string]source.Source{loop.Type: ls}
+	for typ, s := range opts.Sources {
+		sources[typ] = s
+	}
+	d := &Driver{
+		opts:    opts,
+		node:    opts.Node,
+		loop:    ls,
+		vols:    vols,
+		snaps:   snaps,
+		sources: sources,
+		policy:  opts.Config.PlanPolicy(stateDir),
+		kubelet: kubelet,
+	}
+	for _, s := range sources {
+		if hu, ok := s.(source.HostUser); ok {
+			hu.SetHost(d)
+		}
+	}
+	return d, nil
+}
+
+// Register adds every service to s.
+func (d *Driver) Register(s *grpc.Server) {
+	csi.RegisterIdentityServer(s, d)
+	csi.RegisterControllerServer(s, d)
+	csi.RegisterNodeServer(s, d)
+	api.RegisterNodePrepareServer(s, d)
+}
+
+// lock takes the volume's lock for op; a busy volume gives Aborted.
+func (d *Driver) lock(id, op string) (func(), error) {
+	return d.vols.tryLock(id, op)
+}
+
+// locked takes the volume's lock for op and reads its record. The returned
+// func releases the lock and is never nil; a volume without a record comes
+// back with an error wrapping errdefs.ErrNotFound.
+func (d *Driver) locked(id, op string) (*journal.Volume, func(), error) {
+	unlock, err := d.lock(id, op)
+	if err != nil {
+		return nil, func() {}, err
+	}
+	v, err := d.vols.Get(id)
+	return v, unlock, err
+}
+
+func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
+	s, ok := d.sources[v.Type]
+	if !ok {
+		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)
+	}
+	return s, nil
+}
+
+// StagedByType counts staged volumes by type, for the metrics gauge.
+func (d *Driver) StagedByType() map[string]int {
+	vols, _ := d.vols.List()
+	out := map[string]int{}
+	for _, v := range vols {
+		if v.Staged() {
+			out[v.Type]++
+		}
+	}
+	return out
+}
+
+// Ready reports whether the startup reconcile has finished.
+func (d *Driver) Ready() bool { return d.ready.Load() }

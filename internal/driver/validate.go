@@ -1,0 +1,124 @@
+package driver
+
+import (
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// The access modes a node-local volume can honour.
+var supportedModes = []csi.VolumeCapability_AccessMode_Mode{
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+}
+
+func invalid(format string, args ...any) error {
+	return fmt.Errorf(format+": %w", append(args, errdefs.ErrInvalidArgument)...)
+}
+
+func requireField(name, value string) error {
+	if value == "" {
+		return invalid("%s is required", name)
+	}
+	return nil
+}
+
+// requireVolumeID checks presence first (CSI wants InvalidArgument for a
+// missing ID before any lookup) and then that the ID is safe as a file name.
+func requireVolumeID(id string) error {
+	if err := requireField("volume_id", id); err != nil {
+		return err
+	}
+	return journal.ValidID(id)
+}
+
+// requirePath checks a CO-supplied path: absolute and clean.
+func requirePath(name, p string) error {
+	if err := requireField(name, p); err != nil {
+		return err
+	}
+	if !filepath.IsAbs(p) || filepath.Clean(p) != p || strings.ContainsRune(p, 0) {
+		return invalid("%s %q must be a clean absolute path", name, p)
+	}
+	return nil
+}
+
+// capability is a validated volume capability.
+type capability struct {
+	block      bool
+	readOnly   bool // the access mode allows no writer
+	fsType     string
+	mountFlags []string
+	nri        bool // the volume's attributes ask for NRI mode (publish only)
+	// mountGroup is volume_mount_group (kubelet's fsGroup), when set.
+	mountGroup    uint32
+	mountGroupSet bool
+}
+
+func checkCapability(c *csi.VolumeCapability) (capability, error) {
+	if c == nil {
+		return capability{}, invalid("volume_capability is required")
+	}
+	mode := c.GetAccessMode().GetMode()
+	if c.GetAccessMode() == nil || mode == csi.VolumeCapability_AccessMode_UNKNOWN {
+		return capability{}, invalid("volume_capability.access_mode is required")
+	}
+	if !slices.Contains(supportedModes, mode) {
+		return capability{}, invalid("access mode %s is not supported by node-local volumes", mode)
+	}
+	out := capability{readOnly: mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY}
+	switch {
+	case c.GetBlock() != nil:
+		out.block = true
+	case c.GetMount() != nil:
+		out.fsType = c.GetMount().GetFsType()
+		out.mountFlags = c.GetMount().GetMountFlags()
+		var err error
+		if out.mountGroup, out.mountGroupSet, err = parseMountGroup(c.GetMount().GetVolumeMountGroup()); err != nil {
+			return capability{}, err
+		}
+		for _, f := range out.mountFlags {
+			if f == "" || strings.ContainsAny(f, ",\x00") || strings.Contains(f, "/") {
+				return capability{}, invalid("mount flag %q is not allowed", f)
+			}
+		}
+		if out.fsType != "" && !slices.Contains(plan.DefaultTypes, out.fsType) {
+			return capability{}, invalid("fs_type %q is not supported", out.fsType)
+		}
+	default:
+		return capability{}, invalid("volume_capability needs an access type (mount or block)")
+	}
+	return out, nil
+}
+
+// checkStaged checks what every request about a staged volume carries:
+// its ID, the staging path (under kubelet's directory) and the capability
+// it was staged with.
+func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
+	if err := requireVolumeID(id); err != nil {
+		return capability{}, err
+	}
+	if err := d.kubelet.check("staging_target_path", stagingPath); err != nil {
+		return capability{}, err
+	}
+	return checkCapability(vc)
+}
+
+func checkCapabilities(caps []*csi.VolumeCapability) error {
+	if len(caps) == 0 {
+		return invalid("volume_capabilities are required")
+	}
+	for _, c := range caps {
+		if _, err := checkCapability(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,127 @@
+// Package metrics exposes mountplan's Prometheus metrics. Metrics are off
+// unless --metrics-address is given: a nil *Metrics accepts every call and
+// records nothing, so callers need no checks.
+package metrics
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc/codes"
+
+	"github.com/mountplan/mountplan/internal/endpoint"
+)
+
+const namespace = "mountplan"
+
+// Metrics holds the collectors, in a registry of its own (not the global
+// one, so tests can create as many as they like).
+type Metrics struct {
+	Registry   *prometheus.Registry
+	rpc        *prometheus.HistogramVec
+	steps      *prometheus.HistogramVec
+	restarts   *prometheus.CounterVec
+	reconciles *prometheus.CounterVec
+}
+
+// New creates the collectors. staged, when not nil, is asked for the
+// number of staged volumes by type at each scrape, so the gauge can never
+// drift from the journal.
+func New(staged func() map[string]int) *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		rpc: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "rpc_duration_seconds",
+			Help:    "Latency of gRPC calls served by the plugin, by method and status code.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120},
+		}, []string{"method", "code"}),
+		steps: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "step_duration_seconds",
+			Help:    "Duration of device steps (attach, detach, format, mount, daemon_start, nbd_connect, nbd_disconnect, iscsi_login, iscsi_logout).",
+			Buckets: []float64{.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5, 30},
+		}, []string{"step"}),
+		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "daemon_restarts_total",
+			Help: "Restarts of volume daemons (FUSE) by profile.",
+		}, []string{"profile"}),
+		reconciles: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "reconcile_volumes_total",
+			Help: "Volumes visited by the reconciler, by result (ok, error).",
+		}, []string{"result"}),
+	}
+	m.Registry.MustRegister(m.rpc, m.steps, m.restarts, m.reconciles,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if staged != nil {
+		m.Registry.MustRegister(stagedCollector{
+			desc: prometheus.NewDesc(namespace+"_staged_volumes", "Volumes staged on this node, by type.", []string{"type"}, nil),
+			f:    staged,
+		})
+	}
+	return m
+}
+
+// ObserveRPC records one served call.
+func (m *Metrics) ObserveRPC(method string, code codes.Code, d time.Duration) {
+	if m != nil {
+		m.rpc.WithLabelValues(method, code.String()).Observe(d.Seconds())
+	}
+}
+
+// ObserveStep records the duration of a device step.
+func (m *Metrics) ObserveStep(step string, d time.Duration) {
+	if m != nil {
+		m.steps.WithLabelValues(step).Observe(d.Seconds())
+	}
+}
+
+// Step times fn as step.
+func (m *Metrics) Step(step string, fn func() error) error {
+	start := time.Now()
+	err := fn()
+	m.ObserveStep(step, time.Since(start))
+	return err
+}
+
+// DaemonRestarted counts a restart of a daemon of profile.
+func (m *Metrics) DaemonRestarted(profile string) {
+	if m != nil {
+		m.restarts.WithLabelValues(profile).Inc()
+	}
+}
+
+// Reconciled counts a volume the reconciler visited.
+func (m *Metrics) Reconciled(err error) {
+	if m == nil {
+		return
+	}
+	result := "ok"
+	if err != nil {
+		result = "error"
+	}
+	m.reconciles.WithLabelValues(result).Inc()
+}
+
+// Serve serves /metrics on lis until ctx ends.
+func (m *Metrics) Serve(ctx context.Context, lis net.Listener) error {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	return endpoint.ServeHTTP(ctx, lis, mux)
+}
+
+type stagedCollector struct {
+	desc *prometheus.Desc
+	f    func() map[string]int
+}
+
+func (c stagedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c stagedCollector) Collect(ch chan<- prometheus.Metric) {
+	for typ, n := range c.f() {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), typ)
+	}
+}

@@ -1,0 +1,45 @@
+package mounter
+
+import (
+	"path/filepath"
+
+	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/daemon"
+)
+
+// Options configure a Local node.
+type Options struct {
+	// StateDir is the plugin's state dir (the sidecar's --state-dir):
+	// the one place where the mounter mounts for the plugin (overlay
+	// chains, FUSE daemons, the NRI guard) and where provisioned images
+	// live (StateDir/images). The mounter trusts the path as given, and
+	// nothing the plugin wrote below it: every path below it is opened
+	// without following a symlink.
+	StateDir string
+	// KubeletDir is kubelet's root directory: kubelet's publishes (the
+	// mounter's own namespace) are performed only below it.
+	KubeletDir string
+	// RecordsDir keeps the mounter's records of what it set up; only the
+	// mounter may reach it: outside the state dir (DefaultRecordsDir), in
+	// the chart a host directory the plugin's pod does not mount.
+	RecordsDir string
+	// Config is the admin's config: the plan policy, the static image
+	// roots, the FUSE profiles, the iSCSI settings.
+	Config *config.Config
+	// Spawner starts FUSE daemons; nil: daemon.LocalSpawner.
+	Spawner daemon.Spawner
+	// RemoveMountPoint: see Executor.
+	RemoveMountPoint bool
+	// AllowPropagation: see Executor.
+	AllowPropagation bool
+	// Observe makes a node that only reads the records of the mounter
+	// that set the devices up (the one-shot mount command beside it): it
+	// holds no device, takes nothing back and writes nothing.
+	Observe bool
+}
+
+// DefaultRecordsDir is where a mounter keeps its records when not told:
+// beside the state dir (<state-dir>-mounter), out of the plugin's reach,
+// for the serving mounter, the one-shot commands that read its records
+// and a plugin that runs its own alike.
+func DefaultRecordsDir(stateDir string) string { return filepath.Clean(stateDir) + "-mounter" }

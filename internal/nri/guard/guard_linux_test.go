@@ -1,0 +1,212 @@
+package guard_test
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mountns"
+	"github.com/mountplan/mountplan/internal/nri/guard"
+	"github.com/mountplan/mountplan/test/testutil"
+)
+
+// bindGuard binds what Path leads to at target, as the plugin's NRI-mode
+// publish does through the mounter.
+func bindGuard(t *testing.T, stateDir, target string) error {
+	t.Helper()
+	src, err := guard.Source(stateDir)
+	if err != nil {
+		return err
+	}
+	fd, err := mountns.Build(guard.Bind(src))
+	if err != nil {
+		return err
+	}
+	defer fd.Close()
+	return mountns.Attach(fd, target)
+}
+
+// recorder is the mounter's side of guard.Recorder: the guards it was told
+// of, by path, with their filesystems' device numbers.
+type recorder map[string]uint64
+
+func (r recorder) RecordGuard(p string, root *os.File) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(root.Fd()), &st); err != nil {
+		return err
+	}
+	r[p] = uint64(st.Dev) //nolint:unconvert // Dev is uint32 on some architectures
+	return nil
+}
+
+func (r recorder) ForgetGuard(p string) error { delete(r, p); return nil }
+
+func TestGuardLifecycle(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.NoLeaks(t)
+	dir := t.TempDir()
+	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	target := filepath.Join(kubelet, "pods", "uid", "volumes", "kubernetes.io~csi", "pv", "mount")
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	rec := recorder{}
+	g, err := guard.Start(state, rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g.Stop() })
+	// The mounter is told of the guard's mount point, the resolved one
+	// (it follows no symlink in a bind's source), and its root.
+	src, err := guard.Source(state)
+	if err != nil || src != g.Source() || filepath.Dir(src) != filepath.Join(state, "nri") {
+		t.Fatalf("Source = %q, %v; want %s below %s/nri", src, err, g.Source(), state)
+	}
+	if st, err := os.Stat(src); err != nil || rec[src] == 0 || rec[src] != devOf(st) || len(rec) != 1 {
+		t.Errorf("recorded %v; want %s with its device (%v)", rec, src, err)
+	}
+	if err := bindGuard(t, state, target); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mountns.Unmount(target, true) })
+
+	// Alive: stat works (the runtime's and kubelet's checks pass), nothing
+	// else does, and a bind of it (what a runtime does without the hook)
+	// gives nothing usable.
+	if fi, err := os.Stat(target); err != nil || !fi.IsDir() {
+		t.Fatalf("stat of the armed target: %v, %v", fi, err)
+	}
+	if _, err := os.ReadDir(target); !errors.Is(err, unix.EACCES) {
+		t.Errorf("listing the armed target: %v, want EACCES", err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "f"), nil, 0o644); err == nil {
+		t.Error("a file could be created in the armed target")
+	}
+	// What kubelet does to prepare a subPath: make the subdirectory, then
+	// bind it. Neither works on the guard.
+	if err := os.Mkdir(filepath.Join(target, "sub"), 0o755); err == nil {
+		t.Error("a subdirectory could be made in the armed target")
+	}
+	if _, err := os.Stat(filepath.Join(target, "sub")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("stat of a subPath in the armed target: %v, want ENOENT", err)
+	}
+	if ours, err := g.Owns(target); !ours || err != nil {
+		t.Errorf("Owns(target) = %v, %v; want true", ours, err)
+	}
+	if ours, err := g.Owns(dir); ours || err != nil {
+		t.Errorf("Owns(a plain directory) = %v, %v; want false", ours, err)
+	}
+
+	// Stopped: even stat fails, as a runtime's would; GuardPath is gone, so
+	// no new publish can bind it.
+	if err := g.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(target); !errors.Is(err, unix.ENOTCONN) {
+		t.Errorf("stat of a target whose guard stopped: %v, want ENOTCONN", err)
+	}
+	// runc stats a bind's source in the container's new namespace (a copy
+	// of this one) before it binds it.
+	out, err := exec.Command("unshare", "-m", "--propagation", "private", "stat", target).CombinedOutput()
+	if err == nil {
+		t.Errorf("stat of a dead guard's target in a new mount namespace succeeded: %s", out)
+	}
+	if _, err := os.Lstat(guard.Path(state)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("GuardPath after Stop: %v, want it gone", err)
+	}
+	if len(rec) != 0 {
+		t.Errorf("still recorded after Stop: %v", rec)
+	}
+	if err := bindGuard(t, state, filepath.Join(dir, "kubelet")); err == nil {
+		t.Error("a publish could bind the guard while none runs")
+	}
+
+	// A new guard re-arms the target.
+	g2, err := guard.Start(state, rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g2.Stop() })
+	if _, err := g2.Owns(target); err == nil {
+		t.Error("Owns of a target bound to a dead guard: no error")
+	}
+	n, err := g2.Rearm(kubelet)
+	if err != nil || n != 1 {
+		t.Fatalf("Rearm = %d, %v; want 1", n, err)
+	}
+	if ours, err := g2.Owns(target); !ours || err != nil {
+		t.Errorf("Owns(target) after Rearm = %v, %v; want true", ours, err)
+	}
+	if n, err := g2.Rearm(kubelet); err != nil || n != 0 {
+		t.Errorf("second Rearm = %d, %v; want 0", n, err)
+	}
+}
+
+func devOf(fi os.FileInfo) uint64 {
+	return uint64(fi.Sys().(*syscall.Stat_t).Dev) //nolint:unconvert // Dev is uint32 on some architectures
+}
+
+// TestGuardHostile: the plugin owns the state dir and may plant anything
+// in it. A <state>/nri that is a symlink out of it gets no guard (nothing
+// is made or mounted where it leads); an old guard's entry that is a
+// symlink to a mount elsewhere is removed, never followed, and that mount
+// stays.
+func TestGuardHostile(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.NoLeaks(t)
+	dir := t.TempDir()
+	state, outside := filepath.Join(dir, "state"), filepath.Join(dir, "outside")
+	for _, d := range []string{state, outside} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(outside, filepath.Join(state, "nri")); err != nil {
+		t.Fatal(err)
+	}
+	if g, err := guard.Start(state, nil); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		if err == nil {
+			_ = g.Stop()
+		}
+		t.Errorf("Start with <state>/nri a symlink out of the state dir = %v, want PermissionDenied", err)
+	}
+	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
+		t.Errorf("Start made %v where the symlink leads", ents)
+	}
+	if err := os.Remove(filepath.Join(state, "nri")); err != nil {
+		t.Fatal(err)
+	}
+
+	// An earlier guard's name, planted as a symlink to a mount outside.
+	if err := unix.Mount("victim", outside, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mountns.Unmount(outside, true) })
+	if err := os.Mkdir(filepath.Join(state, "nri"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	planted := filepath.Join(state, "nri", "g-planted")
+	if err := os.Symlink(outside, planted); err != nil {
+		t.Fatal(err)
+	}
+	g, err := guard.Start(state, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g.Stop() })
+	if mounted, err := mountns.IsMountPoint(outside); err != nil || !mounted {
+		t.Errorf("the mount a planted guard entry led to: mounted %v, %v; want it to stay", mounted, err)
+	}
+	if _, err := os.Lstat(planted); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the planted entry: %v, want it removed", err)
+	}
+	if err := g.Stop(); err != nil {
+		t.Fatal(err)
+	}
+}

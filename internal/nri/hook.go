@@ -1,0 +1,530 @@
+// Package nri is the mounter's NRI plugin: it gives a pod's containers their
+// mountplan volumes inside their own mount namespaces, with nothing of the
+// volume mounted in the host's.
+//
+// kubelet publishes a volume in NRI mode at its target path; the plugin's
+// publish leaves a guard there instead of the volume (internal/nri/guard), or a
+// device node for block access. When the runtime creates a container whose
+// mounts bind such a target (or whose devices include such a device), the
+// hook asks the plugin for the volume's plan on behalf of that container
+// (NodePrepareVolume, the container being the consumer) and replaces the
+// container's bind of the target with the plan's mounts, which the runtime
+// then performs inside the container's namespace (docs/nri.md says why this
+// and not the mounter entering the namespace itself).
+//
+// The hook keeps no state: what it claimed for a container is written in an
+// annotation of that container, which the runtime hands back with every
+// later event and at Synchronize after a restart. An annotation is never
+// trusted alone (a pod's own annotations may reach its containers): a
+// claim is honoured only for a target below the container's own pod's
+// directory, or a block device the runtime gives the container, as the
+// runtime's view of the container says.
+package nri
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	nriapi "github.com/containerd/nri/pkg/api"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/nri/guard"
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Annotation is the container annotation where the hook records its claims.
+const Annotation = "mountplan.csi.io/volumes"
+
+// Claim is one container's use of one volume.
+type Claim struct {
+	// VolumeID is the plugin's answer; empty before the first prepare.
+	VolumeID string `json:"volumeID"`
+	// Target is kubelet's target path of the volume's publish (the source
+	// of the container's bind), for mount access.
+	Target string `json:"target,omitempty"`
+	// Major and Minor are the device's number, for block access.
+	Major uint32 `json:"major,omitempty"`
+	Minor uint32 `json:"minor,omitempty"`
+	// Destination is where the container has the volume, as it sees it: a
+	// mount point, or a device path.
+	Destination string `json:"destination"`
+	ReadOnly    bool   `json:"readOnly,omitempty"`
+	// AtStart: the mounter performs the plan at StartContainer, inside the
+	// container's namespace, over the guard the runtime bound there (see
+	// sharedReadOnly).
+	AtStart bool `json:"atStart,omitempty"`
+	// ContainerID and PID are not recorded: they come with each event.
+	ContainerID string `json:"-"`
+	PID         int    `json:"-"`
+}
+
+func (c Claim) block() bool { return c.Target == "" }
+
+// Volumes is what the hook needs from the plugin (its NodePrepare service).
+type Volumes interface {
+	// Prepare records c's container as a consumer of the volume published
+	// in NRI mode at c.Target (or of c's device) and returns the volume's
+	// ID and plan. Repeating it (with the container's PID once it runs)
+	// returns the same plan. NotFound: no such publish.
+	Prepare(ctx context.Context, c Claim) (volumeID string, mounts []plan.Mount, err error)
+	// Release forgets c. Idempotent.
+	Release(ctx context.Context, c Claim) error
+	// Sync releases the claims of containers other than ids.
+	Sync(ctx context.Context, ids []string) error
+}
+
+// Hook handles the runtime's container events.
+type Hook struct {
+	volumes    Volumes
+	mounter    mounter.Interface // performs the plans the runtime cannot
+	stateDir   string            // where the guard lives (the plugin's state dir)
+	kubeletDir string            // where targets bound to a dead guard are re-armed
+	// podsDirs is kubelet's pods directory, as given and with symlinks
+	// resolved (the runtime hands over resolved mount sources): only
+	// binds from below it can be targets.
+	podsDirs []string
+
+	// Timeout bounds the work of CreateContainer and StartContainer: it
+	// answers with an error (the container fails, kubelet retries) well
+	// before the runtime's own plugin timeout, after which the runtime
+	// would go on without the hook's adjustment, with the guard in place
+	// of the volume.
+	Timeout time.Duration
+
+	// Guards records the guard's mount point with the mounter, whose
+	// checks of bind sources then let NRI-mode publishes bind it. NewHook
+	// takes the mounter when it is one (mounter.Local, in the mounter's
+	// process).
+	Guards guard.Recorder
+
+	mu    sync.Mutex
+	guard *guard.Guard // while registered with the runtime
+}
+
+// DefaultTimeout leaves containerd's default plugin timeout (2s) room for
+// the answer to travel.
+const DefaultTimeout = 1500 * time.Millisecond
+
+// NewHook returns a hook; Run registers it with the runtime.
+func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) *Hook {
+	pods := filepath.Join(kubeletDir, "pods")
+	dirs := []string{pods}
+	if resolved, err := filepath.EvalSymlinks(pods); err == nil && resolved != pods {
+		dirs = append(dirs, resolved)
+	}
+	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, Timeout: DefaultTimeout}
+	h.Guards, _ = m.(guard.Recorder)
+	return h
+}
+
+// CreateContainer claims every NRI-mode volume among the container's
+// mounts and block devices, and answers with the mounts and devices that
+// replace them. Any failure fails the container's creation: it must never
+// run without its volume.
+func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) (_ *nriapi.ContainerAdjustment, _ []*nriapi.ContainerUpdate, err error) {
+	var claims []Claim
+	start := time.Now()
+	ctx, cancel := h.bounded(ctx)
+	defer cancel()
+	defer func() {
+		if err != nil {
+			err = fmt.Errorf("mountplan: container %s of pod %s/%s: %w", ctr.GetName(), pod.GetNamespace(), pod.GetName(), err)
+			if rerr := h.release(context.WithoutCancel(ctx), ctr.GetId(), claims); rerr != nil {
+				klog.FromContext(ctx).Error(rerr, "Releasing the claims of a container that failed")
+			}
+		}
+	}()
+	adj := &nriapi.ContainerAdjustment{}
+	for _, m := range ctr.GetMounts() {
+		if m.GetType() != "bind" && !hasOption(m, "bind") && !hasOption(m, "rbind") {
+			continue
+		}
+		ours, err := h.owns(pod, m.GetSource())
+		if err != nil {
+			return nil, nil, err
+		}
+		if !ours {
+			continue
+		}
+		c := Claim{Target: m.GetSource(), Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId()}
+		if err := h.claimMount(ctx, adj, &c); err != nil {
+			return nil, nil, err
+		}
+		claims = append(claims, c)
+	}
+	for _, d := range ctr.GetLinux().GetDevices() {
+		if d.GetType() != "b" || hostDevice(d) {
+			continue
+		}
+		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId(),
+			ReadOnly: !writable(ctr, d)}
+		ours, err := h.claimDevice(ctx, adj, &c, d)
+		if err != nil {
+			return nil, nil, err
+		}
+		if ours {
+			claims = append(claims, c)
+		}
+	}
+	if len(claims) == 0 {
+		return nil, nil, nil
+	}
+	rec, err := json.Marshal(claims)
+	if err != nil {
+		return nil, nil, err
+	}
+	adj.AddAnnotation(Annotation, string(rec))
+	klog.FromContext(ctx).V(2).Info("Container gets its volumes through the runtime", "container", ctr.GetId(),
+		"pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "volumes", len(claims), "took", time.Since(start))
+	return adj, nil, nil
+}
+
+// owns says whether a container bind's source is a target published in NRI
+// mode for the container's own pod: below its pod's directory, bound to
+// the live guard. A bind of another pod's target (a hostPath volume naming
+// it) is not claimed: the container gets what the runtime binds, the
+// guard, never the other pod's volume.
+func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (bool, error) {
+	// Only kubelet's directory is looked at: a container's other binds
+	// (hostPath volumes) may sit on file systems that hang a stat, and the
+	// runtime gives up on a plugin that takes more than 2 seconds.
+	if !h.ofPod(pod, source) {
+		return false, nil
+	}
+	h.mu.Lock()
+	g := h.guard
+	h.mu.Unlock()
+	if g == nil {
+		// Not registered (yet): whatever binds a guard must fail, and will,
+		// since no guard answers.
+		return false, nil
+	}
+	return g.Owns(source)
+}
+
+// claimMount prepares the volume at c.Target and replaces the container's
+// bind of it with the plan's mounts.
+func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim) error {
+	id, mounts, err := h.volumes.Prepare(ctx, *c)
+	if err != nil {
+		return fmt.Errorf("volume at %s: %w", c.Destination, err)
+	}
+	c.VolumeID = id
+	if sharedReadOnly(mounts) {
+		c.AtStart = true // the runtime binds the guard; StartContainer mounts over it
+		return nil
+	}
+	oci, err := ociMounts(c.Destination, mounts)
+	if err != nil {
+		return fmt.Errorf("volume %s at %s: %w", id, c.Destination, err)
+	}
+	for _, m := range oci {
+		adj.AddMount(m)
+	}
+	return nil
+}
+
+// claimDevice prepares the volume published in NRI mode with the
+// container's device d, if there is one. The container keeps the device
+// the runtime gives it (kubelet's device node of the volume, with the
+// access kubelet asked for): the plan's device must be that very device.
+// A volume read-only to the container (kubelet's device rule without "w",
+// or a plan that binds the device ro) gets a rule that denies writes.
+//
+// Unlike a mount, a block volume does not depend on the hook: the runtime
+// gives the container the device of kubelet's device node anyway. So when
+// the plugin cannot be asked (the plugin's own container being created,
+// with the host's devices) the device is left as it is and only its
+// consumer record is missing.
+func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, d *nriapi.LinuxDevice) (bool, error) {
+	id, mounts, err := h.volumes.Prepare(ctx, *c)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return false, nil // a device that is not one of our volumes
+	}
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Cannot tell whether a container's block device is a volume; leaving it as the runtime has it",
+			"container", c.ContainerID, "device", c.Destination, "major", c.Major, "minor", c.Minor)
+		return false, nil
+	}
+	c.VolumeID = id
+	dev, ro, err := deviceOf(mounts)
+	if err != nil {
+		return true, fmt.Errorf("block volume %s at %s: %w", id, c.Destination, err)
+	}
+	if dev.GetMajor() != d.GetMajor() || dev.GetMinor() != d.GetMinor() {
+		return true, fmt.Errorf("block volume %s at %s: the plan's device %d:%d is not the container's %d:%d: %w",
+			id, c.Destination, dev.GetMajor(), dev.GetMinor(), d.GetMajor(), d.GetMinor(), errdefs.ErrFailedPrecondition)
+	}
+	c.ReadOnly = c.ReadOnly || ro
+	if c.ReadOnly {
+		denyWrites(adj, dev)
+	}
+	return true, nil
+}
+
+// writable reports whether the runtime lets the container write device d:
+// the last of its device cgroup rules that names d (or all block devices)
+// and "w" allows it.
+func writable(ctr *nriapi.Container, d *nriapi.LinuxDevice) bool {
+	w := false
+	for _, r := range ctr.GetLinux().GetResources().GetDevices() {
+		if (r.GetType() != "b" && r.GetType() != "a") || !strings.Contains(r.GetAccess(), "w") {
+			continue
+		}
+		if (r.GetMajor() == nil || r.GetMajor().GetValue() == d.GetMajor()) && (r.GetMinor() == nil || r.GetMinor().GetValue() == d.GetMinor()) {
+			w = r.GetAllow()
+		}
+	}
+	return w
+}
+
+// denyWrites adds a device cgroup rule that takes "w" away from dev: it
+// comes after the runtime's own rules, so it wins.
+func denyWrites(adj *nriapi.ContainerAdjustment, dev *nriapi.LinuxDevice) {
+	if adj.Linux == nil {
+		adj.Linux = &nriapi.LinuxContainerAdjustment{}
+	}
+	if adj.Linux.Resources == nil {
+		adj.Linux.Resources = &nriapi.LinuxResources{}
+	}
+	adj.Linux.Resources.Devices = append(adj.Linux.Resources.Devices, &nriapi.LinuxDeviceCgroup{
+		Allow: false, Type: "b", Major: nriapi.Int64(dev.GetMajor()), Minor: nriapi.Int64(dev.GetMinor()), Access: "w"})
+}
+
+// hostDevice reports whether a container's device is a device of the
+// host at the same path (a privileged container has them all): not a
+// block volume, which kubelet places at the path the pod asks for. Telling
+// them apart here spares the plugin a question per host device.
+func hostDevice(d *nriapi.LinuxDevice) bool {
+	var st unix.Stat_t
+	return unix.Stat(d.GetPath(), &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK &&
+		unix.Major(uint64(st.Rdev)) == uint32(d.GetMajor()) && unix.Minor(uint64(st.Rdev)) == uint32(d.GetMinor()) //nolint:unconvert // Rdev is uint32 on some architectures
+}
+
+// deviceOf returns the device a block plan (a bind of a device node)
+// names, and whether it binds it read-only.
+func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, bool, error) {
+	for _, m := range mounts {
+		if !m.IsDeviceBind() {
+			continue
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(m.Source, &st); err != nil {
+			return nil, false, &os.PathError{Op: "stat", Path: m.Source, Err: err}
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+			return nil, false, fmt.Errorf("%s is not a block device", m.Source)
+		}
+		dev := &nriapi.LinuxDevice{Type: "b", Major: int64(unix.Major(uint64(st.Rdev))), Minor: int64(unix.Minor(uint64(st.Rdev)))} //nolint:unconvert // Rdev is uint32 on some architectures
+		return dev, m.HasOption("ro"), nil
+	}
+	return nil, false, errors.New("the plan binds no device")
+}
+
+// StartContainer comes once the container's process exists and before it
+// runs: the plugin records the container's namespace with its claims, so
+// that it can tell when the container is gone, and the mounter performs
+// the plans the runtime could not (AtStart). The other volumes are already
+// in place: a failure to record only delays that record until the next
+// Synchronize, and does not stop the container.
+func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	start := time.Now()
+	ctx, cancel := h.bounded(ctx)
+	defer cancel()
+	claims := h.claimsOf(ctx, pod, ctr)
+	defer func() {
+		if len(claims) > 0 {
+			klog.FromContext(ctx).V(4).Info("Container starts", "container", ctr.GetId(), "pid", ctr.GetPid(), "took", time.Since(start))
+		}
+	}()
+	for _, c := range claims {
+		c.PID = int(ctr.GetPid())
+		_, mounts, err := h.volumes.Prepare(ctx, c)
+		if !c.AtStart {
+			if err != nil {
+				klog.FromContext(ctx).Error(err, "Recording a started container's namespace", "container", ctr.GetId(), "volume", c.VolumeID)
+			}
+			continue
+		}
+		if err == nil {
+			err = h.mounter.Mount(ctx, mounts, plan.Consumer{PID: c.PID, MountPoint: c.Destination})
+		}
+		if err != nil {
+			return fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
+		}
+	}
+	return nil
+}
+
+// StopContainer releases the container's claims: its namespace, and the
+// volume's mounts in it, are gone or about to be.
+func (h *Hook) StopContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
+	return nil, h.release(ctx, ctr.GetId(), recordedClaims(ctr))
+}
+
+// RemoveContainer releases what StopContainer did not: a container created
+// and removed without running, a creation the runtime undid.
+func (h *Hook) RemoveContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
+	return h.release(ctx, ctr.GetId(), recordedClaims(ctr))
+}
+
+func (h *Hook) release(ctx context.Context, containerID string, claims []Claim) error {
+	var errs []error
+	for _, c := range claims {
+		if c.VolumeID == "" {
+			continue
+		}
+		c.ContainerID = containerID
+		if err := h.volumes.Release(ctx, c); err != nil {
+			errs = append(errs, fmt.Errorf("releasing volume %s of container %s: %w", c.VolumeID, containerID, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// claimsOf reads the hook's annotation of a container and keeps only
+// what the runtime's view of the container backs: targets below its own
+// pod's directory, block devices the runtime gives it. What the
+// annotation says beyond that (another pod's volume: a forged annotation
+// reaches a container where the runtime passes pod annotations through)
+// is dropped, and logged.
+func (h *Hook) claimsOf(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi.Container) []Claim {
+	claims := recordedClaims(ctr)
+	kept := claims[:0]
+	for _, c := range claims {
+		if c.block() && hasDevice(ctr, c) || !c.block() && h.ofPod(pod, c.Target) {
+			kept = append(kept, c)
+			continue
+		}
+		klog.FromContext(ctx).Info("Ignoring a claim of the container's annotation that its pod does not back",
+			"container", ctr.GetId(), "pod", klog.KRef(pod.GetNamespace(), pod.GetName()), "target", c.Target, "major", c.Major, "minor", c.Minor)
+	}
+	return kept
+}
+
+// recordedClaims reads the hook's annotation of a container, as it is: a
+// release (of that container's own claims, by its ID) needs no more.
+func recordedClaims(ctr *nriapi.Container) []Claim {
+	rec, ok := ctr.GetAnnotations()[Annotation]
+	if !ok {
+		return nil
+	}
+	var claims []Claim
+	if err := json.Unmarshal([]byte(rec), &claims); err != nil {
+		return nil
+	}
+	for i := range claims {
+		claims[i].ContainerID = ctr.GetId()
+	}
+	return claims
+}
+
+// ofPod reports whether p lies below pod's own directory in kubelet's
+// pods directory (the runtime gives the pod's UID).
+func (h *Hook) ofPod(pod *nriapi.PodSandbox, p string) bool {
+	uid := pod.GetUid()
+	if uid == "" || strings.ContainsAny(uid, "/\x00") || uid == "." || uid == ".." {
+		return false
+	}
+	return slices.ContainsFunc(h.podsDirs, func(d string) bool { return plan.Within(filepath.Join(d, uid), p) })
+}
+
+// hasDevice reports whether the runtime gives the container c's device at
+// c's destination.
+func hasDevice(ctr *nriapi.Container, c Claim) bool {
+	return slices.ContainsFunc(ctr.GetLinux().GetDevices(), func(d *nriapi.LinuxDevice) bool {
+		return d.GetType() == "b" && d.GetPath() == c.Destination && d.GetMajor() == int64(c.Major) && d.GetMinor() == int64(c.Minor)
+	})
+}
+
+// bounded gives a container event's work its deadline (Timeout).
+func (h *Hook) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	if h.Timeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, h.Timeout)
+}
+
+// Synchronize runs when the hook (re)registers: the guard starts (targets
+// left bound to a dead one are re-armed), the plugin re-learns the claims
+// of every container the runtime has (with its namespace when it runs)
+// and forgets those of containers that are gone. Until it returns, the
+// runtime creates no container.
+func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
+	if err := h.startGuard(ctx); err != nil {
+		return nil, err
+	}
+	podOf := map[string]*nriapi.PodSandbox{}
+	for _, p := range pods {
+		podOf[p.GetId()] = p
+	}
+	ids := make([]string, 0, len(ctrs))
+	var errs []error
+	for _, ctr := range ctrs {
+		ids = append(ids, ctr.GetId())
+		for _, c := range h.claimsOf(ctx, podOf[ctr.GetPodSandboxId()], ctr) {
+			if ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
+				c.PID = int(ctr.GetPid())
+			}
+			if _, _, err := h.volumes.Prepare(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+				errs = append(errs, fmt.Errorf("container %s, volume %s: %w", ctr.GetId(), c.VolumeID, err))
+			}
+		}
+	}
+	if err := h.volumes.Sync(ctx, ids); err != nil {
+		errs = append(errs, err)
+	}
+	if err := errors.Join(errs...); err != nil {
+		// Not fatal: the claims that were restored are; the rest are
+		// retried at the next registration.
+		klog.FromContext(ctx).Error(err, "Synchronizing container claims")
+	}
+	klog.FromContext(ctx).Info("Synchronized with the runtime", "pods", len(pods), "containers", len(ctrs))
+	return nil, nil
+}
+
+// startGuard starts the guard (once per registration) and re-arms the
+// targets a dead guard left.
+func (h *Hook) startGuard(ctx context.Context) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.guard == nil {
+		g, err := guard.Start(h.stateDir, h.Guards)
+		if err != nil {
+			return fmt.Errorf("starting the guard: %w", err)
+		}
+		h.guard = g
+	}
+	n, err := h.guard.Rearm(h.kubeletDir)
+	if n > 0 {
+		klog.FromContext(ctx).Info("Re-armed targets left bound to a dead guard", "targets", n)
+	}
+	return err
+}
+
+// stopGuard stops the guard: from now on no container can bind a target
+// published in NRI mode, until the hook registers again.
+func (h *Hook) stopGuard(ctx context.Context) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.guard == nil {
+		return
+	}
+	if err := h.guard.Stop(); err != nil {
+		klog.FromContext(ctx).Error(err, "Stopping the guard")
+	}
+	h.guard = nil
+}
+
+func hasOption(m *nriapi.Mount, opt string) bool { return slices.Contains(m.GetOptions(), opt) }
