@@ -3,19 +3,24 @@
 # kernel work it asks for (direct syscalls) and against util-linux tools, on
 # a 64 MiB ext4 loop volume, with the plugin beside its mounter
 # (mountplan-sidecar serve, --mounter-endpoint) as deployed; -alone runs the
-# plugin alone (its mounter in process). Prints markdown tables and a leak
-# check. Then container start latency with and without the NRI hook
-# (BenchmarkContainerStart in test/nri, median of 20), and the time of a
-# snapshot by reflink and by sparse copy (BenchmarkSnapshot in internal/driver).
+# plugin alone (its mounter in process). A lean CSI node server
+# (hack/bench/leancsi: the same RPCs over grpc-go, syscalls only, state in
+# memory) takes turns with the plugin's publish and prepare cycles: the floor
+# plus the transport, the plugin's goal being 1.2× of it (issue 23); -lean ''
+# leaves it out. Then (measurement 9) container start latency with and
+# without the NRI hook and the hook's time per container (BenchmarkContainerStart
+# in test/nri, median of 20, run and read by the bench). Prints markdown tables
+# and a leak check. Then the time of a snapshot by reflink and by sparse copy
+# (BenchmarkSnapshot in internal/driver).
 #
 #   make bench                      # builds bin/ first
-#   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5] [-strace FILE] [-v]
+#   hack/bench.sh [-n 50] [-warmup 5] [-state-dir /var/tmp] [-phases 1,2,3,4,5,9] [-strace FILE] [-v]
 #   hack/bench.sh -phases 8 [-scale 10,100,1000,10000]   # scale: about 4 minutes
 #   hack/bench.sh -phases 1,2,4,5 -compare /tmp/mp-before-plugin   # against another plugin binary, alone
 #   hack/bench.sh -alone            # the plugin alone, as before the split
 #
 # With -phases only the chosen measurements of hack/bench run: the
-# container start and snapshot benchmarks below run with the default phases.
+# snapshot benchmark below runs with the default phases.
 #
 # Needs root. Everything is made in a fresh temp dir under -state-dir and
 # removed at the end, also on error and on Ctrl-C.
@@ -43,14 +48,14 @@ if [[ ! -x $sidecar ]]; then
 	go build -trimpath -o bin/ ./cmd/mountplan-sidecar
 fi
 
-go run ./hack/bench -plugin "$plugin" -sidecar "$sidecar" "$@"
+# The lean server is the bench's own: built each time, as the bench is.
+lean=${LEAN:-bin/mpbench-leancsi}
+go build -trimpath -o "$lean" ./hack/bench/leancsi
+
+go run ./hack/bench -plugin "$plugin" -sidecar "$sidecar" -lean "$lean" "$@"
 for arg in "$@"; do
 	[[ $arg == -phases || $arg == -phases=* || $arg == --phases || $arg == --phases=* ]] && exit 0
 done
-
-# Container start latency with and without the NRI hook (test/nri): a private
-# containerd 2 with CRI and NRI (hack/tools/build.sh builds it), crictl, runc.
-go test -count=1 -run '^$' -bench ContainerStart -benchtime 1x ./test/nri
 
 # Snapshot time of a published 1 GiB ext4 volume holding 100 MiB: state dir
 # on xfs (reflink) and on ext4 (sparse copy), each on a loop device of its own.

@@ -39,6 +39,7 @@ type bench struct {
 	*instance
 	alone  *instance // -hop: the current build alone (mounter in process)
 	before *instance // -compare: the other plugin binary, alone
+	lean   *instance // -lean: the lean CSI node server
 
 	consumer *child
 	freshID  string // the volume of measurement 6 that exists now, if any
@@ -52,7 +53,7 @@ type bench struct {
 // instances are the main instance and the others, in that order.
 func (b *bench) instances() []*instance {
 	out := []*instance{b.instance}
-	for _, in := range []*instance{b.alone, b.before} {
+	for _, in := range []*instance{b.alone, b.before, b.lean} {
 		if in != nil {
 			out = append(out, in)
 		}
@@ -116,8 +117,17 @@ func newBench(o options) (*bench, error) {
 			return b, err
 		}
 	}
+	if o.lean != "" {
+		if b.lean, err = newInstance(dir, "lean", leanLabel, o.lean, false); err != nil {
+			return b, err
+		}
+		b.lean.lean = true
+	}
 	return b, nil
 }
+
+// leanLabel names the lean CSI node server in the reports.
+const leanLabel = "lean CSI server (grpc-go, syscalls only)"
 
 func shapeWord(split bool) string {
 	if split {
@@ -139,6 +149,8 @@ const (
 	nAlonePublish  = 10 // the current build alone (-hop)
 	nBeforePublish = 11 // the -compare binary alone
 	nAlonePrepare  = 12 // the current build alone (-hop)
+	nLeanPublish   = 13 // the lean CSI node server (-lean)
+	nLeanPrepare   = 14 // the lean CSI node server (-lean), the plan performed in process
 )
 
 // measure sets up and runs the selected measurements. The results gathered
@@ -197,6 +209,11 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 	}
 	if b.before != nil {
 		g1 = append(g1, phase{nBeforePublish, 1, "publish cycle via socket, " + b.before.label, b.before, publish(b.before)})
+	}
+	if b.lean != nil {
+		g1 = append(g1, phase{nLeanPublish, 1, "publish cycle via socket, " + b.lean.label, b.lean, publish(b.lean)})
+		g4 = append(g4, phase{nLeanPrepare, 4, "prepare cycle via socket, " + b.lean.label + ", the plan performed in process", b.lean,
+			func(ctx context.Context, s *sample) error { return b.leanPrepareCycle(ctx, b.lean, s) }})
 	}
 	g1 = append(g1, phase{2, 2, "floor, direct syscalls: attach + mount + umount + detach", nil, b.floorCycle})
 	g4 = append(g4, phase{5, 5, "prepare floor: attach + fsopen/fsmount + setns + move_mount + umount in ns + detach", nil, b.prepareFloorCycle})
@@ -300,6 +317,11 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 			return res, fmt.Errorf("measurement 8: %w", err)
 		}
 	}
+	if b.o.phases[9] {
+		if res.nri, err = b.measureNRIHook(ctx); err != nil {
+			return res, fmt.Errorf("measurement 9: %w", err)
+		}
+	}
 	res.journalWrite = b.measureJournalWrite(ctx)
 	res.noopRPC = b.measureNoopRPC(ctx)
 	res.mounterRPC = b.measureMounterRPC(ctx)
@@ -307,8 +329,16 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 }
 
 // startInstance starts in's mounter (split) and plugin, creates its volume
-// and starts counting its record writes.
+// and starts counting its record writes; for the lean server, starts it and
+// gives it its image.
 func (b *bench) startInstance(ctx context.Context, in *instance) error {
+	if in.lean {
+		b.logf("starting the lean server in %s", in.root)
+		if err := b.startLean(ctx, in); err != nil {
+			return err
+		}
+		return b.leanVolume(ctx, in)
+	}
 	if in.split {
 		b.logf("starting mounter (%s) in %s", in.label, in.root)
 		if err := b.startMounter(ctx, in); err != nil {
@@ -373,9 +403,35 @@ func (b *bench) createVolume(ctx context.Context, in *instance) error {
 	return sparseCopy(in.image, b.floorImg)
 }
 
+// leanVolume gives the lean server its volume: a sparse copy of the main
+// instance's formatted image (as the floors have), which every stage names
+// in its volume context, and its target_path; one stage and unstage before
+// anything is timed. The main instance has started before.
+func (b *bench) leanVolume(ctx context.Context, in *instance) error {
+	if b.instance.image == "" {
+		return fmt.Errorf("%s: the main instance has no formatted image to copy", in.label)
+	}
+	in.node, in.prep = csi.NewNodeClient(in.conn), api.NewNodePrepareClient(in.conn)
+	in.volumeID = "mpbench-lean-vol"
+	in.image = filepath.Join(in.root, "lean.img")
+	in.volumeContext = map[string]string{"image": in.image} // leancsi's imageKey
+	if err := sparseCopy(b.instance.image, in.image); err != nil {
+		return err
+	}
+	// A plugin makes target_path and removes it at unpublish; the lean
+	// server mounts on what is there.
+	if err := os.Mkdir(in.target, 0o750); err != nil {
+		return err
+	}
+	if err := in.stage(ctx); err != nil {
+		return fmt.Errorf("%s: %w", in.label, err)
+	}
+	return in.unstage(ctx)
+}
+
 func (in *instance) stage(ctx context.Context) error {
 	_, err := in.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
-		VolumeId: in.volumeID, StagingTargetPath: in.staging, VolumeCapability: mountCap()})
+		VolumeId: in.volumeID, StagingTargetPath: in.staging, VolumeCapability: mountCap(), VolumeContext: in.volumeContext})
 	if err != nil {
 		return fmt.Errorf("NodeStageVolume: %w", err)
 	}

@@ -280,7 +280,7 @@ func (b *bench) prepareCycle(ctx context.Context, in *instance, s *sample) (err 
 		return err
 	}
 	var m mounter.Interface = in.mnt
-	mountStep, unmountStep, calls := "Mount via the mounter's socket (in consumer ns)", "Unmount via the mounter's socket (in consumer ns)", 1
+	mountStep, unmountStep, calls := mountViaSocket, unmountViaSocket, 1
 	if !in.split {
 		var local *mounter.Local
 		if err := st.aside(observeStep, func() (err error) {
@@ -295,7 +295,7 @@ func (b *bench) prepareCycle(ctx context.Context, in *instance, s *sample) (err 
 			}
 		}()
 		m = local
-		mountStep, unmountStep, calls = "Local.Mount (in consumer ns)", "Local.Unmount (in consumer ns)", 0
+		mountStep, unmountStep, calls = mountLocal, unmountLocal, 0
 	}
 	if err := st.viaMounter(mountStep, calls, func() error { return m.Mount(ctx, mounts, cons) }); err != nil {
 		return err
@@ -325,6 +325,153 @@ func (b *bench) prepareCycle(ctx context.Context, in *instance, s *sample) (err 
 // of the plugin alone.
 const observeStep = "mounter.NewNode observing the plugin's records (mountplan-sidecar mount's start; not in the total)"
 
+// The steps of a prepare cycle that perform the plan in the consumer's
+// namespace and undo it: through the mounter's socket (split), through a
+// mounter.Local in the bench (a plugin alone), and the lean server's
+// equivalent, in the bench as the prepare floor does it.
+const (
+	mountViaSocket   = "Mount via the mounter's socket (in consumer ns)"
+	unmountViaSocket = "Unmount via the mounter's socket (in consumer ns)"
+	mountLocal       = "Local.Mount (in consumer ns)"
+	unmountLocal     = "Local.Unmount (in consumer ns)"
+	leanMount        = "the plan performed here: mountns.Build + OpenPID + Do{setns + move_mount} (in consumer ns)"
+	leanUnmount      = "Do{setns + umount2} (in consumer ns)"
+)
+
+// leanStep names the step of the lean server's cycle that does what step
+// does in a plugin's: an RPC by its name, the plan's performance by its
+// in-process equivalent.
+func leanStep(step string) string {
+	switch step {
+	case mountViaSocket, mountLocal:
+		return leanMount
+	case unmountViaSocket, unmountLocal:
+		return leanUnmount
+	}
+	return step
+}
+
+// leanPrepareCycle is the prepare cycle of the lean server: its stage, its
+// prepare (the plan of its device, from memory), the plan performed in the
+// consumer's namespace by the bench as the prepare floor does it (what a
+// plugin's mounter does, without the hop to it), the unmount there, its
+// unprepare (nothing) and its unstage.
+func (b *bench) leanPrepareCycle(ctx context.Context, in *instance, s *sample) (err error) {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	st := b.steps(in, s)
+	m := &nsMount{point: in.consMount}
+	defer func() { err = errors.Join(err, m.close()) }()
+	cons := &api.Consumer{Pid: int64(b.consumer.pid()), MountPoint: in.consMount}
+	var mounts []plan.Mount
+	if err := st.do("NodeStageVolume", func() error { return in.stage(ctx) }); err != nil {
+		return err
+	}
+	err = st.do("NodePrepareVolume", func() error {
+		r, err := in.prep.NodePrepareVolume(ctx, &api.NodePrepareVolumeRequest{
+			VolumeId: in.volumeID, StagingTargetPath: in.staging, VolumeCapability: mountCap(), Consumer: cons})
+		if err != nil {
+			return err
+		}
+		if mounts = plan.FromProto(r.GetMounts()); len(mounts) != 1 {
+			return fmt.Errorf("the lean server's plan has %d mounts, want 1", len(mounts))
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if err := st.do(leanMount, func() error {
+		if err := m.build(mounts[0]); err != nil {
+			return err
+		}
+		return m.attach(b.consumer.pid())
+	}); err != nil {
+		return err
+	}
+	if err := st.do(leanUnmount, func() error { return errors.Join(m.unmount(), m.close()) }); err != nil {
+		return err
+	}
+	err = st.do("NodeUnprepareVolume", func() error {
+		_, err := in.prep.NodeUnprepareVolume(ctx, &api.NodeUnprepareVolumeRequest{VolumeId: in.volumeID, Consumer: cons})
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if err := st.do("NodeUnstageVolume", func() error { return in.unstage(ctx) }); err != nil {
+		return err
+	}
+	st.done()
+	return nil
+}
+
+// nsMount is a mount built in the bench's namespace and attached at a
+// consumer's mount point in the consumer's, as a mounter performs a plan:
+// fsopen/fsconfig/fsmount here (mountns.Build), then setns on a thread
+// locked for it (mountns.Namespace.Do) and move_mount there
+// (mountns.Attach). The prepare floor and the lean server's prepare cycle
+// share it.
+type nsMount struct {
+	point   string // the mount point, as the consumer sees it
+	built   *os.File
+	ns      *mountns.Namespace
+	mounted bool
+}
+
+func (m *nsMount) build(p plan.Mount) (err error) {
+	m.built, err = mountns.Build(p)
+	return err
+}
+
+// attach enters pid's namespace and moves the built mount to the mount
+// point.
+func (m *nsMount) attach(pid int) (err error) {
+	if m.ns, err = mountns.OpenPID(pid, plan.Namespace{}); err != nil {
+		return err
+	}
+	return m.ns.Do(func() error {
+		if err := mountns.Attach(m.built, m.point); err != nil {
+			return err
+		}
+		m.mounted = true
+		// The fd pins the mount's root: close it before the umount.
+		m.built.Close()
+		m.built = nil
+		return nil
+	})
+}
+
+// unmount enters the namespace again and unmounts the mount point.
+func (m *nsMount) unmount() error {
+	return m.ns.Do(func() error {
+		if err := unix.Unmount(m.point, unix.UMOUNT_NOFOLLOW); err != nil {
+			return err
+		}
+		m.mounted = false
+		return nil
+	})
+}
+
+// close undoes what is left: the built mount's fd, the mount, the
+// namespace's fd.
+func (m *nsMount) close() error {
+	var err error
+	if m.built != nil {
+		m.built.Close()
+		m.built = nil
+	}
+	if m.mounted && m.ns != nil {
+		err = m.unmount()
+	}
+	if m.ns != nil {
+		err = errors.Join(err, m.ns.Close())
+		m.ns = nil
+	}
+	return err
+}
+
 // prepareFloorCycle does the kernel work of the prepare cycle in process:
 // the mount is built in our namespace and attached in the consumer's, then
 // unmounted there. Mount and unmount each enter the namespace, as they do
@@ -334,22 +481,10 @@ func (b *bench) prepareFloorCycle(ctx context.Context, s *sample) (err error) {
 		return err
 	}
 	st := b.steps(nil, s)
-	var (
-		dev     *loopdev.Device
-		built   *os.File
-		ns      *mountns.Namespace
-		mounted bool
-	)
+	var dev *loopdev.Device
+	m := &nsMount{point: b.consMount}
 	defer func() {
-		if built != nil {
-			built.Close()
-		}
-		if mounted && ns != nil {
-			err = errors.Join(err, ns.Do(func() error { return unix.Unmount(b.consMount, unix.UMOUNT_NOFOLLOW) }))
-		}
-		if ns != nil {
-			ns.Close()
-		}
+		err = errors.Join(err, m.close())
 		if dev != nil {
 			err = errors.Join(err, dev.Detach())
 		}
@@ -360,46 +495,21 @@ func (b *bench) prepareFloorCycle(ctx context.Context, s *sample) (err error) {
 	}); err != nil {
 		return err
 	}
-	if err := st.do("fsopen + fsconfig + fsmount (mountns.Build)", func() (err error) {
-		built, err = mountns.Build(plan.Mount{Type: "ext4", Source: dev.Path, Options: []string{"nosuid", "nodev"}})
-		return err
+	if err := st.do("fsopen + fsconfig + fsmount (mountns.Build)", func() error {
+		return m.build(plan.Mount{Type: "ext4", Source: dev.Path, Options: []string{"nosuid", "nodev"}})
 	}); err != nil {
 		return err
 	}
-	if err := st.do("OpenPID + Do{setns + move_mount} (mountns.Attach)", func() (err error) {
-		if ns, err = mountns.OpenPID(b.consumer.pid(), plan.Namespace{}); err != nil {
-			return err
-		}
-		return ns.Do(func() error {
-			if err := mountns.Attach(built, b.consMount); err != nil {
-				return err
-			}
-			mounted = true
-			// The fd pins the mount's root: close it before the umount.
-			built.Close()
-			built = nil
-			return nil
-		})
-	}); err != nil {
+	if err := st.do("OpenPID + Do{setns + move_mount} (mountns.Attach)", func() error { return m.attach(b.consumer.pid()) }); err != nil {
 		return err
 	}
-	if err := st.do("Do{setns + umount2}", func() error {
-		return ns.Do(func() error {
-			if err := unix.Unmount(b.consMount, unix.UMOUNT_NOFOLLOW); err != nil {
-				return err
-			}
-			mounted = false
-			return nil
-		})
-	}); err != nil {
+	if err := st.do("Do{setns + umount2}", m.unmount); err != nil {
 		return err
 	}
 	if err := st.do("detach: LOOP_CLR_FD + close (Device.Detach)", func() error {
-		n := ns
-		ns = nil
 		d := dev
 		dev = nil
-		return errors.Join(n.Close(), d.Detach())
+		return errors.Join(m.close(), d.Detach())
 	}); err != nil {
 		return err
 	}

@@ -28,12 +28,16 @@ import (
 //
 // The bench's main instance is the current build, split unless -alone; the
 // others take turns with it in measurements 1 and 4: the current build
-// alone (-hop), and a second plugin binary alone (-compare).
+// alone (-hop), a second plugin binary alone (-compare) and the lean CSI
+// node server (-lean, hack/bench/leancsi), which has no controller, no
+// state dir and no mounter: its volume is an image the bench copies, named
+// in the volume context of each stage.
 type instance struct {
 	name   string // directory below the bench's dir; "" for the main instance
 	label  string // for the reports: "now, split", "before (1c3132f), alone", ...
 	binary string
 	split  bool // a mountplan-sidecar serve beside the plugin
+	lean   bool // the lean server, not a plugin
 	root   string
 
 	stateDir  string // the plugin's --state-dir, the mounter's too
@@ -70,6 +74,9 @@ type instance struct {
 	image    string
 	journal  *writeCounter // the plugin's volume records
 	records  *writeCounter // the mounter's records (loops, mounts)
+	// volumeContext goes with every stage: the lean server's names its
+	// image; a plugin's is nil (its volume records hold the image).
+	volumeContext map[string]string
 
 	// What a cycle left half done, for the teardown.
 	published, prepared, staged bool

@@ -10,7 +10,12 @@
 //     with -hop (the default when split) the same binary alone and with
 //     -compare a second plugin binary alone (e.g. the commit before the
 //     split) take turns with it, each with a state dir and volume of its
-//     own, and the summary compares them;
+//     own, and the summary compares them; with -lean a lean CSI node server
+//     (hack/bench/leancsi: the same four RPCs over grpc-go on a unix socket,
+//     each doing only its system calls, state in memory) takes turns too,
+//     with an image and socket of its own: the floor plus the transport
+//     kubelet imposes, against which the plugin's own cost is held to 1.2×
+//     (issue 23);
 //
 //  2. its floor, in process: loopdev.Attach (a loop number it detached
 //     before, else LOOP_CTL_GET_FREE; LOOP_CONFIGURE), mount(2)
@@ -25,7 +30,9 @@
 //     sidecar's mount command or the NRI hook; alone: a mounter.Local
 //     observing the plugin's records, as `mountplan-sidecar mount`), its
 //     Unmount, NodeUnprepareVolume, NodeUnstageVolume; with -hop the same
-//     binary alone takes turns with it;
+//     binary alone takes turns with it; with -lean the lean server's
+//     stage, prepare (the plan of its device, from memory), unprepare and
+//     unstage, the plan performed in process as measurement 5 does it;
 //
 //  5. its floor: attach, fsopen/fsmount (mountns.Build), setns into the
 //     consumer (mountns.OpenPID + Do), move_mount (mountns.Attach), umount
@@ -44,7 +51,13 @@
 //     floor cycle timed at each level; at the top level a restart of the
 //     plugin (ready time, RSS; the mounter's RSS beside it) and their idle
 //     CPU time; then the teardown by -scale-clients concurrent clients,
-//     the first and the last 1,000 volumes timed (scale.go).
+//     the first and the last 1,000 volumes timed (scale.go);
+//
+//  9. the NRI hook's cost per container: BenchmarkContainerStart (test/nri)
+//     run and read (nrihook.go): container start latency through a private
+//     containerd with and without the hook, and the hook's CreateContainer
+//     and StartContainer from the sidecar's log, against a handler that
+//     makes one call to the lean server's NodePrepareVolume at each.
 //
 // A socket cycle and its floor (1 and 2, 4 and 5) run in turn, cycle by
 // cycle, so that load drifts hit both alike.
@@ -97,6 +110,7 @@ type options struct {
 	alone     bool   // the plugin alone, its mounter in process (no sidecar)
 	hop       bool   // split: the current build alone takes turns too
 	compare   string // a second plugin binary, alone, taking turns
+	lean      string // the lean CSI node server (hack/bench/leancsi), taking turns; "" for none
 	// compareLabel names it in the reports (default: its VCS revision,
 	// else its file name).
 	compareLabel string
@@ -128,7 +142,8 @@ func main() {
 	flag.BoolVar(&o.hop, "hop", true, "unless -alone: the same plugin binary also runs alone (mounter in process, a state dir and volume of its own) and its publish and prepare cycles take turns with measurements 1 and 4, so that the cost of the hop to the mounter shows")
 	flag.StringVar(&o.compareLabel, "compare-label", "", "what -compare's binary is called in the reports, e.g. its commit (default: the VCS revision stamped in it, else its file name)")
 	flag.StringVar(&o.compare, "compare", "", "a second plugin `binary` (e.g. built from the commit before the split), run alone with a state dir and volume of its own: its publish cycle takes turns with measurement 1's and the floor's, and the summary compares the two (the issue's goal: not slower by more than 10%)")
-	flag.StringVar(&phases, "phases", "1,2,3,4,5,6,7", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor, 6 fresh volumes: create, first and later stage, delete, 7 data path: O_DIRECT 1 MiB I/O on the backing file and through loop devices, 8 scale: every per-volume operation at -scale staged and published volumes, restart, idle CPU, teardown; not in the default)")
+	flag.StringVar(&o.lean, "lean", "bin/mpbench-leancsi", "the lean CSI node server `binary` (hack/bench/leancsi; hack/bench.sh builds it), which takes turns in measurements 1 and 4 with an image and socket of its own; empty: none")
+	flag.StringVar(&phases, "phases", "1,2,3,4,5,6,7,9", "which measurements to run (1 publish cycle, 2 floor, 3 util-linux, 4 prepare cycle, 5 prepare floor, 6 fresh volumes: create, first and later stage, delete, 7 data path: O_DIRECT 1 MiB I/O on the backing file and through loop devices, 8 scale: every per-volume operation at -scale staged and published volumes, restart, idle CPU, teardown; not in the default, 9 NRI hook: BenchmarkContainerStart of test/nri run and read, the hook's time per container against its lean equivalent, about 30 s; it needs a private containerd 2 with CRI and NRI, which hack/tools/build.sh builds, crictl and runc)")
 	flag.StringVar(&levels, "scale", "10,100,1000,10000", "measurement 8: the numbers of staged and published volumes at which operations are timed, increasing")
 	flag.IntVar(&o.scaleOps, "scale-ops", 45, "measurement 8: extra volumes taken through every operation at each level (with 15, p50s of sub-millisecond operations moved by 0.7-1.5× from run to run)")
 	flag.IntVar(&o.scaleClients, "scale-clients", 8, "measurement 8: concurrent clients filling the node and tearing it down")
@@ -157,7 +172,7 @@ func main() {
 	if os.Geteuid() != 0 {
 		fail(errors.New("needs root: loop devices, mounts and mount namespaces"))
 	}
-	for _, p := range []*string{&o.plugin, &o.sidecar, &o.compare} {
+	for _, p := range []*string{&o.plugin, &o.sidecar, &o.compare, &o.lean} {
 		if *p == "" {
 			continue
 		}
@@ -172,9 +187,12 @@ func main() {
 	if o.compare != "" {
 		bins = append(bins, o.compare)
 	}
+	if o.lean != "" && (o.phases[1] || o.phases[4]) {
+		bins = append(bins, o.lean)
+	}
 	for _, p := range bins {
 		if st, err := os.Stat(p); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
-			fail(fmt.Errorf("%s: no executable there (make build)", p))
+			fail(fmt.Errorf("%s: no executable there (make build; hack/bench.sh builds the lean server)", p))
 		}
 	}
 	if o.mounts > 0 && os.Getenv(inNamespaceEnv) == "" {
@@ -223,8 +241,8 @@ func parsePhases(s string) (map[int]bool, error) {
 	m := map[int]bool{}
 	for _, f := range strings.Split(s, ",") {
 		var p int
-		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 8 {
-			return nil, fmt.Errorf("-phases: %q is not one of 1..8", f)
+		if _, err := fmt.Sscanf(strings.TrimSpace(f), "%d", &p); err != nil || p < 1 || p > 9 {
+			return nil, fmt.Errorf("-phases: %q is not one of 1..9", f)
 		}
 		m[p] = true
 	}

@@ -107,6 +107,29 @@ func (b *bench) startPlugin(ctx context.Context, in *instance) error {
 		return err
 	}
 	b.logf("plugin pid %d, log %s", in.plugin.pid(), in.pluginLog)
+	return waitServing(ctx, in, start)
+}
+
+// startLean starts the lean CSI node server on in's socket and waits until
+// Probe says ready.
+func (b *bench) startLean(ctx context.Context, in *instance) error {
+	logf, err := os.OpenFile(in.pluginLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	start := time.Now()
+	if in.plugin, err = startChild("lean server", logf, logf, in.binary, "--endpoint", "unix://"+in.sock); err != nil {
+		return err
+	}
+	b.logf("lean server pid %d, log %s", in.plugin.pid(), in.pluginLog)
+	return waitServing(ctx, in, start)
+}
+
+// waitServing waits until in's plugin, started at start, accepts
+// connections on its socket, connects a client and waits until Probe says
+// ready.
+func waitServing(ctx context.Context, in *instance, start time.Time) (err error) {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		if in.plugin.exited() {

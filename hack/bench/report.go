@@ -44,6 +44,11 @@ type goal struct {
 // slower than before by more than 10%.
 const maxSlowdown = 1.1
 
+// maxOverLean is issue 23's goal: a plugin's publish and prepare cycles
+// within 1.2× of the lean CSI node server's, which pays the same kernel
+// work and the same transport.
+const maxOverLean = 1.2
+
 // rowsOf are the summary's operations in order; maxRatio 0 means no goal.
 // Rows of samples this run does not have are left out.
 func (r *results) rowsOf() []goal {
@@ -53,7 +58,7 @@ func (r *results) rowsOf() []goal {
 		}
 		return r.shape
 	}
-	main, alone, before := label(1), label(nAlonePublish), r.before
+	main, alone, before, lean := label(1), label(nAlonePublish), r.before, label(nLeanPublish)
 	return []goal{
 		{of: 1, to: 2, label: "publish cycle via socket (stage, publish, unpublish, unstage), " + main, toLabel: "floor", maxRatio: 1.5},
 		{of: nAlonePublish, to: 2, label: "the same, " + alone, toLabel: "floor"},
@@ -61,11 +66,17 @@ func (r *results) rowsOf() []goal {
 		{of: 1, to: nBeforePublish, label: "publish cycle, now against before: " + main + " against " + before, toLabel: "before", maxRatio: maxSlowdown, pair: true},
 		{of: nAlonePublish, to: nBeforePublish, label: "publish cycle, now alone against before (the changes beside the hop): " + alone + " against " + before, toLabel: "before", pair: true},
 		{of: 1, to: nAlonePublish, label: "the hop to the mounter, publish cycle: " + main + " against " + alone, toLabel: "alone", pair: true},
+		{of: nLeanPublish, to: 2, label: "the same, " + lean + ": the floor plus the transport", toLabel: "floor"},
+		{of: 1, to: nLeanPublish, label: "the plugin's own cost, publish cycle: " + main + " against the " + lean, toLabel: "lean", maxRatio: maxOverLean, pair: true},
+		{of: nAlonePublish, to: nLeanPublish, label: "the plugin's own cost, publish cycle: " + alone + " against the " + lean, toLabel: "lean", maxRatio: maxOverLean, pair: true},
 		{of: 2, label: "floor: attach, mount, umount, detach (direct syscalls)"},
 		{of: 3, to: 2, label: "the same with util-linux tools", toLabel: "floor"},
 		{of: 4, to: 5, label: "prepare cycle via socket (stage, prepare, mount in ns, unmount, unprepare, unstage), " + main, toLabel: "prepare floor"},
 		{of: nAlonePrepare, to: 5, label: "the same, " + label(nAlonePrepare) + " (the observing mounter's start not counted)", toLabel: "prepare floor"},
 		{of: 4, to: nAlonePrepare, label: "the hop to the mounter, prepare cycle: " + main + " against " + label(nAlonePrepare), toLabel: "alone", pair: true},
+		{of: nLeanPrepare, to: 5, label: "the same, " + label(nLeanPrepare) + " (the plan performed in process)", toLabel: "prepare floor"},
+		{of: 4, to: nLeanPrepare, label: "the plugin's own cost, prepare cycle: " + main + " against the " + label(nLeanPrepare), toLabel: "lean", maxRatio: maxOverLean, pair: true},
+		{of: nAlonePrepare, to: nLeanPrepare, label: "the plugin's own cost, prepare cycle: " + label(nAlonePrepare) + " against the " + label(nLeanPrepare), toLabel: "lean", maxRatio: maxOverLean, pair: true},
 		{of: 5, label: "prepare floor: attach, fsmount, setns, move_mount, umount, detach"},
 		{of: 6, label: "CreateVolume, 64 MiB ext4"},
 		{of: 7, to: 8, label: "first stage of a freshly created volume", toLabel: "later stage", maxRatio: 2},
@@ -126,6 +137,7 @@ func (r *results) summary() []row {
 		rows = append(rows, x)
 	}
 	rows = append(rows, r.dataPathRows()...)
+	rows = append(rows, r.nriRows()...)
 	if r.scale != nil {
 		return append(rows, r.scale.rows()...)
 	}
@@ -215,6 +227,8 @@ type report struct {
 	Cycles  map[string][]float64 `json:"cycles_ms"` // every timed iteration, in the order run
 	Data    []dataResult         `json:"data_path,omitempty"`
 	Scale   *scaleResult         `json:"scale,omitempty"`
+	// Steps are the median of every step of every cycle, by cycle.
+	Steps map[string]map[string]float64 `json:"steps_p50_ms"`
 }
 
 // save writes the run's figures as JSON and its plot as SVG into dir, as
@@ -223,10 +237,15 @@ func (r *results) save(dir string, now time.Time) ([]string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	rep := report{Time: now.UTC(), Env: r.env, Shape: r.shape, Before: r.before, N: r.o.n, Warmup: r.o.warmup, Summary: r.summary(), Cycles: map[string][]float64{}, Data: r.dataPath, Scale: r.scale}
+	rep := report{Time: now.UTC(), Env: r.env, Shape: r.shape, Before: r.before, N: r.o.n, Warmup: r.o.warmup, Summary: r.summary(),
+		Cycles: map[string][]float64{}, Steps: map[string]map[string]float64{}, Data: r.dataPath, Scale: r.scale}
 	for _, s := range r.samples {
 		for _, d := range s.totals {
 			rep.Cycles[s.name] = append(rep.Cycles[s.name], msf(d))
+		}
+		rep.Steps[s.name] = map[string]float64{}
+		for step, ds := range s.steps {
+			rep.Steps[s.name][step] = msf(median(ds))
 		}
 	}
 	base := filepath.Join(dir, "bench-"+now.UTC().Format("20060102T150405Z"))
@@ -263,9 +282,11 @@ var plotted = []struct {
 	{1, "#d62728", "publish cycle via socket"},
 	{nAlonePublish, "#9467bd", "the same, plugin alone"},
 	{nBeforePublish, "#7f7f7f", "the same, before (-compare)"},
+	{nLeanPublish, "#ff7f0e", "the same, lean CSI server"},
 	{2, "#ff9896", "its floor (direct syscalls)"},
 	{4, "#1f77b4", "prepare cycle via socket"},
 	{nAlonePrepare, "#17becf", "the same, plugin alone"},
+	{nLeanPrepare, "#bcbd22", "the same, lean CSI server"},
 	{5, "#aec7e8", "its floor"},
 	{7, "#2ca02c", "first stage of a fresh volume"},
 	{8, "#98df8a", "later stage of the same volume"},

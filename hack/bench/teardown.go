@@ -180,6 +180,9 @@ func (b *bench) undo(ctx context.Context, in *instance, errf func(string, ...any
 	if _, err := in.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: in.volumeID, StagingTargetPath: in.staging}); err != nil {
 		errf("NodeUnstageVolume (%s): %v", in.label, err)
 	}
+	if in.ctrl == nil { // the lean server: its image goes with the dir
+		return
+	}
 	if _, err := in.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: in.volumeID}); err != nil {
 		errf("DeleteVolume (%s): %v", in.label, err)
 	}
