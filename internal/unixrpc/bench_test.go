@@ -21,7 +21,7 @@ import (
 )
 
 // serverEnv names the socket a child of the test binary serves on
-// (TestBenchServer): the benchmark's server in a process of its own, as
+// (TestMain): the benchmark's server in a process of its own, as
 // the mounter is beside the plugin.
 const serverEnv = "UNIXRPC_BENCH_SOCKET"
 
@@ -51,16 +51,18 @@ func benchServer() *unixrpc.Server {
 	return s
 }
 
-// TestBenchServer is the benchmark's server process; it runs only as a
-// child of BenchmarkCall and serves until its parent closes its stdin.
-func TestBenchServer(t *testing.T) {
+// TestMain runs the benchmark's server process instead of the tests when
+// BenchmarkCall started this binary as one (serverEnv names its socket):
+// it serves until its parent closes its stdin.
+func TestMain(m *testing.M) {
 	path := os.Getenv(serverEnv)
 	if path == "" {
-		t.Skip("the server process of BenchmarkCall, started by it")
+		os.Exit(m.Run())
 	}
 	l, err := net.Listen("unix", path)
 	if err != nil {
-		t.Fatal(err)
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
@@ -69,14 +71,16 @@ func TestBenchServer(t *testing.T) {
 		stop()
 	}()
 	if err := benchServer().Serve(ctx, l); err != nil {
-		t.Fatal(err)
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
 	}
+	os.Exit(0)
 }
 
-// startServerProcess runs TestBenchServer in a child, waits for its
+// startServerProcess runs the server (TestMain) in a child, waits for its
 // socket and returns its process ID.
 func startServerProcess(b *testing.B, path string) int {
-	cmd := exec.Command(os.Args[0], "-test.run=^TestBenchServer$")
+	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), serverEnv+"="+path)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
