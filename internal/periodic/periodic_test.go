@@ -3,6 +3,7 @@ package periodic
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 )
@@ -122,5 +123,17 @@ func TestRetryStopsWithContext(t *testing.T) {
 		return nil
 	}) {
 		t.Fatal("Retry reported success without a call")
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	next := Backoff(time.Second, 10*time.Second).DelayFunc()
+	var got []time.Duration
+	for range 7 {
+		got = append(got, next())
+	}
+	want := []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 10 * time.Second, 10 * time.Second, 10 * time.Second}
+	if !slices.Equal(got, want) {
+		t.Fatalf("waits %v, want %v", got, want)
 	}
 }
