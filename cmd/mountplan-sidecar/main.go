@@ -1,7 +1,7 @@
 // Command mountplan-sidecar is mountplan's mounter. It asks the plugin for a
 // volume's mount plan and performs it inside a consumer's mount namespace
-// (mount, unmount), or serves the Mounter gRPC service that the plugin
-// hands kubelet's publish requests to (serve). Besides the wiring, this
+// (mount, unmount), or serves the mounter's calls (internal/unixrpc, not
+// gRPC) that the plugin hands every privileged act to (serve). Besides the wiring, this
 // holds the mount command's client flow (prepare.go); plans are performed
 // by internal/mounter and internal/mountns, served by internal/mounter/service, and
 // daemons are started as internal/daemon/policy allows.

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // WatchExit returns a channel that is closed when p exits (or is found
@@ -71,18 +72,10 @@ func pollExit(p Proc) (<-chan struct{}, func()) {
 	ch := make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
-		t := time.NewTicker(100 * time.Millisecond)
-		defer t.Stop()
-		for {
-			if !p.Alive() {
-				close(ch)
-				return
-			}
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
+		if wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) {
+			return !p.Alive(), nil
+		}) == nil {
+			close(ch)
 		}
 	}()
 	return ch, cancel
@@ -181,13 +174,9 @@ func Terminate(ctx context.Context, p Proc, grace time.Duration) error {
 	return fmt.Errorf("daemon %s did not exit after SIGKILL", p)
 }
 
+// waitGone reports whether p's session is gone within d.
 func waitGone(ctx context.Context, p Proc, d time.Duration) bool {
-	deadline := time.Now().Add(d)
-	for SessionAlive(p) {
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return true
+	return wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, d, true, func(context.Context) (bool, error) {
+		return !SessionAlive(p), nil
+	}) == nil
 }

@@ -3,6 +3,7 @@
 package endpoint
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -14,6 +15,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 )
@@ -67,10 +69,11 @@ func removeStale(p string) error {
 	// killed: a child it was starting holds a copy of its descriptors
 	// until that child execs. Such a listener goes within moments; a
 	// server does not.
-	for deadline := time.Now().Add(staleGrace); serving(p); time.Sleep(staleGrace / 40) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s: another process is serving on it: %w", p, errdefs.ErrAlreadyExists)
-		}
+	err = wait.PollUntilContextTimeout(context.Background(), staleGrace/40, staleGrace, true, func(context.Context) (bool, error) {
+		return !serving(p), nil
+	})
+	if err != nil { // still serving after staleGrace
+		return fmt.Errorf("%s: another process is serving on it: %w", p, errdefs.ErrAlreadyExists)
 	}
 	return os.Remove(p)
 }

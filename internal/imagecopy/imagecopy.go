@@ -77,9 +77,3 @@ func File(ctx context.Context, src, dst string, opts Options) (Method, error) {
 	})
 	return method, err
 }
-
-// Allocated is how many bytes of the disk a file uses (its data extents):
-// what a sparse copy of it writes.
-func Allocated(path string) (int64, error) {
-	return allocated(path)
-}

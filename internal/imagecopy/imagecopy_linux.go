@@ -87,11 +87,3 @@ func copyRange(ctx context.Context, in, out *os.File, from, to int64) error {
 	}
 	return nil
 }
-
-func allocated(path string) (int64, error) {
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return 0, fmt.Errorf("stat %s: %w", path, err)
-	}
-	return st.Blocks * 512, nil
-}

@@ -13,4 +13,3 @@ import (
 var errNoCopy = fmt.Errorf("imagecopy: copies need Linux: %w", errdefs.ErrUnimplemented)
 
 func copyInto(context.Context, *os.File, *os.File, int64) (Method, error) { return "", errNoCopy }
-func allocated(string) (int64, error)                                     { return 0, errNoCopy }

@@ -78,10 +78,3 @@ func (l *Locks) take(key, op string) func() {
 		})
 	}
 }
-
-// Held reports how many keys are held now (for tests and metrics).
-func (l *Locks) Held() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return len(l.held)
-}

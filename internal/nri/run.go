@@ -8,6 +8,8 @@ import (
 
 	"github.com/containerd/nri/pkg/stub"
 	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/internal/periodic"
 )
 
 // PluginName and PluginIndex are how the runtime knows the hook: plugins
@@ -24,21 +26,15 @@ const (
 func Run(ctx context.Context, socket string, h *Hook) error {
 	logger := klog.FromContext(ctx).WithValues("nriSocket", socket)
 	ctx = klog.NewContext(ctx, logger)
-	backoff := time.Second
-	for {
+	_ = periodic.Backoff(time.Second, 10*time.Second).DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
 		err := runOnce(ctx, socket, h)
 		h.stopGuard(ctx)
-		if ctx.Err() != nil {
-			return nil
+		if ctx.Err() == nil {
+			logger.Info("No NRI connection; connecting again after a pause (1s, doubling up to 10s)", "err", err)
 		}
-		logger.Info("No NRI connection; connecting again", "err", err, "after", backoff)
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(backoff):
-		}
-		backoff = min(2*backoff, 10*time.Second)
-	}
+		return false, nil
+	})
+	return nil
 }
 
 func runOnce(ctx context.Context, socket string, h *Hook) error {

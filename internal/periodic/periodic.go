@@ -1,10 +1,18 @@
-// Package periodic runs the plugin's background loops (the reconciler,
-// the FUSE orphan sweep, polling a daemon's exit) in one way.
+// Package periodic is how mountplan waits: every loop that polls, retries
+// or backs off is a loop of k8s.io/apimachinery/pkg/util/wait, which ends
+// when its context does. Every and Retry are the two shapes the background
+// work uses (the reconciler, the FUSE orphan sweep); Backoff is the one
+// backoff of loops that retry until they succeed or their context ends
+// (Backoff(first, limit).DelayFunc().Until(ctx, ...)); a poll at a fixed
+// interval is wait.PollUntilContextCancel or wait.PollUntilContextTimeout.
 package periodic
 
 import (
 	"context"
+	"math"
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // Every calls fn every interval until ctx ends or fn returns false. The
@@ -12,34 +20,30 @@ import (
 // at once makes it before. A call that outlasts the interval delays the
 // next instead of piling calls up.
 func Every(ctx context.Context, interval time.Duration, fn func(context.Context) bool) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if !fn(ctx) {
-				return
-			}
-		}
-	}
+	_ = wait.PollUntilContextCancel(ctx, interval, false, func(ctx context.Context) (bool, error) {
+		return !fn(ctx), nil
+	})
 }
 
-// Retry calls fn again while it fails, first after wait and then after
+// Retry calls fn again while it fails, first after first and then after
 // twice as long each time, until fn succeeds, ctx ends or the next wait
 // would exceed limit (the caller's regular interval takes over there). It
 // reports whether fn succeeded.
-func Retry(ctx context.Context, wait, limit time.Duration, fn func(context.Context) error) bool {
-	for ; wait <= limit; wait *= 2 {
-		select {
-		case <-ctx.Done():
-			return false
-		case <-time.After(wait):
-		}
-		if fn(ctx) == nil {
-			return true
-		}
+func Retry(ctx context.Context, first, limit time.Duration, fn func(context.Context) error) bool {
+	if first <= 0 || first > limit {
+		return false
 	}
-	return false
+	ok, next := false, first
+	_ = Backoff(first, limit).DelayFunc().Until(ctx, false, true, func(ctx context.Context) (bool, error) {
+		ok = fn(ctx) == nil
+		next *= 2
+		return ok || next > limit, nil
+	})
+	return ok
+}
+
+// Backoff waits first, then twice as long each time up to limit, then
+// limit for as long as the loop runs.
+func Backoff(first, limit time.Duration) wait.Backoff {
+	return wait.Backoff{Duration: first, Factor: 2, Cap: limit, Steps: math.MaxInt32}
 }

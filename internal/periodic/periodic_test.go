@@ -3,16 +3,45 @@ package periodic
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 )
 
+// bound is how long a test waits for a loop that should return (or call)
+// at once: a broken loop fails its test in seconds, not at the test
+// binary's timeout.
+const bound = 10 * time.Second
+
+// start runs loop in a goroutine and returns a channel closed when it
+// returns.
+func start(loop func()) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		loop()
+	}()
+	return done
+}
+
+// await fails the test unless ch yields within bound.
+func await[T any](t *testing.T, ch <-chan T, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(bound):
+		t.Fatalf("%s: not within %v", what, bound)
+	}
+}
+
 func TestEveryStopsWhenFnSaysSo(t *testing.T) {
 	n := 0
-	Every(t.Context(), time.Millisecond, func(context.Context) bool {
-		n++
-		return n < 3
-	})
+	await(t, start(func() {
+		Every(t.Context(), time.Millisecond, func(context.Context) bool {
+			n++
+			return n < 3
+		})
+	}), "Every returns once fn says false")
 	if n != 3 {
 		t.Fatalf("fn called %d times, want 3", n)
 	}
@@ -20,27 +49,34 @@ func TestEveryStopsWhenFnSaysSo(t *testing.T) {
 
 func TestEveryStopsWithContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan struct{})
-	calls := make(chan struct{}, 100)
-	go func() {
-		defer close(done)
+	calls := make(chan struct{}, 1)
+	done := start(func() {
 		Every(ctx, time.Millisecond, func(context.Context) bool {
-			calls <- struct{}{}
+			select {
+			case calls <- struct{}{}:
+			default:
+			}
 			return true
 		})
-	}()
-	<-calls // it runs
+	})
+	await(t, calls, "Every calls fn at an interval of 1ms")
 	cancel()
-	<-done // and it returns once ctx ends
+	await(t, done, "Every returns once its context ends")
 }
 
 func TestEveryWaitsAnInterval(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
-	Every(ctx, time.Hour, func(context.Context) bool {
+	called := false
+	await(t, start(func() {
+		Every(ctx, time.Hour, func(context.Context) bool {
+			called = true
+			return false
+		})
+	}), "Every returns at once when its context has ended")
+	if called {
 		t.Fatal("fn called before the first interval")
-		return false
-	})
+	}
 }
 
 func TestRetryUntilSuccess(t *testing.T) {
@@ -87,5 +123,17 @@ func TestRetryStopsWithContext(t *testing.T) {
 		return nil
 	}) {
 		t.Fatal("Retry reported success without a call")
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	next := Backoff(time.Second, 10*time.Second).DelayFunc()
+	var got []time.Duration
+	for range 7 {
+		got = append(got, next())
+	}
+	want := []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 10 * time.Second, 10 * time.Second, 10 * time.Second}
+	if !slices.Equal(got, want) {
+		t.Fatalf("waits %v, want %v", got, want)
 	}
 }

@@ -138,10 +138,3 @@ func (s *Server) Check(context.Context) error {
 	}
 	return status
 }
-
-// Registered says whether kubelet confirmed the registration.
-func (s *Server) Registered() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.status == nil
-}

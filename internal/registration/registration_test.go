@@ -90,7 +90,7 @@ func TestRegistration(t *testing.T) {
 		len(info.SupportedVersions) == 0 {
 		t.Fatalf("GetInfo = %+v", info)
 	}
-	if s.Registered() {
+	if registered(s) {
 		t.Fatal("registered before kubelet said so")
 	}
 	if err := s.Check(ctx); err != nil {
@@ -101,15 +101,15 @@ func TestRegistration(t *testing.T) {
 	if _, err := k.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{Error: "driver name taken"}); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Check(ctx); err == nil || s.Registered() {
-		t.Fatalf("after a refusal: Check = %v, Registered = %v", err, s.Registered())
+	if err := s.Check(ctx); err == nil || registered(s) {
+		t.Fatalf("after a refusal: Check = %v, Registered = %v", err, registered(s))
 	}
 	// kubelet accepts (a later attempt).
 	if _, err := k.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Check(ctx); err != nil || !s.Registered() {
-		t.Fatalf("after registration: Check = %v, Registered = %v", err, s.Registered())
+	if err := s.Check(ctx); err != nil || !registered(s) {
+		t.Fatalf("after registration: Check = %v, Registered = %v", err, registered(s))
 	}
 
 	// Someone removes the socket: kubelet forgot the plugin; unhealthy.
@@ -160,4 +160,11 @@ func TestSocketLifecycle(t *testing.T) {
 	if err := s.Serve(context.Background()); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Fatalf("Serve over a regular file = %v, want FailedPrecondition", err)
 	}
+}
+
+// registered says whether kubelet confirmed s's registration.
+func registered(s *Server) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.status == nil
 }

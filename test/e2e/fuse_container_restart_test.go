@@ -4,7 +4,7 @@ package e2e
 // (issue 4). In Kubernetes a container restart kills every process of the
 // container's cgroup, so the daemons must not live there: with
 // --mounter-endpoint the plugin has `mountplan-sidecar serve` start them
-// (SpawnDaemon), in the sidecar's container. The test simulates the two
+// (StartDaemon), in the sidecar's container. The test simulates the two
 // containers with two cgroups, "restarts" the plugin's by killing every
 // process in its cgroup and starting a new plugin there, while a consumer
 // container keeps reading through its mount. The negative control shows

@@ -251,7 +251,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 		if !performed {
 			t.Errorf("mountplan-sidecar serve did not perform the re-attach in the container; its log:\n%s", b)
 		}
-		// The restarted daemon was started by the sidecar too (SpawnDaemon).
+		// The restarted daemon was started by the sidecar too (StartDaemon).
 		if pp := fusePPid(second.PID); pp != e.mounter.pid() {
 			t.Errorf("the restarted daemon's parent is pid %d, want the sidecar %d", pp, e.mounter.pid())
 		}

@@ -11,12 +11,14 @@ import (
 
 	"github.com/go-logr/logr"
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mountplan/mountplan/internal/daemon"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mountns"
+	"github.com/mountplan/mountplan/internal/periodic"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -162,39 +164,22 @@ func (sup *supervisor) run(ctx context.Context) {
 			failures = 0
 		}
 		sup.log.Info("FUSE daemon failed; restarting it", "reason", reason, "detail", msg, "pid", sup.daemon().PID, "failures", failures)
-		for {
-			if !sleep(ctx, backoff(failures)) {
-				return
-			}
+		pause := wait.DelayFunc(func() time.Duration { return backoff(failures) })
+		if pause.Until(ctx, false, true, func(ctx context.Context) (bool, error) {
 			failures++
 			err := sup.restart(ctx)
-			if err == nil {
-				break
+			if err != nil && ctx.Err() == nil {
+				sup.log.Error(err, "Restarting the FUSE daemon failed", "failures", failures)
+				sup.setHealth("RestartFailed", err.Error())
 			}
-			if ctx.Err() != nil {
-				return
-			}
-			sup.log.Error(err, "Restarting the FUSE daemon failed", "failures", failures)
-			sup.setHealth("RestartFailed", err.Error())
+			return err == nil, nil
+		}) != nil {
+			return // ctx ended
 		}
 		d := sup.daemon()
 		sup.setHealth("Reattaching", fmt.Sprintf("fuse daemon restarted as %s; replacing the dead mounts of its predecessors wherever they are", d.Proc))
 		sup.healFailures, sup.nextHeal = 0, time.Time{}
 		sup.log.Info("FUSE daemon restarted", "pid", d.PID, "conn", d.Conn, "generation", d.Generation)
-	}
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
 	}
 }
 
@@ -206,22 +191,18 @@ type probeResult struct{ err error }
 func (sup *supervisor) waitExit(ctx context.Context, p daemon.Proc) <-chan struct{} {
 	exited := make(chan struct{})
 	go func() {
-		pause := mounterRetryMin
-		for {
+		_ = periodic.Backoff(mounterRetryMin, mounterRetry).DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
 			err := sup.src.daemons.WaitDaemon(ctx, p)
-			if ctx.Err() != nil {
-				return
-			}
-			if err == nil || errors.Is(err, errdefs.ErrNotFound) {
+			switch {
+			case ctx.Err() != nil:
+				return true, nil
+			case err == nil, errors.Is(err, errdefs.ErrNotFound):
 				close(exited)
-				return
+				return true, nil
 			}
 			sup.log.V(2).Info("Cannot watch the daemon for now", "pid", p.PID, "err", err)
-			if !sleep(ctx, pause) {
-				return
-			}
-			pause = min(2*pause, mounterRetry)
-		}
+			return false, nil
+		})
 	}()
 	return exited
 }

@@ -10,7 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/source/internal/bytesrv"
+	"github.com/mountplan/mountplan/internal/source/internal/bytesrvtest"
 )
 
 // respPDU builds a target's PDU: opcode, flags, status (login only) and
@@ -60,7 +60,7 @@ func FuzzSendTargets(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	srv := bytesrv.Serve(f, l)
+	srv := bytesrvtest.Serve(f, l)
 	d := Discoverer{Portal: l.Addr().String(), InitiatorName: "iqn.2024-01.io.mountplan:fuzz", Timeout: 2 * time.Second}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		srv.Set(data)

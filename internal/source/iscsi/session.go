@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
@@ -212,8 +213,12 @@ func readTrim(p string) string {
 var hostPattern = regexp.MustCompile(`/host(\d+)/session\d+$`)
 
 // lunGrace is how long waitDisk looks for the LUN on the session after
-// the mounter scanned for it, before it says the target has no such LUN.
-const lunGrace = time.Second
+// the mounter scanned for it, before it says the target has no such LUN;
+// it looks every diskPoll, as it does for the LUN's disk.
+const (
+	lunGrace = time.Second
+	diskPoll = 50 * time.Millisecond
+)
 
 // waitDisk finds st.LUN on the session (the mounter scanned for it at the
 // login) and waits for its disk. A LUN the target does not have is
@@ -231,41 +236,34 @@ func (s *Source) waitDisk(ctx context.Context, st *State) error {
 	host := m[1]
 	pattern := filepath.Join(sess, "device", "target"+host+":*", host+":*:*:"+strconv.Itoa(st.LUN))
 	var scsiDev string
-	for end := time.Now().Add(lunGrace); ; {
+	err = wait.PollUntilContextTimeout(ctx, diskPoll, lunGrace, true, func(context.Context) (bool, error) {
 		if matches, _ := filepath.Glob(pattern); len(matches) > 0 {
 			scsiDev = matches[0]
-			break
 		}
-		if time.Now().After(end) {
-			return fmt.Errorf("LUN %d does not exist on target %s: %w", st.LUN, st.Target, errdefs.ErrNotFound)
+		return scsiDev != "", nil
+	})
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
 		}
-		if err := sleep(ctx, 50*time.Millisecond); err != nil {
-			return err
-		}
+		return fmt.Errorf("LUN %d does not exist on target %s: %w", st.LUN, st.Target, errdefs.ErrNotFound)
 	}
 	st.HCTL = filepath.Base(scsiDev)
-	for {
+	err = wait.PollUntilContextCancel(ctx, diskPoll, true, func(context.Context) (bool, error) {
 		if blocks, _ := filepath.Glob(filepath.Join(scsiDev, "block", "*")); len(blocks) > 0 {
 			name := filepath.Base(blocks[0])
 			st.Device = filepath.Join(s.DevDir, name)
 			st.DevNum = readTrim(filepath.Join(blocks[0], "dev"))
 			if _, err := os.Stat(st.Device); err == nil && st.DevNum != "" {
-				return nil
+				return true, nil
 			}
 		}
-		if err := sleep(ctx, 50*time.Millisecond); err != nil {
-			return fmt.Errorf("waiting for the disk of LUN %d (%s): %w", st.LUN, st.HCTL, err)
-		}
+		return false, nil
+	})
+	if err != nil {
+		return fmt.Errorf("waiting for the disk of LUN %d (%s): %w", st.LUN, st.HCTL, err)
 	}
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(d):
-		return nil
-	}
+	return nil
 }
 
 // check tells whether st's session is logged in and its disk is the same.

@@ -15,6 +15,7 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/loopdev"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/periodic"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -156,25 +157,29 @@ func RemoveDetachedImage(ctx context.Context, image string) error {
 	return removeDetachedImage(ctx, image, releaseWait)
 }
 
-func removeDetachedImage(ctx context.Context, image string, wait time.Duration) error {
-	deadline := time.Now().Add(wait)
-	for pause := time.Millisecond; ; pause = min(2*pause, 50*time.Millisecond) {
+func removeDetachedImage(ctx context.Context, image string, grace time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, grace)
+	defer cancel()
+	done := false // an answer other than "open elsewhere"
+	err := periodic.Backoff(time.Millisecond, 50*time.Millisecond).DelayFunc().Until(ctx, true, true, func(context.Context) (bool, error) {
 		err := loopdev.WhileUnopened(image, func() error { return RemoveImage(image) })
 		switch {
-		case err == nil, errors.Is(err, errdefs.ErrNotFound):
-			return nil
+		case errors.Is(err, loopdev.ErrOpenElsewhere):
+			return false, nil // a device being released, maybe: again
+		case errors.Is(err, errdefs.ErrNotFound):
+			err = nil
 		case errors.Is(err, errdefs.ErrUnimplemented):
-			return removeUnlessAttached(image) // no lease here: walk the devices
-		case !errors.Is(err, loopdev.ErrOpenElsewhere):
-			return err
+			err = removeUnlessAttached(image) // no lease here: walk the devices
 		}
-		if time.Now().Add(pause).After(deadline) || ctx.Err() != nil {
-			// Only now, on the way to an error, name the devices: held
-			// by something that is no loop device, the image may go.
-			return removeUnlessAttached(image)
-		}
-		time.Sleep(pause)
+		done = true
+		return true, err
+	})
+	if !done {
+		// Only now, on the way to an error, name the devices: held by
+		// something that is no loop device, the image may go.
+		return removeUnlessAttached(image)
 	}
+	return err
 }
 
 // removeUnlessAttached removes image unless loopdev.FindByBacking finds a

@@ -147,10 +147,6 @@ func indexOf(dev string) (int, error) {
 func (s *Source) disconnect(ctx context.Context, id string, st State) error {
 	l := s.takeLink(id)
 	defer l.close()
-	if st.Backend == "" {
-		klog.FromContext(ctx).Info("NBD volume staged without a backend identifier (by an older mountplan): nothing the mounter would disconnect", "device", st.Device)
-		return nil
-	}
 	var dev mounter.Device
 	if s.shows(st) {
 		d, err := blockdev.DeviceOf(s.SysDir, st.Device)

@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/source/internal/bytesrv"
+	"github.com/mountplan/mountplan/internal/source/internal/bytesrvtest"
 )
 
 // serverBytes builds what a server sends: the greeting, then replies.
@@ -59,7 +59,7 @@ func FuzzHandshake(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	srv := bytesrv.Serve(f, l)
+	srv := bytesrvtest.Serve(f, l)
 	d := Dialer{Network: "unix", Address: sock, Timeout: 2 * time.Second}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		srv.Set(data)

@@ -7,10 +7,12 @@ import (
 	"sync"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/periodic"
 )
 
 // Reconnect attempts back off from retryMin to retryMax while the server
@@ -226,34 +228,27 @@ func (s *Source) kick(l *link, attempts int) {
 	go func() {
 		defer l.wg.Done()
 		log := klog.Background().WithValues("volume", l.id, "device", l.st.Device)
-		delay := retryMin
-		for n := 1; ; n++ {
-			err := s.reconnect(l.ctx, l)
+		n := 0
+		_ = periodic.Backoff(retryMin, retryMax).DelayFunc().Until(l.ctx, true, true, func(ctx context.Context) (bool, error) {
+			n++
+			err := s.reconnect(ctx, l)
 			switch {
-			case err == nil:
-			case l.ctx.Err() != nil:
-				err = nil
+			case err == nil, ctx.Err() != nil:
+				return true, nil
 			case errors.Is(err, errGone):
 				log.Info("NBD device no longer connected with the volume's backend; not reconnecting it", "backend", l.st.Backend)
-				err = nil
+				return true, nil
 			case attempts == 1:
 				// Adopt's spare socket: the connection most likely lives.
 				log.Info("Could not hand the kernel a spare connection for the NBD device; its own lives on unless the kernel reports it dead", "err", err)
 			default:
 				log.Error(err, "Reconnecting the NBD device failed", "attempt", n)
 			}
-			if err == nil || n == attempts {
-				l.mu.Lock()
-				l.retrying = false
-				l.mu.Unlock()
-				return
-			}
-			select {
-			case <-l.ctx.Done():
-			case <-time.After(delay):
-			}
-			delay = min(2*delay, retryMax)
-		}
+			return n == attempts, nil
+		})
+		l.mu.Lock()
+		l.retrying = false
+		l.mu.Unlock()
 	}()
 }
 
@@ -340,16 +335,15 @@ func (s *Source) runWatch(ctx context.Context, lw linkWatcher, done chan struct{
 	log := klog.Background()
 	for ctx.Err() == nil {
 		if lw == nil {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(resubscribe):
-			}
-			var err error
-			if lw, err = s.watchLinks(); err != nil {
-				log.Error(err, "Cannot hear of dead NBD connections; trying again", "in", resubscribe)
-				lw = nil
-				continue
+			if wait.PollUntilContextCancel(ctx, resubscribe, false, func(context.Context) (bool, error) {
+				var err error
+				if lw, err = s.watchLinks(); err != nil {
+					log.Error(err, "Cannot hear of dead NBD connections; trying again", "in", resubscribe)
+					lw = nil
+				}
+				return lw != nil, nil
+			}) != nil {
+				return // ctx ended
 			}
 		}
 		index, err := lw.Next(ctx)

@@ -387,9 +387,6 @@ func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, e
 	if err != nil {
 		return nil, err
 	}
-	if st.Backend == "" {
-		return nil, fmt.Errorf("volume %s was staged without a backend identifier (by an older mountplan): unstage it and stage it again: %w", v.ID, errdefs.ErrFailedPrecondition)
-	}
 	t := targetOf(v)
 	if !s.shows(st) {
 		s.dropLink(v.ID)

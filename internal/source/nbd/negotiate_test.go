@@ -19,7 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/source/internal/bytesrv"
+	"github.com/mountplan/mountplan/internal/source/internal/bytesrvtest"
 	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 )
 
@@ -364,7 +364,7 @@ func TestNegotiateScripted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := bytesrv.Serve(t, l)
+	srv := bytesrvtest.Serve(t, l)
 	d := Dialer{Network: "unix", Address: sock, Timeout: 2 * time.Second}
 	blockInfo := func(min, pref, max uint32) []byte {
 		b := binary.BigEndian.AppendUint16(nil, infoBlockSize)
@@ -463,7 +463,7 @@ func FuzzNegotiate(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	srv := bytesrv.Serve(f, l)
+	srv := bytesrvtest.Serve(f, l)
 	d := Dialer{Network: "unix", Address: sock, Timeout: 2 * time.Second}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		srv.Set(data)

@@ -497,11 +497,6 @@ func TestAdoptPlainAndReboot(t *testing.T) {
 	if err := s2.Unstage(context.Background(), v); err != nil || e.k.connected() != 0 {
 		t.Fatalf("unstage: %v, %d connected", err, e.k.connected())
 	}
-
-	legacy := sourcetest.Staged(v, json.RawMessage(`{"device":"/dev/nbd3","pid":4242,"server":"127.0.0.1:1","export":"vol"}`))
-	if _, err := s2.Adopt(context.Background(), legacy); !errors.Is(err, errdefs.ErrFailedPrecondition) {
-		t.Fatalf("adopt of a volume staged through nbd-client: %v, want FailedPrecondition", err)
-	}
 }
 
 // TestStageUndo: a connect whose answer is lost (the call cut off after

@@ -14,8 +14,9 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mountplan/mountplan/internal/testenv"
 )
@@ -74,7 +75,9 @@ func StartTgtd(t testing.TB, dir string, o Options) *Target {
 	tg.done = make(chan struct{})
 	go func() { _ = tg.cmd.Wait(); close(tg.done) }()
 	t.Cleanup(tg.Stop)
-	if !waitFor(10*time.Second, func() bool { return tg.adm("--mode", "system", "--op", "show") == nil }) {
+	if wait.PollUntilContextTimeout(t.Context(), 20*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return tg.adm("--mode", "system", "--op", "show") == nil, nil
+	}) != nil {
 		b, _ := os.ReadFile(logPath)
 		t.Fatalf("tgtd did not start: %s", b)
 	}
@@ -138,15 +141,4 @@ func (tg *Target) Stop() {
 	for _, suffix := range []string{"", ".lock"} {
 		_ = os.Remove(fmt.Sprintf("/var/run/tgtd/socket.%d%s", tg.ControlPort, suffix))
 	}
-}
-
-func waitFor(d time.Duration, f func() bool) bool {
-	end := time.Now().Add(d)
-	for time.Now().Before(end) {
-		if f() {
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return f()
 }

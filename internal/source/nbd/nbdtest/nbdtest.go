@@ -3,6 +3,7 @@
 package nbdtest
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"os"
@@ -11,8 +12,9 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
-
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mountplan/mountplan/internal/testenv"
 )
@@ -109,15 +111,15 @@ func StartNbdkit(t testing.TB, dir string, o Options) *Server {
 		}
 		s.done = make(chan struct{})
 		go func() { _ = s.cmd.Wait(); close(s.done) }()
-		ok := waitFor(10*time.Second, func() bool {
+		ok := wait.PollUntilContextTimeout(t.Context(), 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
 			select {
 			case <-s.done:
-				return true
+				return true, nil
 			default:
 			}
 			_, err := os.Stat(pidfile)
-			return err == nil
-		})
+			return err == nil, nil
+		}) == nil
 		select {
 		case <-s.done:
 			ok = false
@@ -144,15 +146,4 @@ func (s *Server) Stop() {
 	}
 	_ = s.cmd.Process.Kill()
 	<-s.done
-}
-
-func waitFor(d time.Duration, f func() bool) bool {
-	end := time.Now().Add(d)
-	for time.Now().Before(end) {
-		if f() {
-			return true
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return f()
 }

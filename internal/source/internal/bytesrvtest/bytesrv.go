@@ -1,8 +1,8 @@
-// Package bytesrv is the server of the fuzz tests of the plugin's network
+// Package bytesrvtest is the server of the fuzz tests of the plugin's network
 // clients (the NBD handshake, iSCSI discovery): whatever a client sends, it
 // answers with the bytes of the fuzzer's current input, then
 // end-of-stream, and reads until the client hangs up.
-package bytesrv
+package bytesrvtest
 
 import (
 	"io"
