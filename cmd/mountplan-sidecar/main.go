@@ -4,7 +4,7 @@
 // gRPC) that the plugin hands every privileged act to (serve). Besides the wiring, this
 // holds the mount command's client flow (prepare.go); plans are performed
 // by internal/mounter and internal/mountns, served by internal/mounter/service, and
-// daemons are started as internal/daemon/policy allows.
+// daemons are started as internal/fuseprofile/policy allows.
 package main
 
 import (

@@ -3,7 +3,7 @@
 // against them, and the rendering of a daemon's command line from them.
 // The plugin renders a volume's command with it, and the mounter, which
 // trusts no caller, renders the same command again from its own copy of
-// the config (internal/daemon/policy): one implementation for both.
+// the config (internal/fuseprofile/policy): one implementation for both.
 package fuseprofile
 
 import (

@@ -3,7 +3,7 @@ package mounter
 // FUSE daemons: the mounter makes each volume's directory below the state
 // dir (<state-dir>/fuse/<volume>/, never following a symlink), mounts and
 // fills its secrets' tmpfs, renders the daemon's command from its own copy
-// of the admin's profile (internal/daemon/policy), starts it with no_new_privs
+// of the admin's profile (internal/fuseprofile/policy), starts it with no_new_privs
 // and the profile's capabilities only (internal/daemon), waits until its FUSE
 // mount sits on mnt/ and answers, and records both: the mount, so that a
 // plan may bind it (checkBindSource), and the daemon, so that it can be

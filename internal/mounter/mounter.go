@@ -5,17 +5,17 @@
 //
 //   - Plans: Executor attaches a plan's mounts at a consumer's mount point
 //     inside the consumer's mount namespace and removes them again.
-//   - Devices: Node attaches loop devices, connects NBD exports, logs in to
+//   - Devices: Local attaches loop devices, connects NBD exports, logs in to
 //     iSCSI targets, and runs filesystem tools on them; it keeps records of
 //     what it set up (keyed by device number and backing inode, surviving
 //     its restarts), and a plan may only name a device or a mount that is
 //     in them.
-//   - FUSE daemons: Node starts each from the admin's profile, mounts its
+//   - FUSE daemons: Local starts each from the admin's profile, mounts its
 //     secrets, watches and stops it.
 //
-// Node implements every interface below in process; internal/mounter/service
-// serves it on a socket (mountplan-sidecar serve) and its client implements
-// the same interfaces for the plugin.
+// Node is every interface below; Local implements it in process,
+// internal/mounter/service serves a Local on a socket (mountplan-sidecar
+// serve), and its client implements Node for the plugin.
 package mounter
 
 import (

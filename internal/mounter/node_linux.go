@@ -13,9 +13,9 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/daemon"
-	"github.com/mountplan/mountplan/internal/daemon/policy"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
+	"github.com/mountplan/mountplan/internal/fuseprofile/policy"
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
