@@ -40,6 +40,7 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/nri/guard"
+	"github.com/mountplan/mountplan/internal/periodic"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -477,7 +478,7 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 			if ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
 				c.PID = int(ctr.GetPid())
 			}
-			if _, _, err := h.volumes.Prepare(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			if err := h.prepareAgain(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 				errs = append(errs, fmt.Errorf("container %s, volume %s: %w", ctr.GetId(), c.VolumeID, err))
 			}
 		}
@@ -492,6 +493,26 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 	}
 	klog.FromContext(ctx).Info("Synchronized with the runtime", "pods", len(pods), "containers", len(ctrs))
 	return nil, nil
+}
+
+// prepareAgain has the plugin re-learn a running container's claim. A
+// volume busy with other work (Aborted: the plugin's reconcile, which a
+// restarted mounter sets off at the same moment as this registration)
+// is asked again, for a few seconds: nothing else would tell the plugin
+// this container's namespace.
+func (h *Hook) prepareAgain(ctx context.Context, c Claim) error {
+	_, _, err := h.volumes.Prepare(ctx, c)
+	if !errors.Is(err, errdefs.ErrAborted) {
+		return err
+	}
+	_ = periodic.Retry(ctx, 10*time.Millisecond, 2*time.Second, func(ctx context.Context) error {
+		_, _, err = h.volumes.Prepare(ctx, c)
+		if errors.Is(err, errdefs.ErrAborted) {
+			return err
+		}
+		return nil // done, or an answer another try would not change
+	})
+	return err
 }
 
 // startGuard starts the guard (once per registration) and re-arms the

@@ -1,6 +1,7 @@
 package guard_test
 
 import (
+	"context"
 	"errors"
 	"os"
 	"os/exec"
@@ -10,9 +11,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/moby/sys/mountinfo"
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/nri/guard"
+	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -208,5 +212,73 @@ func TestGuardHostile(t *testing.T) {
 	}
 	if err := g.Stop(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestRearmUnderSharedParent: kubelet's directory is usually a shared
+// mount, where the kernel refuses a mount beneath another: a new guard
+// then goes on top of the dead one. A publish made under the dead guard
+// (its plan names that guard's gone mount point) is undone by the
+// mounter's unmount all the same, and nothing stays at the target.
+func TestRearmUnderSharedParent(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.NoLeaks(t)
+	dir := t.TempDir()
+	state, kubelet, records := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet"), filepath.Join(dir, "records")
+	target := filepath.Join(kubelet, "pods", "uid", "volumes", "kubernetes.io~csi", "pv", "mount")
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	// kubelet's directory: a shared mount of its own.
+	if err := unix.Mount(kubelet, kubelet, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mountns.Unmount(kubelet, true) })
+	if err := unix.Mount("", kubelet, "", unix.MS_SHARED, ""); err != nil {
+		t.Fatal(err)
+	}
+	n, err := mounter.NewNode(context.Background(), mounter.Options{StateDir: state, KubeletDir: kubelet, RecordsDir: records})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = n.Close() })
+	g1, err := guard.Start(state, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := guard.Source(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publish := []plan.Mount{guard.Bind(src)}
+	c := plan.Consumer{MountPoint: target}
+	if err := n.Mount(context.Background(), publish, c); err != nil {
+		t.Fatalf("the publish's bind of the guard: %v", err)
+	}
+	if err := g1.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	g2, err := guard.Start(state, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = g2.Stop() })
+	if got, err := g2.Rearm(kubelet); err != nil || got != 1 {
+		t.Fatalf("Rearm = %d, %v; want 1", got, err)
+	}
+	if ours, err := g2.Owns(target); !ours || err != nil {
+		t.Fatalf("Owns(target) after Rearm = %v, %v", ours, err)
+	}
+	// The kernel refuses the mount beneath here: the dead guard stays
+	// under the live one.
+	stack, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(target))
+	if err != nil || len(stack) != 2 {
+		t.Errorf("%d mounts at the target after Rearm (%v), want the dead guard and the live one", len(stack), err)
+	}
+	if err := n.Unmount(context.Background(), publish, c); err != nil {
+		t.Fatalf("the unpublish: %v", err)
+	}
+	if mounted, err := mountns.IsMountPoint(target); err != nil || mounted {
+		t.Errorf("after the unpublish the target is a mount point (%v, %v): a guard stayed", mounted, err)
 	}
 }
