@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
@@ -449,15 +450,10 @@ func (n *Local) DisconnectNBD(ctx context.Context, dev Device, backend string) e
 	}
 	// The kernel lets the device go once nothing has it open; wait a
 	// little so that the caller sees it gone.
-	wait, cancel := context.WithTimeout(ctx, nbdDisconnectWait)
-	defer cancel()
-	for s.kernel.Backend(rec.Index) == backend {
-		select {
-		case <-wait.Done():
-			log.Info("NBD device disconnected, but something still holds it open; the kernel lets it go when that closes it", "device", rec.device().Path)
-			return s.drop(backend)
-		case <-time.After(10 * time.Millisecond):
-		}
+	gone := func(context.Context) (bool, error) { return s.kernel.Backend(rec.Index) != backend, nil }
+	if wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, nbdDisconnectWait, true, gone) != nil {
+		log.Info("NBD device disconnected, but something still holds it open; the kernel lets it go when that closes it", "device", rec.device().Path)
+		return s.drop(backend)
 	}
 	log.V(2).Info("NBD device disconnected", "device", rec.device().Path, "backend", backend)
 	return s.drop(backend)

@@ -7,6 +7,7 @@ package mountnstest
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -112,10 +114,8 @@ func Namespace(t testing.TB, propagation string) int {
 	})
 	comm := "/proc/" + strconv.Itoa(cmd.Process.Pid) + "/comm"
 	// unshare execs sleep only after it has set up the namespace.
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		if b, err := os.ReadFile(comm); err == nil && string(b) == "sleep\n" {
-			return cmd.Process.Pid
-		}
+	if poll(func() bool { b, err := os.ReadFile(comm); return err == nil && string(b) == "sleep\n" }) {
+		return cmd.Process.Pid
 	}
 	t.Fatalf("unshare did not reach sleep within 10s")
 	return 0
@@ -175,12 +175,9 @@ func detachLoop(t testing.TB, dev, img string) {
 		t.Errorf("losetup -d %s: %v: %s", dev, err, out)
 		return
 	}
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if loopDevices(t)[dev] != img {
-			return
-		}
+	if !poll(func() bool { return loopDevices(t)[dev] != img }) {
+		t.Errorf("%s still backed by %s 10s after losetup -d", dev, img)
 	}
-	t.Errorf("%s still backed by %s 10s after losetup -d", dev, img)
 }
 
 func mkfsArgs(fstype, img string) []string {
@@ -238,4 +235,11 @@ func Squashfs(t testing.TB, content, img string) {
 	if out, err := exec.Command("mksquashfs", content, img, "-quiet", "-noappend").CombinedOutput(); err != nil {
 		t.Fatalf("mksquashfs: %v: %s", err, out)
 	}
+}
+
+// poll asks done every 5ms until it says yes, for at most 10s, and says
+// whether it did.
+func poll(done func() bool) bool {
+	return wait.PollUntilContextTimeout(context.Background(), 5*time.Millisecond, 10*time.Second, true,
+		func(context.Context) (bool, error) { return done(), nil }) == nil
 }

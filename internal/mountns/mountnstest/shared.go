@@ -10,7 +10,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 )
 
 // SharedNamespace is a mount namespace with two processes in it, like a
@@ -53,10 +52,8 @@ func NewSharedNamespace(t testing.TB, propagation string) *SharedNamespace {
 	// The shell runs inside the namespace, so the second sleep is in it
 	// too; wait until the first has exec'd sleep as well.
 	comm := "/proc/" + strconv.Itoa(s.First) + "/comm"
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		if b, err := os.ReadFile(comm); err == nil && string(b) == "sleep\n" {
-			return s
-		}
+	if poll(func() bool { b, err := os.ReadFile(comm); return err == nil && string(b) == "sleep\n" }) {
+		return s
 	}
 	t.Fatalf("unshare did not reach sleep within 10s")
 	return nil
@@ -77,13 +74,11 @@ func (s *SharedNamespace) KillFirst() {
 // the namespace (it is not the test's child, so another process reaps it).
 func (s *SharedNamespace) KillSecond(t testing.TB) {
 	t.Helper()
-	_ = syscall.Kill(s.Second, syscall.SIGKILL)
-	ns := "/proc/" + strconv.Itoa(s.Second) + "/ns/mnt"
+	pid := s.Second
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+	ns := "/proc/" + strconv.Itoa(pid) + "/ns/mnt"
 	s.Second = 0 // its PID may be reused: cleanup must not kill it again
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		if _, err := os.Stat(ns); err != nil {
-			return
-		}
+	if !poll(func() bool { _, err := os.Stat(ns); return err != nil }) {
+		t.Fatalf("pid %d still has a mount namespace 10s after SIGKILL", pid)
 	}
-	t.Fatalf("pid %d still has a mount namespace 10s after SIGKILL", s.Second)
 }
