@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mountns"
 )
 
 // User is a numeric user and group a daemon runs as.
@@ -177,9 +178,7 @@ func OpenNoSymlinks(p string, flags int, mode uint32) (*os.File, error) {
 	if flags&unix.O_PATH == 0 {
 		flags |= unix.O_NONBLOCK // a FIFO must not block the open; checkRegular clears it
 	}
-	how := &unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC), Mode: uint64(mode),
-		Resolve: unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS}
-	fd, err := unix.Openat2(unix.AT_FDCWD, p, how)
+	fd, err := mountns.Openat2(unix.AT_FDCWD, p, flags, mode, mountns.ResolveNoSymlinks)
 	if err != nil {
 		return nil, openError(p, err)
 	}

@@ -75,8 +75,7 @@ func (n *Local) StatFS(_ context.Context, c plan.Consumer) (fsutil.Usage, error)
 	if ns, err := mountns.IdentityOf(c.PID); err != nil || !c.Namespace.Matches(ns) {
 		return fsutil.Usage{}, fmt.Errorf("pid %d is no longer in mount namespace %s: %w", c.PID, c.Namespace, errdefs.ErrNotFound)
 	}
-	fd, err := unix.Openat2(root, c.MountPoint, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
+	fd, err := mountns.Openat2(root, c.MountPoint, unix.O_PATH, 0, mountns.ResolveInRoot)
 	if err != nil {
 		return fsutil.Usage{}, mountns.Classify(&os.PathError{Op: "openat2", Path: c.MountPoint, Err: err})
 	}

@@ -21,17 +21,14 @@ func IsMountPoint(path string) (bool, error) {
 		return true, nil
 	}
 	dir, last := filepath.Split(path)
-	dirfd, err := unix.Openat2(unix.AT_FDCWD, dir, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC})
+	dirfd, err := Openat2(unix.AT_FDCWD, dir, unix.O_PATH, 0, 0)
 	if err != nil {
 		return false, &os.PathError{Op: "openat2", Path: dir, Err: err}
 	}
 	defer unix.Close(dirfd)
 	// RESOLVE_NO_XDEV fails the lookup with EXDEV exactly when it would
 	// step onto another mount: the last component is a mount point.
-	fd, err := unix.Openat2(dirfd, last, &unix.OpenHow{
-		Flags:   unix.O_PATH | unix.O_CLOEXEC | unix.O_NOFOLLOW,
-		Resolve: unix.RESOLVE_NO_XDEV,
-	})
+	fd, err := Openat2(dirfd, last, unix.O_PATH|unix.O_NOFOLLOW, 0, unix.RESOLVE_NO_XDEV)
 	switch err {
 	case nil:
 		unix.Close(fd)

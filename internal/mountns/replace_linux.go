@@ -66,8 +66,7 @@ func AttrOf(perMount string) *unix.MountAttr {
 func CloneBelow(dir *os.File, rel string, attr *unix.MountAttr) (_ *os.File, err error) {
 	from := dir
 	if rel = strings.Trim(rel, "/"); rel != "" {
-		fd, err := unix.Openat2(int(dir.Fd()), rel, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC,
-			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV})
+		fd, err := Openat2(int(dir.Fd()), rel, unix.O_PATH, 0, ResolveBelowSameMount)
 		runtime.KeepAlive(dir)
 		if err != nil {
 			return nil, Classify(&os.PathError{Op: "openat2", Path: dir.Name() + "/" + rel, Err: err})

@@ -20,14 +20,19 @@ import (
 // controls every directory of its file system, and a symlink it planted in
 // a mount point's parents must not lead a mount elsewhere. Open a Root in
 // the namespace the paths belong to (inside Namespace.Do).
+//
+// Root or os.Root: a Root for every path an untrusted party may have
+// shaped (a container's tree, the state dir the plugin writes, kubelet's
+// directories) and whatever is opened to mount, attach or check; an
+// os.Root (which follows symlinks as long as they stay inside it) only for
+// the standard library's tree operations on a tree whose every file is
+// the caller's to change, reached through a descriptor (RemoveAll of a
+// daemon's scratch directory found through a Root; fsGroup's walk of a
+// volume's private, detached mount).
 type Root struct {
 	f    *os.File
 	path string
 }
-
-// resolve is how every path below a Root is looked up: beneath it, with no
-// symlink and no magic link (/proc/PID/fd/N) on the way, across mounts.
-const resolve = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
 
 // OpenRoot opens dir, a clean absolute path, as a Root. dir itself is
 // resolved as usual: it is the namespace's root or a directory the admin
@@ -86,7 +91,7 @@ func (r *Root) File() *os.File { return r.f }
 func (r *Root) Path() string { return r.path }
 
 func (r *Root) openat(dir *os.File, rel, full string, flags int) (*os.File, error) {
-	fd, err := unix.Openat2(int(dir.Fd()), rel, &unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC), Resolve: resolve})
+	fd, err := Openat2(int(dir.Fd()), rel, flags, 0, ResolveBelow)
 	runtime.KeepAlive(dir)
 	switch {
 	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV):
