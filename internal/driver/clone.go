@@ -13,6 +13,7 @@ import (
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/imagecopy"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
@@ -20,13 +21,13 @@ import (
 // content is what a new volume is copied from: a snapshot's image or
 // another volume's, with what is known of the filesystem in it.
 type content struct {
-	record *journal.ContentSource
+	record *model.ContentSource
 	image  string
 	size   int64
-	format *journal.Format
+	format *model.Format
 	// volume is the source volume of a clone (its lock held), nil for a
 	// snapshot.
-	volume *journal.Volume
+	volume *model.Volume
 }
 
 // createFromContent makes volume id, whose lock the caller holds and which
@@ -34,7 +35,7 @@ type content struct {
 // by the same copy as snapshots (see copyVolumeImage). A bigger size
 // than the source's grows the image now and its filesystem at the first
 // stage (GrowFilesystem).
-func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.CreateVolumeRequest, p createParams) (*journal.Volume, error) {
+func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.CreateVolumeRequest, p createParams) (*model.Volume, error) {
 	c, unlock, err := d.lockContent(id, req.GetVolumeContentSource())
 	defer unlock()
 	if err != nil {
@@ -47,8 +48,8 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 	if err := d.checkFits(id, size); err != nil {
 		return nil, err
 	}
-	v := &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
-		Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: size,
+	v := &model.Volume{ID: id, Kind: model.KindProvisioned, Type: loop.Type,
+		Image: loop.ImagePath(d.opts.StateDir, model.KindProvisioned, id), CapacityBytes: size,
 		FsType: fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true,
 		ContentSource: c.record, Format: c.format, GrowFilesystem: c.format != nil && size > c.size}
 	if err := d.vols.Put(v, journal.Durable); err != nil {
@@ -102,7 +103,7 @@ func (d *Driver) cleanCopy(ctx context.Context, image, fsType string) error {
 func (d *Driver) lockContent(id string, cs *csi.VolumeContentSource) (*content, func(), error) {
 	none := func() {}
 	if snapID := cs.GetSnapshot().GetSnapshotId(); snapID != "" {
-		if journal.ValidID(snapID) != nil {
+		if model.ValidID(snapID) != nil {
 			return nil, none, fmt.Errorf("snapshot %s: %w", snapID, errdefs.ErrNotFound)
 		}
 		unlock, err := d.snaps.locks.TryLock(snapID, "CreateVolume")
@@ -116,7 +117,7 @@ func (d *Driver) lockContent(id string, cs *csi.VolumeContentSource) (*content, 
 		if err != nil {
 			return nil, unlock, err
 		}
-		return &content{record: &journal.ContentSource{Snapshot: snapID}, image: snap.Image, size: snap.SizeBytes, format: snap.Format}, unlock, nil
+		return &content{record: &model.ContentSource{Snapshot: snapID}, image: snap.Image, size: snap.SizeBytes, format: snap.Format}, unlock, nil
 	}
 	volID := cs.GetVolume().GetVolumeId()
 	if volID == "" {
@@ -129,7 +130,7 @@ func (d *Driver) lockContent(id string, cs *csi.VolumeContentSource) (*content, 
 	if err != nil {
 		return nil, unlock, err
 	}
-	c := &content{record: &journal.ContentSource{Volume: volID}, image: v.Image, size: v.CapacityBytes, volume: v}
+	c := &content{record: &model.ContentSource{Volume: volID}, image: v.Image, size: v.CapacityBytes, volume: v}
 	if v.Format != nil && v.Format.Done {
 		f := *v.Format
 		c.format = &f
@@ -179,7 +180,7 @@ func requestedFsType(req *csi.CreateVolumeRequest) string {
 	return ""
 }
 
-func describeContent(cs *journal.ContentSource) string {
+func describeContent(cs *model.ContentSource) string {
 	if cs.Snapshot != "" {
 		return "snapshot " + cs.Snapshot
 	}
@@ -189,7 +190,7 @@ func describeContent(cs *journal.ContentSource) string {
 // growCopiedFilesystem grows the filesystem of a volume copied into a
 // bigger image, at its first stage with mount access: the record keeps
 // GrowFilesystem until that succeeds (growing twice is harmless).
-func (d *Driver) growCopiedFilesystem(ctx context.Context, v *journal.Volume, src source.Source, c capability) error {
+func (d *Driver) growCopiedFilesystem(ctx context.Context, v *model.Volume, src source.Source, c capability) error {
 	if !v.GrowFilesystem || c.block || c.readOnly {
 		return nil
 	}
@@ -209,7 +210,7 @@ func (d *Driver) growCopiedFilesystem(ctx context.Context, v *journal.Volume, sr
 // abandonCopy removes a volume whose copy a crash interrupted, thawing
 // its source if the copy may have left it frozen. The caller holds the
 // volume's lock.
-func (d *Driver) abandonCopy(ctx context.Context, v *journal.Volume) error {
+func (d *Driver) abandonCopy(ctx context.Context, v *model.Volume) error {
 	if cs := v.ContentSource; cs.Frozen && cs.Volume != "" {
 		if err := d.thawSource(ctx, cs.Volume); err != nil {
 			return fmt.Errorf("volume %s: thaw source volume %s: %w", v.ID, cs.Volume, err)

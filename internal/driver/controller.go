@@ -14,6 +14,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
@@ -64,7 +65,7 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	if err := requireField("name", req.GetName()); err != nil {
 		return createParams{}, err
 	}
-	if err := journal.ValidID(req.GetName()); err != nil {
+	if err := model.ValidID(req.GetName()); err != nil {
 		return createParams{}, invalid("name %q cannot name a node-local volume (1-128 of [A-Za-z0-9._-])", req.GetName())
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
@@ -189,8 +190,8 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := d.checkFits(id, p.size); err != nil {
 		return nil, err
 	}
-	v = &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
-		Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
+	v = &model.Volume{ID: id, Kind: model.KindProvisioned, Type: loop.Type,
+		Image: loop.ImagePath(d.opts.StateDir, model.KindProvisioned, id), CapacityBytes: p.size,
 		FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
 	if err := d.vols.Put(v, journal.Durable); err != nil {
 		return nil, err
@@ -235,7 +236,7 @@ func imageError(err error) error {
 }
 
 // compatible decides whether a repeated CreateVolume names the same volume.
-func compatible(v *journal.Volume, req *csi.CreateVolumeRequest, p createParams) error {
+func compatible(v *model.Volume, req *csi.CreateVolumeRequest, p createParams) error {
 	r := req.GetCapacityRange()
 	if !sameContent(v.ContentSource, req.GetVolumeContentSource()) {
 		return fmt.Errorf("volume %s exists with other content (%v): %w", v.ID, contentSource(v.ContentSource), errdefs.ErrAlreadyExists)
@@ -249,7 +250,7 @@ func compatible(v *journal.Volume, req *csi.CreateVolumeRequest, p createParams)
 	return nil
 }
 
-func (d *Driver) createResponse(v *journal.Volume) *csi.CreateVolumeResponse {
+func (d *Driver) createResponse(v *model.Volume) *csi.CreateVolumeResponse {
 	vctx := map[string]string{paramType: v.Type, paramFsType: v.FsType}
 	if nri, ok := v.Parameters[ctxNRI]; ok {
 		vctx[ctxNRI] = nri // the StorageClass's choice reaches every publish
@@ -287,7 +288,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err := requireField("volume_id", id); err != nil {
 		return nil, err
 	}
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return &csi.DeleteVolumeResponse{}, nil // such a volume cannot exist here
 	}
 	v, unlock, err := d.locked(id, "DeleteVolume")
@@ -301,7 +302,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if v.Stage != nil {
 		return nil, fmt.Errorf("volume %s is staged at %s: %w", id, v.Stage.StagingPath, errdefs.ErrFailedPrecondition)
 	}
-	if v.Kind != journal.KindProvisioned {
+	if v.Kind != model.KindProvisioned {
 		return nil, fmt.Errorf("volume %s is %s, not provisioned: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
 	}
 	if v.Creating && v.ContentSource != nil {
@@ -360,7 +361,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
-	if v.Kind != journal.KindProvisioned {
+	if v.Kind != model.KindProvisioned {
 		// The image of a static volume is the admin's, and other kinds
 		// have no image here: only what CreateVolume made can grow.
 		return nil, fmt.Errorf("volume %s is %s, not provisioned by this plugin: %w", id, v.Kind, errdefs.ErrFailedPrecondition)

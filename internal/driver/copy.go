@@ -9,7 +9,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/imagecopy"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 )
 
@@ -25,7 +25,7 @@ type freezer interface {
 // staged read-only, or staged but neither published nor prepared; a
 // filesystem in use is frozen for the copy; a raw block device in use
 // cannot be made consistent by the plugin and is refused.
-func needsFreeze(v *journal.Volume) (bool, error) {
+func needsFreeze(v *model.Volume) (bool, error) {
 	switch {
 	case v.Stage == nil:
 		return false, nil
@@ -48,7 +48,7 @@ func needsFreeze(v *journal.Volume) (bool, error) {
 // of a frozen xfs has its log replayed (see loop.RecoverCopy), so that it
 // is a clean filesystem, unless the caller replays it itself (recover is
 // false).
-func (d *Driver) copyVolumeImage(ctx context.Context, v *journal.Volume, dst string, size int64, recover bool, markFrozen func() error) (imagecopy.Method, error) {
+func (d *Driver) copyVolumeImage(ctx context.Context, v *model.Volume, dst string, size int64, recover bool, markFrozen func() error) (imagecopy.Method, error) {
 	freeze, err := needsFreeze(v)
 	if err != nil {
 		return "", err

@@ -16,8 +16,8 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
@@ -146,7 +146,7 @@ func (d *Driver) lock(id, op string) (func(), error) {
 // locked takes the volume's lock for op and reads its record. The returned
 // func releases the lock and is never nil; a volume without a record comes
 // back with an error wrapping errdefs.ErrNotFound.
-func (d *Driver) locked(id, op string) (*journal.Volume, func(), error) {
+func (d *Driver) locked(id, op string) (*model.Volume, func(), error) {
 	unlock, err := d.lock(id, op)
 	if err != nil {
 		return nil, func() {}, err
@@ -155,7 +155,7 @@ func (d *Driver) locked(id, op string) (*journal.Volume, func(), error) {
 	return v, unlock, err
 }
 
-func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
+func (d *Driver) sourceOf(v *model.Volume) (source.Source, error) {
 	s, ok := d.sources[v.Type]
 	if !ok {
 		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)

@@ -9,7 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -254,11 +254,11 @@ func TestParseSize(t *testing.T) {
 // TestConsumerBound: a volume takes no consumer beyond MaxConsumers (the
 // review's finding 6: nothing bounded them), with a clear code.
 func TestConsumerBound(t *testing.T) {
-	v := &journal.Volume{ID: "v", Consumers: make([]journal.Claim, MaxConsumers-1)}
+	v := &model.Volume{ID: "v", Consumers: make([]model.Claim, MaxConsumers-1)}
 	if err := roomForConsumer(v); err != nil {
 		t.Fatalf("room for the last consumer: %v", err)
 	}
-	v.Consumers = append(v.Consumers, journal.Claim{})
+	v.Consumers = append(v.Consumers, model.Claim{})
 	if err := roomForConsumer(v); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("one consumer too many: %v, want ResourceExhausted", err)
 	}

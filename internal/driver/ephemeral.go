@@ -14,6 +14,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
@@ -29,7 +30,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	id, target := req.GetVolumeId(), req.GetTargetPath()
 	v, err := d.vols.Get(id)
 	if err == nil {
-		if v.Kind != journal.KindEphemeral {
+		if v.Kind != model.KindEphemeral {
 			return fmt.Errorf("volume %s exists and is not an inline volume: %w", id, errdefs.ErrAlreadyExists)
 		}
 		return d.publish(ctx, v, target, c, req.GetReadonly())
@@ -47,8 +48,8 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	if err := d.checkFits(id, size); err != nil {
 		return err
 	}
-	v = &journal.Volume{ID: id, Kind: journal.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
-		Image: loop.ImagePath(d.opts.StateDir, journal.KindEphemeral, id), Creating: true}
+	v = &model.Volume{ID: id, Kind: model.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
+		Image: loop.ImagePath(d.opts.StateDir, model.KindEphemeral, id), Creating: true}
 	if err := d.vols.Put(v, journal.Durable); err != nil {
 		return err
 	}
@@ -95,7 +96,7 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 }
 
 // destroyEphemeral tears down an inline volume: unstage, image, record.
-func (d *Driver) destroyEphemeral(ctx context.Context, v *journal.Volume) error {
+func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 	if len(v.Publishes) > 0 {
 		return d.vols.Put(v, journal.Runtime)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -352,8 +353,8 @@ func prepareAsUnprivileged() {
 		fmt.Println("New:", err)
 		return
 	}
-	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "loop",
-		Stage: &journal.Stage{Phase: journal.PhaseStaged, StagingPath: staging, Source: []byte(`{}`)}}
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "loop",
+		Stage: &model.Stage{Phase: model.PhaseStaged, StagingPath: staging, Source: []byte(`{}`)}}
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		fmt.Println("Put:", err)
 		return

@@ -6,7 +6,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
 
@@ -18,13 +18,13 @@ import (
 // gets a blank image, and its first stage with mount access probes and
 // formats as before; a stage never formats an image that holds a
 // filesystem.
-func (d *Driver) makeImage(ctx context.Context, v *journal.Volume, caps []*csi.VolumeCapability) error {
+func (d *Driver) makeImage(ctx context.Context, v *model.Volume, caps []*csi.VolumeCapability) error {
 	if slices.ContainsFunc(caps, func(c *csi.VolumeCapability) bool { return c.GetBlock() != nil }) {
 		return loop.CreateImage(v.Image, v.CapacityBytes)
 	}
 	made, err := loop.CreateFormattedImage(ctx, v.Image, v.CapacityBytes, v.FsType, d.opts.Metrics)
 	if made && err == nil {
-		v.Format = &journal.Format{FsType: v.FsType, Done: true}
+		v.Format = &model.Format{FsType: v.FsType, Done: true}
 	}
 	return err
 }

@@ -9,7 +9,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 // tokenPrefix starts every page token: "mp1:<ID>" names the first entry
@@ -28,7 +28,7 @@ func page[T any](sorted []T, id func(T) string, token string, max int32) ([]T, s
 	start := 0
 	if token != "" {
 		after, ok := strings.CutPrefix(token, tokenPrefix)
-		if !ok || journal.ValidID(after) != nil {
+		if !ok || model.ValidID(after) != nil {
 			return nil, "", fmt.Errorf("starting_token %q was not made by this plugin: %w", token, errdefs.ErrAborted)
 		}
 		start, _ = slices.BinarySearchFunc(sorted, after, func(e T, t string) int { return strings.Compare(id(e), t) })
@@ -43,15 +43,15 @@ func page[T any](sorted []T, id func(T) string, token string, max int32) ([]T, s
 // listed are the volumes the controller answers for: those CreateVolume
 // made and answered. Static and inline volumes are a node's business and
 // unknown to the CO's controller.
-func listed(v *journal.Volume) bool { return v.Kind == journal.KindProvisioned && !v.Creating }
+func listed(v *model.Volume) bool { return v.Kind == model.KindProvisioned && !v.Creating }
 
 func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
 	all, err := d.vols.List()
 	if err != nil {
 		return nil, err
 	}
-	vols := slices.DeleteFunc(all, func(v *journal.Volume) bool { return !listed(v) })
-	entries, next, err := page(vols, func(v *journal.Volume) string { return v.ID }, req.GetStartingToken(), req.GetMaxEntries())
+	vols := slices.DeleteFunc(all, func(v *model.Volume) bool { return !listed(v) })
+	entries, next, err := page(vols, func(v *model.Volume) string { return v.ID }, req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
@@ -85,7 +85,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 
 // publishedNodes: a node-local volume is in use on this node, and only
 // here, while it is staged.
-func (d *Driver) publishedNodes(v *journal.Volume) []string {
+func (d *Driver) publishedNodes(v *model.Volume) []string {
 	if v.Stage == nil {
 		return nil
 	}
@@ -93,12 +93,12 @@ func (d *Driver) publishedNodes(v *journal.Volume) []string {
 }
 
 // csiVolume is what CreateVolume answered for v.
-func (d *Driver) csiVolume(v *journal.Volume) *csi.Volume {
+func (d *Driver) csiVolume(v *model.Volume) *csi.Volume {
 	return d.createResponse(v).GetVolume()
 }
 
 // contentSource is v's content source as CSI names it.
-func contentSource(cs *journal.ContentSource) *csi.VolumeContentSource {
+func contentSource(cs *model.ContentSource) *csi.VolumeContentSource {
 	switch {
 	case cs == nil:
 		return nil
@@ -113,7 +113,7 @@ func contentSource(cs *journal.ContentSource) *csi.VolumeContentSource {
 
 // sameContent reports whether a repeated CreateVolume asks for the content
 // the volume was made with.
-func sameContent(have *journal.ContentSource, want *csi.VolumeContentSource) bool {
+func sameContent(have *model.ContentSource, want *csi.VolumeContentSource) bool {
 	if have == nil || want == nil {
 		return have == nil && want == nil
 	}

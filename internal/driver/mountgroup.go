@@ -13,7 +13,7 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/fuse"
 )
@@ -34,7 +34,7 @@ func parseMountGroup(s string) (gid uint32, set bool, err error) {
 // through a private mount of its plan that the mounter makes and drops:
 // the same whether kubelet's target holds the volume (published the
 // classic way) or a guard (NRI mode).
-func (d *Driver) applyMountGroup(ctx context.Context, v *journal.Volume, c capability, readOnly bool) error {
+func (d *Driver) applyMountGroup(ctx context.Context, v *model.Volume, c capability, readOnly bool) error {
 	if !c.mountGroupSet || c.block || readOnly || v.Type == fuse.Type {
 		return nil
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
@@ -65,7 +66,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 
 // volumeForStage finds the record of a provisioned volume, or has the
 // source named by the context's type make one for a static volume.
-func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Volume, error) {
+func (d *Driver) volumeForStage(id string, vctx map[string]string) (*model.Volume, error) {
 	v, err := d.vols.Get(id)
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
@@ -84,7 +85,7 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Vol
 
 // stage activates v, journaling the intent first. Repeating a completed
 // stage with the same capability is a no-op.
-func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath string, c capability, vctx, secrets map[string]string) error {
+func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string, c capability, vctx, secrets map[string]string) error {
 	src, err := d.sourceOf(v)
 	if err != nil {
 		return err
@@ -104,7 +105,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 			return err
 		}
 	}
-	v.Stage = &journal.Stage{Phase: journal.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
+	v.Stage = &model.Stage{Phase: model.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
@@ -116,7 +117,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
 	}
-	v.Stage.Source, v.Stage.Phase = state, journal.PhaseStaged
+	v.Stage.Source, v.Stage.Phase = state, model.PhaseStaged
 	if err := d.growCopiedFilesystem(ctx, v, src, c); err != nil {
 		uerr := src.Unstage(ctx, viewOf(v))
 		v.Stage = nil
@@ -126,7 +127,7 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 }
 
 // adopt makes sure a staged volume's handles are live in this process.
-func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source) error {
+func (d *Driver) adopt(ctx context.Context, v *model.Volume, src source.Source) error {
 	state, err := src.Adopt(ctx, viewOf(v))
 	if err != nil {
 		return err
@@ -140,8 +141,8 @@ func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source
 
 // saveOrForget keeps the record of a volume that outlives its stage and
 // drops the record of a static one, which exists only while staged.
-func (d *Driver) saveOrForget(v *journal.Volume) error {
-	if v.Kind == journal.KindStatic && v.Stage == nil {
+func (d *Driver) saveOrForget(v *model.Volume) error {
+	if v.Kind == model.KindStatic && v.Stage == nil {
 		return d.vols.Delete(v.ID, journal.Runtime)
 	}
 	return d.vols.Put(v, journal.Runtime)
@@ -167,7 +168,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 }
 
 // unstage refuses while anyone still uses the volume, then deactivates it.
-func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
+func (d *Driver) unstage(ctx context.Context, v *model.Volume) error {
 	if v.Stage == nil {
 		return nil
 	}
@@ -186,7 +187,7 @@ func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
 	if err != nil {
 		return err
 	}
-	v.Stage.Phase = journal.PhaseUnstaging
+	v.Stage.Phase = model.PhaseUnstaging
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
 	}
@@ -219,15 +220,15 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	return d.statsOf(ctx, v, pub.TargetPath)
 }
 
-func findPublish(v *journal.Volume, target string) *journal.Publish {
-	i := slices.IndexFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
+func findPublish(v *model.Volume, target string) *model.Publish {
+	i := slices.IndexFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	if i < 0 {
 		return nil
 	}
 	return &v.Publishes[i]
 }
 
-func describeConsumers(cs []journal.Claim) string {
+func describeConsumers(cs []model.Claim) string {
 	parts := make([]string, 0, len(cs))
 	for _, c := range cs {
 		parts = append(parts, c.Consumer.String())

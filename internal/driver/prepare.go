@@ -10,6 +10,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -48,7 +49,7 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 
 // addConsumer records cons as a consumer of the staged v and returns the
 // plan it is to perform; a repeated call gets the recorded plan.
-func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.Consumer, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
+func (d *Driver) addConsumer(ctx context.Context, v *model.Volume, cons *plan.Consumer, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -76,7 +77,7 @@ func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.
 	if err := roomForConsumer(v); err != nil {
 		return nil, err
 	}
-	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
+	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
 	return mounts, d.vols.Put(v, journal.Runtime)
 }
@@ -122,7 +123,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 const MaxConsumers = 4096
 
 // roomForConsumer refuses one more consumer of v beyond MaxConsumers.
-func roomForConsumer(v *journal.Volume) error {
+func roomForConsumer(v *model.Volume) error {
 	if len(v.Consumers) >= MaxConsumers {
 		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have: %w", v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
 	}
@@ -134,7 +135,7 @@ func roomForConsumer(v *journal.Volume) error {
 // process of the node. A container that has not started yet is kept, and
 // so is every consumer when the mounter cannot answer. The caller
 // persists v.
-func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
+func (d *Driver) dropDeadConsumers(ctx context.Context, v *model.Volume) bool {
 	var ask []plan.Consumer
 	for _, c := range v.Consumers {
 		if !pendingContainer(c.Consumer) {
@@ -156,7 +157,7 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 		}
 	}
 	n := len(v.Consumers)
-	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Claim) bool {
+	v.Consumers = slices.DeleteFunc(v.Consumers, func(c model.Claim) bool {
 		if dead[c.Consumer] {
 			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.Namespace.Inode)
 			return true
@@ -168,8 +169,8 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 
 // sameConsumer matches the record of the same namespace and mount point,
 // or of the same container and mount point.
-func sameConsumer(a plan.Consumer) func(journal.Claim) bool {
-	return func(b journal.Claim) bool {
+func sameConsumer(a plan.Consumer) func(model.Claim) bool {
+	return func(b model.Claim) bool {
 		if a.ContainerID != "" || b.ContainerID != "" {
 			return a.ContainerID == b.ContainerID && a.MountPoint == b.MountPoint
 		}
@@ -180,8 +181,8 @@ func sameConsumer(a plan.Consumer) func(journal.Claim) bool {
 // releasedBy matches the records an unprepare request names: by namespace
 // identity when the caller knows it (the ID where both sides know it), else
 // by PID.
-func releasedBy(req plan.Consumer) func(journal.Claim) bool {
-	return func(c journal.Claim) bool {
+func releasedBy(req plan.Consumer) func(model.Claim) bool {
+	return func(c model.Claim) bool {
 		if c.MountPoint != req.MountPoint {
 			return false
 		}

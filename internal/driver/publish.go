@@ -21,6 +21,7 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -68,7 +69,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 // checkStagingPath refuses a request whose staging path is not the one v
 // was staged at: a publish or prepare may only name the volume kubelet
 // staged there.
-func checkStagingPath(v *journal.Volume, stagingPath string) error {
+func checkStagingPath(v *model.Volume, stagingPath string) error {
 	if v.Stage != nil && v.Stage.StagingPath != stagingPath {
 		return invalid("volume %s is staged at %s, not at %s", v.ID, v.Stage.StagingPath, stagingPath)
 	}
@@ -81,7 +82,7 @@ func checkStagingPath(v *journal.Volume, stagingPath string) error {
 // removes only what it made. The record is written before the mounter is
 // asked, with the time it was asked: after a crash of either side the
 // mount may still appear, and the record lets unpublish remove it.
-func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, c capability, readOnly bool) error {
+func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c capability, readOnly bool) error {
 	if c.nri {
 		return d.publishNRI(ctx, v, target, c, readOnly)
 	}
@@ -115,8 +116,8 @@ func (d *Driver) publish(ctx context.Context, v *journal.Volume, target string, 
 	if err != nil {
 		return err
 	}
-	rec := journal.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
-	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		return err
@@ -156,7 +157,7 @@ func mayStillMount(err error) bool {
 
 // planFor asks v's source for a plan and checks it against the policy and
 // the CO's mount flags against what each mount may take.
-func (d *Driver) planFor(v *journal.Volume, req source.PlanRequest) ([]plan.Mount, error) {
+func (d *Driver) planFor(v *model.Volume, req source.PlanRequest) ([]plan.Mount, error) {
 	src, err := d.sourceOf(v)
 	if err != nil {
 		return nil, err
@@ -198,7 +199,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 // volume (made by a mounter after the plugin had given the publish up):
 // the mounter removes a mount only if it is the plan's. A mount that is
 // not the volume's is not ours to remove.
-func (d *Driver) unpublishUnrecorded(ctx context.Context, v *journal.Volume, target string) error {
+func (d *Driver) unpublishUnrecorded(ctx context.Context, v *model.Volume, target string) error {
 	if !d.isMountPoint(target) {
 		return nil
 	}
@@ -218,7 +219,7 @@ func (d *Driver) unpublishUnrecorded(ctx context.Context, v *journal.Volume, tar
 	return fmt.Errorf("%s holds a mount that is not a publish of volume %s: %w", target, cmp.Or(volumeID(v), "(unknown)"), errdefs.ErrNotFound)
 }
 
-func volumeID(v *journal.Volume) string {
+func volumeID(v *model.Volume) string {
 	if v == nil {
 		return ""
 	}
@@ -246,7 +247,7 @@ func (d *Driver) unmountTarget(ctx context.Context, mounts []plan.Mount, target 
 
 // unpublish removes what the mounter put at target, then the target if
 // the plugin made it, then the record.
-func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string) error {
+func (d *Driver) unpublish(ctx context.Context, v *model.Volume, target string) error {
 	p := findPublish(v, target)
 	if err := d.unmountTarget(ctx, p.Mounts, target); err != nil {
 		return err
@@ -259,8 +260,8 @@ func (d *Driver) unpublish(ctx context.Context, v *journal.Volume, target string
 			return err
 		}
 	}
-	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
-	if v.Kind == journal.KindEphemeral {
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
+	if v.Kind == model.KindEphemeral {
 		return d.destroyEphemeral(ctx, v)
 	}
 	return d.vols.Put(v, journal.Runtime)
@@ -329,7 +330,7 @@ func accessName(block bool) string {
 }
 
 // statsOf reports usage of a published volume.
-func (d *Driver) statsOf(ctx context.Context, v *journal.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d *Driver) statsOf(ctx context.Context, v *model.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	if v.Stage != nil && v.Stage.Block {
 		size, err := blockDeviceSize(path)
 		if err != nil {

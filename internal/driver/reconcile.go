@@ -13,6 +13,7 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/loopdev"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/periodic"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
@@ -126,7 +127,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
-	if v.Kind == journal.KindEphemeral && (v.Creating || !v.Staged()) {
+	if v.Kind == model.KindEphemeral && (v.Creating || !v.Staged()) {
 		return d.destroyEphemeral(ctx, v)
 	}
 	if v.Creating && v.ContentSource != nil {
@@ -147,7 +148,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 	n := len(v.Publishes)
 	v.Publishes = slices.DeleteFunc(v.Publishes, d.publishGone)
 	changed = changed || len(v.Publishes) != n
-	if v.Kind == journal.KindEphemeral && len(v.Publishes) == 0 {
+	if v.Kind == model.KindEphemeral && len(v.Publishes) == 0 {
 		return d.destroyEphemeral(ctx, v)
 	}
 	if err := d.adopt(ctx, v, src); err != nil {
@@ -170,7 +171,7 @@ const publishGrace = 10 * time.Minute
 // the plugin's back) and no mounter can still be at work on it. A younger
 // publish stays, so that the unpublish kubelet sends removes a mount that
 // appears late instead of finding no record of it.
-func (d *Driver) publishGone(p journal.Publish) bool {
+func (d *Driver) publishGone(p model.Publish) bool {
 	if p.NRI {
 		return !d.nriPublished(&p) && time.Since(p.Asked) > publishGrace
 	}

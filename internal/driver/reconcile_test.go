@@ -15,6 +15,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -27,7 +28,7 @@ type fakeSource struct {
 }
 
 func (f *fakeSource) NewVolume(id string, _ map[string]string) (source.Volume, error) {
-	return source.Volume{ID: id, Kind: journal.KindStatic}, nil
+	return source.Volume{ID: id, Kind: model.KindStatic}, nil
 }
 
 func (f *fakeSource) Stage(context.Context, source.Volume, source.StageRequest) (json.RawMessage, error) {
@@ -85,19 +86,19 @@ func TestReconcile(t *testing.T) {
 	d, _ := newTestDriver(t)
 	fake := &fakeSource{adoptState: json.RawMessage(`{"device":"/dev/loop9"}`)}
 	d.sources["fake"] = fake
-	staged := func(id string, phase journal.Phase) *journal.Volume {
-		return &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: "fake",
-			Stage: &journal.Stage{Phase: phase, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)}}
+	staged := func(id string, phase model.Phase) *model.Volume {
+		return &model.Volume{ID: id, Kind: model.KindProvisioned, Type: "fake",
+			Stage: &model.Stage{Phase: phase, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)}}
 	}
-	interrupted := staged("interrupted", journal.PhaseStaging)
-	interruptedStatic := staged("static-interrupted", journal.PhaseUnstaging)
-	interruptedStatic.Kind = journal.KindStatic
-	healthy := staged("healthy", journal.PhaseStaged)
-	healthy.Consumers = []journal.Claim{{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/gone"}}}
-	healthy.Publishes = []journal.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
-	halfMadeInline := &journal.Volume{ID: "inline", Kind: journal.KindEphemeral, Type: "fake", Creating: true}
-	idle := &journal.Volume{ID: "idle", Kind: journal.KindProvisioned, Type: "fake"}
-	for _, v := range []*journal.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
+	interrupted := staged("interrupted", model.PhaseStaging)
+	interruptedStatic := staged("static-interrupted", model.PhaseUnstaging)
+	interruptedStatic.Kind = model.KindStatic
+	healthy := staged("healthy", model.PhaseStaged)
+	healthy.Consumers = []model.Claim{{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/gone"}}}
+	healthy.Publishes = []model.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
+	halfMadeInline := &model.Volume{ID: "inline", Kind: model.KindEphemeral, Type: "fake", Creating: true}
+	idle := &model.Volume{ID: "idle", Kind: model.KindProvisioned, Type: "fake"}
+	for _, v := range []*model.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
 		if err := d.vols.Put(v, journal.Runtime); err != nil {
 			t.Fatal(err)
 		}
@@ -158,9 +159,9 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
 	pid, ns := liveProcess(t)
-	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
-		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "fake",
+		Stage:     &model.Stage{Phase: model.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []model.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
@@ -180,12 +181,12 @@ func reattachVolume(t *testing.T, d *Driver) int {
 	d.sources["fake"] = &fakeSource{}
 	pid, ns := liveProcess(t)
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v/mnt", Options: []string{"nosuid", "nodev"}}}
-	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
-		Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Claim{
+	v := &model.Volume{ID: "v", Kind: model.KindStatic, Type: "fake",
+		Stage: &model.Stage{Phase: model.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []model.Claim{
 			{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
 			{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 7}, MountPoint: "/gone"}, Mounts: mounts}},
-		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
+		Publishes: []model.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
@@ -283,7 +284,7 @@ func TestReattachHealsFirst(t *testing.T) {
 func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	if err := d.vols.Put(&journal.Volume{ID: "rec", Kind: journal.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
+	if err := d.vols.Put(&model.Volume{ID: "rec", Kind: model.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	vols := filepath.Join(d.opts.StateDir, "volumes")
@@ -346,11 +347,11 @@ func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 func TestReadersNeverSeeATornRecord(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake"}
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "fake"}
 	if err := d.vols.Put(v, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
-	v.Stage = &journal.Stage{Phase: journal.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)}
+	v.Stage = &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)}
 	if err := d.vols.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}

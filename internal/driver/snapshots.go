@@ -16,6 +16,7 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/keylock"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
@@ -25,7 +26,7 @@ import (
 // volume. An operation that involves both takes the snapshot's lock and
 // then the volume's.
 type snapshots struct {
-	store *journal.Snapshots
+	store *journal.Store[model.Snapshot]
 	locks keylock.Locks
 }
 
@@ -42,12 +43,18 @@ func openSnapshots(stateDir string) (*snapshots, error) {
 // The record is written Creating before the copy and completed after it,
 // so a crash in between leaves nothing that a later call or the
 // reconciler does not remove. Idempotent by name.
+// put writes snap's record, durably: what it describes is on disk.
+func (s *snapshots) put(snap *model.Snapshot) error {
+	_, err := s.store.Put(snap.ID, snap, journal.Durable)
+	return err
+}
+
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
 	name, srcID := req.GetName(), req.GetSourceVolumeId()
 	if err := requireField("name", name); err != nil {
 		return nil, err
 	}
-	if err := journal.ValidID(name); err != nil {
+	if err := model.ValidID(name); err != nil {
 		return nil, invalid("name %q cannot name a node-local snapshot (1-128 of [A-Za-z0-9._-])", name)
 	}
 	if err := requireField("source_volume_id", srcID); err != nil {
@@ -90,24 +97,24 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 
 // takeSnapshot copies volume srcID's image as snapshot name, whose lock
 // the caller holds and which has no record.
-func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal.Snapshot, error) {
+func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.Snapshot, error) {
 	v, unlock, err := d.sourceVolume(srcID, "CreateSnapshot")
 	defer unlock()
 	if err != nil {
 		return nil, err
 	}
-	snap := &journal.Snapshot{ID: name, SourceVolume: srcID, Image: loop.SnapshotImagePath(d.opts.StateDir, name),
+	snap := &model.Snapshot{ID: name, SourceVolume: srcID, Image: loop.SnapshotImagePath(d.opts.StateDir, name),
 		SizeBytes: v.CapacityBytes, FsType: v.FsType, Created: time.Now().UTC(), Creating: true}
 	if v.Format != nil && v.Format.Done {
 		f := *v.Format
 		snap.Format = &f
 	}
-	if err := d.snaps.store.Put(snap); err != nil {
+	if err := d.snaps.put(snap); err != nil {
 		return nil, err
 	}
 	markFrozen := func() error {
 		snap.Frozen = true
-		return d.snaps.store.Put(snap)
+		return d.snaps.put(snap)
 	}
 	method, err := d.copyVolumeImage(ctx, v, snap.Image, v.CapacityBytes, true, markFrozen)
 	if err != nil {
@@ -118,10 +125,10 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal
 			// (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.snaps.store.Delete(name))
+		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.snaps.store.Delete(name, journal.Durable))
 	}
 	snap.Creating, snap.Frozen, snap.Method = false, false, string(method)
-	if err := d.snaps.store.Put(snap); err != nil {
+	if err := d.snaps.put(snap); err != nil {
 		return nil, err
 	}
 	return snap, nil
@@ -129,8 +136,8 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal
 
 // sourceVolume locks and reads a provisioned volume that is to be copied
 // (the source of a snapshot or a clone). The returned func is never nil.
-func (d *Driver) sourceVolume(id, op string) (*journal.Volume, func(), error) {
-	if journal.ValidID(id) != nil {
+func (d *Driver) sourceVolume(id, op string) (*model.Volume, func(), error) {
+	if model.ValidID(id) != nil {
 		return nil, func() {}, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
 	}
 	v, unlock, err := d.locked(id, op)
@@ -141,7 +148,7 @@ func (d *Driver) sourceVolume(id, op string) (*journal.Volume, func(), error) {
 		// A create that was never answered: no volume for the CO.
 		return nil, unlock, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
 	}
-	if v.Kind != journal.KindProvisioned {
+	if v.Kind != model.KindProvisioned {
 		return nil, unlock, fmt.Errorf("volume %s is %s: only volumes this plugin provisioned can be copied: %w", id, v.Kind, errdefs.ErrInvalidArgument)
 	}
 	return v, unlock, nil
@@ -150,7 +157,7 @@ func (d *Driver) sourceVolume(id, op string) (*journal.Volume, func(), error) {
 // undoSnapshot removes what an interrupted or deleted snapshot left,
 // thawing its source first if the copy may have left it frozen. The
 // caller holds the snapshot's lock.
-func (d *Driver) undoSnapshot(ctx context.Context, snap *journal.Snapshot) error {
+func (d *Driver) undoSnapshot(ctx context.Context, snap *model.Snapshot) error {
 	if snap.Creating && snap.Frozen {
 		if err := d.thawSource(ctx, snap.SourceVolume); err != nil {
 			return fmt.Errorf("snapshot %s: thaw volume %s: %w", snap.ID, snap.SourceVolume, err)
@@ -161,7 +168,7 @@ func (d *Driver) undoSnapshot(ctx context.Context, snap *journal.Snapshot) error
 	if err := loop.RemoveImage(snap.Image); err != nil {
 		return err
 	}
-	return d.snaps.store.Delete(snap.ID)
+	return d.snaps.store.Delete(snap.ID, journal.Durable)
 }
 
 func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
@@ -169,7 +176,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if err := requireField("snapshot_id", id); err != nil {
 		return nil, err
 	}
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return &csi.DeleteSnapshotResponse{}, nil // such a snapshot cannot exist here
 	}
 	unlock, err := d.snaps.locks.TryLock(id, "DeleteSnapshot")
@@ -188,10 +195,10 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 }
 
 func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
-	var snaps []*journal.Snapshot
+	var snaps []*model.Snapshot
 	switch id := req.GetSnapshotId(); {
 	case id != "":
-		if journal.ValidID(id) != nil {
+		if model.ValidID(id) != nil {
 			break // such a snapshot cannot exist here
 		}
 		snap, err := d.snaps.store.Get(id)
@@ -208,14 +215,14 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		}
 		snaps = all
 	}
-	var ready []*journal.Snapshot
+	var ready []*model.Snapshot
 	for _, s := range snaps {
 		// One being taken has not been answered yet: not a snapshot yet.
 		if !s.Creating && (req.GetSourceVolumeId() == "" || s.SourceVolume == req.GetSourceVolumeId()) {
 			ready = append(ready, s)
 		}
 	}
-	entries, next, err := page(ready, func(s *journal.Snapshot) string { return s.ID }, req.GetStartingToken(), req.GetMaxEntries())
+	entries, next, err := page(ready, func(s *model.Snapshot) string { return s.ID }, req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
@@ -231,7 +238,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	if err := requireField("snapshot_id", id); err != nil {
 		return nil, err
 	}
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, errdefs.ErrNotFound)
 	}
 	snap, err := d.snaps.store.Get(id)
@@ -244,7 +251,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	return &csi.GetSnapshotResponse{Snapshot: d.csiSnapshot(snap)}, nil
 }
 
-func (d *Driver) csiSnapshot(s *journal.Snapshot) *csi.Snapshot {
+func (d *Driver) csiSnapshot(s *model.Snapshot) *csi.Snapshot {
 	return &csi.Snapshot{
 		SnapshotId:         s.ID,
 		SourceVolumeId:     s.SourceVolume,
@@ -298,7 +305,7 @@ func (d *Driver) reconcileSnapshots(ctx context.Context) error {
 // reconcileSnapshot undoes snapshot id if it was interrupted (or is an
 // image without a record) and removes its temp files.
 func (d *Driver) reconcileSnapshot(ctx context.Context, id string, temps []string) error {
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return nil
 	}
 	unlock, err := d.snaps.locks.TryLock(id, "reconcile")

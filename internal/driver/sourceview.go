@@ -10,12 +10,13 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 )
 
 // viewOf is what v's source sees of it: a copy of the facts and of the
 // source's own state, nothing it could change the record through.
-func viewOf(v *journal.Volume) source.Volume {
+func viewOf(v *model.Volume) source.Volume {
 	sv := source.Volume{ID: v.ID, Kind: v.Kind, Type: v.Type, Image: v.Image, CapacityBytes: v.CapacityBytes,
 		FsType: v.FsType, Parameters: maps.Clone(v.Parameters)}
 	if v.Format != nil {
@@ -30,8 +31,8 @@ func viewOf(v *journal.Volume) source.Volume {
 
 // recordOf makes the record of a static volume from what its source
 // checked (NewVolume); it is not saved yet.
-func recordOf(typ string, sv source.Volume) *journal.Volume {
-	return &journal.Volume{ID: sv.ID, Kind: journal.KindStatic, Type: typ, Image: sv.Image,
+func recordOf(typ string, sv source.Volume) *model.Volume {
+	return &model.Volume{ID: sv.ID, Kind: model.KindStatic, Type: typ, Image: sv.Image,
 		FsType: sv.FsType, Parameters: sv.Parameters}
 }
 
@@ -39,10 +40,10 @@ func recordOf(typ string, sv source.Volume) *journal.Volume {
 // holds v's lock for.
 type recorder struct {
 	vols *volumes
-	v    *journal.Volume
+	v    *model.Volume
 }
 
-func (r recorder) SetFormat(f journal.Format, durable bool) error {
+func (r recorder) SetFormat(f model.Format, durable bool) error {
 	r.v.Format = &f
 	if !durable {
 		return nil // written with the stage's own final write
@@ -80,17 +81,37 @@ func (d *Driver) WithVolume(ctx context.Context, id, op string, fn func(v source
 // is the volumes' lock table's, under a key no volume ID can take (IDs
 // hold no '/').
 func (d *Driver) WithShared(ctx context.Context, kind, key, op string, fn func(data []byte, save func([]byte) error) error) error {
+	store, err := journal.Shared(d.opts.StateDir, kind)
+	if err != nil {
+		return err
+	}
 	unlock, err := d.vols.lock(ctx, "shared/"+kind+"/"+key, op)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	data, err := d.vols.store.GetShared(kind, key)
-	if err != nil {
+	rec, err := store.Get(key)
+	var data []byte
+	switch {
+	case err == nil:
+		data = *rec
+	case !errors.Is(err, errdefs.ErrNotFound):
 		return err
 	}
-	return fn(data, func(b []byte) error { return d.vols.store.PutShared(kind, key, b) })
+	return fn(data, func(b []byte) error {
+		if b == nil {
+			return store.Delete(key, journal.Durable)
+		}
+		_, err := store.Put(key, (*json.RawMessage)(&b), journal.Durable)
+		return err
+	})
 }
 
 // SharedKeys lists the keys of a source's shared records of kind.
-func (d *Driver) SharedKeys(kind string) ([]string, error) { return d.vols.store.SharedKeys(kind) }
+func (d *Driver) SharedKeys(kind string) ([]string, error) {
+	store, err := journal.Shared(d.opts.StateDir, kind)
+	if err != nil {
+		return nil, err
+	}
+	return store.Keys()
+}

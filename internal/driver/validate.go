@@ -9,7 +9,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -36,7 +36,7 @@ func requireVolumeID(id string) error {
 	if err := requireField("volume_id", id); err != nil {
 		return err
 	}
-	return journal.ValidID(id)
+	return model.ValidID(id)
 }
 
 // requirePath checks a CO-supplied path: absolute and clean.

@@ -11,6 +11,7 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/keylock"
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 // volumes is the one owner of volume state: the journal on disk, one lock
@@ -24,7 +25,7 @@ import (
 // cannot see a write in progress (the journal rewrites runtime records in
 // place) nor fall back to an older durable copy.
 type volumes struct {
-	store *journal.Store
+	store *journal.Store[model.Volume]
 	locks keylock.Locks
 
 	mu   sync.RWMutex
@@ -40,7 +41,7 @@ type volumes struct {
 // here too. Records that do not read are left out (unreadable), and Get
 // reports them from the disk.
 func openVolumes(stateDir string) (*volumes, error) {
-	store, err := journal.Open(stateDir)
+	store, err := journal.OpenVolumes(stateDir)
 	if err != nil {
 		return nil, err
 	}
@@ -58,8 +59,8 @@ func (vs *volumes) lock(ctx context.Context, id, op string) (func(), error) {
 
 // Get returns a copy of id's record (errdefs.ErrNotFound when it has
 // none). The caller may change the copy; only Put makes a change real.
-func (vs *volumes) Get(id string) (*journal.Volume, error) {
-	if err := journal.ValidID(id); err != nil {
+func (vs *volumes) Get(id string) (*model.Volume, error) {
+	if err := model.ValidID(id); err != nil {
 		return nil, err
 	}
 	vs.mu.RLock()
@@ -69,7 +70,7 @@ func (vs *volumes) Get(id string) (*journal.Volume, error) {
 		// No record, or one that did not read at start: the journal says which.
 		return vs.store.Get(id)
 	}
-	v := &journal.Volume{}
+	v := &model.Volume{}
 	if err := json.Unmarshal(b, v); err != nil {
 		// Read at start and valid JSON, but not a record: the journal
 		// falls back to the durable copy, or says what is wrong.
@@ -80,8 +81,8 @@ func (vs *volumes) Get(id string) (*journal.Volume, error) {
 
 // Put writes v to the journal, then makes it what readers see. The
 // caller holds v's lock.
-func (vs *volumes) Put(v *journal.Volume, d journal.Durability) error {
-	b, err := vs.store.PutRecord(v, d)
+func (vs *volumes) Put(v *model.Volume, d journal.Durability) error {
+	b, err := vs.store.Put(v.ID, v, d)
 	if err != nil {
 		return err
 	}
@@ -115,9 +116,9 @@ func (vs *volumes) IDs() []string {
 }
 
 // List returns a copy of every record, sorted by ID.
-func (vs *volumes) List() ([]*journal.Volume, error) {
+func (vs *volumes) List() ([]*model.Volume, error) {
 	ids := vs.IDs()
-	out := make([]*journal.Volume, 0, len(ids))
+	out := make([]*model.Volume, 0, len(ids))
 	var errs []error
 	for _, id := range ids {
 		v, err := vs.Get(id)
@@ -130,7 +131,7 @@ func (vs *volumes) List() ([]*journal.Volume, error) {
 			out = append(out, v)
 		}
 	}
-	slices.SortFunc(out, func(a, b *journal.Volume) int { return strings.Compare(a.ID, b.ID) })
+	slices.SortFunc(out, func(a, b *model.Volume) int { return strings.Compare(a.ID, b.ID) })
 	return out, errors.Join(errs...)
 }
 

@@ -18,7 +18,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -41,14 +41,14 @@ type StageRequest struct {
 // source may not change the record through.
 type Volume struct {
 	ID            string
-	Kind          journal.Kind
+	Kind          model.Kind
 	Type          string // the source kind the record names
 	Image         string
 	CapacityBytes int64
 	FsType        string
 	Parameters    map[string]string
 	// Format is the filesystem made (or being made) on the volume.
-	Format *journal.Format
+	Format *model.Format
 	// Staging says a stage is recorded: under way, done, or being undone.
 	Staging bool
 	// State is what the source recorded of the stage (its Stage result or
@@ -63,7 +63,7 @@ type Recorder interface {
 	// when durable (a format about to run, or just done: what describes
 	// the disk survives a machine crash), else with the stage's own final
 	// write (a filesystem found, which changes nothing on disk).
-	SetFormat(f journal.Format, durable bool) error
+	SetFormat(f model.Format, durable bool) error
 	// SaveIntent records the source's state before a side effect (a
 	// device being connected, a daemon being started), so that an undo
 	// after a crash finds what may be half done. It describes runtime

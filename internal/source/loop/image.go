@@ -12,9 +12,9 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/loopdev"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -114,7 +114,7 @@ func ResolveStaticImage(image string, roots []string) (string, error) {
 }
 
 // ImagePath is where a provisioned or ephemeral volume's image lives.
-func ImagePath(stateDir string, kind journal.Kind, id string) string {
+func ImagePath(stateDir string, kind model.Kind, id string) string {
 	return filepath.Join(stateDir, "images", string(kind), id+".img")
 }
 
@@ -123,7 +123,7 @@ func ImagePath(stateDir string, kind journal.Kind, id string) string {
 // CreateImage). Only a caller that holds the volume's lock may remove them.
 func TempImages(stateDir string) (map[string][]string, error) {
 	out := map[string][]string{}
-	for _, dir := range []string{string(journal.KindProvisioned), string(journal.KindEphemeral), "scratch"} {
+	for _, dir := range []string{string(model.KindProvisioned), string(model.KindEphemeral), "scratch"} {
 		temps, err := fsutil.AtomicTemps(filepath.Join(stateDir, "images", dir))
 		if err != nil {
 			return nil, err

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/internal/config"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/sourcetest"
@@ -60,7 +60,7 @@ func TestOverlayChain(t *testing.T) {
 			stateDir := filepath.Join(dir, "state")
 			node := newNode(t, stateDir, dir)
 			s := New(stateDir, node)
-			v := source.Volume{ID: "chain-" + tc.kind, Kind: journal.KindStatic, Image: readOnlyImage(t, dir, tc.kind),
+			v := source.Volume{ID: "chain-" + tc.kind, Kind: model.KindStatic, Image: readOnlyImage(t, dir, tc.kind),
 				Parameters: map[string]string{ParamOverlay: "true", ParamUpperSize: tc.upperSize}}
 			if tc.upperSize == "" {
 				delete(v.Parameters, ParamUpperSize)

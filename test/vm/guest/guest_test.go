@@ -223,7 +223,7 @@ func (f *flow) writeRemountRead() {
 
 func (f *flow) state() json {
 	f.t.Helper()
-	st, err := journal.Open(f.stateDir)
+	st, err := journal.OpenVolumes(f.stateDir)
 	if err != nil {
 		f.t.Fatal(err)
 	}
