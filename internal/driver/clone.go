@@ -52,14 +52,14 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 		Image: loop.ImagePath(d.opts.StateDir, model.KindProvisioned, id), CapacityBytes: size,
 		FsType: fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true,
 		ContentSource: c.record, Format: c.format, GrowFilesystem: c.format != nil && size > c.size}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	var method imagecopy.Method
 	if c.volume != nil {
 		markFrozen := func() error {
 			v.ContentSource.Frozen = true
-			return d.vols.Put(v, journal.Durable)
+			return d.records.Put(v, journal.Durable)
 		}
 		method, err = d.copyVolumeImage(ctx, c.volume, v.Image, size, false, markFrozen)
 	} else {
@@ -76,11 +76,11 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 			// undoes it (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
+		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
 	}
 	klog.FromContext(ctx).V(2).Info("Copied the image", "from", describeContent(c.record), "method", method)
 	v.Creating, v.ContentSource.Frozen = false, false
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	return v, nil
@@ -106,11 +106,11 @@ func (d *Driver) lockContent(id string, cs *csi.VolumeContentSource) (*content, 
 		if model.ValidID(snapID) != nil {
 			return nil, none, fmt.Errorf("snapshot %s: %w", snapID, errdefs.ErrNotFound)
 		}
-		unlock, err := d.snaps.locks.TryLock(snapID, "CreateVolume")
+		unlock, err := d.records.TryLockSnapshot(snapID, "CreateVolume")
 		if err != nil {
 			return nil, none, err
 		}
-		snap, err := d.snaps.store.Get(snapID)
+		snap, err := d.records.Snapshot(snapID)
 		if err == nil && snap.Creating {
 			err = fmt.Errorf("snapshot %s: %w", snapID, errdefs.ErrNotFound)
 		}
@@ -204,7 +204,7 @@ func (d *Driver) growCopiedFilesystem(ctx context.Context, v *model.Volume, src 
 		return fmt.Errorf("grow the filesystem copied into %s: %w", v.ID, err)
 	}
 	v.GrowFilesystem = false
-	return d.vols.Put(v, journal.Durable)
+	return d.records.Put(v, journal.Durable)
 }
 
 // abandonCopy removes a volume whose copy a crash interrupted, thawing
@@ -220,5 +220,5 @@ func (d *Driver) abandonCopy(ctx context.Context, v *model.Volume) error {
 	if err := loop.RemoveImage(v.Image); err != nil {
 		return err
 	}
-	return d.vols.Delete(v.ID, journal.Durable)
+	return d.records.Delete(v.ID, journal.Durable)
 }

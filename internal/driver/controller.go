@@ -154,13 +154,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, err
 	}
 	id := req.GetName()
-	unlock, err := d.lock(id, "CreateVolume")
+	unlock, err := d.records.TryLock(id, "CreateVolume")
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
 
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	switch {
 	case err == nil && !v.Creating:
 		if err := compatible(v, req, p); err != nil {
@@ -193,16 +193,16 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	v = &model.Volume{ID: id, Kind: model.KindProvisioned, Type: loop.Type,
 		Image: loop.ImagePath(d.opts.StateDir, model.KindProvisioned, id), CapacityBytes: p.size,
 		FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	if err := d.makeImage(ctx, v, req.GetVolumeCapabilities()); err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create image for %s: %w", id, imageError(err))
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
+		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
 	}
 	v.Creating = false
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	return d.createResponse(v), nil
@@ -291,7 +291,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if model.ValidID(id) != nil {
 		return &csi.DeleteVolumeResponse{}, nil // such a volume cannot exist here
 	}
-	v, unlock, err := d.locked(id, "DeleteVolume")
+	v, unlock, err := d.records.Locked(id, "DeleteVolume")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.DeleteVolumeResponse{}, nil
@@ -315,7 +315,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err := loop.RemoveDetachedImage(ctx, v.Image); err != nil {
 		return nil, fmt.Errorf("volume %s: %w", id, err)
 	}
-	return &csi.DeleteVolumeResponse{}, d.vols.Delete(id, journal.Durable)
+	return &csi.DeleteVolumeResponse{}, d.records.Delete(id, journal.Durable)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
@@ -325,7 +325,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	if len(req.GetVolumeCapabilities()) == 0 {
 		return nil, invalid("volume_capabilities are required")
 	}
-	if _, err := d.vols.Get(req.GetVolumeId()); err != nil {
+	if _, err := d.records.Get(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
@@ -356,7 +356,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if req.GetCapacityRange() == nil {
 		return nil, invalid("capacity_range is required")
 	}
-	v, unlock, err := d.locked(id, "ControllerExpandVolume")
+	v, unlock, err := d.records.Locked(id, "ControllerExpandVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err
@@ -378,7 +378,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 			return nil, fmt.Errorf("grow image of %s: %w", id, imageError(err))
 		}
 		v.CapacityBytes = size
-		if err := d.vols.Put(v, journal.Durable); err != nil {
+		if err := d.records.Put(v, journal.Durable); err != nil {
 			return nil, err
 		}
 	}

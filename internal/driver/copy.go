@@ -98,12 +98,12 @@ func copyImage(ctx context.Context, src, dst string, size int64) (imagecopy.Meth
 // thawSource thaws the filesystem of volume id if a copy interrupted by a
 // crash left it frozen. Background work: it waits for the volume's lock.
 func (d *Driver) thawSource(ctx context.Context, id string) error {
-	unlock, err := d.vols.lock(ctx, id, "thaw")
+	unlock, err := d.records.Lock(ctx, id, "thaw")
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
 	}

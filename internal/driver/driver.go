@@ -63,8 +63,7 @@ type Driver struct {
 	opts    Options
 	node    mounter.Node
 	loop    *loop.Source
-	vols    *volumes
-	snaps   *snapshots
+	records *records
 	sources map[string]source.Source
 	policy  plan.Policy
 	kubelet kubeletDir
@@ -89,11 +88,7 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
-	vols, err := openVolumes(stateDir)
-	if err != nil {
-		return nil, err
-	}
-	snaps, err := openSnapshots(stateDir)
+	recs, err := openRecords(stateDir)
 	if err != nil {
 		return nil, err
 	}
@@ -116,8 +111,7 @@ func New(opts Options) (*Driver, error) {
 		opts:    opts,
 		node:    opts.Node,
 		loop:    ls,
-		vols:    vols,
-		snaps:   snaps,
+		records: recs,
 		sources: sources,
 		policy:  opts.Config.PlanPolicy(stateDir),
 		kubelet: kubelet,
@@ -138,23 +132,6 @@ func (d *Driver) Register(s *grpc.Server) {
 	api.RegisterNodePrepareServer(s, d)
 }
 
-// lock takes the volume's lock for op; a busy volume gives Aborted.
-func (d *Driver) lock(id, op string) (func(), error) {
-	return d.vols.tryLock(id, op)
-}
-
-// locked takes the volume's lock for op and reads its record. The returned
-// func releases the lock and is never nil; a volume without a record comes
-// back with an error wrapping errdefs.ErrNotFound.
-func (d *Driver) locked(id, op string) (*model.Volume, func(), error) {
-	unlock, err := d.lock(id, op)
-	if err != nil {
-		return nil, func() {}, err
-	}
-	v, err := d.vols.Get(id)
-	return v, unlock, err
-}
-
 func (d *Driver) sourceOf(v *model.Volume) (source.Source, error) {
 	s, ok := d.sources[v.Type]
 	if !ok {
@@ -165,7 +142,7 @@ func (d *Driver) sourceOf(v *model.Volume) (source.Source, error) {
 
 // StagedByType counts staged volumes by type, for the metrics gauge.
 func (d *Driver) StagedByType() map[string]int {
-	vols, _ := d.vols.List()
+	vols, _ := d.records.List()
 	out := map[string]int{}
 	for _, v := range vols {
 		if v.Staged() {

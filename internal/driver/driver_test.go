@@ -164,7 +164,7 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 	if m.calls != 0 {
 		t.Fatalf("refused requests reached the mounter %d times", m.calls)
 	}
-	vols, err := d.vols.List()
+	vols, err := d.records.List()
 	if err != nil || len(vols) != 0 {
 		t.Fatalf("refused requests left records: %v %v", vols, err)
 	}
@@ -227,7 +227,7 @@ func TestCreateVolumeIsIdempotentByName(t *testing.T) {
 func TestConcurrentOperationIsAborted(t *testing.T) {
 	d, _ := newTestDriver(t)
 	stg := d.kubelet.root + "/plugins/x/globalmount"
-	unlock, err := d.lock("v", "NodeStageVolume")
+	unlock, err := d.records.TryLock("v", "NodeStageVolume")
 	if err != nil {
 		t.Fatal(err)
 	}

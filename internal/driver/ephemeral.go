@@ -28,7 +28,7 @@ const DefaultEphemeralSize int64 = 1 << 30
 // undoes every step, so a failed publish leaves no image behind.
 func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, c capability) (err error) {
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if err == nil {
 		if v.Kind != model.KindEphemeral {
 			return fmt.Errorf("volume %s exists and is not an inline volume: %w", id, errdefs.ErrAlreadyExists)
@@ -50,7 +50,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	}
 	v = &model.Volume{ID: id, Kind: model.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
 		Image: loop.ImagePath(d.opts.StateDir, model.KindEphemeral, id), Creating: true}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return err
 	}
 	defer func() {
@@ -98,7 +98,7 @@ func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int6
 // destroyEphemeral tears down an inline volume: unstage, image, record.
 func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 	if len(v.Publishes) > 0 {
-		return d.vols.Put(v, journal.Runtime)
+		return d.records.Put(v, journal.Runtime)
 	}
 	if err := d.unstage(ctx, v); err != nil {
 		return err
@@ -107,7 +107,7 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 		return err
 	}
 	klog.FromContext(ctx).V(2).Info("Inline volume removed", "volume", v.ID)
-	return d.vols.Delete(v.ID, journal.Durable)
+	return d.records.Delete(v.ID, journal.Durable)
 }
 
 // parseSize reads a byte count with an optional binary (Ki, Mi, Gi, Ti) or

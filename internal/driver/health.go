@@ -14,7 +14,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 	if err := requireVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
-	v, err := d.vols.Get(req.GetVolumeId())
+	v, err := d.records.Get(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}

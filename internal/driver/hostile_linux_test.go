@@ -84,7 +84,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 // what a refused request should never have made (a red run).
 func (e *hostileEnv) teardown(t *testing.T) {
 	ctx := context.Background()
-	vols, _ := e.d.vols.List()
+	vols, _ := e.d.records.List()
 	for _, v := range vols {
 		for _, p := range v.Publishes {
 			if err := e.d.unpublish(ctx, v, p.TargetPath); err != nil {
@@ -194,7 +194,7 @@ func TestHostileRequests(t *testing.T) {
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}})
 			return err
 		}, codes.OutOfRange, func() error {
-			if _, err := e.d.vols.Get("huge"); !errors.Is(err, errdefs.ErrNotFound) {
+			if _, err := e.d.records.Get("huge"); !errors.Is(err, errdefs.ErrNotFound) {
 				return fmt.Errorf("the refused create left a record: %v", err)
 			}
 			return nil
@@ -209,7 +209,7 @@ func TestHostileRequests(t *testing.T) {
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}})
 			return err
 		}, codes.OutOfRange, func() error {
-			if v, err := e.d.vols.Get("vol2"); err != nil || v.CapacityBytes != 16*mib {
+			if v, err := e.d.records.Get("vol2"); err != nil || v.CapacityBytes != 16*mib {
 				return fmt.Errorf("the refused expansion changed the record: %+v %v", v, err)
 			}
 			return nil
@@ -255,7 +255,7 @@ func TestHostileRequests(t *testing.T) {
 		})
 		safe = safe && ok
 	}
-	if v, err := e.d.vols.Get("vol2"); err != nil || v.Stage != nil {
+	if v, err := e.d.records.Get("vol2"); err != nil || v.Stage != nil {
 		t.Errorf("a refused stage left vol2 staged: %+v %v", v, err)
 	}
 }
@@ -355,7 +355,7 @@ func prepareAsUnprivileged() {
 	}
 	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "loop",
 		Stage: &model.Stage{Phase: model.PhaseStaged, StagingPath: staging, Source: []byte(`{}`)}}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		fmt.Println("Put:", err)
 		return
 	}

@@ -46,7 +46,7 @@ func page[T any](sorted []T, id func(T) string, token string, max int32) ([]T, s
 func listed(v *model.Volume) bool { return v.Kind == model.KindProvisioned && !v.Creating }
 
 func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
-	all, err := d.vols.List()
+	all, err := d.records.List()
 	if err != nil {
 		return nil, err
 	}
@@ -70,7 +70,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err := requireVolumeID(id); err != nil {
 		return nil, err
 	}
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if err == nil && !listed(v) {
 		err = fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
 	}

@@ -52,7 +52,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodeStageVolume")
+	unlock, err := d.records.TryLock(id, "NodeStageVolume")
 	if err != nil {
 		return nil, err
 	}
@@ -67,7 +67,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 // volumeForStage finds the record of a provisioned volume, or has the
 // source named by the context's type make one for a static volume.
 func (d *Driver) volumeForStage(id string, vctx map[string]string) (*model.Volume, error) {
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
 	}
@@ -106,13 +106,13 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 		}
 	}
 	v.Stage = &model.Stage{Phase: model.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, viewOf(v), source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.vols, v}})
+	state, err := src.Stage(ctx, viewOf(v), source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.records, v}})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
@@ -123,7 +123,7 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 		v.Stage = nil
 		return errors.Join(err, uerr, d.saveOrForget(v))
 	}
-	return d.vols.Put(v, journal.Runtime)
+	return d.records.Put(v, journal.Runtime)
 }
 
 // adopt makes sure a staged volume's handles are live in this process.
@@ -134,7 +134,7 @@ func (d *Driver) adopt(ctx context.Context, v *model.Volume, src source.Source) 
 	}
 	if string(state) != string(v.Stage.Source) {
 		v.Stage.Source = state
-		return d.vols.Put(v, journal.Runtime)
+		return d.records.Put(v, journal.Runtime)
 	}
 	return nil
 }
@@ -143,9 +143,9 @@ func (d *Driver) adopt(ctx context.Context, v *model.Volume, src source.Source) 
 // drops the record of a static one, which exists only while staged.
 func (d *Driver) saveOrForget(v *model.Volume) error {
 	if v.Kind == model.KindStatic && v.Stage == nil {
-		return d.vols.Delete(v.ID, journal.Runtime)
+		return d.records.Delete(v.ID, journal.Runtime)
 	}
-	return d.vols.Put(v, journal.Runtime)
+	return d.records.Put(v, journal.Runtime)
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
@@ -156,7 +156,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodeUnstageVolume")
+	v, unlock, err := d.records.Locked(id, "NodeUnstageVolume")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.NodeUnstageVolumeResponse{}, nil
@@ -188,7 +188,7 @@ func (d *Driver) unstage(ctx context.Context, v *model.Volume) error {
 		return err
 	}
 	v.Stage.Phase = model.PhaseUnstaging
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if err := src.Unstage(ctx, viewOf(v)); err != nil {
@@ -206,7 +206,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
 		return nil, err
 	}
-	v, err := d.vols.Get(req.GetVolumeId())
+	v, err := d.records.Get(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}

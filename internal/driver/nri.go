@@ -120,7 +120,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 	pub.CreatedTarget = created || (prev != nil && prev.CreatedTarget)
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, pub)
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if !c.block {
@@ -132,7 +132,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 		if pub.CreatedTarget {
 			rmErr = d.kubelet.removeTarget(target)
 		}
-		return errors.Join(err, rmErr, d.vols.Put(v, journal.Runtime))
+		return errors.Join(err, rmErr, d.records.Put(v, journal.Runtime))
 	}
 	klog.FromContext(ctx).V(2).Info("Published for containers only (NRI)", "volume", v.ID, "target", target, "block", c.block)
 	return err
@@ -202,7 +202,7 @@ func (d *Driver) preparePublished(ctx context.Context, req *api.NodePrepareVolum
 	if err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodePrepareVolume")
+	v, unlock, err := d.records.Locked(id, "NodePrepareVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err
@@ -224,7 +224,7 @@ func (d *Driver) findNRIPublish(pub *api.PublishedVolume) (string, error) {
 	if pub.GetTargetPath() == "" && pub.GetDeviceMajor() == 0 && pub.GetDeviceMinor() == 0 {
 		return "", invalid("published needs a target_path or a device number")
 	}
-	vols, err := d.vols.List()
+	vols, err := d.records.List()
 	if err != nil {
 		return "", err
 	}
@@ -281,7 +281,7 @@ func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *pl
 		}
 		c.PID, c.Namespace = cons.PID, cons.Namespace
 		klog.FromContext(ctx).V(2).Info("Container consumer started", "volume", v.ID, "container", cons.ContainerID, "pid", cons.PID, "mntns", cons.Namespace.Inode)
-		return c.Mounts, d.vols.Put(v, journal.Runtime)
+		return c.Mounts, d.records.Put(v, journal.Runtime)
 	}
 	mounts, err := d.planFor(v, source.PlanRequest{Block: v.Stage.Block, ReadOnly: readOnly || p.ReadOnly, MountFlags: p.MountFlags})
 	if err != nil {
@@ -292,7 +292,7 @@ func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *pl
 	}
 	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared for a container", "volume", v.ID, "container", cons.ContainerID, "mountPoint", cons.MountPoint, "pid", cons.PID)
-	return mounts, d.vols.Put(v, journal.Runtime)
+	return mounts, d.records.Put(v, journal.Runtime)
 }
 
 // pendingContainer reports whether c is a container whose process has not
@@ -310,7 +310,7 @@ func (d *Driver) NodeSyncContainers(ctx context.Context, req *api.NodeSyncContai
 		live[id] = true
 	}
 	gone := func(c model.Claim) bool { return c.ContainerID != "" && !live[c.ContainerID] }
-	vols, err := d.vols.List()
+	vols, err := d.records.List()
 	if err != nil {
 		return nil, err
 	}
@@ -329,7 +329,7 @@ func (d *Driver) NodeSyncContainers(ctx context.Context, req *api.NodeSyncContai
 
 // releaseClaims drops the claims of volume id that match.
 func (d *Driver) releaseClaims(ctx context.Context, id string, match func(model.Claim) bool) (uint32, error) {
-	v, unlock, err := d.locked(id, "NodeSyncContainers")
+	v, unlock, err := d.records.Locked(id, "NodeSyncContainers")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return 0, nil
@@ -348,7 +348,7 @@ func (d *Driver) releaseClaims(ctx context.Context, id string, match func(model.
 	if len(v.Consumers) == n {
 		return 0, nil
 	}
-	return uint32(n - len(v.Consumers)), d.vols.Put(v, journal.Runtime)
+	return uint32(n - len(v.Consumers)), d.records.Put(v, journal.Runtime)
 }
 
 // statsNRI answers NodeGetVolumeStats for an NRI publish, which holds no

@@ -35,7 +35,7 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if cons.PID == 0 || cons.ContainerID != "" {
 		return nil, invalid("consumer.pid must be a positive process id (a container consumer names the volume by its publish)")
 	}
-	v, unlock, err := d.locked(id, "NodePrepareVolume")
+	v, unlock, err := d.records.Locked(id, "NodePrepareVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err
@@ -79,7 +79,7 @@ func (d *Driver) addConsumer(ctx context.Context, v *model.Volume, cons *plan.Co
 	}
 	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
-	return mounts, d.vols.Put(v, journal.Runtime)
+	return mounts, d.records.Put(v, journal.Runtime)
 }
 
 // NodeUnprepareVolume releases a consumer's claim. Idempotent: an unknown
@@ -93,7 +93,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodeUnprepareVolume")
+	v, unlock, err := d.records.Locked(id, "NodeUnprepareVolume")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &api.NodeUnprepareVolumeResponse{}, nil
@@ -113,7 +113,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if len(v.Consumers) == n {
 		return &api.NodeUnprepareVolumeResponse{}, nil
 	}
-	return &api.NodeUnprepareVolumeResponse{}, d.vols.Put(v, journal.Runtime)
+	return &api.NodeUnprepareVolumeResponse{}, d.records.Put(v, journal.Runtime)
 }
 
 // MaxConsumers bounds the consumers of one volume: every container of a

@@ -48,7 +48,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 			return nil, err
 		}
 	}
-	unlock, err := d.lock(id, "NodePublishVolume")
+	unlock, err := d.records.TryLock(id, "NodePublishVolume")
 	if err != nil {
 		return nil, err
 	}
@@ -56,7 +56,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if ephemeral {
 		return &csi.NodePublishVolumeResponse{}, d.publishEphemeral(ctx, req, c)
 	}
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if err != nil {
 		return nil, err
 	}
@@ -119,12 +119,12 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if _, err := d.kubelet.makeTarget(target, c.block); err != nil {
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
-		return errors.Join(err, d.vols.Put(v, journal.Runtime))
+		return errors.Join(err, d.records.Put(v, journal.Runtime))
 	}
 	err = d.opts.Metrics.Step("mount", func() error {
 		return d.opts.Mounter.Mount(ctx, mounts, plan.Consumer{MountPoint: target})
@@ -140,7 +140,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	if rec.CreatedTarget {
 		rmErr = d.kubelet.removeTarget(target)
 	}
-	return errors.Join(err, rmErr, d.vols.Put(v, journal.Runtime))
+	return errors.Join(err, rmErr, d.records.Put(v, journal.Runtime))
 }
 
 // mayStillMount reports whether a failed Mount call may still have its
@@ -183,7 +183,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if err := d.kubelet.check("target_path", target); err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodeUnpublishVolume")
+	v, unlock, err := d.records.Locked(id, "NodeUnpublishVolume")
 	defer unlock()
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return nil, err
@@ -264,7 +264,7 @@ func (d *Driver) unpublish(ctx context.Context, v *model.Volume, target string) 
 	if v.Kind == model.KindEphemeral {
 		return d.destroyEphemeral(ctx, v)
 	}
-	return d.vols.Put(v, journal.Runtime)
+	return d.records.Put(v, journal.Runtime)
 }
 
 // isMountPoint reports whether p is a mount point (mountns.IsMountPoint:
@@ -369,7 +369,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodeExpandVolume")
+	v, unlock, err := d.records.Locked(id, "NodeExpandVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err

@@ -26,15 +26,15 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	start := time.Now()
 	d.removeInterruptedWrites(ctx)
-	if !d.ready.Load() && d.vols.unreadable != nil {
-		logger.Error(d.vols.unreadable, "Some journal records could not be read; they are left as they are")
+	if !d.ready.Load() && d.records.unreadable != nil {
+		logger.Error(d.records.unreadable, "Some journal records could not be read; they are left as they are")
 	}
 	var errs []error
-	for _, id := range d.vols.IDs() {
+	for _, id := range d.records.IDs() {
 		// Background work waits for the volume's lock, as Reattach does:
 		// a volume skipped while busy (a FUSE sweep, a request) would go
 		// unadopted until the next interval.
-		unlock, err := d.vols.lock(ctx, id, "reconcile")
+		unlock, err := d.records.Lock(ctx, id, "reconcile")
 		if err != nil {
 			return errors.Join(append(errs, err)...) // ctx ended
 		}
@@ -66,7 +66,7 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 // stage a crash interrupted before it recorded its device; a volume whose
 // record is gone).
 func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
-	vols, err := d.vols.List()
+	vols, err := d.records.List()
 	if err != nil {
 		return err
 	}
@@ -90,7 +90,7 @@ func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
 // left for the next reconcile.
 func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 	logger := klog.FromContext(ctx)
-	records, err := d.vols.store.TempFiles()
+	records, err := d.records.TempFiles()
 	images, ierr := loop.TempImages(d.opts.StateDir)
 	if err = errors.Join(err, ierr); err != nil {
 		logger.Error(err, "Listing the temp files of interrupted writes")
@@ -102,7 +102,7 @@ func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 		}
 	}
 	for id, paths := range temps {
-		unlock, err := d.lock(id, "reconcile")
+		unlock, err := d.records.TryLock(id, "reconcile")
 		if err != nil {
 			continue
 		}
@@ -119,7 +119,7 @@ func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 // reconcileVolume reads id's record under its lock (the one decode of it
 // that a reconcile makes) and compares it with the kernel.
 func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if err != nil {
 		return err
 	}
@@ -155,7 +155,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 		return err
 	}
 	if changed {
-		return d.vols.Put(v, journal.Runtime)
+		return d.records.Put(v, journal.Runtime)
 	}
 	return nil
 }

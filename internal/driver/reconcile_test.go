@@ -99,7 +99,7 @@ func TestReconcile(t *testing.T) {
 	halfMadeInline := &model.Volume{ID: "inline", Kind: model.KindEphemeral, Type: "fake", Creating: true}
 	idle := &model.Volume{ID: "idle", Kind: model.KindProvisioned, Type: "fake"}
 	for _, v := range []*model.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
-		if err := d.vols.Put(v, journal.Runtime); err != nil {
+		if err := d.records.Put(v, journal.Runtime); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -113,16 +113,16 @@ func TestReconcile(t *testing.T) {
 		t.Fatal("not ready after the startup reconcile")
 	}
 
-	if v, err := d.vols.Get("interrupted"); err != nil || v.Stage != nil {
+	if v, err := d.records.Get("interrupted"); err != nil || v.Stage != nil {
 		t.Errorf("interrupted stage not undone: %+v %v", v, err)
 	}
-	if _, err := d.vols.Get("static-interrupted"); err == nil {
+	if _, err := d.records.Get("static-interrupted"); err == nil {
 		t.Error("an interrupted static volume's record survived")
 	}
 	if len(fake.unstaged) < 2 {
 		t.Errorf("interrupted steps were not undone through the source: %v", fake.unstaged)
 	}
-	v, err := d.vols.Get("healthy")
+	v, err := d.records.Get("healthy")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,10 +135,10 @@ func TestReconcile(t *testing.T) {
 	if string(v.Stage.Source) != `{"device":"/dev/loop9"}` {
 		t.Errorf("adopted state not recorded: %s", v.Stage.Source)
 	}
-	if _, err := d.vols.Get("inline"); err == nil {
+	if _, err := d.records.Get("inline"); err == nil {
 		t.Error("half-made inline volume survived")
 	}
-	if v, err := d.vols.Get("idle"); err != nil || v.Stage != nil {
+	if v, err := d.records.Get("idle"); err != nil || v.Stage != nil {
 		t.Errorf("idle volume changed: %+v %v", v, err)
 	}
 	adoptedHealthy := false
@@ -162,7 +162,7 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "fake",
 		Stage:     &model.Stage{Phase: model.PhaseStaged, Source: json.RawMessage(`{}`)},
 		Consumers: []model.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	err := d.unstage(context.Background(), v)
@@ -187,7 +187,7 @@ func reattachVolume(t *testing.T, d *Driver) int {
 			{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
 			{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 7}, MountPoint: "/gone"}, Mounts: mounts}},
 		Publishes: []model.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	return pid
@@ -204,7 +204,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	if m.calls != 4 { // unmount + mount at the live consumer and at the publish
 		t.Fatalf("mounter calls = %d, want 4", m.calls)
 	}
-	got, err := d.vols.Get("v")
+	got, err := d.records.Get("v")
 	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != pid {
 		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
 	}
@@ -284,7 +284,7 @@ func TestReattachHealsFirst(t *testing.T) {
 func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	if err := d.vols.Put(&model.Volume{ID: "rec", Kind: model.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
+	if err := d.records.Put(&model.Volume{ID: "rec", Kind: model.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	vols := filepath.Join(d.opts.StateDir, "volumes")
@@ -311,7 +311,7 @@ func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 			}
 		}
 	}
-	unlock, err := d.lock("busy", "NodeStageVolume")
+	unlock, err := d.records.TryLock("busy", "NodeStageVolume")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -348,11 +348,11 @@ func TestReadersNeverSeeATornRecord(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
 	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "fake"}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	v.Stage = &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	// What a reader of the file sees in the middle of the next in-place write.
@@ -364,7 +364,7 @@ func TestReadersNeverSeeATornRecord(t *testing.T) {
 	if err := os.WriteFile(file, b[:len(b)/2], 0o600); err != nil {
 		t.Fatal(err)
 	}
-	got, err := d.vols.Get("v")
+	got, err := d.records.Get("v")
 	if err != nil || !got.Staged() {
 		t.Fatalf("record while its file is half written: %+v, %v; want the staged record", got, err)
 	}

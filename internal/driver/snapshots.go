@@ -14,41 +14,16 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
-	"github.com/mountplan/mountplan/internal/keylock"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 )
-
-// snapshots are the driver's snapshot records and one lock per snapshot:
-// a namespace of its own, since a snapshot may share its name with a
-// volume. An operation that involves both takes the snapshot's lock and
-// then the volume's.
-type snapshots struct {
-	store *journal.Store[model.Snapshot]
-	locks keylock.Locks
-}
-
-func openSnapshots(stateDir string) (*snapshots, error) {
-	store, err := journal.OpenSnapshots(stateDir)
-	if err != nil {
-		return nil, err
-	}
-	return &snapshots{store: store}, nil
-}
 
 // CreateSnapshot copies the image of a provisioned volume, as one point in
 // time (see copyVolumeImage), to <state-dir>/images/snapshots/<name>.img.
 // The record is written Creating before the copy and completed after it,
 // so a crash in between leaves nothing that a later call or the
 // reconciler does not remove. Idempotent by name.
-// put writes snap's record, durably: what it describes is on disk.
-func (s *snapshots) put(snap *model.Snapshot) error {
-	_, err := s.store.Put(snap.ID, snap, journal.Durable)
-	return err
-}
-
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
 	name, srcID := req.GetName(), req.GetSourceVolumeId()
 	if err := requireField("name", name); err != nil {
@@ -68,12 +43,12 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := d.checkTopology(req.GetAccessibilityRequirements()); err != nil {
 		return nil, err
 	}
-	unlock, err := d.snaps.locks.TryLock(name, "CreateSnapshot")
+	unlock, err := d.records.TryLockSnapshot(name, "CreateSnapshot")
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	snap, err := d.snaps.store.Get(name)
+	snap, err := d.records.Snapshot(name)
 	switch {
 	case err == nil && !snap.Creating:
 		if snap.SourceVolume != srcID {
@@ -109,12 +84,12 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.S
 		f := *v.Format
 		snap.Format = &f
 	}
-	if err := d.snaps.put(snap); err != nil {
+	if err := d.records.PutSnapshot(snap); err != nil {
 		return nil, err
 	}
 	markFrozen := func() error {
 		snap.Frozen = true
-		return d.snaps.put(snap)
+		return d.records.PutSnapshot(snap)
 	}
 	method, err := d.copyVolumeImage(ctx, v, snap.Image, v.CapacityBytes, true, markFrozen)
 	if err != nil {
@@ -125,10 +100,10 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.S
 			// (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.snaps.store.Delete(name, journal.Durable))
+		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.records.DeleteSnapshot(name))
 	}
 	snap.Creating, snap.Frozen, snap.Method = false, false, string(method)
-	if err := d.snaps.put(snap); err != nil {
+	if err := d.records.PutSnapshot(snap); err != nil {
 		return nil, err
 	}
 	return snap, nil
@@ -140,7 +115,7 @@ func (d *Driver) sourceVolume(id, op string) (*model.Volume, func(), error) {
 	if model.ValidID(id) != nil {
 		return nil, func() {}, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
 	}
-	v, unlock, err := d.locked(id, op)
+	v, unlock, err := d.records.Locked(id, op)
 	if err != nil {
 		return nil, unlock, err
 	}
@@ -168,7 +143,7 @@ func (d *Driver) undoSnapshot(ctx context.Context, snap *model.Snapshot) error {
 	if err := loop.RemoveImage(snap.Image); err != nil {
 		return err
 	}
-	return d.snaps.store.Delete(snap.ID, journal.Durable)
+	return d.records.DeleteSnapshot(snap.ID)
 }
 
 func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
@@ -179,12 +154,12 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if model.ValidID(id) != nil {
 		return &csi.DeleteSnapshotResponse{}, nil // such a snapshot cannot exist here
 	}
-	unlock, err := d.snaps.locks.TryLock(id, "DeleteSnapshot")
+	unlock, err := d.records.TryLockSnapshot(id, "DeleteSnapshot")
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	snap, err := d.snaps.store.Get(id)
+	snap, err := d.records.Snapshot(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
@@ -201,7 +176,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		if model.ValidID(id) != nil {
 			break // such a snapshot cannot exist here
 		}
-		snap, err := d.snaps.store.Get(id)
+		snap, err := d.records.Snapshot(id)
 		if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 			return nil, err
 		}
@@ -209,7 +184,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 			snaps = append(snaps, snap)
 		}
 	default:
-		all, err := d.snaps.store.List()
+		all, err := d.records.Snapshots()
 		if err != nil {
 			return nil, err
 		}
@@ -241,7 +216,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	if model.ValidID(id) != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, errdefs.ErrNotFound)
 	}
-	snap, err := d.snaps.store.Get(id)
+	snap, err := d.records.Snapshot(id)
 	if err != nil {
 		return nil, err
 	}
@@ -269,8 +244,8 @@ func (d *Driver) csiSnapshot(s *model.Snapshot) *csi.Snapshot {
 // since the request holding it finishes or undoes it itself.
 func (d *Driver) reconcileSnapshots(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
-	recs, listErr := d.snaps.store.List()
-	recTemps, err := d.snaps.store.TempFiles()
+	recs, listErr := d.records.Snapshots()
+	recTemps, err := d.records.SnapshotTempFiles()
 	images, imgTemps, ierr := loop.SnapshotImages(d.opts.StateDir)
 	if err := errors.Join(listErr, err, ierr); err != nil {
 		logger.Error(err, "Some snapshot records or images could not be read; they are left as they are")
@@ -308,7 +283,7 @@ func (d *Driver) reconcileSnapshot(ctx context.Context, id string, temps []strin
 	if model.ValidID(id) != nil {
 		return nil
 	}
-	unlock, err := d.snaps.locks.TryLock(id, "reconcile")
+	unlock, err := d.records.TryLockSnapshot(id, "reconcile")
 	if err != nil {
 		return nil
 	}
@@ -319,7 +294,7 @@ func (d *Driver) reconcileSnapshot(ctx context.Context, id string, temps []strin
 			errs = append(errs, err)
 		}
 	}
-	snap, err := d.snaps.store.Get(id)
+	snap, err := d.records.Snapshot(id)
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
 		// An image without a record: no order of writes of ours leaves

@@ -161,9 +161,9 @@ func TestCopyRequestsGetTheRightCode(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A formatted source: its copies hold its filesystem.
-	v, _ := d.vols.Get("src")
+	v, _ := d.records.Get("src")
 	v.Format = &model.Format{FsType: "ext4", Done: true}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	vol := func(name string, size int64, cs *csi.VolumeContentSource, params map[string]string) func() error {
@@ -310,13 +310,13 @@ func TestInterruptedCopiesAreUndone(t *testing.T) {
 	}
 	state := d.opts.StateDir
 	snapImg := loop.SnapshotImagePath(state, "cut")
-	if err := d.snaps.put(&model.Snapshot{ID: "cut", SourceVolume: "src", Image: snapImg, Creating: true}); err != nil {
+	if err := d.records.PutSnapshot(&model.Snapshot{ID: "cut", SourceVolume: "src", Image: snapImg, Creating: true}); err != nil {
 		t.Fatal(err)
 	}
 	must(t, os.WriteFile(filepath.Join(filepath.Dir(snapImg), ".cut.img.tmp-123"), []byte("half"), 0o600))
 	cloneImg := loop.ImagePath(state, model.KindProvisioned, "clone")
 	must(t, os.WriteFile(cloneImg, []byte("complete but unrecorded"), 0o600))
-	if err := d.vols.Put(&model.Volume{ID: "clone", Kind: model.KindProvisioned, Type: loop.Type, Image: cloneImg,
+	if err := d.records.Put(&model.Volume{ID: "clone", Kind: model.KindProvisioned, Type: loop.Type, Image: cloneImg,
 		Creating: true, ContentSource: &model.ContentSource{Volume: "src"}}, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
@@ -331,10 +331,10 @@ func TestInterruptedCopiesAreUndone(t *testing.T) {
 			t.Errorf("%s is left after reconcile (%v)", p, err)
 		}
 	}
-	if _, err := d.snaps.store.Get("cut"); errdefs.Code(err) != codes.NotFound {
+	if _, err := d.records.Snapshot("cut"); errdefs.Code(err) != codes.NotFound {
 		t.Errorf("the interrupted snapshot's record: %v, want none", err)
 	}
-	if _, err := d.vols.Get("clone"); errdefs.Code(err) != codes.NotFound {
+	if _, err := d.records.Get("clone"); errdefs.Code(err) != codes.NotFound {
 		t.Errorf("the interrupted clone's record: %v, want none", err)
 	}
 	imageHolds(t, loop.SnapshotImagePath(state, "kept"), 1<<20, []byte("x"))

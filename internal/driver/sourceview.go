@@ -39,7 +39,7 @@ func recordOf(typ string, sv source.Volume) *model.Volume {
 // recorder writes what a source records of v during a call the driver
 // holds v's lock for.
 type recorder struct {
-	vols *volumes
+	recs *records
 	v    *model.Volume
 }
 
@@ -48,7 +48,7 @@ func (r recorder) SetFormat(f model.Format, durable bool) error {
 	if !durable {
 		return nil // written with the stage's own final write
 	}
-	return r.vols.Put(r.v, journal.Durable)
+	return r.recs.Put(r.v, journal.Durable)
 }
 
 func (r recorder) SaveIntent(state json.RawMessage) error {
@@ -56,62 +56,32 @@ func (r recorder) SaveIntent(state json.RawMessage) error {
 		return fmt.Errorf("volume %s: an intent outside a stage: %w", r.v.ID, errdefs.ErrFailedPrecondition)
 	}
 	r.v.Stage.Source = slices.Clone(state)
-	return r.vols.Put(r.v, journal.Runtime)
+	return r.recs.Put(r.v, journal.Runtime)
 }
 
 // WithVolume runs a source's background work (a supervisor restarting a
 // daemon, an orphan sweep) under the volume's lock, as an RPC would run.
 func (d *Driver) WithVolume(ctx context.Context, id, op string, fn func(v source.Volume, found bool, rec source.Recorder) error) error {
-	unlock, err := d.vols.lock(ctx, id, op)
+	unlock, err := d.records.Lock(ctx, id, op)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return fn(source.Volume{ID: id}, false, nil)
 	}
 	if err != nil {
 		return err
 	}
-	return fn(viewOf(v), true, recorder{d.vols, v})
+	return fn(viewOf(v), true, recorder{d.records, v})
 }
 
-// WithShared runs fn under the lock of a source's shared record. The lock
-// is the volumes' lock table's, under a key no volume ID can take (IDs
-// hold no '/').
+// WithShared runs fn under the lock of a source's shared record (see
+// source.Host).
 func (d *Driver) WithShared(ctx context.Context, kind, key, op string, fn func(data []byte, save func([]byte) error) error) error {
-	store, err := journal.Shared(d.opts.StateDir, kind)
-	if err != nil {
-		return err
-	}
-	unlock, err := d.vols.lock(ctx, "shared/"+kind+"/"+key, op)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	rec, err := store.Get(key)
-	var data []byte
-	switch {
-	case err == nil:
-		data = *rec
-	case !errors.Is(err, errdefs.ErrNotFound):
-		return err
-	}
-	return fn(data, func(b []byte) error {
-		if b == nil {
-			return store.Delete(key, journal.Durable)
-		}
-		_, err := store.Put(key, (*json.RawMessage)(&b), journal.Durable)
-		return err
-	})
+	return d.records.WithShared(ctx, kind, key, op, fn)
 }
 
 // SharedKeys lists the keys of a source's shared records of kind.
-func (d *Driver) SharedKeys(kind string) ([]string, error) {
-	store, err := journal.Shared(d.opts.StateDir, kind)
-	if err != nil {
-		return nil, err
-	}
-	return store.Keys()
-}
+func (d *Driver) SharedKeys(kind string) ([]string, error) { return d.records.SharedKeys(kind) }
