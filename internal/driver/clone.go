@@ -15,7 +15,6 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
 )
 
 // content is what a new volume is copied from: a snapshot's image or
@@ -36,6 +35,10 @@ type content struct {
 // than the source's grows the image now and its filesystem at the first
 // stage (GrowFilesystem).
 func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.CreateVolumeRequest, p createParams) (*model.Volume, error) {
+	sn, ok := p.prov.(source.Snapshotter)
+	if !ok {
+		return nil, invalid("%s volumes cannot be made as a copy of a snapshot or a volume", p.typ)
+	}
 	c, unlock, err := d.lockContent(id, req.GetVolumeContentSource())
 	defer unlock()
 	if err != nil {
@@ -48,8 +51,8 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 	if err := d.checkFits(id, size); err != nil {
 		return nil, err
 	}
-	v := &model.Volume{ID: id, Kind: model.KindProvisioned, Type: loop.Type,
-		Image: loop.ImagePath(d.opts.StateDir, model.KindProvisioned, id), CapacityBytes: size,
+	v := &model.Volume{ID: id, Kind: model.KindProvisioned, Type: p.typ,
+		Image: sn.ImagePath(model.KindProvisioned, id), CapacityBytes: size,
 		FsType: fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true,
 		ContentSource: c.record, Format: c.format, GrowFilesystem: c.format != nil && size > c.size}
 	if err := d.records.Put(v, journal.Durable); err != nil {
@@ -66,7 +69,7 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 		method, err = copyImage(ctx, c.image, v.Image, size)
 	}
 	if err == nil && c.format != nil {
-		err = d.cleanCopy(ctx, v.Image, c.format.FsType)
+		err = cleanCopy(ctx, sn, v.Image, c.format.FsType)
 	}
 	if err != nil {
 		// No record outlives a failed create: the name stays free.
@@ -76,7 +79,7 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 			// undoes it (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
+		return nil, errors.Join(err, sn.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
 	}
 	klog.FromContext(ctx).V(2).Info("Copied the image", "from", describeContent(c.record), "method", method)
 	v.Creating, v.ContentSource.Frozen = false, false
@@ -90,8 +93,8 @@ func (d *Driver) createFromContent(ctx context.Context, id string, req *csi.Crea
 // its source: an xfs's log replayed, whether the copy was taken frozen or
 // its source's log was left dirty by a crash of its node (xfs_admin
 // refuses a dirty log), then a UUID of its own.
-func (d *Driver) cleanCopy(ctx context.Context, image, fsType string) error {
-	if err := d.loop.RecoverCopy(ctx, image); err != nil {
+func cleanCopy(ctx context.Context, sn source.Snapshotter, image, fsType string) error {
+	if err := sn.RecoverCopy(ctx, image); err != nil {
 		return err
 	}
 	return fsutil.NewUUID(ctx, image, fsType)
@@ -194,9 +197,7 @@ func (d *Driver) growCopiedFilesystem(ctx context.Context, v *model.Volume, src 
 	if !v.GrowFilesystem || c.block || c.readOnly {
 		return nil
 	}
-	g, ok := src.(interface {
-		GrowUnmounted(ctx context.Context, v source.Volume) error
-	})
+	g, ok := src.(source.Snapshotter)
 	if !ok {
 		return nil
 	}
@@ -217,7 +218,7 @@ func (d *Driver) abandonCopy(ctx context.Context, v *model.Volume) error {
 		}
 	}
 	klog.FromContext(ctx).Info("Removing a volume whose copy a crash interrupted", "volume", v.ID, "from", describeContent(v.ContentSource))
-	if err := loop.RemoveImage(v.Image); err != nil {
+	if err := d.removeImage(v); err != nil {
 		return err
 	}
 	return d.records.Delete(v.ID, journal.Durable)

@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -16,7 +17,7 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/topology"
 )
 
 // Capacity is provisioned in whole MiB; a request of 0 gets DefaultCapacity.
@@ -57,6 +58,8 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 
 // createParams are the validated parameters of a CreateVolume.
 type createParams struct {
+	typ    string
+	prov   source.Provisioner
 	fsType string
 	size   int64
 }
@@ -71,15 +74,12 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return createParams{}, err
 	}
-	var p createParams
-	for k, v := range req.GetParameters() {
+	p := createParams{typ: cmp.Or(req.GetParameters()[paramType], d.opts.DefaultType)}
+	for k := range req.GetParameters() {
 		switch {
 		case k == paramType:
-			if v != loop.Type {
-				return p, invalid("parameter type=%q: only %q can be provisioned", v, loop.Type)
-			}
 		case k == paramFsType || k == paramCSIFsType:
-			p.fsType = v
+			p.fsType = req.GetParameters()[k]
 		case k == ctxNRI:
 			if _, err := parseNRI(req.GetParameters()); err != nil {
 				return p, err
@@ -88,6 +88,10 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 		default:
 			return p, invalid("unknown parameter %q (known: %s, %s, %s, %s)", k, paramType, paramFsType, paramCSIFsType, ctxNRI)
 		}
+	}
+	var ok bool
+	if p.prov, ok = d.provisioner(p.typ); !ok {
+		return p, invalid("parameter type=%q: only %s can be provisioned", p.typ, d.provisionerTypes())
 	}
 	if p.fsType == "" {
 		for _, c := range req.GetVolumeCapabilities() {
@@ -174,7 +178,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	case err == nil:
 		// A create interrupted after its intent, never answered: start
 		// over with this request, whatever the interrupted one asked.
-		if err := loop.RemoveImage(v.Image); err != nil {
+		if err := d.removeImage(v); err != nil {
 			return nil, err
 		}
 	case !errors.Is(err, errdefs.ErrNotFound):
@@ -190,16 +194,16 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := d.checkFits(id, p.size); err != nil {
 		return nil, err
 	}
-	v = &model.Volume{ID: id, Kind: model.KindProvisioned, Type: loop.Type,
-		Image: loop.ImagePath(d.opts.StateDir, model.KindProvisioned, id), CapacityBytes: p.size,
+	v = &model.Volume{ID: id, Kind: model.KindProvisioned, Type: p.typ,
+		Image: p.prov.ImagePath(model.KindProvisioned, id), CapacityBytes: p.size,
 		FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
 	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
-	if err := d.makeImage(ctx, v, req.GetVolumeCapabilities()); err != nil {
+	if err := makeImage(ctx, p.prov, v, req.GetVolumeCapabilities()); err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create image for %s: %w", id, imageError(err))
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
+		return nil, errors.Join(err, p.prov.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
 	}
 	v.Creating = false
 	if err := d.records.Put(v, journal.Durable); err != nil {
@@ -265,7 +269,7 @@ func (d *Driver) createResponse(v *model.Volume) *csi.CreateVolumeResponse {
 }
 
 func (d *Driver) topology() *csi.Topology {
-	return &csi.Topology{Segments: map[string]string{TopologyKey: d.opts.NodeID}}
+	return &csi.Topology{Segments: map[string]string{topology.Key: d.opts.NodeID}}
 }
 
 // checkTopology refuses a request that may not land on this node.
@@ -275,7 +279,7 @@ func (d *Driver) checkTopology(req *csi.TopologyRequirement) error {
 		return nil
 	}
 	if slices.ContainsFunc(requisite, func(t *csi.Topology) bool {
-		n, ok := t.GetSegments()[TopologyKey]
+		n, ok := t.GetSegments()[topology.Key]
 		return !ok || n == d.opts.NodeID
 	}) {
 		return nil
@@ -310,9 +314,13 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		// source was left frozen, and only undoing it thaws the source.
 		return &csi.DeleteVolumeResponse{}, d.abandonCopy(ctx, v)
 	}
-	// Deleting an image a loop device still reads would leave that device
+	prov, err := d.provisionerOf(v)
+	if err != nil {
+		return nil, err
+	}
+	// Deleting an image a device still reads would leave that device
 	// serving a file nobody can see or clean up: refuse until it is gone.
-	if err := loop.RemoveDetachedImage(ctx, v.Image); err != nil {
+	if err := prov.RemoveDetachedImage(ctx, v.Image); err != nil {
 		return nil, fmt.Errorf("volume %s: %w", id, err)
 	}
 	return &csi.DeleteVolumeResponse{}, d.records.Delete(id, journal.Durable)
@@ -366,6 +374,10 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		// have no image here: only what CreateVolume made can grow.
 		return nil, fmt.Errorf("volume %s is %s, not provisioned by this plugin: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
 	}
+	prov, err := d.provisionerOf(v)
+	if err != nil {
+		return nil, err
+	}
 	size, err := capacityFor(req.GetCapacityRange(), v.FsType)
 	if err != nil {
 		return nil, err
@@ -374,7 +386,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		if err := d.checkFits(id, size); err != nil {
 			return nil, err
 		}
-		if err := loop.GrowImage(v.Image, size); err != nil {
+		if err := prov.GrowImage(v.Image, size); err != nil {
 			return nil, fmt.Errorf("grow image of %s: %w", id, imageError(err))
 		}
 		v.CapacityBytes = size

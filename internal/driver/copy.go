@@ -13,13 +13,6 @@ import (
 	"github.com/mountplan/mountplan/internal/source"
 )
 
-// freezer is a source whose staged volumes' filesystems can be frozen for
-// a consistent copy of their image (the loop source).
-type freezer interface {
-	Freeze(ctx context.Context, v source.Volume) (thaw func() error, err error)
-	Thaw(ctx context.Context, v source.Volume) error
-}
-
 // needsFreeze decides how the image of v (its lock held) can be copied
 // as one point in time. Nothing writes to it while it is not staged,
 // staged read-only, or staged but neither published nor prepared; a
@@ -60,7 +53,7 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *model.Volume, dst strin
 	if err != nil {
 		return "", err
 	}
-	fr, ok := src.(freezer)
+	fr, ok := src.(source.Snapshotter)
 	if !ok {
 		return "", fmt.Errorf("%s volumes cannot be frozen for a consistent copy: %w", v.Type, errdefs.ErrFailedPrecondition)
 	}
@@ -78,7 +71,7 @@ func (d *Driver) copyVolumeImage(ctx context.Context, v *model.Volume, dst strin
 	if err != nil || !recover {
 		return method, err
 	}
-	return method, d.loop.RecoverCopy(ctx, dst)
+	return method, fr.RecoverCopy(ctx, dst)
 }
 
 // errMayBeFrozen marks a copy whose thaw of its source failed: the source
@@ -117,7 +110,7 @@ func (d *Driver) thawSource(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
-	fr, ok := src.(freezer)
+	fr, ok := src.(source.Snapshotter)
 	if !ok {
 		return nil
 	}

@@ -6,9 +6,10 @@
 package driver
 
 import (
-	"context"
 	"fmt"
+	"maps"
 	"path/filepath"
+	"slices"
 	"sync/atomic"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -20,13 +21,9 @@ import (
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
-
-// TopologyKey is the segment that pins a volume to the node that made it.
-const TopologyKey = "topology.mountplan.csi.io/node"
 
 // Options configure a Driver.
 type Options struct {
@@ -39,15 +36,20 @@ type Options struct {
 	KubeletDir string
 	Config     *config.Config
 	// Node is the mounter: every privileged act (devices, mounts, daemons,
-	// looking into other processes) is asked of it. nil: a mounter in this
-	// process (mounter.Local), its records under StateDir/mounter.
+	// looking into other processes) is asked of it. Required.
 	Node mounter.Node
 	// Mounter, when set, performs plans instead of Node (tests).
 	Mounter mounter.Interface
 	// Metrics, when not nil, records RPC latencies and device steps.
 	Metrics *metrics.Metrics
-	// Sources are the volume kinds besides loop, by volume_context type.
+	// Sources are the volume kinds, by volume_context type. The driver
+	// asks each for what it can do besides the Source interface: make its
+	// volumes' images (source.Provisioner), copy them (source.Snapshotter;
+	// one source at most), and so on.
 	Sources map[string]source.Source
+	// DefaultType is the type of a volume whose attributes or parameters
+	// name none; it must be one of Sources.
+	DefaultType string
 	// NRI lets volumes ask for NRI mode (attribute nri: "true"): the
 	// mounter's NRI hook gives them to containers through the runtime.
 	NRI bool
@@ -62,12 +64,14 @@ type Driver struct {
 
 	opts    Options
 	node    mounter.Node
-	loop    *loop.Source
 	records *records
 	sources map[string]source.Source
-	policy  plan.Policy
-	kubelet kubeletDir
-	ready   atomic.Bool
+	// snapshotter keeps the snapshots: the one source that is a
+	// source.Snapshotter, nil when none is.
+	snapshotter source.Snapshotter
+	policy      plan.Policy
+	kubelet     kubeletDir
+	ready       atomic.Bool
 }
 
 // New builds a driver over the state dir. It touches no device: Reconcile
@@ -93,32 +97,32 @@ func New(opts Options) (*Driver, error) {
 		return nil, err
 	}
 	if opts.Node == nil {
-		if opts.Node, err = mounter.NewNode(context.Background(), mounter.Options{StateDir: stateDir, KubeletDir: opts.KubeletDir,
-			RecordsDir: mounter.DefaultRecordsDir(stateDir), Config: opts.Config}); err != nil {
-			return nil, err
-		}
+		return nil, fmt.Errorf("driver: a mounter (Node) is required: %w", errdefs.ErrInvalidArgument)
 	}
 	if opts.Mounter == nil {
 		opts.Mounter = opts.Node
 	}
-	ls := loop.New(stateDir, opts.Node)
-	ls.Metrics, ls.ImageRoots = opts.Metrics, opts.Config.ImageRoots
-	sources := map[string]source.Source{loop.Type: ls}
-	for typ, s := range opts.Sources {
-		sources[typ] = s
+	if _, ok := opts.Sources[opts.DefaultType]; !ok {
+		return nil, fmt.Errorf("driver: the default volume type %q is no source's: %w", opts.DefaultType, errdefs.ErrInvalidArgument)
 	}
 	d := &Driver{
 		opts:    opts,
 		node:    opts.Node,
-		loop:    ls,
 		records: recs,
-		sources: sources,
+		sources: maps.Clone(opts.Sources),
 		policy:  opts.Config.PlanPolicy(stateDir),
 		kubelet: kubelet,
 	}
-	for _, s := range sources {
+	for _, typ := range slices.Sorted(maps.Keys(d.sources)) {
+		s := d.sources[typ]
 		if hu, ok := s.(source.HostUser); ok {
 			hu.SetHost(d)
+		}
+		if sn, ok := s.(source.Snapshotter); ok {
+			if d.snapshotter != nil {
+				return nil, fmt.Errorf("driver: two sources keep snapshots (%s is the second); one may: %w", typ, errdefs.ErrInvalidArgument)
+			}
+			d.snapshotter = sn
 		}
 	}
 	return d, nil

@@ -16,7 +16,6 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
 )
 
 // DefaultEphemeralSize is the image size of an inline volume without a
@@ -38,7 +37,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	if !errors.Is(err, errdefs.ErrNotFound) {
 		return err
 	}
-	size, fsType, err := d.parseEphemeral(req.GetVolumeContext(), c)
+	typ, prov, size, fsType, err := d.parseEphemeral(req.GetVolumeContext(), c)
 	if err != nil {
 		return err
 	}
@@ -48,8 +47,8 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	if err := d.checkFits(id, size); err != nil {
 		return err
 	}
-	v = &model.Volume{ID: id, Kind: model.KindEphemeral, Type: loop.Type, FsType: fsType, CapacityBytes: size,
-		Image: loop.ImagePath(d.opts.StateDir, model.KindEphemeral, id), Creating: true}
+	v = &model.Volume{ID: id, Kind: model.KindEphemeral, Type: typ, FsType: fsType, CapacityBytes: size,
+		Image: prov.ImagePath(model.KindEphemeral, id), Creating: true}
 	if err := d.records.Put(v, journal.Durable); err != nil {
 		return err
 	}
@@ -58,7 +57,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 			err = errors.Join(err, d.destroyEphemeral(ctx, v))
 		}
 	}()
-	if err := loop.CreateImage(v.Image, size); err != nil {
+	if _, err := prov.CreateImage(ctx, v.Image, size, ""); err != nil {
 		return imageError(err)
 	}
 	v.Creating = false
@@ -68,31 +67,32 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	return d.publish(ctx, v, target, c, req.GetReadonly())
 }
 
-func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (size int64, fsType string, err error) {
-	size = DefaultEphemeralSize
+func (d *Driver) parseEphemeral(vctx map[string]string, c capability) (typ string, prov source.Provisioner, size int64, fsType string, err error) {
+	typ, size = cmp.Or(vctx[ctxType], d.opts.DefaultType), DefaultEphemeralSize
 	fsType = cmp.Or(c.fsType, d.opts.Config.DefaultFsType)
 	for k, val := range vctx {
 		switch {
 		case k == ctxType:
-			if val != loop.Type {
-				return 0, "", invalid("inline volume type %q is not supported (supported: %s)", val, loop.Type)
-			}
 		case k == ctxSize:
 			if size, err = parseSize(val); err != nil {
-				return 0, "", err
+				return "", nil, 0, "", err
 			}
 		case k == ctxFsType:
 			fsType = val
 		case k == ctxNRI: // read by publish
 		case strings.HasPrefix(k, source.ReservedPrefix):
 		default:
-			return 0, "", invalid("unknown inline volume attribute %q", k)
+			return "", nil, 0, "", invalid("unknown inline volume attribute %q", k)
 		}
 	}
-	if err := checkFormattable(fsType); err != nil {
-		return 0, "", err
+	var ok bool
+	if prov, ok = d.provisioner(typ); !ok {
+		return "", nil, 0, "", invalid("inline volume type %q is not supported (supported: %s)", typ, d.provisionerTypes())
 	}
-	return roundCapacity(size, fsType), fsType, nil
+	if err := checkFormattable(fsType); err != nil {
+		return "", nil, 0, "", err
+	}
+	return typ, prov, roundCapacity(size, fsType), fsType, nil
 }
 
 // destroyEphemeral tears down an inline volume: unstage, image, record.
@@ -103,7 +103,7 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 	if err := d.unstage(ctx, v); err != nil {
 		return err
 	}
-	if err := loop.RemoveImage(v.Image); err != nil {
+	if err := d.removeImage(v); err != nil {
 		return err
 	}
 	klog.FromContext(ctx).V(2).Info("Inline volume removed", "volume", v.ID)

@@ -61,7 +61,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 	}
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg})
+	d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -348,7 +348,12 @@ func prepareAsUnprivileged() {
 	dir := os.Getenv("MOUNTPLAN_EACCES_DIR")
 	kubelet := filepath.Join(dir, "kubelet")
 	staging := filepath.Join(kubelet, "staging")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: filepath.Join(dir, "state"), KubeletDir: kubelet, Mounter: &recordingMounter{}})
+	opts, err := loopOptions(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: filepath.Join(dir, "state"), KubeletDir: kubelet, Mounter: &recordingMounter{}})
+	if err != nil {
+		fmt.Println("New:", err)
+		return
+	}
+	d, err := New(opts)
 	if err != nil {
 		fmt.Println("New:", err)
 		return

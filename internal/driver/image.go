@@ -7,7 +7,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/mountplan/mountplan/internal/model"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/source"
 )
 
 // makeImage makes a provisioned volume's image. For a volume asked for with
@@ -18,12 +18,13 @@ import (
 // gets a blank image, and its first stage with mount access probes and
 // formats as before; a stage never formats an image that holds a
 // filesystem.
-func (d *Driver) makeImage(ctx context.Context, v *model.Volume, caps []*csi.VolumeCapability) error {
+func makeImage(ctx context.Context, prov source.Provisioner, v *model.Volume, caps []*csi.VolumeCapability) error {
+	fsType := v.FsType
 	if slices.ContainsFunc(caps, func(c *csi.VolumeCapability) bool { return c.GetBlock() != nil }) {
-		return loop.CreateImage(v.Image, v.CapacityBytes)
+		fsType = ""
 	}
-	made, err := loop.CreateFormattedImage(ctx, v.Image, v.CapacityBytes, v.FsType, d.opts.Metrics)
-	if made && err == nil {
+	made, err := prov.CreateImage(ctx, v.Image, v.CapacityBytes, fsType)
+	if made && err == nil && fsType != "" {
 		v.Format = &model.Format{FsType: v.FsType, Done: true}
 	}
 	return err

@@ -15,10 +15,6 @@ import (
 	"github.com/mountplan/mountplan/internal/mountns"
 )
 
-// DefaultKubeletDir is kubelet's usual root directory, the default of
-// both the plugin and the sidecar.
-const DefaultKubeletDir = config.DefaultKubeletDir
-
 // kubeletDir confines the staging and target paths a CO sends to kubelet's
 // directory, the way kubelet makes them: a path must lie under it, and no
 // directory between the root and the path's last element may be a
@@ -34,7 +30,7 @@ type kubeletDir struct {
 
 func newKubeletDir(dir string) (kubeletDir, error) {
 	if dir == "" {
-		dir = DefaultKubeletDir
+		dir = config.DefaultKubeletDir
 	}
 	if !filepath.IsAbs(dir) {
 		return kubeletDir{}, fmt.Errorf("kubelet dir %q must be absolute: %w", dir, errdefs.ErrInvalidArgument)

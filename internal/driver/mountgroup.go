@@ -15,7 +15,6 @@ import (
 
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/fuse"
 )
 
 // parseMountGroup reads volume_mount_group: a numeric group ID, or empty.
@@ -35,7 +34,7 @@ func parseMountGroup(s string) (gid uint32, set bool, err error) {
 // the same whether kubelet's target holds the volume (published the
 // classic way) or a guard (NRI mode).
 func (d *Driver) applyMountGroup(ctx context.Context, v *model.Volume, c capability, readOnly bool) error {
-	if !c.mountGroupSet || c.block || readOnly || v.Type == fuse.Type {
+	if _, owns := d.sources[v.Type].(source.FileOwner); !c.mountGroupSet || c.block || readOnly || owns {
 		return nil
 	}
 	mounts, err := d.planFor(v, source.PlanRequest{MountFlags: c.mountFlags})

@@ -16,7 +16,6 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
 )
 
 // Volume context keys.
@@ -71,7 +70,7 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*model.Volum
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
 	}
-	typ := cmp.Or(vctx[ctxType], loop.Type)
+	typ := cmp.Or(vctx[ctxType], d.opts.DefaultType)
 	src, ok := d.sources[typ]
 	if !ok {
 		return nil, invalid("volume type %q is not supported (supported: %s)", typ, strings.Join(slices.Sorted(maps.Keys(d.sources)), ", "))

@@ -44,7 +44,7 @@ func newRootDriver(t *testing.T) (*Driver, string) {
 	kubelet := filepath.Join(base, "kubelet")
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg})
+	d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg}))
 	if err != nil {
 		t.Fatal(err)
 	}

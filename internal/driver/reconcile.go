@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"maps"
 	"os"
 	"slices"
 	"time"
@@ -12,10 +13,9 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
-	"github.com/mountplan/mountplan/internal/loopdev"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/periodic"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/source"
 )
 
 // Reconcile compares every record with the kernel: it adopts staged devices
@@ -53,34 +53,38 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		logger.Error(err, "Reconciling snapshots failed")
 		errs = append(errs, err)
 	}
-	if err := d.keepLoops(ctx, start); err != nil {
-		logger.Error(err, "Telling the mounter which loop devices are still staged")
+	if err := d.keepDevices(ctx, start); err != nil {
+		logger.Error(err, "Telling the mounter which devices staged volumes still hold")
 		errs = append(errs, err)
 	}
 	d.ready.Store(true)
 	return errors.Join(errs...)
 }
 
-// keepLoops tells the mounter which loop devices staged volumes hold, so
-// that it lets go of the others it attached before the reconcile began (a
-// stage a crash interrupted before it recorded its device; a volume whose
-// record is gone).
-func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
+// keepDevices has each source whose devices the mounter keeps
+// (source.Keeper) tell it which of them the volumes with a stage still
+// hold, so that it lets go of the others it attached before the reconcile
+// began.
+func (d *Driver) keepDevices(ctx context.Context, start time.Time) error {
 	vols, err := d.records.List()
 	if err != nil {
 		return err
 	}
-	var ids []loopdev.Identity
-	for _, v := range vols {
-		if v.Type == loop.Type && v.Stage != nil {
-			ids = append(ids, loop.Identities(v.Stage.Source)...)
+	var errs []error
+	for _, typ := range slices.Sorted(maps.Keys(d.sources)) {
+		k, ok := d.sources[typ].(source.Keeper)
+		if !ok {
+			continue
 		}
+		var staged []source.Volume
+		for _, v := range vols {
+			if v.Type == typ && v.Stage != nil {
+				staged = append(staged, viewOf(v))
+			}
+		}
+		errs = append(errs, k.Keep(ctx, staged, start))
 	}
-	n, err := d.node.KeepLoops(ctx, ids, start)
-	if n > 0 {
-		klog.FromContext(ctx).Info("The mounter let go of loop devices no staged volume holds", "devices", n)
-	}
-	return err
+	return errors.Join(errs...)
 }
 
 // removeInterruptedWrites removes the temp files that writes of records and
@@ -91,7 +95,7 @@ func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
 func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 	logger := klog.FromContext(ctx)
 	records, err := d.records.TempFiles()
-	images, ierr := loop.TempImages(d.opts.StateDir)
+	images, ierr := d.tempImages()
 	if err = errors.Join(err, ierr); err != nil {
 		logger.Error(err, "Listing the temp files of interrupted writes")
 	}

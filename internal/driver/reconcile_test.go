@@ -255,7 +255,7 @@ func TestReattachHealsFirst(t *testing.T) {
 		{name: "heal failed", m: &healingMounter{err: errdefs.ErrUnavailable}, wantErr: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: tc.m})
+			d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: tc.m}))
 			if err != nil {
 				t.Fatal(err)
 			}

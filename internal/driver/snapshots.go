@@ -16,7 +16,6 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
 )
 
 // CreateSnapshot copies the image of a provisioned volume, as one point in
@@ -78,7 +77,11 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.S
 	if err != nil {
 		return nil, err
 	}
-	snap := &model.Snapshot{ID: name, SourceVolume: srcID, Image: loop.SnapshotImagePath(d.opts.StateDir, name),
+	sn, err := d.snapshotterOf(v)
+	if err != nil {
+		return nil, err
+	}
+	snap := &model.Snapshot{ID: name, SourceVolume: srcID, Image: sn.SnapshotImagePath(name),
 		SizeBytes: v.CapacityBytes, FsType: v.FsType, Created: time.Now().UTC(), Creating: true}
 	if v.Format != nil && v.Format.Done {
 		f := *v.Format
@@ -100,7 +103,7 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.S
 			// (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.records.DeleteSnapshot(name))
+		return nil, errors.Join(err, sn.RemoveImage(snap.Image), d.records.DeleteSnapshot(name))
 	}
 	snap.Creating, snap.Frozen, snap.Method = false, false, string(method)
 	if err := d.records.PutSnapshot(snap); err != nil {
@@ -140,7 +143,10 @@ func (d *Driver) undoSnapshot(ctx context.Context, snap *model.Snapshot) error {
 	}
 	// The image first: a crash in between leaves a record a retried
 	// delete finishes, never an image nobody knows about.
-	if err := loop.RemoveImage(snap.Image); err != nil {
+	if d.snapshotter == nil {
+		return fmt.Errorf("snapshot %s: no volume source keeps snapshots: %w", snap.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := d.snapshotter.RemoveImage(snap.Image); err != nil {
 		return err
 	}
 	return d.records.DeleteSnapshot(snap.ID)
@@ -246,7 +252,12 @@ func (d *Driver) reconcileSnapshots(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	recs, listErr := d.records.Snapshots()
 	recTemps, err := d.records.SnapshotTempFiles()
-	images, imgTemps, ierr := loop.SnapshotImages(d.opts.StateDir)
+	var images map[string]string
+	var imgTemps map[string][]string
+	var ierr error
+	if d.snapshotter != nil {
+		images, imgTemps, ierr = d.snapshotter.SnapshotImages()
+	}
 	if err := errors.Join(listErr, err, ierr); err != nil {
 		logger.Error(err, "Some snapshot records or images could not be read; they are left as they are")
 	}
@@ -296,11 +307,12 @@ func (d *Driver) reconcileSnapshot(ctx context.Context, id string, temps []strin
 	}
 	snap, err := d.records.Snapshot(id)
 	switch {
-	case errors.Is(err, errdefs.ErrNotFound):
+	case errors.Is(err, errdefs.ErrNotFound) && d.snapshotter != nil:
 		// An image without a record: no order of writes of ours leaves
 		// one (the record is made before the image and removed after
 		// it), but a lost record must not leak the space for good.
-		errs = append(errs, loop.RemoveImage(loop.SnapshotImagePath(d.opts.StateDir, id)))
+		errs = append(errs, d.snapshotter.RemoveImage(d.snapshotter.SnapshotImagePath(id)))
+	case errors.Is(err, errdefs.ErrNotFound):
 	case err != nil:
 		errs = append(errs, err)
 	case snap.Creating:

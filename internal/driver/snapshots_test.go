@@ -17,6 +17,7 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/topology"
 )
 
 // createVol makes a volume of 16 MiB with data at 1 MiB (the images of
@@ -200,7 +201,7 @@ func TestCopyRequestsGetTheRightCode(t *testing.T) {
 		}, codes.InvalidArgument},
 		{"snapshot for another node", func() error {
 			_, err := d.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "n", SourceVolumeId: "src",
-				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{TopologyKey: "node-b"}}}}})
+				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{topology.Key: "node-b"}}}}})
 			return err
 		}, codes.ResourceExhausted},
 		{"delete snapshot without id", func() error {

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
+	"strings"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
@@ -27,6 +29,74 @@ func viewOf(v *model.Volume) source.Volume {
 		sv.Staging, sv.State = true, slices.Clone(v.Stage.Source)
 	}
 	return sv
+}
+
+// provisioner returns the source of type typ if it makes its volumes'
+// images itself (source.Provisioner).
+func (d *Driver) provisioner(typ string) (source.Provisioner, bool) {
+	p, ok := d.sources[typ].(source.Provisioner)
+	return p, ok
+}
+
+// provisionerTypes names the types that can be provisioned, for an error.
+func (d *Driver) provisionerTypes() string {
+	var types []string
+	for typ, s := range d.sources {
+		if _, ok := s.(source.Provisioner); ok {
+			types = append(types, strconv.Quote(typ))
+		}
+	}
+	slices.Sort(types)
+	return strings.Join(types, ", ")
+}
+
+// provisionerOf returns the source that made v's image.
+func (d *Driver) provisionerOf(v *model.Volume) (source.Provisioner, error) {
+	if p, ok := d.provisioner(v.Type); ok {
+		return p, nil
+	}
+	return nil, fmt.Errorf("volume %s: %s volumes have no image of this plugin's making: %w", v.ID, v.Type, errdefs.ErrFailedPrecondition)
+}
+
+// snapshotterOf returns v's source if its images can be copied.
+func (d *Driver) snapshotterOf(v *model.Volume) (source.Snapshotter, error) {
+	if sn, ok := d.sources[v.Type].(source.Snapshotter); ok {
+		return sn, nil
+	}
+	return nil, fmt.Errorf("volume %s: %s volumes cannot be copied: %w", v.ID, v.Type, errdefs.ErrFailedPrecondition)
+}
+
+// removeImage removes the image of v (a provisioned or inline volume, or
+// one whose creation was interrupted); a volume without one has nothing
+// to remove.
+func (d *Driver) removeImage(v *model.Volume) error {
+	if v.Image == "" {
+		return nil
+	}
+	p, err := d.provisionerOf(v)
+	if err != nil {
+		return err
+	}
+	return p.RemoveImage(v.Image)
+}
+
+// tempImages lists, by volume ID, the temp files of every provisioner's
+// image creations that a crash interrupted.
+func (d *Driver) tempImages() (map[string][]string, error) {
+	out := map[string][]string{}
+	var errs []error
+	for _, s := range d.sources {
+		p, ok := s.(source.Provisioner)
+		if !ok {
+			continue
+		}
+		temps, err := p.TempImages()
+		errs = append(errs, err)
+		for id, paths := range temps {
+			out[id] = append(out[id], paths...)
+		}
+	}
+	return out, errors.Join(errs...)
 }
 
 // recordOf makes the record of a static volume from what its source

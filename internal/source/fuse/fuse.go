@@ -125,7 +125,13 @@ var (
 	_ source.HealthChecker = (*Source)(nil)
 	_ source.Statter       = (*Source)(nil)
 	_ source.HostUser      = (*Source)(nil)
+	_ source.FileOwner     = (*Source)(nil)
+	_ source.Runner        = (*Source)(nil)
 )
+
+// OwnsFiles says that a FUSE volume's files are the daemon's to own: the
+// driver does not give them to kubelet's fsGroup.
+func (s *Source) OwnsFiles() {}
 
 // New returns a FUSE source. It starts nothing.
 func New(o Options) (*Source, error) {

@@ -131,7 +131,7 @@ func TestOverlayRefusesWritableImage(t *testing.T) {
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
 	testutil.NoLeaks(t, dir)
 	img := filepath.Join(dir, "rw.img")
-	if err := CreateImage(img, 32<<20); err != nil {
+	if _, err := createImage(img, 32<<20, nil); err != nil {
 		t.Fatal(err)
 	}
 	if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
