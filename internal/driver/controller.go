@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"math"
 	"slices"
 	"strings"
 
@@ -19,15 +18,6 @@ import (
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/topology"
 )
-
-// Capacity is provisioned in whole MiB; a request of 0 gets DefaultCapacity.
-const (
-	CapacityUnit    int64 = 1 << 20
-	DefaultCapacity int64 = 1 << 30
-)
-
-// minCapacity is the smallest image each filesystem can be made on.
-var minCapacity = map[string]int64{"ext4": 16 << 20, "xfs": 300 << 20}
 
 // Parameter keys of a StorageClass.
 const (
@@ -111,44 +101,6 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	return p, err
 }
 
-// checkFormattable accepts the filesystems this plugin can make.
-func checkFormattable(fsType string) error {
-	if _, ok := minCapacity[fsType]; !ok {
-		return invalid("fsType %q cannot be made (supported: %s)", fsType, strings.Join(slices.Sorted(maps.Keys(minCapacity)), ", "))
-	}
-	return nil
-}
-
-// roundCapacity raises size to the filesystem's minimum and whole MiB.
-func roundCapacity(size int64, fsType string) int64 {
-	size = max(size, minCapacity[fsType])
-	return (size + CapacityUnit - 1) / CapacityUnit * CapacityUnit
-}
-
-// capacityFor rounds the requested size up to whole MiB and to the
-// filesystem's minimum, within the limit.
-func capacityFor(r *csi.CapacityRange, fsType string) (int64, error) {
-	required, limit := r.GetRequiredBytes(), r.GetLimitBytes()
-	if required < 0 || limit < 0 {
-		return 0, fmt.Errorf("capacity range must not be negative: %w", errdefs.ErrOutOfRange)
-	}
-	if limit > 0 && required > limit {
-		return 0, fmt.Errorf("required_bytes %d exceeds limit_bytes %d: %w", required, limit, errdefs.ErrOutOfRange)
-	}
-	size := required
-	if size == 0 {
-		size = DefaultCapacity
-		if limit > 0 && limit < size {
-			size = limit
-		}
-	}
-	size = roundCapacity(size, fsType)
-	if limit > 0 && size > limit {
-		return 0, fmt.Errorf("the smallest %s volume in whole MiB (%d bytes) exceeds limit_bytes %d: %w", fsType, size, limit, errdefs.ErrOutOfRange)
-	}
-	return size, nil
-}
-
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
 	p, err := d.parseCreate(req)
 	if err != nil {
@@ -212,33 +164,6 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	return d.createResponse(v), nil
 }
 
-// checkFits refuses a capacity the state dir's filesystem cannot hold:
-// more than its whole size (images are sparse, so free space is not the
-// bound, but a filesystem never holds more than itself).
-func (d *Driver) checkFits(id string, size int64) error {
-	var st unix.Statfs_t
-	if err := unix.Statfs(d.opts.StateDir, &st); err != nil {
-		return fmt.Errorf("statfs %s: %w", d.opts.StateDir, err)
-	}
-	total := st.Blocks * uint64(st.Bsize)
-	if st.Bsize > 0 && st.Blocks > math.MaxInt64/uint64(st.Bsize) {
-		total = math.MaxInt64
-	}
-	if uint64(size) > total {
-		return fmt.Errorf("volume %s: %d bytes is more than the state dir's filesystem holds (%d bytes): %w", id, size, total, errdefs.ErrOutOfRange)
-	}
-	return nil
-}
-
-// imageError marks a size the filesystem refuses for one file (EFBIG) as
-// out of range.
-func imageError(err error) error {
-	if errors.Is(err, unix.EFBIG) {
-		return fmt.Errorf("%w: %w", err, errdefs.ErrOutOfRange)
-	}
-	return err
-}
-
 // compatible decides whether a repeated CreateVolume names the same volume.
 func compatible(v *model.Volume, req *csi.CreateVolumeRequest, p createParams) error {
 	r := req.GetCapacityRange()
@@ -266,10 +191,6 @@ func (d *Driver) createResponse(v *model.Volume) *csi.CreateVolumeResponse {
 		AccessibleTopology: []*csi.Topology{d.topology()},
 		ContentSource:      contentSource(v.ContentSource),
 	}}
-}
-
-func (d *Driver) topology() *csi.Topology {
-	return &csi.Topology{Segments: map[string]string{topology.Key: d.opts.NodeID}}
 }
 
 // checkTopology refuses a request that may not land on this node.
@@ -395,4 +316,84 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		}
 	}
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: true}, nil
+}
+
+// listed are the volumes the controller answers for: those CreateVolume
+// made and answered. Static and inline volumes are a node's business and
+// unknown to the CO's controller.
+func listed(v *model.Volume) bool { return v.Kind == model.KindProvisioned && !v.Creating }
+
+func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	all, err := d.records.List()
+	if err != nil {
+		return nil, err
+	}
+	vols := slices.DeleteFunc(all, func(v *model.Volume) bool { return !listed(v) })
+	entries, next, err := page(vols, func(v *model.Volume) string { return v.ID }, req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csi.ListVolumesResponse{NextToken: next}
+	for _, v := range entries {
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: d.csiVolume(v),
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: d.publishedNodes(v)},
+		})
+	}
+	return resp, nil
+}
+
+func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	v, err := d.records.Get(id)
+	if err == nil && !listed(v) {
+		err = fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &csi.ControllerGetVolumeResponse{
+		Volume: d.csiVolume(v),
+		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: d.publishedNodes(v)},
+	}, nil
+}
+
+// publishedNodes: a node-local volume is in use on this node, and only
+// here, while it is staged.
+func (d *Driver) publishedNodes(v *model.Volume) []string {
+	if v.Stage == nil {
+		return nil
+	}
+	return []string{d.opts.NodeID}
+}
+
+// csiVolume is what CreateVolume answered for v.
+func (d *Driver) csiVolume(v *model.Volume) *csi.Volume {
+	return d.createResponse(v).GetVolume()
+}
+
+// contentSource is v's content source as CSI names it.
+func contentSource(cs *model.ContentSource) *csi.VolumeContentSource {
+	switch {
+	case cs == nil:
+		return nil
+	case cs.Snapshot != "":
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: cs.Snapshot}}}
+	default:
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: cs.Volume}}}
+	}
+}
+
+// sameContent reports whether a repeated CreateVolume asks for the content
+// the volume was made with.
+func sameContent(have *model.ContentSource, want *csi.VolumeContentSource) bool {
+	if have == nil || want == nil {
+		return have == nil && want == nil
+	}
+	return have.Snapshot == want.GetSnapshot().GetSnapshotId() && have.Volume == want.GetVolume().GetVolumeId()
 }

@@ -3,6 +3,18 @@
 // requests, takes per-volume locks, keeps the journal, and delegates device
 // work to the volume sources and mount work to a mounter. Errors are mapped
 // to gRPC codes in one place: the unary interceptor (see server.go).
+//
+// A file per service, each RPC an orchestrator read top to bottom:
+// identity.go, controller.go (snapshots.go: its snapshot RPCs), node.go,
+// prepare.go (NodePrepare) and nri.go (what NRI mode adds to publish and
+// prepare). Background work: reconcile.go, reattach.go. The steps they
+// share lie below them, and call nothing above: copy.go (images copied for
+// snapshots and clones), provision.go (sizes and images of the volumes the
+// plugin makes), plan.go (a volume's plan: built, checked, performed),
+// kubelet.go (the paths kubelet sends), stats.go, sources.go (what the
+// driver asks of a volume source, and what it offers one), records.go
+// (every record and lock, and the lookups in a record), validate.go
+// (request fields), listing.go (page tokens).
 package driver
 
 import (
@@ -18,9 +30,9 @@ import (
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/metrics"
-	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/internal/topology"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -136,14 +148,6 @@ func (d *Driver) Register(s *grpc.Server) {
 	api.RegisterNodePrepareServer(s, d)
 }
 
-func (d *Driver) sourceOf(v *model.Volume) (source.Source, error) {
-	s, ok := d.sources[v.Type]
-	if !ok {
-		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)
-	}
-	return s, nil
-}
-
 // StagedByType counts staged volumes by type, for the metrics gauge.
 func (d *Driver) StagedByType() map[string]int {
 	vols, _ := d.records.List()
@@ -158,3 +162,7 @@ func (d *Driver) StagedByType() map[string]int {
 
 // Ready reports whether the startup reconcile has finished.
 func (d *Driver) Ready() bool { return d.ready.Load() }
+
+func (d *Driver) topology() *csi.Topology {
+	return &csi.Topology{Segments: map[string]string{topology.Key: d.opts.NodeID}}
+}

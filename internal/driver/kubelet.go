@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/config"
@@ -71,6 +72,19 @@ func (k kubeletDir) check(name, p string) error {
 		return nil
 	}
 	return err
+}
+
+// checkStaged checks what every request about a staged volume carries:
+// its ID, the staging path (under kubelet's directory) and the capability
+// it was staged with.
+func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
+	if err := requireVolumeID(id); err != nil {
+		return capability{}, err
+	}
+	if err := d.kubelet.check("staging_target_path", stagingPath); err != nil {
+		return capability{}, err
+	}
+	return checkCapability(vc)
 }
 
 // openParent opens the directory p lies in, resolved below the root by
@@ -224,4 +238,16 @@ func (k kubeletDir) removeTarget(p string) error {
 		return fmt.Errorf("remove %s: %w", p, err)
 	}
 	return nil
+}
+
+// isMountPoint reports whether p is a mount point (mountns.IsMountPoint:
+// a symlink at p is not followed). A path whose check fails (a dead FUSE
+// mount on the way answers ENOTCONN) counts as mounted: unmounting it is
+// safer than believing it gone.
+func (d *Driver) isMountPoint(p string) bool {
+	mounted, err := mountns.IsMountPoint(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false
+	}
+	return mounted || err != nil
 }

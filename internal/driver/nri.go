@@ -295,13 +295,6 @@ func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *pl
 	return mounts, d.records.Put(v, journal.Runtime)
 }
 
-// pendingContainer reports whether c is a container whose process has not
-// been seen yet: it has no namespace to check, and counts as alive until
-// its runtime's hook releases it (or NodeSyncContainers finds it gone).
-func pendingContainer(c plan.Consumer) bool {
-	return c.ContainerID != "" && c.Namespace.Inode == 0
-}
-
 // NodeSyncContainers releases the claims of containers the runtime no
 // longer has.
 func (d *Driver) NodeSyncContainers(ctx context.Context, req *api.NodeSyncContainersRequest) (*api.NodeSyncContainersResponse, error) {

@@ -116,18 +116,22 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	return &api.NodeUnprepareVolumeResponse{}, d.records.Put(v, journal.Runtime)
 }
 
-// MaxConsumers bounds the consumers of one volume: every container of a
-// node at once stays far below it, and a caller that records claims
-// without end (a loop, a hostile caller of NodePrepare) meets a clear
-// error instead of a record that grows with every call.
-const MaxConsumers = 4096
-
-// roomForConsumer refuses one more consumer of v beyond MaxConsumers.
-func roomForConsumer(v *model.Volume) error {
-	if len(v.Consumers) >= MaxConsumers {
-		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have: %w", v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
+// releasedBy matches the records an unprepare request names: by namespace
+// identity when the caller knows it (the ID where both sides know it), else
+// by PID.
+func releasedBy(req plan.Consumer) func(model.Claim) bool {
+	return func(c model.Claim) bool {
+		if c.MountPoint != req.MountPoint {
+			return false
+		}
+		if req.ContainerID != "" || c.ContainerID != "" {
+			return c.ContainerID == req.ContainerID
+		}
+		if req.Namespace.Inode != 0 {
+			return c.Namespace.Inode == req.Namespace.Inode && (req.Namespace.ID == 0 || c.Namespace.ID == 0 || c.Namespace.ID == req.Namespace.ID)
+		}
+		return c.PID == req.PID
 	}
-	return nil
 }
 
 // dropDeadConsumers forgets consumers whose namespace is gone (the kernel
@@ -165,33 +169,4 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *model.Volume) bool {
 		return false
 	})
 	return len(v.Consumers) != n
-}
-
-// sameConsumer matches the record of the same namespace and mount point,
-// or of the same container and mount point.
-func sameConsumer(a plan.Consumer) func(model.Claim) bool {
-	return func(b model.Claim) bool {
-		if a.ContainerID != "" || b.ContainerID != "" {
-			return a.ContainerID == b.ContainerID && a.MountPoint == b.MountPoint
-		}
-		return a.Namespace == b.Namespace && a.MountPoint == b.MountPoint
-	}
-}
-
-// releasedBy matches the records an unprepare request names: by namespace
-// identity when the caller knows it (the ID where both sides know it), else
-// by PID.
-func releasedBy(req plan.Consumer) func(model.Claim) bool {
-	return func(c model.Claim) bool {
-		if c.MountPoint != req.MountPoint {
-			return false
-		}
-		if req.ContainerID != "" || c.ContainerID != "" {
-			return c.ContainerID == req.ContainerID
-		}
-		if req.Namespace.Inode != 0 {
-			return c.Namespace.Inode == req.Namespace.Inode && (req.Namespace.ID == 0 || c.Namespace.ID == 0 || c.Namespace.ID == req.Namespace.ID)
-		}
-		return c.PID == req.PID
-	}
 }

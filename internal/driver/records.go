@@ -4,13 +4,16 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/keylock"
 	"github.com/mountplan/mountplan/internal/model"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // records is the one owner of the driver's state: the journal's stores
@@ -233,4 +236,52 @@ func (r *records) SharedKeys(kind string) ([]string, error) {
 		return nil, err
 	}
 	return store.Keys()
+}
+
+func findPublish(v *model.Volume, target string) *model.Publish {
+	i := slices.IndexFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
+	if i < 0 {
+		return nil
+	}
+	return &v.Publishes[i]
+}
+
+func describeConsumers(cs []model.Claim) string {
+	parts := make([]string, 0, len(cs))
+	for _, c := range cs {
+		parts = append(parts, c.Consumer.String())
+	}
+	return strings.Join(parts, ", ")
+}
+
+// sameConsumer matches the record of the same namespace and mount point,
+// or of the same container and mount point.
+func sameConsumer(a plan.Consumer) func(model.Claim) bool {
+	return func(b model.Claim) bool {
+		if a.ContainerID != "" || b.ContainerID != "" {
+			return a.ContainerID == b.ContainerID && a.MountPoint == b.MountPoint
+		}
+		return a.Namespace == b.Namespace && a.MountPoint == b.MountPoint
+	}
+}
+
+// MaxConsumers bounds the consumers of one volume: every container of a
+// node at once stays far below it, and a caller that records claims
+// without end (a loop, a hostile caller of NodePrepare) meets a clear
+// error instead of a record that grows with every call.
+const MaxConsumers = 4096
+
+// roomForConsumer refuses one more consumer of v beyond MaxConsumers.
+func roomForConsumer(v *model.Volume) error {
+	if len(v.Consumers) >= MaxConsumers {
+		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have: %w", v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
+	}
+	return nil
+}
+
+// pendingContainer reports whether c is a container whose process has not
+// been seen yet: it has no namespace to check, and counts as alive until
+// its runtime's hook releases it (or NodeSyncContainers finds it gone).
+func pendingContainer(c plan.Consumer) bool {
+	return c.ContainerID != "" && c.Namespace.Inode == 0
 }

@@ -112,26 +112,6 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.S
 	return snap, nil
 }
 
-// sourceVolume locks and reads a provisioned volume that is to be copied
-// (the source of a snapshot or a clone). The returned func is never nil.
-func (d *Driver) sourceVolume(id, op string) (*model.Volume, func(), error) {
-	if model.ValidID(id) != nil {
-		return nil, func() {}, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
-	}
-	v, unlock, err := d.records.Locked(id, op)
-	if err != nil {
-		return nil, unlock, err
-	}
-	if v.Creating {
-		// A create that was never answered: no volume for the CO.
-		return nil, unlock, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
-	}
-	if v.Kind != model.KindProvisioned {
-		return nil, unlock, fmt.Errorf("volume %s is %s: only volumes this plugin provisioned can be copied: %w", id, v.Kind, errdefs.ErrInvalidArgument)
-	}
-	return v, unlock, nil
-}
-
 // undoSnapshot removes what an interrupted or deleted snapshot left,
 // thawing its source first if the copy may have left it frozen. The
 // caller holds the snapshot's lock.

@@ -16,6 +16,14 @@ import (
 	"github.com/mountplan/mountplan/internal/source"
 )
 
+func (d *Driver) sourceOf(v *model.Volume) (source.Source, error) {
+	s, ok := d.sources[v.Type]
+	if !ok {
+		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)
+	}
+	return s, nil
+}
+
 // viewOf is what v's source sees of it: a copy of the facts and of the
 // source's own state, nothing it could change the record through.
 func viewOf(v *model.Volume) source.Volume {
@@ -30,6 +38,76 @@ func viewOf(v *model.Volume) source.Volume {
 	}
 	return sv
 }
+
+// recordOf makes the record of a static volume from what its source
+// checked (NewVolume); it is not saved yet.
+func recordOf(typ string, sv source.Volume) *model.Volume {
+	return &model.Volume{ID: sv.ID, Kind: model.KindStatic, Type: typ, Image: sv.Image,
+		FsType: sv.FsType, Parameters: sv.Parameters}
+}
+
+// recorder writes what a source records of v during a call the driver
+// holds v's lock for.
+type recorder struct {
+	recs *records
+	v    *model.Volume
+}
+
+func (r recorder) SetFormat(f model.Format, durable bool) error {
+	r.v.Format = &f
+	if !durable {
+		return nil // written with the stage's own final write
+	}
+	return r.recs.Put(r.v, journal.Durable)
+}
+
+func (r recorder) SaveIntent(state json.RawMessage) error {
+	if r.v.Stage == nil {
+		return fmt.Errorf("volume %s: an intent outside a stage: %w", r.v.ID, errdefs.ErrFailedPrecondition)
+	}
+	r.v.Stage.Source = slices.Clone(state)
+	return r.recs.Put(r.v, journal.Runtime)
+}
+
+// adopt makes sure a staged volume's handles are live in this process.
+func (d *Driver) adopt(ctx context.Context, v *model.Volume, src source.Source) error {
+	state, err := src.Adopt(ctx, viewOf(v))
+	if err != nil {
+		return err
+	}
+	if string(state) != string(v.Stage.Source) {
+		v.Stage.Source = state
+		return d.records.Put(v, journal.Runtime)
+	}
+	return nil
+}
+
+// WithVolume runs a source's background work (a supervisor restarting a
+// daemon, an orphan sweep) under the volume's lock, as an RPC would run.
+func (d *Driver) WithVolume(ctx context.Context, id, op string, fn func(v source.Volume, found bool, rec source.Recorder) error) error {
+	unlock, err := d.records.Lock(ctx, id, op)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	v, err := d.records.Get(id)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return fn(source.Volume{ID: id}, false, nil)
+	}
+	if err != nil {
+		return err
+	}
+	return fn(viewOf(v), true, recorder{d.records, v})
+}
+
+// WithShared runs fn under the lock of a source's shared record (see
+// source.Host).
+func (d *Driver) WithShared(ctx context.Context, kind, key, op string, fn func(data []byte, save func([]byte) error) error) error {
+	return d.records.WithShared(ctx, kind, key, op, fn)
+}
+
+// SharedKeys lists the keys of a source's shared records of kind.
+func (d *Driver) SharedKeys(kind string) ([]string, error) { return d.records.SharedKeys(kind) }
 
 // provisioner returns the source of type typ if it makes its volumes'
 // images itself (source.Provisioner).
@@ -98,60 +176,3 @@ func (d *Driver) tempImages() (map[string][]string, error) {
 	}
 	return out, errors.Join(errs...)
 }
-
-// recordOf makes the record of a static volume from what its source
-// checked (NewVolume); it is not saved yet.
-func recordOf(typ string, sv source.Volume) *model.Volume {
-	return &model.Volume{ID: sv.ID, Kind: model.KindStatic, Type: typ, Image: sv.Image,
-		FsType: sv.FsType, Parameters: sv.Parameters}
-}
-
-// recorder writes what a source records of v during a call the driver
-// holds v's lock for.
-type recorder struct {
-	recs *records
-	v    *model.Volume
-}
-
-func (r recorder) SetFormat(f model.Format, durable bool) error {
-	r.v.Format = &f
-	if !durable {
-		return nil // written with the stage's own final write
-	}
-	return r.recs.Put(r.v, journal.Durable)
-}
-
-func (r recorder) SaveIntent(state json.RawMessage) error {
-	if r.v.Stage == nil {
-		return fmt.Errorf("volume %s: an intent outside a stage: %w", r.v.ID, errdefs.ErrFailedPrecondition)
-	}
-	r.v.Stage.Source = slices.Clone(state)
-	return r.recs.Put(r.v, journal.Runtime)
-}
-
-// WithVolume runs a source's background work (a supervisor restarting a
-// daemon, an orphan sweep) under the volume's lock, as an RPC would run.
-func (d *Driver) WithVolume(ctx context.Context, id, op string, fn func(v source.Volume, found bool, rec source.Recorder) error) error {
-	unlock, err := d.records.Lock(ctx, id, op)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	v, err := d.records.Get(id)
-	if errors.Is(err, errdefs.ErrNotFound) {
-		return fn(source.Volume{ID: id}, false, nil)
-	}
-	if err != nil {
-		return err
-	}
-	return fn(viewOf(v), true, recorder{d.records, v})
-}
-
-// WithShared runs fn under the lock of a source's shared record (see
-// source.Host).
-func (d *Driver) WithShared(ctx context.Context, kind, key, op string, fn func(data []byte, save func([]byte) error) error) error {
-	return d.records.WithShared(ctx, kind, key, op, fn)
-}
-
-// SharedKeys lists the keys of a source's shared records of kind.
-func (d *Driver) SharedKeys(kind string) ([]string, error) { return d.records.SharedKeys(kind) }
