@@ -74,14 +74,20 @@ func (k kubeletDir) check(name, p string) error {
 	return err
 }
 
+// checkVolumePath checks a node request's volume ID (its presence first)
+// and the path it names in field name (see kubeletDir.check).
+func (d *Driver) checkVolumePath(id, name, p string) error {
+	if err := requireVolumeID(id); err != nil {
+		return err
+	}
+	return d.kubelet.check(name, p)
+}
+
 // checkStaged checks what every request about a staged volume carries:
 // its ID, the staging path (under kubelet's directory) and the capability
 // it was staged with.
 func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
-	if err := requireVolumeID(id); err != nil {
-		return capability{}, err
-	}
-	if err := d.kubelet.check("staging_target_path", stagingPath); err != nil {
+	if err := d.checkVolumePath(id, "staging_target_path", stagingPath); err != nil {
 		return capability{}, err
 	}
 	return checkCapability(vc)

@@ -156,10 +156,7 @@ func (d *Driver) saveOrForget(v *model.Volume) error {
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
+	if err := d.checkVolumePath(id, "staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.records.Locked(id, "NodeUnstageVolume")
@@ -207,10 +204,7 @@ func (d *Driver) unstage(ctx context.Context, v *model.Volume) error {
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	if err := d.kubelet.check("target_path", req.GetTargetPath()); err != nil {
+	if err := d.checkVolumePath(id, "target_path", req.GetTargetPath()); err != nil {
 		return nil, err
 	}
 	c, err := checkCapability(req.GetVolumeCapability())
@@ -373,10 +367,7 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	if err := d.kubelet.check("target_path", target); err != nil {
+	if err := d.checkVolumePath(id, "target_path", target); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.records.Locked(id, "NodeUnpublishVolume")
