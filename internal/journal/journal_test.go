@@ -227,3 +227,81 @@ func TestReadAll(t *testing.T) {
 		t.Fatalf("torn record: want its durable copy, got %s", all["torn"])
 	}
 }
+
+// TestSharedStoreMadeAtFirstWrite: a source's shared records of a kind
+// never written are none, and leave no directory behind; the first write
+// makes it, and the records read back as written.
+func TestSharedStoreMadeAtFirstWrite(t *testing.T) {
+	state := t.TempDir()
+	s, err := Shared(state, "iscsi-session")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keys, err := s.Keys(); err != nil || len(keys) != 0 {
+		t.Fatalf("Keys of a kind never written = %v, %v", keys, err)
+	}
+	if _, err := s.Get("k"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("Get of a kind never written: %v, want ErrNotFound", err)
+	}
+	if _, err := os.Stat(filepath.Join(state, "shared")); !os.IsNotExist(err) {
+		t.Fatalf("reading made the shared dir: %v", err)
+	}
+	rec := json.RawMessage(`{"users":["v1"]}`)
+	if _, err := s.Put("k", &rec, Durable); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Get("k")
+	if err != nil || string(*got) != string(rec) {
+		t.Fatalf("Get = %s, %v; want %s", *got, err, rec)
+	}
+	if b, err := os.ReadFile(filepath.Join(state, "shared", "iscsi-session", "k.json")); err != nil || string(b) != string(rec) {
+		t.Fatalf("file holds %s, %v; want %s", b, err, rec)
+	}
+	if err := s.Delete("k", Durable); err != nil {
+		t.Fatal(err)
+	}
+	if keys, err := s.Keys(); err != nil || len(keys) != 0 {
+		t.Fatalf("Keys after Delete = %v, %v", keys, err)
+	}
+	if _, err := Shared(state, "../x"); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("a kind that is no file name: %v", err)
+	}
+}
+
+// TestRecordsListByKey: the mounter's records come back by key, the temp
+// file of a write a crash interrupted is removed, and a record that does
+// not decode is reported while the others are kept.
+func TestRecordsListByKey(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "loops")
+	r, err := OpenRecords[map[string]int](dir, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"a", "b"} {
+		if err := r.Put(k, map[string]int{k: len(k)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	temp := filepath.Join(dir, ".c.json.tmp-123")
+	for path, data := range map[string]string{temp: "{", filepath.Join(dir, "bad.json"): "{"} {
+		if err := os.WriteFile(path, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := r.List()
+	if err == nil || !strings.Contains(err.Error(), "bad") {
+		t.Fatalf("a record that does not decode went unreported: %v", err)
+	}
+	if len(got) != 2 || got["a"]["a"] != 1 || got["b"]["b"] != 1 {
+		t.Fatalf("List = %v", got)
+	}
+	if _, err := os.Stat(temp); !os.IsNotExist(err) {
+		t.Fatalf("temp file of an interrupted write left: %v", err)
+	}
+	if err := r.Delete("a"); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := r.List(); len(got) != 1 {
+		t.Fatalf("List after Delete = %v", got)
+	}
+}
