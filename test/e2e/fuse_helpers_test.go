@@ -33,7 +33,7 @@ func fuseProfilesPath(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return filepath.Join(root, "pkg", "source", "fuse", "testdata", "profiles.yaml")
+	return filepath.Join(root, "internal", "source", "fuse", "testdata", "profiles.yaml")
 }
 
 // state returns the fuse state the journal holds for id.
