@@ -16,6 +16,9 @@ import (
 	"github.com/mountplan/mountplan/internal/source"
 )
 
+// sourceOf returns the source of v's type: what the driver asks for every
+// device step of v, and, through the optional interfaces of
+// internal/source, for what else it can do.
 func (d *Driver) sourceOf(v *model.Volume) (source.Source, error) {
 	s, ok := d.sources[v.Type]
 	if !ok {
