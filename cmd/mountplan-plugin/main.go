@@ -29,6 +29,7 @@ import (
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/fuse"
 	"github.com/mountplan/mountplan/internal/source/iscsi"
+	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/internal/source/nbd"
 	"github.com/mountplan/mountplan/internal/toolrun"
 )
@@ -50,7 +51,7 @@ func main() {
 	flag.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///abs/path.sock)")
 	flag.StringVar(&f.nodeID, "node-id", "", "name of this node (required)")
 	flag.StringVar(&f.stateDir, "state-dir", config.DefaultStateDir, "directory for the journal, images and private mounts")
-	flag.StringVar(&f.kubeletDir, "kubelet-dir", driver.DefaultKubeletDir, "kubelet's root directory: every staging and target path must lie under it")
+	flag.StringVar(&f.kubeletDir, "kubelet-dir", config.DefaultKubeletDir, "kubelet's root directory: every staging and target path must lie under it")
 	flag.StringVar(&f.driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&f.configPath, "config", "", "admin policy file (YAML); optional")
 	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the mounter's socket (mountplan-sidecar serve), which does every privileged act: devices, mounts, FUSE daemons; empty: all of it in this process, which then needs the privileges")
@@ -94,15 +95,13 @@ func run(f flags) error {
 	if f.metricsAddress != "" {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
 	}
-	fuseSource, err := fuse.New(fuse.Options{StateDir: f.stateDir, Profiles: cfg.FuseProfiles,
-		Daemons: node, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
+	sources, err := newSources(f, cfg, node, mx)
 	if err != nil {
 		return err
 	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
 		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Node: node, Metrics: mx, NRI: f.nri,
-		Sources: map[string]source.Source{fuse.Type: fuseSource,
-			nbd.Type: nbd.New(cfg.NBD, node, mx), iscsi.Type: iscsi.New(cfg.ISCSI, node, mx)}})
+		Sources: sources, DefaultType: loop.Type})
 	if err != nil {
 		return err
 	}
@@ -142,7 +141,11 @@ func run(f flags) error {
 	if err := f.kubelet.serve(ctx, f, failKubelet); err != nil {
 		return err
 	}
-	go fuseSource.Run(ctx, f.reconcileInterval) // FUSE orphans; daemons outlive the plugin
+	for _, s := range sources {
+		if r, ok := s.(source.Runner); ok {
+			go r.Run(ctx, f.reconcileInterval) // FUSE orphans; daemons outlive the plugin
+		}
+	}
 	go func() {
 		// Serve at once so Probe can answer "not ready" while this runs.
 		if err := d.Reconcile(ctx); err != nil {
@@ -168,6 +171,24 @@ func run(f flags) error {
 		return err
 	}
 	return nil
+}
+
+// newSources builds every kind of volume the plugin serves, by type, over
+// the mounter: loop (the default type), fuse, nbd and iscsi.
+func newSources(f flags, cfg *config.Config, node mounter.Node, mx *metrics.Metrics) (map[string]source.Source, error) {
+	stateDir, err := filepath.Abs(f.stateDir)
+	if err != nil {
+		return nil, err
+	}
+	loopSource := loop.New(stateDir, node)
+	loopSource.Metrics, loopSource.ImageRoots = mx, cfg.ImageRoots
+	fuseSource, err := fuse.New(fuse.Options{StateDir: stateDir, Profiles: cfg.FuseProfiles,
+		Daemons: node, Metrics: mx, ProbeInterval: f.fuseProbeInterval, ProbeTimeout: f.fuseProbeTimeout})
+	if err != nil {
+		return nil, err
+	}
+	return map[string]source.Source{loop.Type: loopSource, fuse.Type: fuseSource,
+		nbd.Type: nbd.New(cfg.NBD, node, mx), iscsi.Type: iscsi.New(cfg.ISCSI, node, mx)}, nil
 }
 
 // newMounter returns the mounter: a client of the sidecar's socket when

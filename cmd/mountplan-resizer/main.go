@@ -17,9 +17,9 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/internal/driver"
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/resizer"
+	"github.com/mountplan/mountplan/internal/topology"
 )
 
 func main() {
@@ -63,7 +63,7 @@ func run(pluginEndpoint, nodeID, driverName, kubeconfig string, workers int) err
 		return err
 	}
 	defer conn.Close()
-	r, err := resizer.New(resizer.Options{DriverName: driverName, TopologyKey: driver.TopologyKey, NodeID: nodeID,
+	r, err := resizer.New(resizer.Options{DriverName: driverName, TopologyKey: topology.Key, NodeID: nodeID,
 		Kube: kube, Controller: csi.NewControllerClient(conn)})
 	if err != nil {
 		return err

@@ -17,6 +17,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/daemon"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 )
 
@@ -387,7 +388,7 @@ func (b *bench) createVolume(ctx context.Context, in *instance) error {
 	if in != b.instance {
 		return nil
 	}
-	st, err := journal.Open(in.stateDir)
+	st, err := journal.OpenVolumes(in.stateDir)
 	if err != nil {
 		return err
 	}
@@ -498,18 +499,18 @@ func (b *bench) measureJournalWrite(ctx context.Context) *sample {
 	s := newSample(0, "journal.Store.Put of a volume record")
 	dir := filepath.Join(b.stateDir, "bench-journal")
 	defer os.RemoveAll(dir)
-	st, err := journal.Open(dir)
+	st, err := journal.OpenVolumes(dir)
 	if err != nil {
 		return nil
 	}
-	v := &journal.Volume{ID: "probe", Kind: journal.KindProvisioned, Type: "loop", Image: strings.Repeat("x", 200)}
+	v := &model.Volume{ID: "probe", Kind: model.KindProvisioned, Type: "loop", Image: strings.Repeat("x", 200)}
 	for _, d := range []struct {
 		name string
 		d    journal.Durability
 	}{{"runtime (one pwrite in place)", journal.Runtime}, {"durable (write + fsync + rename + fsync dir)", journal.Durable}} {
 		for i := 0; i < b.o.warmup+b.o.n && ctx.Err() == nil; i++ {
 			t := time.Now()
-			if err := st.Put(v, d.d); err != nil {
+			if _, err := st.Put(v.ID, v, d.d); err != nil {
 				return nil
 			}
 			if i >= b.o.warmup {

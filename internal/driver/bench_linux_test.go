@@ -99,7 +99,7 @@ func benchDriver(b *testing.B, dir string, size int64) *Driver {
 	b.Helper()
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(dir, "state")
-	d, err := New(Options{DriverName: "x.csi.io", NodeID: "n", StateDir: state, KubeletDir: dir, Config: cfg})
+	d, err := New(testOptions(b, Options{DriverName: "x.csi.io", NodeID: "n", StateDir: state, KubeletDir: dir, Config: cfg}))
 	if err != nil {
 		b.Fatal(err)
 	}

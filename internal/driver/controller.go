@@ -1,11 +1,11 @@
 package driver
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"maps"
-	"math"
 	"slices"
 	"strings"
 
@@ -14,18 +14,10 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/topology"
 )
-
-// Capacity is provisioned in whole MiB; a request of 0 gets DefaultCapacity.
-const (
-	CapacityUnit    int64 = 1 << 20
-	DefaultCapacity int64 = 1 << 30
-)
-
-// minCapacity is the smallest image each filesystem can be made on.
-var minCapacity = map[string]int64{"ext4": 16 << 20, "xfs": 300 << 20}
 
 // Parameter keys of a StorageClass.
 const (
@@ -56,6 +48,8 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 
 // createParams are the validated parameters of a CreateVolume.
 type createParams struct {
+	typ    string
+	prov   source.Provisioner
 	fsType string
 	size   int64
 }
@@ -64,21 +58,18 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	if err := requireField("name", req.GetName()); err != nil {
 		return createParams{}, err
 	}
-	if err := journal.ValidID(req.GetName()); err != nil {
+	if err := model.ValidID(req.GetName()); err != nil {
 		return createParams{}, invalid("name %q cannot name a node-local volume (1-128 of [A-Za-z0-9._-])", req.GetName())
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return createParams{}, err
 	}
-	var p createParams
-	for k, v := range req.GetParameters() {
+	p := createParams{typ: cmp.Or(req.GetParameters()[paramType], d.opts.DefaultType)}
+	for k := range req.GetParameters() {
 		switch {
 		case k == paramType:
-			if v != loop.Type {
-				return p, invalid("parameter type=%q: only %q can be provisioned", v, loop.Type)
-			}
 		case k == paramFsType || k == paramCSIFsType:
-			p.fsType = v
+			p.fsType = req.GetParameters()[k]
 		case k == ctxNRI:
 			if _, err := parseNRI(req.GetParameters()); err != nil {
 				return p, err
@@ -87,6 +78,10 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 		default:
 			return p, invalid("unknown parameter %q (known: %s, %s, %s, %s)", k, paramType, paramFsType, paramCSIFsType, ctxNRI)
 		}
+	}
+	var ok bool
+	if p.prov, ok = d.provisioner(p.typ); !ok {
+		return p, invalid("parameter type=%q: only %s can be provisioned", p.typ, d.provisionerTypes())
 	}
 	if p.fsType == "" {
 		for _, c := range req.GetVolumeCapabilities() {
@@ -106,44 +101,6 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	return p, err
 }
 
-// checkFormattable accepts the filesystems this plugin can make.
-func checkFormattable(fsType string) error {
-	if _, ok := minCapacity[fsType]; !ok {
-		return invalid("fsType %q cannot be made (supported: %s)", fsType, strings.Join(slices.Sorted(maps.Keys(minCapacity)), ", "))
-	}
-	return nil
-}
-
-// roundCapacity raises size to the filesystem's minimum and whole MiB.
-func roundCapacity(size int64, fsType string) int64 {
-	size = max(size, minCapacity[fsType])
-	return (size + CapacityUnit - 1) / CapacityUnit * CapacityUnit
-}
-
-// capacityFor rounds the requested size up to whole MiB and to the
-// filesystem's minimum, within the limit.
-func capacityFor(r *csi.CapacityRange, fsType string) (int64, error) {
-	required, limit := r.GetRequiredBytes(), r.GetLimitBytes()
-	if required < 0 || limit < 0 {
-		return 0, fmt.Errorf("capacity range must not be negative: %w", errdefs.ErrOutOfRange)
-	}
-	if limit > 0 && required > limit {
-		return 0, fmt.Errorf("required_bytes %d exceeds limit_bytes %d: %w", required, limit, errdefs.ErrOutOfRange)
-	}
-	size := required
-	if size == 0 {
-		size = DefaultCapacity
-		if limit > 0 && limit < size {
-			size = limit
-		}
-	}
-	size = roundCapacity(size, fsType)
-	if limit > 0 && size > limit {
-		return 0, fmt.Errorf("the smallest %s volume in whole MiB (%d bytes) exceeds limit_bytes %d: %w", fsType, size, limit, errdefs.ErrOutOfRange)
-	}
-	return size, nil
-}
-
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
 	p, err := d.parseCreate(req)
 	if err != nil {
@@ -153,13 +110,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, err
 	}
 	id := req.GetName()
-	unlock, err := d.lock(id, "CreateVolume")
+	unlock, err := d.records.TryLock(id, "CreateVolume")
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
 
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	switch {
 	case err == nil && !v.Creating:
 		if err := compatible(v, req, p); err != nil {
@@ -173,7 +130,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	case err == nil:
 		// A create interrupted after its intent, never answered: start
 		// over with this request, whatever the interrupted one asked.
-		if err := loop.RemoveImage(v.Image); err != nil {
+		if err := d.removeImage(v); err != nil {
 			return nil, err
 		}
 	case !errors.Is(err, errdefs.ErrNotFound):
@@ -189,53 +146,26 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := d.checkFits(id, p.size); err != nil {
 		return nil, err
 	}
-	v = &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: loop.Type,
-		Image: loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, id), CapacityBytes: p.size,
+	v = &model.Volume{ID: id, Kind: model.KindProvisioned, Type: p.typ,
+		Image: p.prov.ImagePath(model.KindProvisioned, id), CapacityBytes: p.size,
 		FsType: p.fsType, Parameters: maps.Clone(req.GetParameters()), Creating: true}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
-	if err := d.makeImage(ctx, v, req.GetVolumeCapabilities()); err != nil {
+	if err := makeImage(ctx, p.prov, v, req.GetVolumeCapabilities()); err != nil {
 		// No record outlives a failed create: the name stays free.
 		err = fmt.Errorf("create image for %s: %w", id, imageError(err))
-		return nil, errors.Join(err, loop.RemoveImage(v.Image), d.vols.Delete(id, journal.Durable))
+		return nil, errors.Join(err, p.prov.RemoveImage(v.Image), d.records.Delete(id, journal.Durable))
 	}
 	v.Creating = false
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		return nil, err
 	}
 	return d.createResponse(v), nil
 }
 
-// checkFits refuses a capacity the state dir's filesystem cannot hold:
-// more than its whole size (images are sparse, so free space is not the
-// bound, but a filesystem never holds more than itself).
-func (d *Driver) checkFits(id string, size int64) error {
-	var st unix.Statfs_t
-	if err := unix.Statfs(d.opts.StateDir, &st); err != nil {
-		return fmt.Errorf("statfs %s: %w", d.opts.StateDir, err)
-	}
-	total := st.Blocks * uint64(st.Bsize)
-	if st.Bsize > 0 && st.Blocks > math.MaxInt64/uint64(st.Bsize) {
-		total = math.MaxInt64
-	}
-	if uint64(size) > total {
-		return fmt.Errorf("volume %s: %d bytes is more than the state dir's filesystem holds (%d bytes): %w", id, size, total, errdefs.ErrOutOfRange)
-	}
-	return nil
-}
-
-// imageError marks a size the filesystem refuses for one file (EFBIG) as
-// out of range.
-func imageError(err error) error {
-	if errors.Is(err, unix.EFBIG) {
-		return fmt.Errorf("%w: %w", err, errdefs.ErrOutOfRange)
-	}
-	return err
-}
-
 // compatible decides whether a repeated CreateVolume names the same volume.
-func compatible(v *journal.Volume, req *csi.CreateVolumeRequest, p createParams) error {
+func compatible(v *model.Volume, req *csi.CreateVolumeRequest, p createParams) error {
 	r := req.GetCapacityRange()
 	if !sameContent(v.ContentSource, req.GetVolumeContentSource()) {
 		return fmt.Errorf("volume %s exists with other content (%v): %w", v.ID, contentSource(v.ContentSource), errdefs.ErrAlreadyExists)
@@ -249,7 +179,7 @@ func compatible(v *journal.Volume, req *csi.CreateVolumeRequest, p createParams)
 	return nil
 }
 
-func (d *Driver) createResponse(v *journal.Volume) *csi.CreateVolumeResponse {
+func (d *Driver) createResponse(v *model.Volume) *csi.CreateVolumeResponse {
 	vctx := map[string]string{paramType: v.Type, paramFsType: v.FsType}
 	if nri, ok := v.Parameters[ctxNRI]; ok {
 		vctx[ctxNRI] = nri // the StorageClass's choice reaches every publish
@@ -263,10 +193,6 @@ func (d *Driver) createResponse(v *journal.Volume) *csi.CreateVolumeResponse {
 	}}
 }
 
-func (d *Driver) topology() *csi.Topology {
-	return &csi.Topology{Segments: map[string]string{TopologyKey: d.opts.NodeID}}
-}
-
 // checkTopology refuses a request that may not land on this node.
 func (d *Driver) checkTopology(req *csi.TopologyRequirement) error {
 	requisite := req.GetRequisite()
@@ -274,7 +200,7 @@ func (d *Driver) checkTopology(req *csi.TopologyRequirement) error {
 		return nil
 	}
 	if slices.ContainsFunc(requisite, func(t *csi.Topology) bool {
-		n, ok := t.GetSegments()[TopologyKey]
+		n, ok := t.GetSegments()[topology.Key]
 		return !ok || n == d.opts.NodeID
 	}) {
 		return nil
@@ -287,10 +213,10 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err := requireField("volume_id", id); err != nil {
 		return nil, err
 	}
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return &csi.DeleteVolumeResponse{}, nil // such a volume cannot exist here
 	}
-	v, unlock, err := d.locked(id, "DeleteVolume")
+	v, unlock, err := d.records.Locked(id, "DeleteVolume")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.DeleteVolumeResponse{}, nil
@@ -301,7 +227,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if v.Stage != nil {
 		return nil, fmt.Errorf("volume %s is staged at %s: %w", id, v.Stage.StagingPath, errdefs.ErrFailedPrecondition)
 	}
-	if v.Kind != journal.KindProvisioned {
+	if v.Kind != model.KindProvisioned {
 		return nil, fmt.Errorf("volume %s is %s, not provisioned: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
 	}
 	if v.Creating && v.ContentSource != nil {
@@ -309,12 +235,16 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		// source was left frozen, and only undoing it thaws the source.
 		return &csi.DeleteVolumeResponse{}, d.abandonCopy(ctx, v)
 	}
-	// Deleting an image a loop device still reads would leave that device
+	prov, err := d.provisionerOf(v)
+	if err != nil {
+		return nil, err
+	}
+	// Deleting an image a device still reads would leave that device
 	// serving a file nobody can see or clean up: refuse until it is gone.
-	if err := loop.RemoveDetachedImage(ctx, v.Image); err != nil {
+	if err := prov.RemoveDetachedImage(ctx, v.Image); err != nil {
 		return nil, fmt.Errorf("volume %s: %w", id, err)
 	}
-	return &csi.DeleteVolumeResponse{}, d.vols.Delete(id, journal.Durable)
+	return &csi.DeleteVolumeResponse{}, d.records.Delete(id, journal.Durable)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
@@ -324,7 +254,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	if len(req.GetVolumeCapabilities()) == 0 {
 		return nil, invalid("volume_capabilities are required")
 	}
-	if _, err := d.vols.Get(req.GetVolumeId()); err != nil {
+	if _, err := d.records.Get(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
@@ -355,15 +285,19 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if req.GetCapacityRange() == nil {
 		return nil, invalid("capacity_range is required")
 	}
-	v, unlock, err := d.locked(id, "ControllerExpandVolume")
+	v, unlock, err := d.records.Locked(id, "ControllerExpandVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err
 	}
-	if v.Kind != journal.KindProvisioned {
+	if v.Kind != model.KindProvisioned {
 		// The image of a static volume is the admin's, and other kinds
 		// have no image here: only what CreateVolume made can grow.
 		return nil, fmt.Errorf("volume %s is %s, not provisioned by this plugin: %w", id, v.Kind, errdefs.ErrFailedPrecondition)
+	}
+	prov, err := d.provisionerOf(v)
+	if err != nil {
+		return nil, err
 	}
 	size, err := capacityFor(req.GetCapacityRange(), v.FsType)
 	if err != nil {
@@ -373,13 +307,93 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		if err := d.checkFits(id, size); err != nil {
 			return nil, err
 		}
-		if err := loop.GrowImage(v.Image, size); err != nil {
+		if err := prov.GrowImage(v.Image, size); err != nil {
 			return nil, fmt.Errorf("grow image of %s: %w", id, imageError(err))
 		}
 		v.CapacityBytes = size
-		if err := d.vols.Put(v, journal.Durable); err != nil {
+		if err := d.records.Put(v, journal.Durable); err != nil {
 			return nil, err
 		}
 	}
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: true}, nil
+}
+
+// listed are the volumes the controller answers for: those CreateVolume
+// made and answered. Static and inline volumes are a node's business and
+// unknown to the CO's controller.
+func listed(v *model.Volume) bool { return v.Kind == model.KindProvisioned && !v.Creating }
+
+func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	all, err := d.records.List()
+	if err != nil {
+		return nil, err
+	}
+	vols := slices.DeleteFunc(all, func(v *model.Volume) bool { return !listed(v) })
+	entries, next, err := page(vols, func(v *model.Volume) string { return v.ID }, req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csi.ListVolumesResponse{NextToken: next}
+	for _, v := range entries {
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: d.csiVolume(v),
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: d.publishedNodes(v)},
+		})
+	}
+	return resp, nil
+}
+
+func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	v, err := d.records.Get(id)
+	if err == nil && !listed(v) {
+		err = fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &csi.ControllerGetVolumeResponse{
+		Volume: d.csiVolume(v),
+		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: d.publishedNodes(v)},
+	}, nil
+}
+
+// publishedNodes: a node-local volume is in use on this node, and only
+// here, while it is staged.
+func (d *Driver) publishedNodes(v *model.Volume) []string {
+	if v.Stage == nil {
+		return nil
+	}
+	return []string{d.opts.NodeID}
+}
+
+// csiVolume is what CreateVolume answered for v.
+func (d *Driver) csiVolume(v *model.Volume) *csi.Volume {
+	return d.createResponse(v).GetVolume()
+}
+
+// contentSource is v's content source as CSI names it.
+func contentSource(cs *model.ContentSource) *csi.VolumeContentSource {
+	switch {
+	case cs == nil:
+		return nil
+	case cs.Snapshot != "":
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: cs.Snapshot}}}
+	default:
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: cs.Volume}}}
+	}
+}
+
+// sameContent reports whether a repeated CreateVolume asks for the content
+// the volume was made with.
+func sameContent(have *model.ContentSource, want *csi.VolumeContentSource) bool {
+	if have == nil || want == nil {
+		return have == nil && want == nil
+	}
+	return have.Snapshot == want.GetSnapshot().GetSnapshotId() && have.Volume == want.GetVolume().GetVolumeId()
 }

@@ -3,12 +3,25 @@
 // requests, takes per-volume locks, keeps the journal, and delegates device
 // work to the volume sources and mount work to a mounter. Errors are mapped
 // to gRPC codes in one place: the unary interceptor (see server.go).
+//
+// A file per service, each RPC an orchestrator read top to bottom:
+// identity.go, controller.go (snapshots.go: its snapshot RPCs), node.go,
+// prepare.go (NodePrepare) and nri.go (what NRI mode adds to publish and
+// prepare). Background work: reconcile.go, reattach.go. The steps they
+// share lie below them, and call nothing above: copy.go (images copied for
+// snapshots and clones), provision.go (sizes and images of the volumes the
+// plugin makes), plan.go (a volume's plan: built, checked, performed),
+// kubelet.go (the paths kubelet sends), stats.go, sources.go (what the
+// driver asks of a volume source, and what it offers one), records.go
+// (every record and lock, and the lookups in a record), validate.go
+// (request fields), listing.go (page tokens).
 package driver
 
 import (
-	"context"
 	"fmt"
+	"maps"
 	"path/filepath"
+	"slices"
 	"sync/atomic"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -16,17 +29,13 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/topology"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
-
-// TopologyKey is the segment that pins a volume to the node that made it.
-const TopologyKey = "topology.mountplan.csi.io/node"
 
 // Options configure a Driver.
 type Options struct {
@@ -39,15 +48,20 @@ type Options struct {
 	KubeletDir string
 	Config     *config.Config
 	// Node is the mounter: every privileged act (devices, mounts, daemons,
-	// looking into other processes) is asked of it. nil: a mounter in this
-	// process (mounter.Local), its records under StateDir/mounter.
+	// looking into other processes) is asked of it. Required.
 	Node mounter.Node
 	// Mounter, when set, performs plans instead of Node (tests).
 	Mounter mounter.Interface
 	// Metrics, when not nil, records RPC latencies and device steps.
 	Metrics *metrics.Metrics
-	// Sources are the volume kinds besides loop, by volume_context type.
+	// Sources are the volume kinds, by volume_context type. The driver
+	// asks each for what it can do besides the Source interface: make its
+	// volumes' images (source.Provisioner), copy them (source.Snapshotter;
+	// one source at most), and so on.
 	Sources map[string]source.Source
+	// DefaultType is the type of a volume whose attributes or parameters
+	// name none; it must be one of Sources.
+	DefaultType string
 	// NRI lets volumes ask for NRI mode (attribute nri: "true"): the
 	// mounter's NRI hook gives them to containers through the runtime.
 	NRI bool
@@ -62,13 +76,14 @@ type Driver struct {
 
 	opts    Options
 	node    mounter.Node
-	loop    *loop.Source
-	vols    *volumes
-	snaps   *snapshots
+	records *records
 	sources map[string]source.Source
-	policy  plan.Policy
-	kubelet kubeletDir
-	ready   atomic.Bool
+	// snapshotter keeps the snapshots: the one source that is a
+	// source.Snapshotter, nil when none is.
+	snapshotter source.Snapshotter
+	policy      plan.Policy
+	kubelet     kubeletDir
+	ready       atomic.Bool
 }
 
 // New builds a driver over the state dir. It touches no device: Reconcile
@@ -89,42 +104,37 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
-	vols, err := openVolumes(stateDir)
-	if err != nil {
-		return nil, err
-	}
-	snaps, err := openSnapshots(stateDir)
+	recs, err := openRecords(stateDir)
 	if err != nil {
 		return nil, err
 	}
 	if opts.Node == nil {
-		if opts.Node, err = mounter.NewNode(context.Background(), mounter.Options{StateDir: stateDir, KubeletDir: opts.KubeletDir,
-			RecordsDir: mounter.DefaultRecordsDir(stateDir), Config: opts.Config}); err != nil {
-			return nil, err
-		}
+		return nil, fmt.Errorf("driver: a mounter (Node) is required: %w", errdefs.ErrInvalidArgument)
 	}
 	if opts.Mounter == nil {
 		opts.Mounter = opts.Node
 	}
-	ls := loop.New(stateDir, opts.Node)
-	ls.Metrics, ls.ImageRoots = opts.Metrics, opts.Config.ImageRoots
-	sources := map[string]source.Source{loop.Type: ls}
-	for typ, s := range opts.Sources {
-		sources[typ] = s
+	if _, ok := opts.Sources[opts.DefaultType]; !ok {
+		return nil, fmt.Errorf("driver: the default volume type %q is no source's: %w", opts.DefaultType, errdefs.ErrInvalidArgument)
 	}
 	d := &Driver{
 		opts:    opts,
 		node:    opts.Node,
-		loop:    ls,
-		vols:    vols,
-		snaps:   snaps,
-		sources: sources,
+		records: recs,
+		sources: maps.Clone(opts.Sources),
 		policy:  opts.Config.PlanPolicy(stateDir),
 		kubelet: kubelet,
 	}
-	for _, s := range sources {
+	for _, typ := range slices.Sorted(maps.Keys(d.sources)) {
+		s := d.sources[typ]
 		if hu, ok := s.(source.HostUser); ok {
 			hu.SetHost(d)
+		}
+		if sn, ok := s.(source.Snapshotter); ok {
+			if d.snapshotter != nil {
+				return nil, fmt.Errorf("driver: two sources keep snapshots (%s is the second); one may: %w", typ, errdefs.ErrInvalidArgument)
+			}
+			d.snapshotter = sn
 		}
 	}
 	return d, nil
@@ -138,34 +148,9 @@ func (d *Driver) Register(s *grpc.Server) {
 	api.RegisterNodePrepareServer(s, d)
 }
 
-// lock takes the volume's lock for op; a busy volume gives Aborted.
-func (d *Driver) lock(id, op string) (func(), error) {
-	return d.vols.tryLock(id, op)
-}
-
-// locked takes the volume's lock for op and reads its record. The returned
-// func releases the lock and is never nil; a volume without a record comes
-// back with an error wrapping errdefs.ErrNotFound.
-func (d *Driver) locked(id, op string) (*journal.Volume, func(), error) {
-	unlock, err := d.lock(id, op)
-	if err != nil {
-		return nil, func() {}, err
-	}
-	v, err := d.vols.Get(id)
-	return v, unlock, err
-}
-
-func (d *Driver) sourceOf(v *journal.Volume) (source.Source, error) {
-	s, ok := d.sources[v.Type]
-	if !ok {
-		return nil, fmt.Errorf("volume %s has unknown type %q: %w", v.ID, v.Type, errdefs.ErrInvalidArgument)
-	}
-	return s, nil
-}
-
 // StagedByType counts staged volumes by type, for the metrics gauge.
 func (d *Driver) StagedByType() map[string]int {
-	vols, _ := d.vols.List()
+	vols, _ := d.records.List()
 	out := map[string]int{}
 	for _, v := range vols {
 		if v.Staged() {
@@ -177,3 +162,7 @@ func (d *Driver) StagedByType() map[string]int {
 
 // Ready reports whether the startup reconcile has finished.
 func (d *Driver) Ready() bool { return d.ready.Load() }
+
+func (d *Driver) topology() *csi.Topology {
+	return &csi.Topology{Segments: map[string]string{topology.Key: d.opts.NodeID}}
+}

@@ -3,13 +3,18 @@ package driver
 import (
 	"context"
 	"errors"
+	"path/filepath"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
+	"github.com/mountplan/mountplan/internal/mounter"
+	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/topology"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -28,10 +33,44 @@ func (m *recordingMounter) Unmount(context.Context, []plan.Mount, plan.Consumer)
 	return nil
 }
 
+// testOptions completes opts as mountplan-plugin does (loopOptions).
+func testOptions(t testing.TB, opts Options) Options {
+	t.Helper()
+	opts, err := loopOptions(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return opts
+}
+
+// loopOptions completes opts as mountplan-plugin does: a mounter in this
+// process when opts names none, and the loop source over it, the default
+// type.
+func loopOptions(opts Options) (Options, error) {
+	state, err := filepath.Abs(opts.StateDir)
+	if err != nil {
+		return opts, err
+	}
+	if opts.Node == nil {
+		if opts.Node, err = mounter.NewNode(context.Background(), mounter.Options{StateDir: state, KubeletDir: opts.KubeletDir,
+			RecordsDir: mounter.DefaultRecordsDir(state), Config: opts.Config}); err != nil {
+			return opts, err
+		}
+	}
+	ls := loop.New(state, opts.Node)
+	ls.Metrics = opts.Metrics
+	if opts.Config != nil {
+		ls.ImageRoots = opts.Config.ImageRoots
+	}
+	opts.Sources = map[string]source.Source{loop.Type: ls}
+	opts.DefaultType = loop.Type
+	return opts, nil
+}
+
 func newTestDriver(t *testing.T) (*Driver, *recordingMounter) {
 	t.Helper()
 	m := &recordingMounter{}
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: m})
+	d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: m}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +154,7 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 		}, codes.OutOfRange},
 		{"create on another node", func() error {
 			_, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{rwo},
-				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{TopologyKey: "node-b"}}}}})
+				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{topology.Key: "node-b"}}}}})
 			return err
 		}, codes.ResourceExhausted},
 		{"publish not staged", func() error {
@@ -164,7 +203,7 @@ func TestBadInputGetsTheRightCode(t *testing.T) {
 	if m.calls != 0 {
 		t.Fatalf("refused requests reached the mounter %d times", m.calls)
 	}
-	vols, err := d.vols.List()
+	vols, err := d.records.List()
 	if err != nil || len(vols) != 0 {
 		t.Fatalf("refused requests left records: %v %v", vols, err)
 	}
@@ -201,7 +240,7 @@ func TestCreateVolumeIsIdempotentByName(t *testing.T) {
 	if got := first.GetVolume().GetCapacityBytes(); got != 21<<20 {
 		t.Fatalf("capacity %d, want rounded up to 21 MiB", got)
 	}
-	if first.GetVolume().GetAccessibleTopology()[0].GetSegments()[TopologyKey] != "node-a" {
+	if first.GetVolume().GetAccessibleTopology()[0].GetSegments()[topology.Key] != "node-a" {
 		t.Fatalf("topology: %v", first.GetVolume().GetAccessibleTopology())
 	}
 	again, err := d.CreateVolume(ctx, req)
@@ -227,7 +266,7 @@ func TestCreateVolumeIsIdempotentByName(t *testing.T) {
 func TestConcurrentOperationIsAborted(t *testing.T) {
 	d, _ := newTestDriver(t)
 	stg := d.kubelet.root + "/plugins/x/globalmount"
-	unlock, err := d.lock("v", "NodeStageVolume")
+	unlock, err := d.records.TryLock("v", "NodeStageVolume")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,11 +293,11 @@ func TestParseSize(t *testing.T) {
 // TestConsumerBound: a volume takes no consumer beyond MaxConsumers (the
 // review's finding 6: nothing bounded them), with a clear code.
 func TestConsumerBound(t *testing.T) {
-	v := &journal.Volume{ID: "v", Consumers: make([]journal.Claim, MaxConsumers-1)}
+	v := &model.Volume{ID: "v", Consumers: make([]model.Claim, MaxConsumers-1)}
 	if err := roomForConsumer(v); err != nil {
 		t.Fatalf("room for the last consumer: %v", err)
 	}
-	v.Consumers = append(v.Consumers, journal.Claim{})
+	v.Consumers = append(v.Consumers, model.Claim{})
 	if err := roomForConsumer(v); !errors.Is(err, errdefs.ErrResourceExhausted) {
 		t.Fatalf("one consumer too many: %v, want ResourceExhausted", err)
 	}

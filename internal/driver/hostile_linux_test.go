@@ -18,6 +18,7 @@ import (
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -60,7 +61,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 	}
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg})
+	d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: e.kubelet, Config: cfg}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +84,7 @@ func newHostileEnv(t *testing.T) *hostileEnv {
 // what a refused request should never have made (a red run).
 func (e *hostileEnv) teardown(t *testing.T) {
 	ctx := context.Background()
-	vols, _ := e.d.vols.List()
+	vols, _ := e.d.records.List()
 	for _, v := range vols {
 		for _, p := range v.Publishes {
 			if err := e.d.unpublish(ctx, v, p.TargetPath); err != nil {
@@ -193,7 +194,7 @@ func TestHostileRequests(t *testing.T) {
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}})
 			return err
 		}, codes.OutOfRange, func() error {
-			if _, err := e.d.vols.Get("huge"); !errors.Is(err, errdefs.ErrNotFound) {
+			if _, err := e.d.records.Get("huge"); !errors.Is(err, errdefs.ErrNotFound) {
 				return fmt.Errorf("the refused create left a record: %v", err)
 			}
 			return nil
@@ -208,7 +209,7 @@ func TestHostileRequests(t *testing.T) {
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}})
 			return err
 		}, codes.OutOfRange, func() error {
-			if v, err := e.d.vols.Get("vol2"); err != nil || v.CapacityBytes != 16*mib {
+			if v, err := e.d.records.Get("vol2"); err != nil || v.CapacityBytes != 16*mib {
 				return fmt.Errorf("the refused expansion changed the record: %+v %v", v, err)
 			}
 			return nil
@@ -254,7 +255,7 @@ func TestHostileRequests(t *testing.T) {
 		})
 		safe = safe && ok
 	}
-	if v, err := e.d.vols.Get("vol2"); err != nil || v.Stage != nil {
+	if v, err := e.d.records.Get("vol2"); err != nil || v.Stage != nil {
 		t.Errorf("a refused stage left vol2 staged: %+v %v", v, err)
 	}
 }
@@ -347,14 +348,19 @@ func prepareAsUnprivileged() {
 	dir := os.Getenv("MOUNTPLAN_EACCES_DIR")
 	kubelet := filepath.Join(dir, "kubelet")
 	staging := filepath.Join(kubelet, "staging")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: filepath.Join(dir, "state"), KubeletDir: kubelet, Mounter: &recordingMounter{}})
+	opts, err := loopOptions(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: filepath.Join(dir, "state"), KubeletDir: kubelet, Mounter: &recordingMounter{}})
 	if err != nil {
 		fmt.Println("New:", err)
 		return
 	}
-	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "loop",
-		Stage: &journal.Stage{Phase: journal.PhaseStaged, StagingPath: staging, Source: []byte(`{}`)}}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	d, err := New(opts)
+	if err != nil {
+		fmt.Println("New:", err)
+		return
+	}
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "loop",
+		Stage: &model.Stage{Phase: model.PhaseStaged, StagingPath: staging, Source: []byte(`{}`)}}
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		fmt.Println("Put:", err)
 		return
 	}

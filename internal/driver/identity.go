@@ -31,7 +31,7 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	ready := d.ready.Load()
 	if ready {
-		if err := d.vols.CheckWritable(); err != nil {
+		if err := d.records.CheckWritable(); err != nil {
 			klog.FromContext(ctx).Error(err, "Journal not writable")
 			return nil, err
 		}

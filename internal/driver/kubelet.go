@@ -8,16 +8,13 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mountns"
 )
-
-// DefaultKubeletDir is kubelet's usual root directory, the default of
-// both the plugin and the sidecar.
-const DefaultKubeletDir = config.DefaultKubeletDir
 
 // kubeletDir confines the staging and target paths a CO sends to kubelet's
 // directory, the way kubelet makes them: a path must lie under it, and no
@@ -34,7 +31,7 @@ type kubeletDir struct {
 
 func newKubeletDir(dir string) (kubeletDir, error) {
 	if dir == "" {
-		dir = DefaultKubeletDir
+		dir = config.DefaultKubeletDir
 	}
 	if !filepath.IsAbs(dir) {
 		return kubeletDir{}, fmt.Errorf("kubelet dir %q must be absolute: %w", dir, errdefs.ErrInvalidArgument)
@@ -75,6 +72,25 @@ func (k kubeletDir) check(name, p string) error {
 		return nil
 	}
 	return err
+}
+
+// checkVolumePath checks a node request's volume ID (its presence first)
+// and the path it names in field name (see kubeletDir.check).
+func (d *Driver) checkVolumePath(id, name, p string) error {
+	if err := requireVolumeID(id); err != nil {
+		return err
+	}
+	return d.kubelet.check(name, p)
+}
+
+// checkStaged checks what every request about a staged volume carries:
+// its ID, the staging path (under kubelet's directory) and the capability
+// it was staged with.
+func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
+	if err := d.checkVolumePath(id, "staging_target_path", stagingPath); err != nil {
+		return capability{}, err
+	}
+	return checkCapability(vc)
 }
 
 // openParent opens the directory p lies in, resolved below the root by
@@ -228,4 +244,16 @@ func (k kubeletDir) removeTarget(p string) error {
 		return fmt.Errorf("remove %s: %w", p, err)
 	}
 	return nil
+}
+
+// isMountPoint reports whether p is a mount point (mountns.IsMountPoint:
+// a symlink at p is not followed). A path whose check fails (a dead FUSE
+// mount on the way answers ENOTCONN) counts as mounted: unmounting it is
+// safer than believing it gone.
+func (d *Driver) isMountPoint(p string) bool {
+	mounted, err := mountns.IsMountPoint(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false
+	}
+	return mounted || err != nil
 }

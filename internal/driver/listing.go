@@ -1,15 +1,12 @@
 package driver
 
 import (
-	"context"
 	"fmt"
 	"slices"
 	"strings"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
-
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 // tokenPrefix starts every page token: "mp1:<ID>" names the first entry
@@ -28,7 +25,7 @@ func page[T any](sorted []T, id func(T) string, token string, max int32) ([]T, s
 	start := 0
 	if token != "" {
 		after, ok := strings.CutPrefix(token, tokenPrefix)
-		if !ok || journal.ValidID(after) != nil {
+		if !ok || model.ValidID(after) != nil {
 			return nil, "", fmt.Errorf("starting_token %q was not made by this plugin: %w", token, errdefs.ErrAborted)
 		}
 		start, _ = slices.BinarySearchFunc(sorted, after, func(e T, t string) int { return strings.Compare(id(e), t) })
@@ -38,84 +35,4 @@ func page[T any](sorted []T, id func(T) string, token string, max int32) ([]T, s
 		return rest, "", nil
 	}
 	return rest[:max], tokenPrefix + id(rest[max]), nil
-}
-
-// listed are the volumes the controller answers for: those CreateVolume
-// made and answered. Static and inline volumes are a node's business and
-// unknown to the CO's controller.
-func listed(v *journal.Volume) bool { return v.Kind == journal.KindProvisioned && !v.Creating }
-
-func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
-	all, err := d.vols.List()
-	if err != nil {
-		return nil, err
-	}
-	vols := slices.DeleteFunc(all, func(v *journal.Volume) bool { return !listed(v) })
-	entries, next, err := page(vols, func(v *journal.Volume) string { return v.ID }, req.GetStartingToken(), req.GetMaxEntries())
-	if err != nil {
-		return nil, err
-	}
-	resp := &csi.ListVolumesResponse{NextToken: next}
-	for _, v := range entries {
-		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
-			Volume: d.csiVolume(v),
-			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: d.publishedNodes(v)},
-		})
-	}
-	return resp, nil
-}
-
-func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
-	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	v, err := d.vols.Get(id)
-	if err == nil && !listed(v) {
-		err = fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
-	}
-	if err != nil {
-		return nil, err
-	}
-	return &csi.ControllerGetVolumeResponse{
-		Volume: d.csiVolume(v),
-		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: d.publishedNodes(v)},
-	}, nil
-}
-
-// publishedNodes: a node-local volume is in use on this node, and only
-// here, while it is staged.
-func (d *Driver) publishedNodes(v *journal.Volume) []string {
-	if v.Stage == nil {
-		return nil
-	}
-	return []string{d.opts.NodeID}
-}
-
-// csiVolume is what CreateVolume answered for v.
-func (d *Driver) csiVolume(v *journal.Volume) *csi.Volume {
-	return d.createResponse(v).GetVolume()
-}
-
-// contentSource is v's content source as CSI names it.
-func contentSource(cs *journal.ContentSource) *csi.VolumeContentSource {
-	switch {
-	case cs == nil:
-		return nil
-	case cs.Snapshot != "":
-		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
-			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: cs.Snapshot}}}
-	default:
-		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
-			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: cs.Volume}}}
-	}
-}
-
-// sameContent reports whether a repeated CreateVolume asks for the content
-// the volume was made with.
-func sameContent(have *journal.ContentSource, want *csi.VolumeContentSource) bool {
-	if have == nil || want == nil {
-		return have == nil && want == nil
-	}
-	return have.Snapshot == want.GetSnapshot().GetSnapshotId() && have.Volume == want.GetVolume().GetVolumeId()
 }

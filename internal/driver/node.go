@@ -8,14 +8,16 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // Volume context keys.
@@ -51,7 +53,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := d.lock(id, "NodeStageVolume")
+	unlock, err := d.records.TryLock(id, "NodeStageVolume")
 	if err != nil {
 		return nil, err
 	}
@@ -65,12 +67,12 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 
 // volumeForStage finds the record of a provisioned volume, or has the
 // source named by the context's type make one for a static volume.
-func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Volume, error) {
-	v, err := d.vols.Get(id)
+func (d *Driver) volumeForStage(id string, vctx map[string]string) (*model.Volume, error) {
+	v, err := d.records.Get(id)
 	if err == nil || !errors.Is(err, errdefs.ErrNotFound) {
 		return v, err
 	}
-	typ := cmp.Or(vctx[ctxType], loop.Type)
+	typ := cmp.Or(vctx[ctxType], d.opts.DefaultType)
 	src, ok := d.sources[typ]
 	if !ok {
 		return nil, invalid("volume type %q is not supported (supported: %s)", typ, strings.Join(slices.Sorted(maps.Keys(d.sources)), ", "))
@@ -84,7 +86,7 @@ func (d *Driver) volumeForStage(id string, vctx map[string]string) (*journal.Vol
 
 // stage activates v, journaling the intent first. Repeating a completed
 // stage with the same capability is a no-op.
-func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath string, c capability, vctx, secrets map[string]string) error {
+func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string, c capability, vctx, secrets map[string]string) error {
 	src, err := d.sourceOf(v)
 	if err != nil {
 		return err
@@ -104,58 +106,60 @@ func (d *Driver) stage(ctx context.Context, v *journal.Volume, stagingPath strin
 			return err
 		}
 	}
-	v.Stage = &journal.Stage{Phase: journal.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	v.Stage = &model.Stage{Phase: model.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, viewOf(v), source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.vols, v}})
+	state, err := src.Stage(ctx, viewOf(v), source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.records, v}})
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))
 	}
-	v.Stage.Source, v.Stage.Phase = state, journal.PhaseStaged
+	v.Stage.Source, v.Stage.Phase = state, model.PhaseStaged
 	if err := d.growCopiedFilesystem(ctx, v, src, c); err != nil {
 		uerr := src.Unstage(ctx, viewOf(v))
 		v.Stage = nil
 		return errors.Join(err, uerr, d.saveOrForget(v))
 	}
-	return d.vols.Put(v, journal.Runtime)
+	return d.records.Put(v, journal.Runtime)
 }
 
-// adopt makes sure a staged volume's handles are live in this process.
-func (d *Driver) adopt(ctx context.Context, v *journal.Volume, src source.Source) error {
-	state, err := src.Adopt(ctx, viewOf(v))
-	if err != nil {
-		return err
+// growCopiedFilesystem grows the filesystem of a volume copied into a
+// bigger image, at its first stage with mount access: the record keeps
+// GrowFilesystem until that succeeds (growing twice is harmless).
+func (d *Driver) growCopiedFilesystem(ctx context.Context, v *model.Volume, src source.Source, c capability) error {
+	if !v.GrowFilesystem || c.block || c.readOnly {
+		return nil
 	}
-	if string(state) != string(v.Stage.Source) {
-		v.Stage.Source = state
-		return d.vols.Put(v, journal.Runtime)
+	g, ok := src.(source.Snapshotter)
+	if !ok {
+		return nil
 	}
-	return nil
+	if err := g.GrowUnmounted(ctx, viewOf(v)); err != nil {
+		return fmt.Errorf("grow the filesystem copied into %s: %w", v.ID, err)
+	}
+	v.GrowFilesystem = false
+	return d.records.Put(v, journal.Durable)
 }
 
 // saveOrForget keeps the record of a volume that outlives its stage and
 // drops the record of a static one, which exists only while staged.
-func (d *Driver) saveOrForget(v *journal.Volume) error {
-	if v.Kind == journal.KindStatic && v.Stage == nil {
-		return d.vols.Delete(v.ID, journal.Runtime)
+func (d *Driver) saveOrForget(v *model.Volume) error {
+	if v.Kind == model.KindStatic && v.Stage == nil {
+		return d.records.Delete(v.ID, journal.Runtime)
 	}
-	return d.vols.Put(v, journal.Runtime)
+	return d.records.Put(v, journal.Runtime)
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
+	if err := d.checkVolumePath(id, "staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
-	if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
-		return nil, err
-	}
-	v, unlock, err := d.locked(id, "NodeUnstageVolume")
+	v, unlock, err := d.records.Locked(id, "NodeUnstageVolume")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.NodeUnstageVolumeResponse{}, nil
@@ -167,7 +171,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 }
 
 // unstage refuses while anyone still uses the volume, then deactivates it.
-func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
+func (d *Driver) unstage(ctx context.Context, v *model.Volume) error {
 	if v.Stage == nil {
 		return nil
 	}
@@ -186,8 +190,8 @@ func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
 	if err != nil {
 		return err
 	}
-	v.Stage.Phase = journal.PhaseUnstaging
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	v.Stage.Phase = model.PhaseUnstaging
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if err := src.Unstage(ctx, viewOf(v)); err != nil {
@@ -198,6 +202,239 @@ func (d *Driver) unstage(ctx context.Context, v *journal.Volume) error {
 	return d.saveOrForget(v)
 }
 
+func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := d.checkVolumePath(id, "target_path", req.GetTargetPath()); err != nil {
+		return nil, err
+	}
+	c, err := checkCapability(req.GetVolumeCapability())
+	if err != nil {
+		return nil, err
+	}
+	if c.nri, err = parseNRI(req.GetVolumeContext()); err != nil {
+		return nil, err
+	}
+	ephemeral := req.GetVolumeContext()[ctxEphemeral] == "true"
+	if !ephemeral {
+		if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
+			return nil, err
+		}
+	}
+	unlock, err := d.records.TryLock(id, "NodePublishVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if ephemeral {
+		return &csi.NodePublishVolumeResponse{}, d.publishEphemeral(ctx, req, c)
+	}
+	v, err := d.records.Get(id)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkStagingPath(v, req.GetStagingTargetPath()); err != nil {
+		return nil, err
+	}
+	return &csi.NodePublishVolumeResponse{}, d.publish(ctx, v, req.GetTargetPath(), c, req.GetReadonly())
+}
+
+// publish performs v's plan at target in the host namespace through the
+// mounter. The plugin makes the target itself (beneath kubelet's
+// directory, no symlink followed) and records that it did, so unpublish
+// removes only what it made. The record is written before the mounter is
+// asked, with the time it was asked: after a crash of either side the
+// mount may still appear, and the record lets unpublish remove it.
+func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c capability, readOnly bool) error {
+	if c.nri {
+		return d.publishNRI(ctx, v, target, c, readOnly)
+	}
+	if !v.Staged() {
+		return fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
+	}
+	if v.Stage.Block != c.block {
+		return invalid("volume %s is staged for %s access", v.ID, accessName(v.Stage.Block))
+	}
+	readOnly = readOnly || c.readOnly
+	prev := findPublish(v, target)
+	if prev != nil {
+		if prev.ReadOnly != readOnly {
+			return fmt.Errorf("volume %s is already published at %s with readonly=%t: %w", v.ID, target, prev.ReadOnly, errdefs.ErrAlreadyExists)
+		}
+		if d.isMountPoint(target) {
+			return nil
+		}
+	}
+	mounts, err := d.planFor(v, source.PlanRequest{Block: c.block, ReadOnly: readOnly, MountFlags: c.mountFlags})
+	if err != nil {
+		return err
+	}
+	if err := d.applyMountGroup(ctx, v, c, readOnly); err != nil {
+		return err
+	}
+	// Recorded before the target is made: a crash between making it and
+	// recording that the plugin made it would leave a target that no
+	// unpublish removes.
+	missing, err := d.kubelet.targetMissing(target)
+	if err != nil {
+		return err
+	}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
+	v.Publishes = append(v.Publishes, rec)
+	if err := d.records.Put(v, journal.Runtime); err != nil {
+		return err
+	}
+	if _, err := d.kubelet.makeTarget(target, c.block); err != nil {
+		v.Publishes = v.Publishes[:len(v.Publishes)-1]
+		return errors.Join(err, d.records.Put(v, journal.Runtime))
+	}
+	err = d.opts.Metrics.Step("mount", func() error {
+		return d.opts.Mounter.Mount(ctx, mounts, plan.Consumer{MountPoint: target})
+	})
+	if err == nil || d.isMountPoint(target) || mayStillMount(err) {
+		// A mounter that timed out may still mount: keep the record, so
+		// that the unpublish kubelet sends next (it treats such an error
+		// as "maybe mounted") removes what is there.
+		return err
+	}
+	v.Publishes = v.Publishes[:len(v.Publishes)-1]
+	var rmErr error
+	if rec.CreatedTarget {
+		rmErr = d.kubelet.removeTarget(target)
+	}
+	return errors.Join(err, rmErr, d.records.Put(v, journal.Runtime))
+}
+
+// publishEphemeral creates, stages and publishes an inline volume in one
+// go: kubelet sends no CreateVolume or NodeStageVolume for it. Any failure
+// undoes every step, so a failed publish leaves no image behind.
+func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, c capability) (err error) {
+	id, target := req.GetVolumeId(), req.GetTargetPath()
+	v, err := d.records.Get(id)
+	if err == nil {
+		if v.Kind != model.KindEphemeral {
+			return fmt.Errorf("volume %s exists and is not an inline volume: %w", id, errdefs.ErrAlreadyExists)
+		}
+		return d.publish(ctx, v, target, c, req.GetReadonly())
+	}
+	if !errors.Is(err, errdefs.ErrNotFound) {
+		return err
+	}
+	typ, prov, size, fsType, err := d.parseEphemeral(req.GetVolumeContext(), c)
+	if err != nil {
+		return err
+	}
+	if c.readOnly {
+		return invalid("an inline volume starts empty, so a read-only access mode makes no sense")
+	}
+	if err := d.checkFits(id, size); err != nil {
+		return err
+	}
+	v = &model.Volume{ID: id, Kind: model.KindEphemeral, Type: typ, FsType: fsType, CapacityBytes: size,
+		Image: prov.ImagePath(model.KindEphemeral, id), Creating: true}
+	if err := d.records.Put(v, journal.Durable); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, d.destroyEphemeral(ctx, v))
+		}
+	}()
+	if _, err := prov.CreateImage(ctx, v.Image, size, ""); err != nil {
+		return imageError(err)
+	}
+	v.Creating = false
+	if err := d.stage(ctx, v, d.opts.StateDir, c, nil, nil); err != nil {
+		return err
+	}
+	return d.publish(ctx, v, target, c, req.GetReadonly())
+}
+
+// destroyEphemeral tears down an inline volume: unstage, image, record.
+func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
+	if len(v.Publishes) > 0 {
+		return d.records.Put(v, journal.Runtime)
+	}
+	if err := d.unstage(ctx, v); err != nil {
+		return err
+	}
+	if err := d.removeImage(v); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).V(2).Info("Inline volume removed", "volume", v.ID)
+	return d.records.Delete(v.ID, journal.Durable)
+}
+
+func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+	id, target := req.GetVolumeId(), req.GetTargetPath()
+	if err := d.checkVolumePath(id, "target_path", target); err != nil {
+		return nil, err
+	}
+	v, unlock, err := d.records.Locked(id, "NodeUnpublishVolume")
+	defer unlock()
+	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return nil, err
+	}
+	if v == nil || findPublish(v, target) == nil {
+		return &csi.NodeUnpublishVolumeResponse{}, d.unpublishUnrecorded(ctx, v, target)
+	}
+	return &csi.NodeUnpublishVolumeResponse{}, d.unpublish(ctx, v, target)
+}
+
+// unpublishUnrecorded answers an unpublish at a target the journal has no
+// publish of. It touches nothing there, except a mount of this very
+// volume (made by a mounter after the plugin had given the publish up):
+// the mounter removes a mount only if it is the plan's. A mount that is
+// not the volume's is not ours to remove.
+func (d *Driver) unpublishUnrecorded(ctx context.Context, v *model.Volume, target string) error {
+	if !d.isMountPoint(target) {
+		return nil
+	}
+	if v != nil && v.Staged() {
+		mounts, err := d.planFor(v, source.PlanRequest{Block: v.Stage.Block, ReadOnly: v.Stage.ReadOnly})
+		if err != nil {
+			return err
+		}
+		if err := d.unmountTarget(ctx, mounts, target); err != nil {
+			return err
+		}
+		if !d.isMountPoint(target) {
+			klog.FromContext(ctx).Info("Removed a mount of the volume that had no publish record", "target", target)
+			return nil
+		}
+	}
+	return fmt.Errorf("%s holds a mount that is not a publish of volume %s: %w", target, cmp.Or(volumeID(v), "(unknown)"), errdefs.ErrNotFound)
+}
+
+func volumeID(v *model.Volume) string {
+	if v == nil {
+		return ""
+	}
+	return v.ID
+}
+
+// unpublish removes what the mounter put at target, then the target if
+// the plugin made it, then the record.
+func (d *Driver) unpublish(ctx context.Context, v *model.Volume, target string) error {
+	p := findPublish(v, target)
+	if err := d.unmountTarget(ctx, p.Mounts, target); err != nil {
+		return err
+	}
+	if d.isMountPoint(target) {
+		return fmt.Errorf("volume %s: a mount that is not its own sits on top at %s: %w", v.ID, target, errdefs.ErrFailedPrecondition)
+	}
+	if p.CreatedTarget {
+		if err := d.kubelet.removeTarget(target); err != nil {
+			return err
+		}
+	}
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
+	if v.Kind == model.KindEphemeral {
+		return d.destroyEphemeral(ctx, v)
+	}
+	return d.records.Put(v, journal.Runtime)
+}
+
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	if err := requireVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
@@ -205,7 +442,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
 		return nil, err
 	}
-	v, err := d.vols.Get(req.GetVolumeId())
+	v, err := d.records.Get(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -219,18 +456,81 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	return d.statsOf(ctx, v, pub.TargetPath)
 }
 
-func findPublish(v *journal.Volume, target string) *journal.Publish {
-	i := slices.IndexFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
-	if i < 0 {
-		return nil
+func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
 	}
-	return &v.Publishes[i]
+	if err := requireField("volume_path", req.GetVolumePath()); err != nil {
+		return nil, err
+	}
+	v, unlock, err := d.records.Locked(id, "NodeExpandVolume")
+	defer unlock()
+	if err != nil {
+		return nil, err
+	}
+	if !v.Staged() {
+		return nil, fmt.Errorf("volume %s is not staged: %w", id, errdefs.ErrFailedPrecondition)
+	}
+	required, limit := req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes()
+	if required < 0 || limit < 0 || (limit > 0 && required > limit) {
+		return nil, fmt.Errorf("capacity range [%d, %d] is not a range: %w", required, limit, errdefs.ErrOutOfRange)
+	}
+	// volume_path is where the CO sees the volume: one of its publishes,
+	// or its staging path.
+	path := req.GetVolumePath()
+	p := findPublish(v, path)
+	if p == nil && path != v.Stage.StagingPath {
+		return nil, fmt.Errorf("volume %s is not published or staged at %s: %w", id, path, errdefs.ErrNotFound)
+	}
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return nil, err
+	}
+	exp, ok := src.(source.Expander)
+	if !ok {
+		return nil, fmt.Errorf("%s volumes cannot be expanded: %w", v.Type, errdefs.ErrUnimplemented)
+	}
+	size, err := exp.Expand(ctx, viewOf(v))
+	if err != nil {
+		return nil, err
+	}
+	// The filesystem now fills its device; the device's size is the
+	// controller's business (ControllerExpandVolume grows the image).
+	if size < required {
+		return nil, fmt.Errorf("volume %s holds %d bytes, less than the %d asked for; expand it through ControllerExpandVolume first: %w", id, size, required, errdefs.ErrOutOfRange)
+	}
+	if limit > 0 && size > limit {
+		return nil, fmt.Errorf("volume %s holds %d bytes, more than limit_bytes %d: %w", id, size, limit, errdefs.ErrOutOfRange)
+	}
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }
 
-func describeConsumers(cs []journal.Claim) string {
-	parts := make([]string, 0, len(cs))
-	for _, c := range cs {
-		parts = append(parts, c.Consumer.String())
+// NodeGetVolumeHealth reports what the volume's source knows: a staged
+// volume whose device or daemon is gone is INACCESSIBLE with a reason.
+func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	if err := requireVolumeID(req.GetVolumeId()); err != nil {
+		return nil, err
 	}
-	return strings.Join(parts, ", ")
+	v, err := d.records.Get(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csi.NodeGetVolumeHealthResponse{VolumeHealth: &csi.VolumeHealth{VolumeId: v.ID}}
+	if !v.Staged() {
+		return resp, nil
+	}
+	src, err := d.sourceOf(v)
+	if err != nil {
+		return nil, err
+	}
+	hc, ok := src.(source.HealthChecker)
+	if !ok {
+		return resp, nil
+	}
+	if h := hc.Health(ctx, viewOf(v)); h.Abnormal {
+		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: h.Reason, Message: h.Message}}
+	}
+	return resp, nil
 }

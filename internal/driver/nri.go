@@ -23,6 +23,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/nri/guard"
 	"github.com/mountplan/mountplan/internal/source"
@@ -65,7 +66,7 @@ func withoutDriverAttributes(vctx map[string]string) map[string]string {
 // publishNRI publishes v at target in NRI mode: a guard bound there (mount
 // access) or a device node of the volume (block access), nothing of the
 // volume's filesystem. Recording comes first, as for any publish.
-func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target string, c capability, readOnly bool) error {
+func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string, c capability, readOnly bool) error {
 	if !d.opts.NRI {
 		return fmt.Errorf("volume %s asks for NRI mode (%s: \"true\") but this node's plugin runs without --nri: %w", v.ID, ctxNRI, errdefs.ErrFailedPrecondition)
 	}
@@ -88,7 +89,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 		return err
 	}
 	prev := findPublish(v, target)
-	pub := journal.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC()}
+	pub := model.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC()}
 	if c.block {
 		mounts, err := d.planFor(v, source.PlanRequest{Block: true, ReadOnly: readOnly})
 		if err != nil {
@@ -117,9 +118,9 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 		return err
 	}
 	pub.CreatedTarget = created || (prev != nil && prev.CreatedTarget)
-	v.Publishes = slices.DeleteFunc(v.Publishes, func(p journal.Publish) bool { return p.TargetPath == target })
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, pub)
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	if !c.block {
@@ -131,7 +132,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 		if pub.CreatedTarget {
 			rmErr = d.kubelet.removeTarget(target)
 		}
-		return errors.Join(err, rmErr, d.vols.Put(v, journal.Runtime))
+		return errors.Join(err, rmErr, d.records.Put(v, journal.Runtime))
 	}
 	klog.FromContext(ctx).V(2).Info("Published for containers only (NRI)", "volume", v.ID, "target", target, "block", c.block)
 	return err
@@ -140,7 +141,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *journal.Volume, target strin
 // nriPublished reports whether what an NRI publish leaves at its target is
 // there: a guard (live or not: a new mounter re-arms dead ones) or the
 // device node.
-func (d *Driver) nriPublished(p *journal.Publish) bool {
+func (d *Driver) nriPublished(p *model.Publish) bool {
 	if dev, ok := deviceOf(p.Mounts); ok {
 		var st unix.Stat_t
 		return unix.Lstat(p.TargetPath, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && uint64(st.Rdev) == rdevOf(dev) //nolint:unconvert // Rdev is uint32 on some architectures
@@ -201,7 +202,7 @@ func (d *Driver) preparePublished(ctx context.Context, req *api.NodePrepareVolum
 	if err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodePrepareVolume")
+	v, unlock, err := d.records.Locked(id, "NodePrepareVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err
@@ -223,7 +224,7 @@ func (d *Driver) findNRIPublish(pub *api.PublishedVolume) (string, error) {
 	if pub.GetTargetPath() == "" && pub.GetDeviceMajor() == 0 && pub.GetDeviceMinor() == 0 {
 		return "", invalid("published needs a target_path or a device number")
 	}
-	vols, err := d.vols.List()
+	vols, err := d.records.List()
 	if err != nil {
 		return "", err
 	}
@@ -238,7 +239,7 @@ func (d *Driver) findNRIPublish(pub *api.PublishedVolume) (string, error) {
 
 // findPublishOf returns v's NRI publish at pub's target path, or, for a
 // device number, v's NRI block publish of that device.
-func findPublishOf(v *journal.Volume, pub *api.PublishedVolume) *journal.Publish {
+func findPublishOf(v *model.Volume, pub *api.PublishedVolume) *model.Publish {
 	for i := range v.Publishes {
 		p := &v.Publishes[i]
 		if !p.NRI {
@@ -261,7 +262,7 @@ func findPublishOf(v *journal.Volume, pub *api.PublishedVolume) *journal.Publish
 // by p) and returns the plan its runtime performs. The container's process
 // may not exist yet: a later call with its PID records its namespace, so
 // that the reconciler can tell when it is gone.
-func (d *Driver) prepareContainer(ctx context.Context, v *journal.Volume, cons *plan.Consumer, p *journal.Publish, readOnly bool) ([]plan.Mount, error) {
+func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *plan.Consumer, p *model.Publish, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -280,7 +281,7 @@ func (d *Driver) prepareContainer(ctx context.Context, v *journal.Volume, cons *
 		}
 		c.PID, c.Namespace = cons.PID, cons.Namespace
 		klog.FromContext(ctx).V(2).Info("Container consumer started", "volume", v.ID, "container", cons.ContainerID, "pid", cons.PID, "mntns", cons.Namespace.Inode)
-		return c.Mounts, d.vols.Put(v, journal.Runtime)
+		return c.Mounts, d.records.Put(v, journal.Runtime)
 	}
 	mounts, err := d.planFor(v, source.PlanRequest{Block: v.Stage.Block, ReadOnly: readOnly || p.ReadOnly, MountFlags: p.MountFlags})
 	if err != nil {
@@ -289,16 +290,9 @@ func (d *Driver) prepareContainer(ctx context.Context, v *journal.Volume, cons *
 	if err := roomForConsumer(v); err != nil {
 		return nil, err
 	}
-	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
+	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared for a container", "volume", v.ID, "container", cons.ContainerID, "mountPoint", cons.MountPoint, "pid", cons.PID)
-	return mounts, d.vols.Put(v, journal.Runtime)
-}
-
-// pendingContainer reports whether c is a container whose process has not
-// been seen yet: it has no namespace to check, and counts as alive until
-// its runtime's hook releases it (or NodeSyncContainers finds it gone).
-func pendingContainer(c plan.Consumer) bool {
-	return c.ContainerID != "" && c.Namespace.Inode == 0
+	return mounts, d.records.Put(v, journal.Runtime)
 }
 
 // NodeSyncContainers releases the claims of containers the runtime no
@@ -308,8 +302,8 @@ func (d *Driver) NodeSyncContainers(ctx context.Context, req *api.NodeSyncContai
 	for _, id := range req.GetContainerIds() {
 		live[id] = true
 	}
-	gone := func(c journal.Claim) bool { return c.ContainerID != "" && !live[c.ContainerID] }
-	vols, err := d.vols.List()
+	gone := func(c model.Claim) bool { return c.ContainerID != "" && !live[c.ContainerID] }
+	vols, err := d.records.List()
 	if err != nil {
 		return nil, err
 	}
@@ -327,8 +321,8 @@ func (d *Driver) NodeSyncContainers(ctx context.Context, req *api.NodeSyncContai
 }
 
 // releaseClaims drops the claims of volume id that match.
-func (d *Driver) releaseClaims(ctx context.Context, id string, match func(journal.Claim) bool) (uint32, error) {
-	v, unlock, err := d.locked(id, "NodeSyncContainers")
+func (d *Driver) releaseClaims(ctx context.Context, id string, match func(model.Claim) bool) (uint32, error) {
+	v, unlock, err := d.records.Locked(id, "NodeSyncContainers")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return 0, nil
@@ -337,7 +331,7 @@ func (d *Driver) releaseClaims(ctx context.Context, id string, match func(journa
 		return 0, err
 	}
 	n := len(v.Consumers)
-	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Claim) bool {
+	v.Consumers = slices.DeleteFunc(v.Consumers, func(c model.Claim) bool {
 		if match(c) {
 			klog.FromContext(ctx).Info("Releasing the claim of a container the runtime no longer has", "volume", id, "container", c.ContainerID, "mountPoint", c.MountPoint)
 			return true
@@ -347,13 +341,13 @@ func (d *Driver) releaseClaims(ctx context.Context, id string, match func(journa
 	if len(v.Consumers) == n {
 		return 0, nil
 	}
-	return uint32(n - len(v.Consumers)), d.vols.Put(v, journal.Runtime)
+	return uint32(n - len(v.Consumers)), d.records.Put(v, journal.Runtime)
 }
 
 // statsNRI answers NodeGetVolumeStats for an NRI publish, which holds no
 // filesystem: through the mount point inside a running container that
 // uses the volume, resolved within that container's root.
-func (d *Driver) statsNRI(ctx context.Context, v *journal.Volume, p *journal.Publish) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d *Driver) statsNRI(ctx context.Context, v *model.Volume, p *model.Publish) (*csi.NodeGetVolumeStatsResponse, error) {
 	if v.Stage != nil && v.Stage.Block {
 		for _, m := range p.Mounts {
 			if m.IsDeviceBind() {

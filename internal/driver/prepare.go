@@ -10,6 +10,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -34,7 +35,7 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if cons.PID == 0 || cons.ContainerID != "" {
 		return nil, invalid("consumer.pid must be a positive process id (a container consumer names the volume by its publish)")
 	}
-	v, unlock, err := d.locked(id, "NodePrepareVolume")
+	v, unlock, err := d.records.Locked(id, "NodePrepareVolume")
 	defer unlock()
 	if err != nil {
 		return nil, err
@@ -48,7 +49,7 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 
 // addConsumer records cons as a consumer of the staged v and returns the
 // plan it is to perform; a repeated call gets the recorded plan.
-func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.Consumer, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
+func (d *Driver) addConsumer(ctx context.Context, v *model.Volume, cons *plan.Consumer, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -76,9 +77,9 @@ func (d *Driver) addConsumer(ctx context.Context, v *journal.Volume, cons *plan.
 	if err := roomForConsumer(v); err != nil {
 		return nil, err
 	}
-	v.Consumers = append(v.Consumers, journal.Claim{Consumer: *cons, Mounts: mounts})
+	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
-	return mounts, d.vols.Put(v, journal.Runtime)
+	return mounts, d.records.Put(v, journal.Runtime)
 }
 
 // NodeUnprepareVolume releases a consumer's claim. Idempotent: an unknown
@@ -92,7 +93,7 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if err != nil {
 		return nil, err
 	}
-	v, unlock, err := d.locked(id, "NodeUnprepareVolume")
+	v, unlock, err := d.records.Locked(id, "NodeUnprepareVolume")
 	defer unlock()
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &api.NodeUnprepareVolumeResponse{}, nil
@@ -112,21 +113,25 @@ func (d *Driver) NodeUnprepareVolume(ctx context.Context, req *api.NodeUnprepare
 	if len(v.Consumers) == n {
 		return &api.NodeUnprepareVolumeResponse{}, nil
 	}
-	return &api.NodeUnprepareVolumeResponse{}, d.vols.Put(v, journal.Runtime)
+	return &api.NodeUnprepareVolumeResponse{}, d.records.Put(v, journal.Runtime)
 }
 
-// MaxConsumers bounds the consumers of one volume: every container of a
-// node at once stays far below it, and a caller that records claims
-// without end (a loop, a hostile caller of NodePrepare) meets a clear
-// error instead of a record that grows with every call.
-const MaxConsumers = 4096
-
-// roomForConsumer refuses one more consumer of v beyond MaxConsumers.
-func roomForConsumer(v *journal.Volume) error {
-	if len(v.Consumers) >= MaxConsumers {
-		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have: %w", v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
+// releasedBy matches the records an unprepare request names: by namespace
+// identity when the caller knows it (the ID where both sides know it), else
+// by PID.
+func releasedBy(req plan.Consumer) func(model.Claim) bool {
+	return func(c model.Claim) bool {
+		if c.MountPoint != req.MountPoint {
+			return false
+		}
+		if req.ContainerID != "" || c.ContainerID != "" {
+			return c.ContainerID == req.ContainerID
+		}
+		if req.Namespace.Inode != 0 {
+			return c.Namespace.Inode == req.Namespace.Inode && (req.Namespace.ID == 0 || c.Namespace.ID == 0 || c.Namespace.ID == req.Namespace.ID)
+		}
+		return c.PID == req.PID
 	}
-	return nil
 }
 
 // dropDeadConsumers forgets consumers whose namespace is gone (the kernel
@@ -134,7 +139,7 @@ func roomForConsumer(v *journal.Volume) error {
 // process of the node. A container that has not started yet is kept, and
 // so is every consumer when the mounter cannot answer. The caller
 // persists v.
-func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool {
+func (d *Driver) dropDeadConsumers(ctx context.Context, v *model.Volume) bool {
 	var ask []plan.Consumer
 	for _, c := range v.Consumers {
 		if !pendingContainer(c.Consumer) {
@@ -156,7 +161,7 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 		}
 	}
 	n := len(v.Consumers)
-	v.Consumers = slices.DeleteFunc(v.Consumers, func(c journal.Claim) bool {
+	v.Consumers = slices.DeleteFunc(v.Consumers, func(c model.Claim) bool {
 		if dead[c.Consumer] {
 			klog.FromContext(ctx).Info("Dropping consumer whose mount namespace is gone", "volume", v.ID, "pid", c.PID, "mntns", c.Namespace.Inode)
 			return true
@@ -164,33 +169,4 @@ func (d *Driver) dropDeadConsumers(ctx context.Context, v *journal.Volume) bool 
 		return false
 	})
 	return len(v.Consumers) != n
-}
-
-// sameConsumer matches the record of the same namespace and mount point,
-// or of the same container and mount point.
-func sameConsumer(a plan.Consumer) func(journal.Claim) bool {
-	return func(b journal.Claim) bool {
-		if a.ContainerID != "" || b.ContainerID != "" {
-			return a.ContainerID == b.ContainerID && a.MountPoint == b.MountPoint
-		}
-		return a.Namespace == b.Namespace && a.MountPoint == b.MountPoint
-	}
-}
-
-// releasedBy matches the records an unprepare request names: by namespace
-// identity when the caller knows it (the ID where both sides know it), else
-// by PID.
-func releasedBy(req plan.Consumer) func(journal.Claim) bool {
-	return func(c journal.Claim) bool {
-		if c.MountPoint != req.MountPoint {
-			return false
-		}
-		if req.ContainerID != "" || c.ContainerID != "" {
-			return c.ContainerID == req.ContainerID
-		}
-		if req.Namespace.Inode != 0 {
-			return c.Namespace.Inode == req.Namespace.Inode && (req.Namespace.ID == 0 || c.Namespace.ID == 0 || c.Namespace.ID == req.Namespace.ID)
-		}
-		return c.PID == req.PID
-	}
 }

@@ -44,7 +44,7 @@ func newRootDriver(t *testing.T) (*Driver, string) {
 	kubelet := filepath.Join(base, "kubelet")
 	cfg := &config.Config{DefaultFsType: "ext4"}
 	state := filepath.Join(base, "state")
-	d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg})
+	d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "n", StateDir: state, KubeletDir: kubelet, Config: cfg}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +166,7 @@ func cycle(d *Driver, v *raceVolume) error {
 	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging}); err != nil {
 		return fmt.Errorf("unstage: %w", err)
 	}
-	if rec, err := d.vols.Get(v.id); err != nil || rec.Stage != nil || len(rec.Publishes) != 0 {
+	if rec, err := d.records.Get(v.id); err != nil || rec.Stage != nil || len(rec.Publishes) != 0 {
 		return fmt.Errorf("record right after unstage: %+v, %v", rec, err)
 	}
 	return nil
@@ -180,7 +180,7 @@ func readOnce(d *Driver, v *raceVolume, nVols int, stableFound *atomic.Int64) er
 	_, statsErr := d.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: v.id, VolumePath: v.target})
 	_, healthErr := d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: v.id})
 	gauge := d.StagedByType()["loop"]
-	rec, recErr := d.vols.Get(v.id)
+	rec, recErr := d.records.Get(v.id)
 	held := v.epoch.Load() == epoch
 	switch code := errdefs.Code(statsErr); {
 	case code != codes.OK && code != codes.NotFound:

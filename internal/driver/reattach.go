@@ -26,12 +26,12 @@ import (
 // mounts of dead connections still in place.
 func (d *Driver) Reattach(ctx context.Context, volumeID string, heal plan.Heal) (plan.HealResult, error) {
 	// Background work waits for a request instead of failing it with Aborted.
-	unlock, err := d.vols.lock(ctx, volumeID, "reattach")
+	unlock, err := d.records.Lock(ctx, volumeID, "reattach")
 	if err != nil {
 		return plan.HealResult{}, err
 	}
 	defer unlock()
-	v, err := d.vols.Get(volumeID)
+	v, err := d.records.Get(volumeID)
 	if err != nil || !v.Staged() {
 		return plan.HealResult{}, err
 	}
@@ -56,7 +56,7 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string, heal plan.Heal) 
 		errs = append(errs, reattachAt(ctx, redo, p.Mounts, plan.Consumer{MountPoint: p.TargetPath}))
 	}
 	if changed {
-		errs = append(errs, d.vols.Put(v, journal.Runtime))
+		errs = append(errs, d.records.Put(v, journal.Runtime))
 	}
 	return res, errors.Join(errs...)
 }

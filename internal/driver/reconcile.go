@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"maps"
 	"os"
 	"slices"
 	"time"
@@ -12,9 +13,9 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
-	"github.com/mountplan/mountplan/internal/loopdev"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/periodic"
-	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/source"
 )
 
 // Reconcile compares every record with the kernel: it adopts staged devices
@@ -25,15 +26,15 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	start := time.Now()
 	d.removeInterruptedWrites(ctx)
-	if !d.ready.Load() && d.vols.unreadable != nil {
-		logger.Error(d.vols.unreadable, "Some journal records could not be read; they are left as they are")
+	if !d.ready.Load() && d.records.unreadable != nil {
+		logger.Error(d.records.unreadable, "Some journal records could not be read; they are left as they are")
 	}
 	var errs []error
-	for _, id := range d.vols.IDs() {
+	for _, id := range d.records.IDs() {
 		// Background work waits for the volume's lock, as Reattach does:
 		// a volume skipped while busy (a FUSE sweep, a request) would go
 		// unadopted until the next interval.
-		unlock, err := d.vols.lock(ctx, id, "reconcile")
+		unlock, err := d.records.Lock(ctx, id, "reconcile")
 		if err != nil {
 			return errors.Join(append(errs, err)...) // ctx ended
 		}
@@ -52,34 +53,38 @@ func (d *Driver) Reconcile(ctx context.Context) error {
 		logger.Error(err, "Reconciling snapshots failed")
 		errs = append(errs, err)
 	}
-	if err := d.keepLoops(ctx, start); err != nil {
-		logger.Error(err, "Telling the mounter which loop devices are still staged")
+	if err := d.keepDevices(ctx, start); err != nil {
+		logger.Error(err, "Telling the mounter which devices staged volumes still hold")
 		errs = append(errs, err)
 	}
 	d.ready.Store(true)
 	return errors.Join(errs...)
 }
 
-// keepLoops tells the mounter which loop devices staged volumes hold, so
-// that it lets go of the others it attached before the reconcile began (a
-// stage a crash interrupted before it recorded its device; a volume whose
-// record is gone).
-func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
-	vols, err := d.vols.List()
+// keepDevices has each source whose devices the mounter keeps
+// (source.Keeper) tell it which of them the volumes with a stage still
+// hold, so that it lets go of the others it attached before the reconcile
+// began.
+func (d *Driver) keepDevices(ctx context.Context, start time.Time) error {
+	vols, err := d.records.List()
 	if err != nil {
 		return err
 	}
-	var ids []loopdev.Identity
-	for _, v := range vols {
-		if v.Type == loop.Type && v.Stage != nil {
-			ids = append(ids, loop.Identities(v.Stage.Source)...)
+	var errs []error
+	for _, typ := range slices.Sorted(maps.Keys(d.sources)) {
+		k, ok := d.sources[typ].(source.Keeper)
+		if !ok {
+			continue
 		}
+		var staged []source.Volume
+		for _, v := range vols {
+			if v.Type == typ && v.Stage != nil {
+				staged = append(staged, viewOf(v))
+			}
+		}
+		errs = append(errs, k.Keep(ctx, staged, start))
 	}
-	n, err := d.node.KeepLoops(ctx, ids, start)
-	if n > 0 {
-		klog.FromContext(ctx).Info("The mounter let go of loop devices no staged volume holds", "devices", n)
-	}
-	return err
+	return errors.Join(errs...)
 }
 
 // removeInterruptedWrites removes the temp files that writes of records and
@@ -89,8 +94,8 @@ func (d *Driver) keepLoops(ctx context.Context, start time.Time) error {
 // left for the next reconcile.
 func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 	logger := klog.FromContext(ctx)
-	records, err := d.vols.store.TempFiles()
-	images, ierr := loop.TempImages(d.opts.StateDir)
+	records, err := d.records.TempFiles()
+	images, ierr := d.tempImages()
 	if err = errors.Join(err, ierr); err != nil {
 		logger.Error(err, "Listing the temp files of interrupted writes")
 	}
@@ -101,7 +106,7 @@ func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 		}
 	}
 	for id, paths := range temps {
-		unlock, err := d.lock(id, "reconcile")
+		unlock, err := d.records.TryLock(id, "reconcile")
 		if err != nil {
 			continue
 		}
@@ -118,7 +123,7 @@ func (d *Driver) removeInterruptedWrites(ctx context.Context) {
 // reconcileVolume reads id's record under its lock (the one decode of it
 // that a reconcile makes) and compares it with the kernel.
 func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
-	v, err := d.vols.Get(id)
+	v, err := d.records.Get(id)
 	if err != nil {
 		return err
 	}
@@ -126,7 +131,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
-	if v.Kind == journal.KindEphemeral && (v.Creating || !v.Staged()) {
+	if v.Kind == model.KindEphemeral && (v.Creating || !v.Staged()) {
 		return d.destroyEphemeral(ctx, v)
 	}
 	if v.Creating && v.ContentSource != nil {
@@ -147,14 +152,14 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 	n := len(v.Publishes)
 	v.Publishes = slices.DeleteFunc(v.Publishes, d.publishGone)
 	changed = changed || len(v.Publishes) != n
-	if v.Kind == journal.KindEphemeral && len(v.Publishes) == 0 {
+	if v.Kind == model.KindEphemeral && len(v.Publishes) == 0 {
 		return d.destroyEphemeral(ctx, v)
 	}
 	if err := d.adopt(ctx, v, src); err != nil {
 		return err
 	}
 	if changed {
-		return d.vols.Put(v, journal.Runtime)
+		return d.records.Put(v, journal.Runtime)
 	}
 	return nil
 }
@@ -170,7 +175,7 @@ const publishGrace = 10 * time.Minute
 // the plugin's back) and no mounter can still be at work on it. A younger
 // publish stays, so that the unpublish kubelet sends removes a mount that
 // appears late instead of finding no record of it.
-func (d *Driver) publishGone(p journal.Publish) bool {
+func (d *Driver) publishGone(p model.Publish) bool {
 	if p.NRI {
 		return !d.nriPublished(&p) && time.Since(p.Asked) > publishGrace
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -27,7 +28,7 @@ type fakeSource struct {
 }
 
 func (f *fakeSource) NewVolume(id string, _ map[string]string) (source.Volume, error) {
-	return source.Volume{ID: id, Kind: journal.KindStatic}, nil
+	return source.Volume{ID: id, Kind: model.KindStatic}, nil
 }
 
 func (f *fakeSource) Stage(context.Context, source.Volume, source.StageRequest) (json.RawMessage, error) {
@@ -85,20 +86,20 @@ func TestReconcile(t *testing.T) {
 	d, _ := newTestDriver(t)
 	fake := &fakeSource{adoptState: json.RawMessage(`{"device":"/dev/loop9"}`)}
 	d.sources["fake"] = fake
-	staged := func(id string, phase journal.Phase) *journal.Volume {
-		return &journal.Volume{ID: id, Kind: journal.KindProvisioned, Type: "fake",
-			Stage: &journal.Stage{Phase: phase, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)}}
+	staged := func(id string, phase model.Phase) *model.Volume {
+		return &model.Volume{ID: id, Kind: model.KindProvisioned, Type: "fake",
+			Stage: &model.Stage{Phase: phase, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)}}
 	}
-	interrupted := staged("interrupted", journal.PhaseStaging)
-	interruptedStatic := staged("static-interrupted", journal.PhaseUnstaging)
-	interruptedStatic.Kind = journal.KindStatic
-	healthy := staged("healthy", journal.PhaseStaged)
-	healthy.Consumers = []journal.Claim{{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/gone"}}}
-	healthy.Publishes = []journal.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
-	halfMadeInline := &journal.Volume{ID: "inline", Kind: journal.KindEphemeral, Type: "fake", Creating: true}
-	idle := &journal.Volume{ID: "idle", Kind: journal.KindProvisioned, Type: "fake"}
-	for _, v := range []*journal.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
-		if err := d.vols.Put(v, journal.Runtime); err != nil {
+	interrupted := staged("interrupted", model.PhaseStaging)
+	interruptedStatic := staged("static-interrupted", model.PhaseUnstaging)
+	interruptedStatic.Kind = model.KindStatic
+	healthy := staged("healthy", model.PhaseStaged)
+	healthy.Consumers = []model.Claim{{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/gone"}}}
+	healthy.Publishes = []model.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
+	halfMadeInline := &model.Volume{ID: "inline", Kind: model.KindEphemeral, Type: "fake", Creating: true}
+	idle := &model.Volume{ID: "idle", Kind: model.KindProvisioned, Type: "fake"}
+	for _, v := range []*model.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
+		if err := d.records.Put(v, journal.Runtime); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -112,16 +113,16 @@ func TestReconcile(t *testing.T) {
 		t.Fatal("not ready after the startup reconcile")
 	}
 
-	if v, err := d.vols.Get("interrupted"); err != nil || v.Stage != nil {
+	if v, err := d.records.Get("interrupted"); err != nil || v.Stage != nil {
 		t.Errorf("interrupted stage not undone: %+v %v", v, err)
 	}
-	if _, err := d.vols.Get("static-interrupted"); err == nil {
+	if _, err := d.records.Get("static-interrupted"); err == nil {
 		t.Error("an interrupted static volume's record survived")
 	}
 	if len(fake.unstaged) < 2 {
 		t.Errorf("interrupted steps were not undone through the source: %v", fake.unstaged)
 	}
-	v, err := d.vols.Get("healthy")
+	v, err := d.records.Get("healthy")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,10 +135,10 @@ func TestReconcile(t *testing.T) {
 	if string(v.Stage.Source) != `{"device":"/dev/loop9"}` {
 		t.Errorf("adopted state not recorded: %s", v.Stage.Source)
 	}
-	if _, err := d.vols.Get("inline"); err == nil {
+	if _, err := d.records.Get("inline"); err == nil {
 		t.Error("half-made inline volume survived")
 	}
-	if v, err := d.vols.Get("idle"); err != nil || v.Stage != nil {
+	if v, err := d.records.Get("idle"); err != nil || v.Stage != nil {
 		t.Errorf("idle volume changed: %+v %v", v, err)
 	}
 	adoptedHealthy := false
@@ -158,10 +159,10 @@ func TestUnstageRefusesLiveConsumers(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
 	pid, ns := liveProcess(t)
-	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake",
-		Stage:     &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "fake",
+		Stage:     &model.Stage{Phase: model.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []model.Claim{{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}}}}
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	err := d.unstage(context.Background(), v)
@@ -180,13 +181,13 @@ func reattachVolume(t *testing.T, d *Driver) int {
 	d.sources["fake"] = &fakeSource{}
 	pid, ns := liveProcess(t)
 	mounts := []plan.Mount{{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v/mnt", Options: []string{"nosuid", "nodev"}}}
-	v := &journal.Volume{ID: "v", Kind: journal.KindStatic, Type: "fake",
-		Stage: &journal.Stage{Phase: journal.PhaseStaged, Source: json.RawMessage(`{}`)},
-		Consumers: []journal.Claim{
+	v := &model.Volume{ID: "v", Kind: model.KindStatic, Type: "fake",
+		Stage: &model.Stage{Phase: model.PhaseStaged, Source: json.RawMessage(`{}`)},
+		Consumers: []model.Claim{
 			{Consumer: plan.Consumer{PID: pid, Namespace: ns, MountPoint: "/data"}, Mounts: mounts},
 			{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 7}, MountPoint: "/gone"}, Mounts: mounts}},
-		Publishes: []journal.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+		Publishes: []model.Publish{{TargetPath: "/var/lib/kubelet/pods/p/volumes/v/mount", Mounts: mounts}}}
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	return pid
@@ -203,7 +204,7 @@ func TestReattachReplacesEveryMount(t *testing.T) {
 	if m.calls != 4 { // unmount + mount at the live consumer and at the publish
 		t.Fatalf("mounter calls = %d, want 4", m.calls)
 	}
-	got, err := d.vols.Get("v")
+	got, err := d.records.Get("v")
 	if err != nil || len(got.Consumers) != 1 || got.Consumers[0].PID != pid {
 		t.Fatalf("dead consumer not dropped: %+v %v", got, err)
 	}
@@ -254,7 +255,7 @@ func TestReattachHealsFirst(t *testing.T) {
 		{name: "heal failed", m: &healingMounter{err: errdefs.ErrUnavailable}, wantErr: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			d, err := New(Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: tc.m})
+			d, err := New(testOptions(t, Options{DriverName: "mountplan.csi.io", NodeID: "node-a", StateDir: t.TempDir(), KubeletDir: t.TempDir(), Mounter: tc.m}))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -283,7 +284,7 @@ func TestReattachHealsFirst(t *testing.T) {
 func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	if err := d.vols.Put(&journal.Volume{ID: "rec", Kind: journal.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
+	if err := d.records.Put(&model.Volume{ID: "rec", Kind: model.KindProvisioned, Type: "fake"}, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	vols := filepath.Join(d.opts.StateDir, "volumes")
@@ -310,7 +311,7 @@ func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 			}
 		}
 	}
-	unlock, err := d.lock("busy", "NodeStageVolume")
+	unlock, err := d.records.TryLock("busy", "NodeStageVolume")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -346,12 +347,12 @@ func TestReconcileRemovesInterruptedWrites(t *testing.T) {
 func TestReadersNeverSeeATornRecord(t *testing.T) {
 	d, _ := newTestDriver(t)
 	d.sources["fake"] = &fakeSource{}
-	v := &journal.Volume{ID: "v", Kind: journal.KindProvisioned, Type: "fake"}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Type: "fake"}
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
-	v.Stage = &journal.Stage{Phase: journal.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)}
-	if err := d.vols.Put(v, journal.Runtime); err != nil {
+	v.Stage = &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)}
+	if err := d.records.Put(v, journal.Runtime); err != nil {
 		t.Fatal(err)
 	}
 	// What a reader of the file sees in the middle of the next in-place write.
@@ -363,7 +364,7 @@ func TestReadersNeverSeeATornRecord(t *testing.T) {
 	if err := os.WriteFile(file, b[:len(b)/2], 0o600); err != nil {
 		t.Fatal(err)
 	}
-	got, err := d.vols.Get("v")
+	got, err := d.records.Get("v")
 	if err != nil || !got.Staged() {
 		t.Fatalf("record while its file is half written: %+v, %v; want the staged record", got, err)
 	}

@@ -14,28 +14,9 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
-	"github.com/mountplan/mountplan/internal/keylock"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
-	"github.com/mountplan/mountplan/internal/source/loop"
 )
-
-// snapshots are the driver's snapshot records and one lock per snapshot:
-// a namespace of its own, since a snapshot may share its name with a
-// volume. An operation that involves both takes the snapshot's lock and
-// then the volume's.
-type snapshots struct {
-	store *journal.Snapshots
-	locks keylock.Locks
-}
-
-func openSnapshots(stateDir string) (*snapshots, error) {
-	store, err := journal.OpenSnapshots(stateDir)
-	if err != nil {
-		return nil, err
-	}
-	return &snapshots{store: store}, nil
-}
 
 // CreateSnapshot copies the image of a provisioned volume, as one point in
 // time (see copyVolumeImage), to <state-dir>/images/snapshots/<name>.img.
@@ -47,7 +28,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := requireField("name", name); err != nil {
 		return nil, err
 	}
-	if err := journal.ValidID(name); err != nil {
+	if err := model.ValidID(name); err != nil {
 		return nil, invalid("name %q cannot name a node-local snapshot (1-128 of [A-Za-z0-9._-])", name)
 	}
 	if err := requireField("source_volume_id", srcID); err != nil {
@@ -61,12 +42,12 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := d.checkTopology(req.GetAccessibilityRequirements()); err != nil {
 		return nil, err
 	}
-	unlock, err := d.snaps.locks.TryLock(name, "CreateSnapshot")
+	unlock, err := d.records.TryLockSnapshot(name, "CreateSnapshot")
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	snap, err := d.snaps.store.Get(name)
+	snap, err := d.records.Snapshot(name)
 	switch {
 	case err == nil && !snap.Creating:
 		if snap.SourceVolume != srcID {
@@ -90,24 +71,28 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 
 // takeSnapshot copies volume srcID's image as snapshot name, whose lock
 // the caller holds and which has no record.
-func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal.Snapshot, error) {
+func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*model.Snapshot, error) {
 	v, unlock, err := d.sourceVolume(srcID, "CreateSnapshot")
 	defer unlock()
 	if err != nil {
 		return nil, err
 	}
-	snap := &journal.Snapshot{ID: name, SourceVolume: srcID, Image: loop.SnapshotImagePath(d.opts.StateDir, name),
+	sn, err := d.snapshotterOf(v)
+	if err != nil {
+		return nil, err
+	}
+	snap := &model.Snapshot{ID: name, SourceVolume: srcID, Image: sn.SnapshotImagePath(name),
 		SizeBytes: v.CapacityBytes, FsType: v.FsType, Created: time.Now().UTC(), Creating: true}
 	if v.Format != nil && v.Format.Done {
 		f := *v.Format
 		snap.Format = &f
 	}
-	if err := d.snaps.store.Put(snap); err != nil {
+	if err := d.records.PutSnapshot(snap); err != nil {
 		return nil, err
 	}
 	markFrozen := func() error {
 		snap.Frozen = true
-		return d.snaps.store.Put(snap)
+		return d.records.PutSnapshot(snap)
 	}
 	method, err := d.copyVolumeImage(ctx, v, snap.Image, v.CapacityBytes, true, markFrozen)
 	if err != nil {
@@ -118,39 +103,19 @@ func (d *Driver) takeSnapshot(ctx context.Context, name, srcID string) (*journal
 			// (a retry, the reconciler) thaws the source first.
 			return nil, err
 		}
-		return nil, errors.Join(err, loop.RemoveImage(snap.Image), d.snaps.store.Delete(name))
+		return nil, errors.Join(err, sn.RemoveImage(snap.Image), d.records.DeleteSnapshot(name))
 	}
 	snap.Creating, snap.Frozen, snap.Method = false, false, string(method)
-	if err := d.snaps.store.Put(snap); err != nil {
+	if err := d.records.PutSnapshot(snap); err != nil {
 		return nil, err
 	}
 	return snap, nil
 }
 
-// sourceVolume locks and reads a provisioned volume that is to be copied
-// (the source of a snapshot or a clone). The returned func is never nil.
-func (d *Driver) sourceVolume(id, op string) (*journal.Volume, func(), error) {
-	if journal.ValidID(id) != nil {
-		return nil, func() {}, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
-	}
-	v, unlock, err := d.locked(id, op)
-	if err != nil {
-		return nil, unlock, err
-	}
-	if v.Creating {
-		// A create that was never answered: no volume for the CO.
-		return nil, unlock, fmt.Errorf("source volume %s: %w", id, errdefs.ErrNotFound)
-	}
-	if v.Kind != journal.KindProvisioned {
-		return nil, unlock, fmt.Errorf("volume %s is %s: only volumes this plugin provisioned can be copied: %w", id, v.Kind, errdefs.ErrInvalidArgument)
-	}
-	return v, unlock, nil
-}
-
 // undoSnapshot removes what an interrupted or deleted snapshot left,
 // thawing its source first if the copy may have left it frozen. The
 // caller holds the snapshot's lock.
-func (d *Driver) undoSnapshot(ctx context.Context, snap *journal.Snapshot) error {
+func (d *Driver) undoSnapshot(ctx context.Context, snap *model.Snapshot) error {
 	if snap.Creating && snap.Frozen {
 		if err := d.thawSource(ctx, snap.SourceVolume); err != nil {
 			return fmt.Errorf("snapshot %s: thaw volume %s: %w", snap.ID, snap.SourceVolume, err)
@@ -158,10 +123,13 @@ func (d *Driver) undoSnapshot(ctx context.Context, snap *journal.Snapshot) error
 	}
 	// The image first: a crash in between leaves a record a retried
 	// delete finishes, never an image nobody knows about.
-	if err := loop.RemoveImage(snap.Image); err != nil {
+	if d.snapshotter == nil {
+		return fmt.Errorf("snapshot %s: no volume source keeps snapshots: %w", snap.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := d.snapshotter.RemoveImage(snap.Image); err != nil {
 		return err
 	}
-	return d.snaps.store.Delete(snap.ID)
+	return d.records.DeleteSnapshot(snap.ID)
 }
 
 func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
@@ -169,15 +137,15 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if err := requireField("snapshot_id", id); err != nil {
 		return nil, err
 	}
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return &csi.DeleteSnapshotResponse{}, nil // such a snapshot cannot exist here
 	}
-	unlock, err := d.snaps.locks.TryLock(id, "DeleteSnapshot")
+	unlock, err := d.records.TryLockSnapshot(id, "DeleteSnapshot")
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	snap, err := d.snaps.store.Get(id)
+	snap, err := d.records.Snapshot(id)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
@@ -188,13 +156,13 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 }
 
 func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
-	var snaps []*journal.Snapshot
+	var snaps []*model.Snapshot
 	switch id := req.GetSnapshotId(); {
 	case id != "":
-		if journal.ValidID(id) != nil {
+		if model.ValidID(id) != nil {
 			break // such a snapshot cannot exist here
 		}
-		snap, err := d.snaps.store.Get(id)
+		snap, err := d.records.Snapshot(id)
 		if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 			return nil, err
 		}
@@ -202,20 +170,20 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 			snaps = append(snaps, snap)
 		}
 	default:
-		all, err := d.snaps.store.List()
+		all, err := d.records.Snapshots()
 		if err != nil {
 			return nil, err
 		}
 		snaps = all
 	}
-	var ready []*journal.Snapshot
+	var ready []*model.Snapshot
 	for _, s := range snaps {
 		// One being taken has not been answered yet: not a snapshot yet.
 		if !s.Creating && (req.GetSourceVolumeId() == "" || s.SourceVolume == req.GetSourceVolumeId()) {
 			ready = append(ready, s)
 		}
 	}
-	entries, next, err := page(ready, func(s *journal.Snapshot) string { return s.ID }, req.GetStartingToken(), req.GetMaxEntries())
+	entries, next, err := page(ready, func(s *model.Snapshot) string { return s.ID }, req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
@@ -231,10 +199,10 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	if err := requireField("snapshot_id", id); err != nil {
 		return nil, err
 	}
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, errdefs.ErrNotFound)
 	}
-	snap, err := d.snaps.store.Get(id)
+	snap, err := d.records.Snapshot(id)
 	if err != nil {
 		return nil, err
 	}
@@ -244,7 +212,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	return &csi.GetSnapshotResponse{Snapshot: d.csiSnapshot(snap)}, nil
 }
 
-func (d *Driver) csiSnapshot(s *journal.Snapshot) *csi.Snapshot {
+func (d *Driver) csiSnapshot(s *model.Snapshot) *csi.Snapshot {
 	return &csi.Snapshot{
 		SnapshotId:         s.ID,
 		SourceVolumeId:     s.SourceVolume,
@@ -262,9 +230,14 @@ func (d *Driver) csiSnapshot(s *journal.Snapshot) *csi.Snapshot {
 // since the request holding it finishes or undoes it itself.
 func (d *Driver) reconcileSnapshots(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
-	recs, listErr := d.snaps.store.List()
-	recTemps, err := d.snaps.store.TempFiles()
-	images, imgTemps, ierr := loop.SnapshotImages(d.opts.StateDir)
+	recs, listErr := d.records.Snapshots()
+	recTemps, err := d.records.SnapshotTempFiles()
+	var images map[string]string
+	var imgTemps map[string][]string
+	var ierr error
+	if d.snapshotter != nil {
+		images, imgTemps, ierr = d.snapshotter.SnapshotImages()
+	}
 	if err := errors.Join(listErr, err, ierr); err != nil {
 		logger.Error(err, "Some snapshot records or images could not be read; they are left as they are")
 	}
@@ -298,10 +271,10 @@ func (d *Driver) reconcileSnapshots(ctx context.Context) error {
 // reconcileSnapshot undoes snapshot id if it was interrupted (or is an
 // image without a record) and removes its temp files.
 func (d *Driver) reconcileSnapshot(ctx context.Context, id string, temps []string) error {
-	if journal.ValidID(id) != nil {
+	if model.ValidID(id) != nil {
 		return nil
 	}
-	unlock, err := d.snaps.locks.TryLock(id, "reconcile")
+	unlock, err := d.records.TryLockSnapshot(id, "reconcile")
 	if err != nil {
 		return nil
 	}
@@ -312,13 +285,14 @@ func (d *Driver) reconcileSnapshot(ctx context.Context, id string, temps []strin
 			errs = append(errs, err)
 		}
 	}
-	snap, err := d.snaps.store.Get(id)
+	snap, err := d.records.Snapshot(id)
 	switch {
-	case errors.Is(err, errdefs.ErrNotFound):
+	case errors.Is(err, errdefs.ErrNotFound) && d.snapshotter != nil:
 		// An image without a record: no order of writes of ours leaves
 		// one (the record is made before the image and removed after
 		// it), but a lost record must not leak the space for good.
-		errs = append(errs, loop.RemoveImage(loop.SnapshotImagePath(d.opts.StateDir, id)))
+		errs = append(errs, d.snapshotter.RemoveImage(d.snapshotter.SnapshotImagePath(id)))
+	case errors.Is(err, errdefs.ErrNotFound):
 	case err != nil:
 		errs = append(errs, err)
 	case snap.Creating:

@@ -15,7 +15,9 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
+	"github.com/mountplan/mountplan/internal/topology"
 )
 
 // createVol makes a volume of 16 MiB with data at 1 MiB (the images of
@@ -26,7 +28,7 @@ func createVol(t *testing.T, d *Driver, name string, data []byte) {
 		VolumeCapabilities: []*csi.VolumeCapability{rwo}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}}); err != nil {
 		t.Fatal(err)
 	}
-	f, err := os.OpenFile(loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, name), os.O_WRONLY, 0)
+	f, err := os.OpenFile(loop.ImagePath(d.opts.StateDir, model.KindProvisioned, name), os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +102,7 @@ func TestSnapshotRestoreClone(t *testing.T) {
 	if vr.GetVolume().GetCapacityBytes() != 32<<20 || vr.GetVolume().GetContentSource().GetSnapshot().GetSnapshotId() != "snap" {
 		t.Fatalf("restored volume %v", vr.GetVolume())
 	}
-	img := loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, "restored")
+	img := loop.ImagePath(d.opts.StateDir, model.KindProvisioned, "restored")
 	imageHolds(t, img, 1<<20, data)
 	if fi, err := os.Stat(img); err != nil || fi.Size() != 32<<20 {
 		t.Fatalf("restored image: %v, %v; want 32 MiB", fi, err)
@@ -122,7 +124,7 @@ func TestSnapshotRestoreClone(t *testing.T) {
 	if vc.GetVolume().GetCapacityBytes() != 16<<20 || vc.GetVolume().GetContentSource().GetVolume().GetVolumeId() != "src" {
 		t.Fatalf("clone %v", vc.GetVolume())
 	}
-	imageHolds(t, loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, "clone"), 1<<20, []byte("written after the snapshot!"))
+	imageHolds(t, loop.ImagePath(d.opts.StateDir, model.KindProvisioned, "clone"), 1<<20, []byte("written after the snapshot!"))
 
 	// Deleting the source keeps the snapshot and the copies.
 	if _, err := d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "src"}); err != nil {
@@ -142,7 +144,7 @@ func TestSnapshotRestoreClone(t *testing.T) {
 
 func createVolWrite(t *testing.T, d *Driver, name string, data []byte) {
 	t.Helper()
-	f, err := os.OpenFile(loop.ImagePath(d.opts.StateDir, journal.KindProvisioned, name), os.O_WRONLY, 0)
+	f, err := os.OpenFile(loop.ImagePath(d.opts.StateDir, model.KindProvisioned, name), os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,9 +162,9 @@ func TestCopyRequestsGetTheRightCode(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A formatted source: its copies hold its filesystem.
-	v, _ := d.vols.Get("src")
-	v.Format = &journal.Format{FsType: "ext4", Done: true}
-	if err := d.vols.Put(v, journal.Durable); err != nil {
+	v, _ := d.records.Get("src")
+	v.Format = &model.Format{FsType: "ext4", Done: true}
+	if err := d.records.Put(v, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	vol := func(name string, size int64, cs *csi.VolumeContentSource, params map[string]string) func() error {
@@ -199,7 +201,7 @@ func TestCopyRequestsGetTheRightCode(t *testing.T) {
 		}, codes.InvalidArgument},
 		{"snapshot for another node", func() error {
 			_, err := d.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "n", SourceVolumeId: "src",
-				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{TopologyKey: "node-b"}}}}})
+				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{topology.Key: "node-b"}}}}})
 			return err
 		}, codes.ResourceExhausted},
 		{"delete snapshot without id", func() error {
@@ -309,14 +311,14 @@ func TestInterruptedCopiesAreUndone(t *testing.T) {
 	}
 	state := d.opts.StateDir
 	snapImg := loop.SnapshotImagePath(state, "cut")
-	if err := d.snaps.store.Put(&journal.Snapshot{ID: "cut", SourceVolume: "src", Image: snapImg, Creating: true}); err != nil {
+	if err := d.records.PutSnapshot(&model.Snapshot{ID: "cut", SourceVolume: "src", Image: snapImg, Creating: true}); err != nil {
 		t.Fatal(err)
 	}
 	must(t, os.WriteFile(filepath.Join(filepath.Dir(snapImg), ".cut.img.tmp-123"), []byte("half"), 0o600))
-	cloneImg := loop.ImagePath(state, journal.KindProvisioned, "clone")
+	cloneImg := loop.ImagePath(state, model.KindProvisioned, "clone")
 	must(t, os.WriteFile(cloneImg, []byte("complete but unrecorded"), 0o600))
-	if err := d.vols.Put(&journal.Volume{ID: "clone", Kind: journal.KindProvisioned, Type: loop.Type, Image: cloneImg,
-		Creating: true, ContentSource: &journal.ContentSource{Volume: "src"}}, journal.Durable); err != nil {
+	if err := d.records.Put(&model.Volume{ID: "clone", Kind: model.KindProvisioned, Type: loop.Type, Image: cloneImg,
+		Creating: true, ContentSource: &model.ContentSource{Volume: "src"}}, journal.Durable); err != nil {
 		t.Fatal(err)
 	}
 	orphan := loop.SnapshotImagePath(state, "orphan")
@@ -330,10 +332,10 @@ func TestInterruptedCopiesAreUndone(t *testing.T) {
 			t.Errorf("%s is left after reconcile (%v)", p, err)
 		}
 	}
-	if _, err := d.snaps.store.Get("cut"); errdefs.Code(err) != codes.NotFound {
+	if _, err := d.records.Snapshot("cut"); errdefs.Code(err) != codes.NotFound {
 		t.Errorf("the interrupted snapshot's record: %v, want none", err)
 	}
-	if _, err := d.vols.Get("clone"); errdefs.Code(err) != codes.NotFound {
+	if _, err := d.records.Get("clone"); errdefs.Code(err) != codes.NotFound {
 		t.Errorf("the interrupted clone's record: %v, want none", err)
 	}
 	imageHolds(t, loop.SnapshotImagePath(state, "kept"), 1<<20, []byte("x"))

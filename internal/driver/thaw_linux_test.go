@@ -69,7 +69,7 @@ func TestCopyWhoseThawFailed(t *testing.T) {
 			_, err := d.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: "src"})
 			return err
 		}, func() (bool, bool, error) {
-			s, err := d.snaps.store.Get("snap")
+			s, err := d.records.Snapshot("snap")
 			if err != nil {
 				return false, false, err
 			}
@@ -80,7 +80,7 @@ func TestCopyWhoseThawFailed(t *testing.T) {
 				VolumeContentSource: fromVolume("src")})
 			return err
 		}, func() (bool, bool, error) {
-			v, err := d.vols.Get("clone")
+			v, err := d.records.Get("clone")
 			if err != nil {
 				return false, false, err
 			}

@@ -4,12 +4,13 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -36,7 +37,7 @@ func requireVolumeID(id string) error {
 	if err := requireField("volume_id", id); err != nil {
 		return err
 	}
-	return journal.ValidID(id)
+	return model.ValidID(id)
 }
 
 // requirePath checks a CO-supplied path: absolute and clean.
@@ -98,17 +99,16 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 	return out, nil
 }
 
-// checkStaged checks what every request about a staged volume carries:
-// its ID, the staging path (under kubelet's directory) and the capability
-// it was staged with.
-func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (capability, error) {
-	if err := requireVolumeID(id); err != nil {
-		return capability{}, err
+// parseMountGroup reads volume_mount_group: a numeric group ID, or empty.
+func parseMountGroup(s string) (gid uint32, set bool, err error) {
+	if s == "" {
+		return 0, false, nil
 	}
-	if err := d.kubelet.check("staging_target_path", stagingPath); err != nil {
-		return capability{}, err
+	n, err := strconv.ParseUint(s, 10, 32)
+	if err != nil {
+		return 0, false, invalid("volume_mount_group %q must be a numeric group ID", s)
 	}
-	return checkCapability(vc)
+	return uint32(n), true, nil
 }
 
 func checkCapabilities(caps []*csi.VolumeCapability) error {
@@ -119,6 +119,23 @@ func checkCapabilities(caps []*csi.VolumeCapability) error {
 		if _, err := checkCapability(c); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+func accessName(block bool) string {
+	if block {
+		return "block"
+	}
+	return "mount"
+}
+
+// checkStagingPath refuses a request whose staging path is not the one v
+// was staged at: a publish or prepare may only name the volume kubelet
+// staged there.
+func checkStagingPath(v *model.Volume, stagingPath string) error {
+	if v.Stage != nil && v.Stage.StagingPath != stagingPath {
+		return invalid("volume %s is staged at %s, not at %s", v.ID, v.Stage.StagingPath, stagingPath)
 	}
 	return nil
 }

@@ -4,6 +4,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 // FuzzValidID: an ID the journal accepts is one plain file name, so no
@@ -13,9 +15,9 @@ func FuzzValidID(f *testing.F) {
 	for _, s := range []string{"pvc-0a1b", "a", ".", "..", "../etc/passwd", ".hidden", "a/b", "a\x00b", strings.Repeat("x", 129), "vol.json", "é"} {
 		f.Add(s)
 	}
-	s := &Store{dir: "/state/volumes"}
+	s := &Store[model.Volume]{dir: "/state/volumes"}
 	f.Fuzz(func(t *testing.T, id string) {
-		if ValidID(id) != nil {
+		if model.ValidID(id) != nil {
 			return
 		}
 		if id == "" || len(id) > 128 || strings.HasPrefix(id, ".") || strings.ContainsAny(id, "/\\\x00") || filepath.Base(id) != id {

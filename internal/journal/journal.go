@@ -1,4 +1,8 @@
-// Package journal keeps one crash-safe record per volume under the state dir.
+// Package journal keeps the driver's crash-safe records under the state
+// dir: one JSON file per record, in one generic Store per kind of record
+// (OpenVolumes: <state-dir>/volumes, OpenSnapshots: <state-dir>/snapshots,
+// Shared: a source's <state-dir>/shared/<kind>), and the mounter's records
+// of what it set up (Records). The record types are internal/model's.
 //
 // The driver writes a record's intent before each side effect (a phase such
 // as "staging") and its completion after it, so that after a crash the
@@ -6,11 +10,12 @@
 //
 // Writes come in two durabilities. A durable write (an image was created, a
 // format is under way) goes through a temp file, fsync, rename and fsync of
-// the directory, and is kept twice: volumes/<id>.json and <id>.json.durable.
-// A runtime write (devices, mounts, consumers: state a reboot erases anyway)
-// rewrites <id>.json in place with one write and no fsync, which survives a
-// crash of the plugin; if a machine crash tears it, Get falls back to the
-// durable copy. The layout explains itself and reads with cat.
+// the directory. A runtime write (devices, mounts, consumers: state a
+// reboot erases anyway) skips the fsyncs. A volume record is rewritten in
+// place by a runtime write, with one write that survives a crash of the
+// plugin, and its last durable write is kept twice (volumes/<id>.json and
+// <id>.json.durable): if a machine crash tears the rewrite, Get falls back
+// to the durable copy. The layout explains itself and reads with cat.
 package journal
 
 import (
@@ -23,119 +28,13 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
-	"github.com/mountplan/mountplan/pkg/plan"
+	"github.com/mountplan/mountplan/internal/model"
 )
-
-// Kind says where a volume came from, which decides who owns its image.
-type Kind string
-
-const (
-	KindProvisioned Kind = "provisioned" // CreateVolume made its image: DeleteVolume removes it
-	KindStatic      Kind = "static"      // an admin's image under an allowed root: never removed
-	KindEphemeral   Kind = "ephemeral"   // inline volume: image made at publish, removed at unpublish
-)
-
-// Phase is where a volume's stage stands. An intent phase found at start-up
-// means the plugin died in the middle of that step.
-type Phase string
-
-const (
-	PhaseStaging   Phase = "staging"
-	PhaseStaged    Phase = "staged"
-	PhaseUnstaging Phase = "unstaging"
-)
-
-// Volume is the record of one volume.
-type Volume struct {
-	ID            string            `json:"id"`
-	Kind          Kind              `json:"kind"`
-	Type          string            `json:"type"`
-	Image         string            `json:"image,omitempty"`
-	CapacityBytes int64             `json:"capacityBytes,omitempty"`
-	FsType        string            `json:"fsType,omitempty"`
-	Parameters    map[string]string `json:"parameters,omitempty"`
-	// Creating is set before CreateVolume makes the image and cleared after.
-	Creating bool `json:"creating,omitempty"`
-	// Format tracks mkfs: Pending before it runs, Done after. A pending
-	// format found later was interrupted and is redone from scratch, so an
-	// image is never left with a half-written filesystem that never mounts.
-	Format    *Format   `json:"format,omitempty"`
-	Stage     *Stage    `json:"stage,omitempty"`
-	Publishes []Publish `json:"publishes,omitempty"`
-	Consumers []Claim   `json:"consumers,omitempty"`
-	// ContentSource is what the image was copied from (a snapshot, or
-	// another volume for a clone); nil for a blank volume.
-	ContentSource *ContentSource `json:"contentSource,omitempty"`
-	// GrowFilesystem says the image was made bigger than the filesystem
-	// copied into it: the first stage with mount access grows it.
-	GrowFilesystem bool `json:"growFilesystem,omitempty"`
-}
-
-// ContentSource names what an image is a copy of. Exactly one of
-// Snapshot and Volume is set.
-type ContentSource struct {
-	Snapshot string `json:"snapshot,omitempty"`
-	Volume   string `json:"volume,omitempty"`
-	// Frozen is written, durably, before the source volume's filesystem
-	// is frozen for the copy and cleared with the copy's completion: a
-	// record still Creating with it set was interrupted while the source
-	// was frozen, and whoever undoes it thaws the source.
-	Frozen bool `json:"frozen,omitempty"`
-}
-
-// Format records the filesystem made on a volume.
-type Format struct {
-	FsType string `json:"fsType"`
-	Done   bool   `json:"done"`
-}
-
-// Stage records an activated volume.
-type Stage struct {
-	Phase       Phase  `json:"phase"`
-	StagingPath string `json:"stagingPath"`
-	Block       bool   `json:"block,omitempty"`
-	ReadOnly    bool   `json:"readOnly,omitempty"`
-	// Source is the state of the volume's source kind (loop device identity,
-	// chain mounts, ...), opaque to the journal.
-	Source json.RawMessage `json:"source,omitempty"`
-}
-
-// Publish records a kubelet publish at a target path in the host namespace.
-type Publish struct {
-	TargetPath string       `json:"targetPath"`
-	ReadOnly   bool         `json:"readOnly,omitempty"`
-	Mounts     []plan.Mount `json:"mounts"`
-	// CreatedTarget says the plugin made the target (a directory, or a
-	// file for block access): unpublish removes it, and nothing else.
-	CreatedTarget bool `json:"createdTarget,omitempty"`
-	// Asked is when the mounter was last asked to perform the plan here.
-	// The record is written before that: after a crash of the plugin or
-	// the mounter, a target that is not mounted yet may still be, since
-	// the mounter may still be at work.
-	Asked time.Time `json:"asked,omitzero"`
-	// NRI marks a publish for containers only: Mounts is what stands at the
-	// target instead of the volume (a guard, or for block access the plan
-	// whose device node is there), and each container's runtime gets the
-	// volume's plan, built with MountFlags (the CO's mount flags).
-	NRI        bool     `json:"nri,omitempty"`
-	MountFlags []string `json:"mountFlags,omitempty"`
-}
-
-// Claim records a consumer of a prepared plan (with the identity of its
-// mount namespace) and the plan it received.
-type Claim struct {
-	plan.Consumer
-	Mounts []plan.Mount `json:"mounts"`
-}
-
-// Staged reports whether the volume's stage completed.
-func (v *Volume) Staged() bool { return v.Stage != nil && v.Stage.Phase == PhaseStaged }
 
 // Durability says what a write must survive.
 type Durability int
@@ -144,11 +43,11 @@ const (
 	// Runtime records describe kernel state (attached devices, mounts,
 	// namespaces) that a reboot erases too. Their writes survive a crash
 	// of the plugin (the page cache outlives the process) but skip fsync:
-	// an existing record of up to a page is rewritten in place with one
-	// write, a new or larger one goes through a temp file and a rename.
-	// After a machine crash the reconciler finds the devices and mounts
-	// gone whatever the record says, and Get falls back to the durable
-	// copy if the record is torn.
+	// in a store that rewrites in place, an existing record of up to a
+	// page is rewritten with one write, a new or larger one goes through
+	// a temp file and a rename. After a machine crash the reconciler finds
+	// the devices and mounts gone whatever the record says, and Get falls
+	// back to the durable copy if the record is torn.
 	Runtime Durability = iota
 	// Durable records describe what is on disk (an image exists, a format
 	// is under way) and survive a machine crash: fsync of the file and its
@@ -156,47 +55,69 @@ const (
 	Durable
 )
 
-// Store reads and writes records in a directory.
-type Store struct {
-	dir string
+// ValidID is model.ValidID, the rule for every record's key, for the
+// callers that know the store but not the model.
+func ValidID(id string) error { return model.ValidID(id) }
+
+// Store is a directory of records of type T, one JSON file per key
+// (<dir>/<key>.json, the key a model.ValidID), each replaced atomically.
+type Store[T any] struct {
+	dir  string
+	what string // what a record is, for errors: "volume", "snapshot"
+	// inPlace: runtime writes rewrite a record in place, and durable
+	// writes keep a copy (<key>.json.durable) that Get falls back to
+	// when a machine crash tore such a rewrite.
+	inPlace bool
 }
 
-// Open prepares dir/volumes and returns a store over it.
-func Open(stateDir string) (*Store, error) {
-	dir := filepath.Join(stateDir, "volumes")
+// OpenVolumes prepares <state-dir>/volumes and returns the store of volume
+// records over it. Runtime writes rewrite a record in place.
+func OpenVolumes(stateDir string) (*Store[model.Volume], error) {
+	return open[model.Volume](filepath.Join(stateDir, "volumes"), "volume", true)
+}
+
+// OpenSnapshots prepares <state-dir>/snapshots and returns the store of
+// snapshot records over it. What a snapshot describes is on disk: every
+// write of it is durable.
+func OpenSnapshots(stateDir string) (*Store[model.Snapshot], error) {
+	return open[model.Snapshot](filepath.Join(stateDir, "snapshots"), "snapshot", false)
+}
+
+// Shared returns the store of a source's records of kind about something
+// several volumes use (an iSCSI session logged in once for all the LUNs of
+// a target): <state-dir>/shared/<kind>/, made at its first write. They are
+// written durably, since what they describe outlives the plugin (the node
+// records it made, the sessions it owns). The driver owns them and their
+// locks; a source reads and writes them only through the driver.
+func Shared(stateDir, kind string) (*Store[json.RawMessage], error) {
+	if err := model.ValidID(kind); err != nil {
+		return nil, fmt.Errorf("shared record kind: %w", err)
+	}
+	return &Store[json.RawMessage]{dir: filepath.Join(stateDir, "shared", kind), what: kind}, nil
+}
+
+func open[T any](dir, what string, inPlace bool) (*Store[T], error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("journal: %w", err)
 	}
-	return &Store{dir: dir}, nil
+	return &Store[T]{dir: dir, what: what, inPlace: inPlace}, nil
 }
 
-// ValidID accepts IDs that are safe as a file name: 1 to 128 characters of
-// [A-Za-z0-9._-], not starting with a dot.
-func ValidID(id string) error {
-	if id == "" || len(id) > 128 || strings.HasPrefix(id, ".") ||
-		strings.IndexFunc(id, func(r rune) bool {
-			return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-')
-		}) >= 0 {
-		return fmt.Errorf("volume id %q must be 1-128 characters of [A-Za-z0-9._-] not starting with '.': %w", id, errdefs.ErrInvalidArgument)
-	}
-	return nil
-}
-
-func (s *Store) path(id string) string { return filepath.Join(s.dir, id+".json") }
+func (s *Store[T]) path(key string) string { return filepath.Join(s.dir, key+".json") }
 
 // durableCopy is where the last durable write of a record is kept as
 // well: the fallback when a runtime rewrite in place was torn by a
 // machine crash (see overwriteInPlace).
-func (s *Store) durableCopy(id string) string { return s.path(id) + ".durable" }
+func (s *Store[T]) durableCopy(key string) string { return s.path(key) + ".durable" }
 
-// Get returns the record of id, or an error wrapping errdefs.ErrNotFound.
-func (s *Store) Get(id string) (*Volume, error) {
-	if err := ValidID(id); err != nil {
+// Get returns the record of key, or an error wrapping errdefs.ErrNotFound.
+func (s *Store[T]) Get(key string) (*T, error) {
+	if err := model.ValidID(key); err != nil {
 		return nil, err
 	}
-	v, err := readRecord(s.path(id))
+	v, err := readRecord[T](s.path(key))
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
+		return nil, fmt.Errorf("%s %s: %w", s.what, key, errdefs.ErrNotFound)
 	}
 	if err == nil {
 		return v, nil
@@ -204,56 +125,64 @@ func (s *Store) Get(id string) (*Volume, error) {
 	// A record that does not parse was being rewritten in place when the
 	// machine went down. Its runtime part described devices and mounts
 	// that went down with it; the durable copy holds what is on disk.
-	if dv, derr := readRecord(s.durableCopy(id)); derr == nil {
-		return dv, nil
+	if s.inPlace {
+		if dv, derr := readRecord[T](s.durableCopy(key)); derr == nil {
+			return dv, nil
+		}
 	}
-	return nil, fmt.Errorf("journal: record %s: %w", id, err)
+	return nil, fmt.Errorf("journal: %s record %s: %w", s.what, key, err)
 }
 
-func readRecord(path string) (*Volume, error) {
+func readRecord[T any](path string) (*T, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
-	v := &Volume{}
+	v := new(T)
 	if err := json.Unmarshal(b, v); err != nil {
 		return nil, fmt.Errorf("%s is corrupt: %w", filepath.Base(path), err)
 	}
 	return v, nil
 }
 
-// Put writes v atomically: after a crash the file holds either the old or
-// the new record, never a mix. d says whether it must survive a machine crash.
-func (s *Store) Put(v *Volume, d Durability) error {
-	_, err := s.PutRecord(v, d)
-	return err
-}
-
-// PutRecord is Put that also returns the record as written (v in JSON),
-// for a caller that keeps it: one encoding serves both.
-func (s *Store) PutRecord(v *Volume, d Durability) ([]byte, error) {
-	if err := ValidID(v.ID); err != nil {
+// Put writes v as key's record atomically: after a crash the file holds
+// either the old or the new record, never a mix. d says whether it must
+// survive a machine crash. It returns the record as written (v in JSON),
+// for a caller that keeps it: one encoding serves both. A store whose
+// directory is not made yet (a shared kind's first record) makes it.
+func (s *Store[T]) Put(key string, v *T, d Durability) ([]byte, error) {
+	if err := model.ValidID(key); err != nil {
 		return nil, err
 	}
 	b, err := json.Marshal(v)
 	if err != nil {
 		return nil, fmt.Errorf("journal: %w", err)
 	}
-	if d == Durable {
-		err = writeRecord(s.path(v.ID), b, true)
-		if err == nil {
-			err = writeRecord(s.durableCopy(v.ID), b, true)
-		}
-	} else {
-		var done bool
-		if done, err = overwriteInPlace(s.path(v.ID), b); !done && err == nil {
-			err = writeRecord(s.path(v.ID), b, false)
+	err = s.write(key, b, d)
+	if errors.Is(err, fs.ErrNotExist) {
+		if err = os.MkdirAll(s.dir, 0o700); err == nil {
+			err = s.write(key, b, d)
 		}
 	}
 	if err != nil {
 		return nil, err
 	}
 	return b, nil
+}
+
+func (s *Store[T]) write(key string, b []byte, d Durability) error {
+	if d == Durable {
+		if err := writeRecord(s.path(key), b, true); err != nil || !s.inPlace {
+			return err
+		}
+		return writeRecord(s.durableCopy(key), b, true)
+	}
+	if s.inPlace {
+		if done, err := overwriteInPlace(s.path(key), b); done || err != nil {
+			return err
+		}
+	}
+	return writeRecord(s.path(key), b, false)
 }
 
 // pageSize bounds what one write(2) puts into the page cache in one piece:
@@ -317,79 +246,101 @@ func ignoringEINTR(fn func() (int, error)) (int, error) {
 	}
 }
 
-// Delete removes the record of id; a missing record is not an error.
-func (s *Store) Delete(id string, d Durability) error {
-	if err := ValidID(id); err != nil {
+// Delete removes the record of key; a missing record is not an error.
+func (s *Store[T]) Delete(key string, d Durability) error {
+	if err := model.ValidID(key); err != nil {
 		return err
 	}
 	// The record first, so that a crash in between leaves no record
 	// whose only trace is an old durable copy.
-	for _, p := range []string{s.path(id), s.durableCopy(id)} {
+	paths := []string{s.path(key)}
+	if s.inPlace {
+		paths = append(paths, s.durableCopy(key))
+	}
+	for _, p := range paths {
 		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return fmt.Errorf("journal: %w", err)
 		}
 	}
-	if d == Durable {
-		return syncDir(s.dir)
+	if d != Durable {
+		return nil
+	}
+	if err := fsutil.SyncDir(s.dir); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("journal: fsync %s: %w", s.dir, err)
 	}
 	return nil
 }
 
-// List returns every record, sorted by ID. Corrupt records are returned in
-// the error, not silently skipped.
-func (s *Store) List() ([]*Volume, error) {
-	ids, err := recordIDs(s.dir)
-	if err != nil {
-		return nil, err
+// Keys lists the keys of the records, sorted. A directory not made yet
+// holds none.
+func (s *Store[T]) Keys() ([]string, error) {
+	entries, err := os.ReadDir(s.dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
 	}
-	var out []*Volume
-	var errs []error
-	for _, id := range ids {
-		v, err := s.Get(id)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		out = append(out, v)
-	}
-	slices.SortFunc(out, func(a, b *Volume) int { return strings.Compare(a.ID, b.ID) })
-	return out, errors.Join(errs...)
-}
-
-// recordIDs lists the IDs of the records in dir (<id>.json).
-func recordIDs(dir string) ([]string, error) {
-	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("journal: %w", err)
 	}
-	var ids []string
+	var keys []string
 	for _, e := range entries {
-		if id, ok := strings.CutSuffix(e.Name(), ".json"); ok && !e.IsDir() && ValidID(id) == nil {
-			ids = append(ids, id)
+		if key, ok := strings.CutSuffix(e.Name(), ".json"); ok && e.Type().IsRegular() && model.ValidID(key) == nil {
+			keys = append(keys, key)
 		}
 	}
-	return ids, nil
+	slices.Sort(keys)
+	return keys, nil
 }
 
-// ReadAll returns the bytes of every record by ID, for a caller that
+// List returns every record, sorted by key. Records that do not read are
+// returned in the error, not silently skipped.
+func (s *Store[T]) List() ([]*T, error) {
+	var out []*T
+	err := s.each(func(_ string, v *T) { out = append(out, v) })
+	return out, err
+}
+
+// each calls fn with every record that reads, in the order of their keys,
+// and returns the errors of those that do not.
+func (s *Store[T]) each(fn func(key string, v *T)) error {
+	keys, err := s.Keys()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, key := range keys {
+		v, err := s.Get(key)
+		switch {
+		case errors.Is(err, errdefs.ErrNotFound): // deleted since the listing
+		case err != nil:
+			errs = append(errs, err)
+		default:
+			fn(key, v)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ReadAll returns the bytes of every record by key, for a caller that
 // decodes each once, later (the driver at start: 10,000 records decoded
 // twice were most of a restart's CPU). A record is checked with
 // json.Valid, which allocates nothing; one that is not valid JSON (torn by
 // a machine crash during a rewrite in place) is replaced by its durable
 // copy as Get would, and one without a valid copy is returned in the error.
-func (s *Store) ReadAll() (map[string][]byte, error) {
-	ids, err := recordIDs(s.dir)
+func (s *Store[T]) ReadAll() (map[string][]byte, error) {
+	keys, err := s.Keys()
 	if err != nil {
 		return nil, err
 	}
-	out := make(map[string][]byte, len(ids))
+	out := make(map[string][]byte, len(keys))
 	var errs []error
-	for _, id := range ids {
-		b, err := os.ReadFile(s.path(id))
+	for _, key := range keys {
+		b, err := os.ReadFile(s.path(key))
 		if err == nil && !json.Valid(b) {
-			b, err = nil, fmt.Errorf("journal: record %s: %s is corrupt", id, filepath.Base(s.path(id)))
-			if db, derr := os.ReadFile(s.durableCopy(id)); derr == nil && json.Valid(db) {
-				b, err = db, nil
+			b, err = nil, fmt.Errorf("journal: %s record %s: %s is corrupt", s.what, key, filepath.Base(s.path(key)))
+			if s.inPlace {
+				if db, derr := os.ReadFile(s.durableCopy(key)); derr == nil && json.Valid(db) {
+					b, err = db, nil
+				}
 			}
 		}
 		switch {
@@ -397,16 +348,16 @@ func (s *Store) ReadAll() (map[string][]byte, error) {
 		case err != nil:
 			errs = append(errs, err)
 		default:
-			out[id] = b
+			out[key] = b
 		}
 	}
 	return out, errors.Join(errs...)
 }
 
-// CheckWritable proves the journal can still be written and synced (for
+// CheckWritable proves the store can still be written and synced (for
 // Probe). It writes .probe in place: what it holds does not matter, and a
 // temp file would be left behind by a crash during a Probe.
-func (s *Store) CheckWritable() (err error) {
+func (s *Store[T]) CheckWritable() (err error) {
 	f, err := os.OpenFile(filepath.Join(s.dir, ".probe"), os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
 		return fmt.Errorf("journal: %w", err)
@@ -425,20 +376,20 @@ func (s *Store) CheckWritable() (err error) {
 	return nil
 }
 
-// TempFiles lists, by volume ID, the temp files of record writes that a
-// crash interrupted (of a record and of its durable copy). Only a caller
-// that holds the volume's lock, so that no write of it is under way, may
-// remove them.
-func (s *Store) TempFiles() (map[string][]string, error) {
+// TempFiles lists, by key, the temp files of record writes that a crash
+// interrupted (of a record and of its durable copy). Only a caller that
+// holds the record's lock, so that no write of it is under way, may remove
+// them.
+func (s *Store[T]) TempFiles() (map[string][]string, error) {
 	temps, err := fsutil.AtomicTemps(s.dir)
 	if err != nil {
 		return nil, fmt.Errorf("journal: %w", err)
 	}
 	out := map[string][]string{}
 	for name, paths := range temps {
-		id, ok := strings.CutSuffix(strings.TrimSuffix(name, ".durable"), ".json")
-		if ok && ValidID(id) == nil {
-			out[id] = append(out[id], paths...)
+		key, ok := strings.CutSuffix(strings.TrimSuffix(name, ".durable"), ".json")
+		if ok && model.ValidID(key) == nil {
+			out[key] = append(out[key], paths...)
 		}
 	}
 	return out, nil
@@ -451,13 +402,6 @@ func (s *Store) TempFiles() (map[string][]string, error) {
 func writeRecord(path string, data []byte, durable bool) error {
 	if err := fsutil.WriteFileAtomic(path, data, 0o600, durable); err != nil {
 		return fmt.Errorf("journal: %w", err)
-	}
-	return nil
-}
-
-func syncDir(dir string) error {
-	if err := fsutil.SyncDir(dir); err != nil {
-		return fmt.Errorf("journal: fsync %s: %w", dir, err)
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -19,15 +20,15 @@ func TestPutGetDeleteRoundTrip(t *testing.T) {
 }
 
 func testRoundTrip(t *testing.T, d Durability) {
-	s, err := Open(t.TempDir())
+	s, err := OpenVolumes(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	v := &Volume{ID: "pvc-1", Kind: KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
-		Stage: &Stage{Phase: PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)},
-		Consumers: []Claim{{Consumer: plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 7}},
+	v := &model.Volume{ID: "pvc-1", Kind: model.KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
+		Stage: &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{"device":"/dev/loop1"}`)},
+		Consumers: []model.Claim{{Consumer: plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 7}},
 			Mounts: []plan.Mount{{Type: "ext4", Source: "/dev/loop1", Options: []string{"nosuid", "nodev"}}}}}}
-	if err := s.Put(v, d); err != nil {
+	if _, err := s.Put(v.ID, v, d); err != nil {
 		t.Fatal(err)
 	}
 	got, err := s.Get("pvc-1")
@@ -53,26 +54,13 @@ func testRoundTrip(t *testing.T, d Durability) {
 	}
 }
 
-func TestValidIDRejectsPathsAndOddCharacters(t *testing.T) {
-	for _, id := range []string{"", "../x", "a/b", ".hidden", "x\x00", "a b", string(make([]byte, 129))} {
-		if err := ValidID(id); !errors.Is(err, errdefs.ErrInvalidArgument) {
-			t.Errorf("ValidID(%q) = %v, want ErrInvalidArgument", id, err)
-		}
-	}
-	for _, id := range []string{"pvc-0b1c", "csi-abc.def_1", "A"} {
-		if err := ValidID(id); err != nil {
-			t.Errorf("ValidID(%q) = %v", id, err)
-		}
-	}
-}
-
 func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
 	dir := t.TempDir()
-	s, err := Open(dir)
+	s, err := OpenVolumes(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Put(&Volume{ID: "v", Kind: KindStatic}, Durable); err != nil {
+	if _, err := s.Put("v", &model.Volume{ID: "v", Kind: model.KindStatic}, Durable); err != nil {
 		t.Fatal(err)
 	}
 	// A directory where the temp file would go makes the next write fail
@@ -82,11 +70,11 @@ func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = os.Chmod(s.dir, 0o700) })
 	if os.Geteuid() != 0 { // root ignores directory permissions
-		if err := s.Put(&Volume{ID: "v", Kind: KindProvisioned}, Durable); err == nil {
+		if _, err := s.Put("v", &model.Volume{ID: "v", Kind: model.KindProvisioned}, Durable); err == nil {
 			t.Fatal("write into a read-only dir succeeded")
 		}
 		got, err := s.Get("v")
-		if err != nil || got.Kind != KindStatic {
+		if err != nil || got.Kind != model.KindStatic {
 			t.Fatalf("old record damaged: %+v %v", got, err)
 		}
 	}
@@ -100,11 +88,11 @@ func TestAtomicWriteLeavesNoTempAndKeepsOldOnFailure(t *testing.T) {
 }
 
 func TestListReportsCorruptRecords(t *testing.T) {
-	s, err := Open(t.TempDir())
+	s, err := OpenVolumes(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Put(&Volume{ID: "good", Kind: KindStatic}, Durable); err != nil {
+	if _, err := s.Put("good", &model.Volume{ID: "good", Kind: model.KindStatic}, Durable); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(s.dir, "bad.json"), []byte("{"), 0o600); err != nil {
@@ -120,17 +108,17 @@ func TestListReportsCorruptRecords(t *testing.T) {
 }
 
 func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
-	s, err := Open(t.TempDir())
+	s, err := OpenVolumes(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	big := &Volume{ID: "v", Kind: KindProvisioned, Image: strings.Repeat("x", 500)}
-	small := &Volume{ID: "v", Kind: KindStatic}
-	huge := &Volume{ID: "v", Kind: KindEphemeral, Image: strings.Repeat("y", 6000)}
-	for i, v := range []*Volume{big, small, big, huge, small} {
-		// PutRecord's bytes are what the driver caches and decodes
+	big := &model.Volume{ID: "v", Kind: model.KindProvisioned, Image: strings.Repeat("x", 500)}
+	small := &model.Volume{ID: "v", Kind: model.KindStatic}
+	huge := &model.Volume{ID: "v", Kind: model.KindEphemeral, Image: strings.Repeat("y", 6000)}
+	for i, v := range []*model.Volume{big, small, big, huge, small} {
+		// Put's bytes are what the driver caches and decodes
 		// later: they must be the record, not the space-padded file.
-		rec, err := s.PutRecord(v, Runtime)
+		rec, err := s.Put(v.ID, v, Runtime)
 		if err != nil {
 			t.Fatalf("put %d: %v", i, err)
 		}
@@ -141,7 +129,7 @@ func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
 		if got.Kind != v.Kind || got.Image != v.Image {
 			t.Fatalf("put %d: read back %s/%d bytes of image, want %s/%d", i, got.Kind, len(got.Image), v.Kind, len(v.Image))
 		}
-		var cached Volume
+		var cached model.Volume
 		if err := json.Unmarshal(rec, &cached); err != nil || cached.Kind != v.Kind || cached.Image != v.Image {
 			t.Fatalf("put %d: returned record %.60q (%v), want the volume's JSON", i, rec, err)
 		}
@@ -151,16 +139,16 @@ func TestRuntimeOverwriteShrinksAndGrows(t *testing.T) {
 // A runtime rewrite in place torn by a machine crash must not lose the
 // record: the durable copy (what is on disk) takes over.
 func TestTornRuntimeRecordFallsBackToDurableCopy(t *testing.T) {
-	s, err := Open(t.TempDir())
+	s, err := OpenVolumes(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	v := &Volume{ID: "v", Kind: KindProvisioned, Image: "/img", Format: &Format{FsType: "ext4", Done: true}}
-	if err := s.Put(v, Durable); err != nil {
+	v := &model.Volume{ID: "v", Kind: model.KindProvisioned, Image: "/img", Format: &model.Format{FsType: "ext4", Done: true}}
+	if _, err := s.Put(v.ID, v, Durable); err != nil {
 		t.Fatal(err)
 	}
-	v.Stage = &Stage{Phase: PhaseStaged, StagingPath: "/s"}
-	if err := s.Put(v, Runtime); err != nil {
+	v.Stage = &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s"}
+	if _, err := s.Put(v.ID, v, Runtime); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := s.Get("v"); err != nil || !got.Staged() {
@@ -195,48 +183,21 @@ func TestTornRuntimeRecordFallsBackToDurableCopy(t *testing.T) {
 	}
 }
 
-// TestClaimJSON: a claim keeps the flat form records have always had, so
-// the claims written before an upgrade are read back with their namespace.
-func TestClaimJSON(t *testing.T) {
-	const old = `{"pid":42,"nsInode":7,"nsId":9,"mountPoint":"/data","mounts":[{"Type":"tmpfs","Source":"t","Target":"","Options":null}]}`
-	var c Claim
-	if err := json.Unmarshal([]byte(old), &c); err != nil {
-		t.Fatal(err)
-	}
-	want := plan.Consumer{PID: 42, MountPoint: "/data", Namespace: plan.Namespace{Inode: 7, ID: 9}}
-	if c.Consumer != want || len(c.Mounts) != 1 {
-		t.Fatalf("decoded %+v, want %+v with one mount", c, want)
-	}
-	b, err := json.Marshal(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var back map[string]any
-	if err := json.Unmarshal(b, &back); err != nil {
-		t.Fatal(err)
-	}
-	for _, k := range []string{"pid", "nsInode", "nsId", "mountPoint", "mounts"} {
-		if _, ok := back[k]; !ok {
-			t.Errorf("encoded claim %s lacks key %q", b, k)
-		}
-	}
-}
-
 // TestReadAll: the bytes of every record as Get would read them: a torn
 // runtime record gives its durable copy, a corrupt record without one is
 // reported and left out, and the rest are there.
 func TestReadAll(t *testing.T) {
-	s, err := Open(t.TempDir())
+	s, err := OpenVolumes(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, id := range []string{"good", "torn"} {
-		if err := s.Put(&Volume{ID: id, Kind: KindProvisioned, Image: "/img/" + id}, Durable); err != nil {
+		if _, err := s.Put(id, &model.Volume{ID: id, Kind: model.KindProvisioned, Image: "/img/" + id}, Durable); err != nil {
 			t.Fatal(err)
 		}
 	}
-	torn := &Volume{ID: "torn", Kind: KindProvisioned, Image: "/img/torn", Stage: &Stage{Phase: PhaseStaged, StagingPath: "/s"}}
-	if err := s.Put(torn, Runtime); err != nil {
+	torn := &model.Volume{ID: "torn", Kind: model.KindProvisioned, Image: "/img/torn", Stage: &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s"}}
+	if _, err := s.Put(torn.ID, torn, Runtime); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(s.path("torn"), []byte(`{"id":"torn","kind":"prov`), 0o600); err != nil {
@@ -257,12 +218,90 @@ func TestReadAll(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		got := &Volume{}
+		got := &model.Volume{}
 		if err := json.Unmarshal(b, got); err != nil || got.ID != want.ID || got.Image != want.Image || (got.Stage == nil) != (want.Stage == nil) {
 			t.Fatalf("%s: ReadAll gave %s (%v), Get gives %+v", id, b, err, want)
 		}
 	}
 	if all["torn"] == nil || strings.Contains(string(all["torn"]), "stage") {
 		t.Fatalf("torn record: want its durable copy, got %s", all["torn"])
+	}
+}
+
+// TestSharedStoreMadeAtFirstWrite: a source's shared records of a kind
+// never written are none, and leave no directory behind; the first write
+// makes it, and the records read back as written.
+func TestSharedStoreMadeAtFirstWrite(t *testing.T) {
+	state := t.TempDir()
+	s, err := Shared(state, "iscsi-session")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keys, err := s.Keys(); err != nil || len(keys) != 0 {
+		t.Fatalf("Keys of a kind never written = %v, %v", keys, err)
+	}
+	if _, err := s.Get("k"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("Get of a kind never written: %v, want ErrNotFound", err)
+	}
+	if _, err := os.Stat(filepath.Join(state, "shared")); !os.IsNotExist(err) {
+		t.Fatalf("reading made the shared dir: %v", err)
+	}
+	rec := json.RawMessage(`{"users":["v1"]}`)
+	if _, err := s.Put("k", &rec, Durable); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Get("k")
+	if err != nil || string(*got) != string(rec) {
+		t.Fatalf("Get = %s, %v; want %s", *got, err, rec)
+	}
+	if b, err := os.ReadFile(filepath.Join(state, "shared", "iscsi-session", "k.json")); err != nil || string(b) != string(rec) {
+		t.Fatalf("file holds %s, %v; want %s", b, err, rec)
+	}
+	if err := s.Delete("k", Durable); err != nil {
+		t.Fatal(err)
+	}
+	if keys, err := s.Keys(); err != nil || len(keys) != 0 {
+		t.Fatalf("Keys after Delete = %v, %v", keys, err)
+	}
+	if _, err := Shared(state, "../x"); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("a kind that is no file name: %v", err)
+	}
+}
+
+// TestRecordsListByKey: the mounter's records come back by key, the temp
+// file of a write a crash interrupted is removed, and a record that does
+// not decode is reported while the others are kept.
+func TestRecordsListByKey(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "loops")
+	r, err := OpenRecords[map[string]int](dir, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"a", "b"} {
+		if err := r.Put(k, map[string]int{k: len(k)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	temp := filepath.Join(dir, ".c.json.tmp-123")
+	for path, data := range map[string]string{temp: "{", filepath.Join(dir, "bad.json"): "{"} {
+		if err := os.WriteFile(path, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := r.List()
+	if err == nil || !strings.Contains(err.Error(), "bad") {
+		t.Fatalf("a record that does not decode went unreported: %v", err)
+	}
+	if len(got) != 2 || got["a"]["a"] != 1 || got["b"]["b"] != 1 {
+		t.Fatalf("List = %v", got)
+	}
+	if _, err := os.Stat(temp); !os.IsNotExist(err) {
+		t.Fatalf("temp file of an interrupted write left: %v", err)
+	}
+	if err := r.Delete("a"); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := r.List(); len(got) != 1 {
+		t.Fatalf("List after Delete = %v", got)
 	}
 }

@@ -15,10 +15,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"time"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -41,14 +42,14 @@ type StageRequest struct {
 // source may not change the record through.
 type Volume struct {
 	ID            string
-	Kind          journal.Kind
+	Kind          model.Kind
 	Type          string // the source kind the record names
 	Image         string
 	CapacityBytes int64
 	FsType        string
 	Parameters    map[string]string
 	// Format is the filesystem made (or being made) on the volume.
-	Format *journal.Format
+	Format *model.Format
 	// Staging says a stage is recorded: under way, done, or being undone.
 	Staging bool
 	// State is what the source recorded of the stage (its Stage result or
@@ -63,7 +64,7 @@ type Recorder interface {
 	// when durable (a format about to run, or just done: what describes
 	// the disk survives a machine crash), else with the stage's own final
 	// write (a filesystem found, which changes nothing on disk).
-	SetFormat(f journal.Format, durable bool) error
+	SetFormat(f model.Format, durable bool) error
 	// SaveIntent records the source's state before a side effect (a
 	// device being connected, a daemon being started), so that an undo
 	// after a crash finds what may be half done. It describes runtime
@@ -127,6 +128,84 @@ type HealthChecker interface {
 // answering).
 type Statter interface {
 	Stats(ctx context.Context, v Volume, path string) (fsutil.Usage, error)
+}
+
+// Provisioner is a Source whose volumes the plugin makes itself: an image
+// file under the state dir for a volume CreateVolume provisions (the
+// StorageClass parameter type names the source) or an inline volume (its
+// attribute type), which ControllerExpandVolume grows and DeleteVolume
+// removes.
+type Provisioner interface {
+	Source
+	// ImagePath is where the image of volume id of kind lives.
+	ImagePath(kind model.Kind, id string) string
+	// CreateImage makes a sparse image of size bytes at path, with an
+	// fsType filesystem on it when fsType is not empty; it appears under
+	// its name whole or not at all. made is false when an image was there
+	// already and was left as it is.
+	CreateImage(ctx context.Context, path string, size int64, fsType string) (made bool, err error)
+	// GrowImage extends the image at path to size; it never shrinks one.
+	GrowImage(path string, size int64) error
+	// RemoveImage deletes the image at path; a missing one is no error.
+	RemoveImage(path string) error
+	// RemoveDetachedImage deletes the image at path unless a device still
+	// reads it, whoever attached it (errdefs.ErrFailedPrecondition).
+	RemoveDetachedImage(ctx context.Context, path string) error
+	// TempImages lists, by volume ID, the temp files of image creations
+	// a crash interrupted. Only a holder of the volume's lock may remove
+	// them.
+	TempImages() (map[string][]string, error)
+}
+
+// Snapshotter is a Provisioner whose images can be copied as one point in
+// time: by CreateSnapshot, and by CreateVolume from a snapshot or from
+// another volume. The driver keeps every snapshot with the one Snapshotter
+// it has.
+type Snapshotter interface {
+	Provisioner
+	// SnapshotImagePath is where snapshot id's image lives.
+	SnapshotImagePath(id string) string
+	// SnapshotImages lists the snapshot images by ID, and the temp files
+	// of copies a crash interrupted. Only a holder of the snapshot's lock
+	// may remove them.
+	SnapshotImages() (images map[string]string, temps map[string][]string, err error)
+	// Freeze freezes the filesystem of the staged v, which its consumers
+	// may be writing, so that its image can be copied as one point in
+	// time; thaw undoes it. A filesystem that cannot be frozen is
+	// errdefs.ErrFailedPrecondition.
+	Freeze(ctx context.Context, v Volume) (thaw func() error, err error)
+	// Thaw thaws the staged v's filesystem if a copy interrupted by a
+	// crash left it frozen.
+	Thaw(ctx context.Context, v Volume) error
+	// RecoverCopy makes the filesystem in image, a copy, clean (a log
+	// left dirty replayed).
+	RecoverCopy(ctx context.Context, image string) error
+	// GrowUnmounted grows the filesystem of v, a copy made bigger than its
+	// source, at its first stage, before anything mounts it.
+	GrowUnmounted(ctx context.Context, v Volume) error
+}
+
+// Keeper is a Source whose devices the mounter keeps across restarts of
+// the plugin. After a reconcile, Keep gets the volumes of the source that
+// have a stage recorded, and has the mounter let go of the devices it
+// attached before since that none of them holds (a stage a crash
+// interrupted before it recorded its device; a volume whose record is
+// gone).
+type Keeper interface {
+	Keep(ctx context.Context, staged []Volume, since time.Time) error
+}
+
+// FileOwner is a Source whose volumes' files have owners of the source's
+// own (a FUSE daemon serves them as its remote or profile says): kubelet's
+// fsGroup (volume_mount_group) is not applied to them.
+type FileOwner interface {
+	OwnsFiles()
+}
+
+// Runner is a Source with work of its own for as long as the plugin runs
+// (the FUSE source's sweep of orphans, every interval).
+type Runner interface {
+	Run(ctx context.Context, interval time.Duration)
 }
 
 // Host is what the driver offers a source that acts on its own, such as a

@@ -16,7 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 // flow is one scenario of the issue, run in order against the same
@@ -188,7 +188,7 @@ func (e *env) ephemeralRecords(t *testing.T) int {
 			continue // removed since the listing
 		}
 		var rec struct {
-			Kind journal.Kind `json:"kind"`
+			Kind model.Kind `json:"kind"`
 		}
 		if err == nil {
 			err = json.Unmarshal(b, &rec)
@@ -196,7 +196,7 @@ func (e *env) ephemeralRecords(t *testing.T) int {
 		if err != nil {
 			t.Fatalf("journal record %s: %v", f, err)
 		}
-		if rec.Kind == journal.KindEphemeral {
+		if rec.Kind == model.KindEphemeral {
 			n++
 		}
 	}

@@ -31,7 +31,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/test/testutil"
@@ -220,7 +220,7 @@ func (e *env) releaseAll() {
 		if v.Stage != nil {
 			_, _ = e.node.NodeUnstageVolume(c, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: v.Stage.StagingPath})
 		}
-		if v.Kind == journal.KindProvisioned {
+		if v.Kind == model.KindProvisioned {
 			_, _ = e.ctl.DeleteVolume(c, &csi.DeleteVolumeRequest{VolumeId: id})
 		}
 		cancel()
@@ -288,7 +288,7 @@ func (e *env) delete(id string) {
 
 // image is where the plugin keeps a provisioned volume's image.
 func (e *env) image(id string) string {
-	return loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	return loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 }
 
 // staging returns the staging path of id, made as kubelet makes it.
@@ -554,14 +554,14 @@ func (e *env) recordPath(id string) string { return filepath.Join(e.stateDir(), 
 // record reads id's journal record straight from its file. The plugin
 // rewrites runtime records in place, so a read can meet a write half done:
 // that one is read again (the plugin's own readers never read the file).
-func (e *env) record(id string) (*journal.Volume, error) {
+func (e *env) record(id string) (*model.Volume, error) {
 	var err error
 	for range 50 {
 		var b []byte
 		if b, err = os.ReadFile(e.recordPath(id)); err != nil {
 			return nil, err
 		}
-		v := &journal.Volume{}
+		v := &model.Volume{}
 		if err = json.Unmarshal(b, v); err == nil {
 			return v, nil
 		}
@@ -570,7 +570,7 @@ func (e *env) record(id string) (*journal.Volume, error) {
 	return nil, err
 }
 
-func (e *env) mustRecord(id string) *journal.Volume {
+func (e *env) mustRecord(id string) *model.Volume {
 	e.t.Helper()
 	v, err := e.record(id)
 	if err != nil {
@@ -630,7 +630,7 @@ func (e *env) editRecord(id string, edit func(m map[string]any)) {
 func (e *env) loopState(id string) loop.State {
 	e.t.Helper()
 	v := e.mustRecord(id)
-	if v.Stage == nil || v.Stage.Phase != journal.PhaseStaged {
+	if v.Stage == nil || v.Stage.Phase != model.PhaseStaged {
 		e.t.Fatalf("volume %s not staged in its record: %+v", id, v.Stage)
 	}
 	var st loop.State
@@ -641,7 +641,7 @@ func (e *env) loopState(id string) loop.State {
 }
 
 // consumers returns the consumers the journal records for id.
-func (e *env) consumers(id string) []journal.Claim {
+func (e *env) consumers(id string) []model.Claim {
 	e.t.Helper()
 	v, err := e.record(id)
 	if errors.Is(err, fs.ErrNotExist) {

@@ -14,7 +14,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -201,10 +201,10 @@ func TestPluginCrashStageIntent(t *testing.T) {
 		edit func(m map[string]any)
 	}{
 		{"staging, edited from a staged record", func(m map[string]any) {
-			m["stage"].(map[string]any)["phase"] = string(journal.PhaseStaging)
+			m["stage"].(map[string]any)["phase"] = string(model.PhaseStaging)
 		}},
 		{"unstaging, edited from a staged record", func(m map[string]any) {
-			m["stage"].(map[string]any)["phase"] = string(journal.PhaseUnstaging)
+			m["stage"].(map[string]any)["phase"] = string(model.PhaseUnstaging)
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -34,7 +34,7 @@ func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 			t.Fatal(err)
 		}
 		e.editRecord(id, func(m map[string]any) {
-			m["stage"] = map[string]any{"phase": string(journal.PhaseStaging), "stagingPath": e.staging(id)}
+			m["stage"] = map[string]any{"phase": string(model.PhaseStaging), "stagingPath": e.staging(id)}
 		})
 		e.restart()
 
@@ -56,7 +56,7 @@ func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 	t.Run("inline", func(t *testing.T) {
 		e := root.with(t)
 		const id = "csi-intent-nosource"
-		img := loop.ImagePath(e.stateDir(), journal.KindEphemeral, id)
+		img := loop.ImagePath(e.stateDir(), model.KindEphemeral, id)
 		if err := e.plugin.Stop(); err != nil {
 			t.Fatal(err)
 		}
@@ -71,10 +71,10 @@ func TestPluginCrashStageIntentWithoutSource(t *testing.T) {
 			t.Fatal(err)
 		}
 		rec, err := json.Marshal(map[string]any{
-			"id": id, "kind": string(journal.KindEphemeral), "type": loop.Type, "image": img,
+			"id": id, "kind": string(model.KindEphemeral), "type": loop.Type, "image": img,
 			"capacityBytes": 64 * miB, "fsType": "ext4",
 			"format": map[string]any{"fsType": "ext4", "done": false},
-			"stage":  map[string]any{"phase": string(journal.PhaseStaging), "stagingPath": e.stateDir()},
+			"stage":  map[string]any{"phase": string(model.PhaseStaging), "stagingPath": e.stateDir()},
 		})
 		if err != nil {
 			t.Fatal(err)

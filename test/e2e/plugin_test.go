@@ -23,7 +23,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -220,7 +220,7 @@ func TestPluginStaticImage(t *testing.T) {
 		e.stage(id, mountCap("", rwo), vctx)
 		l := e.checkStagedLoop(id, img)
 		e.notMounted(l)
-		if v := e.mustRecord(id); v.Kind != journal.KindStatic || v.Image != img {
+		if v := e.mustRecord(id); v.Kind != model.KindStatic || v.Image != img {
 			t.Errorf("record: kind %s image %s", v.Kind, v.Image)
 		}
 		target := e.target(id, "mnt")
@@ -324,7 +324,7 @@ func TestPluginEphemeral(t *testing.T) {
 	testutil.NoLeaks(t)
 	e := startEnv(t, envOptions{})
 	const id = "csi-e2e-inline"
-	img := loop.ImagePath(e.stateDir(), journal.KindEphemeral, id)
+	img := loop.ImagePath(e.stateDir(), model.KindEphemeral, id)
 	target := e.target(id, "mnt")
 	vctx := map[string]string{ctxEphemeral: "true", "size": "64Mi", "csi.storage.k8s.io/pod.name": "p"}
 
@@ -349,7 +349,7 @@ func TestPluginEphemeral(t *testing.T) {
 	if got := plugReadFile(t, filepath.Join(target, "f")); got != "inline\n" {
 		t.Errorf("read back %q", got)
 	}
-	if v := e.mustRecord(id); v.Kind != journal.KindEphemeral {
+	if v := e.mustRecord(id); v.Kind != model.KindEphemeral {
 		t.Errorf("record kind %s", v.Kind)
 	}
 	if fi, err := os.Stat(img); err != nil || fi.Size() != 64*miB {

@@ -13,7 +13,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/test/testutil"
@@ -26,7 +26,7 @@ func TestPrepareBadInput(t *testing.T) {
 	e := startEnv(t, envOptions{})
 
 	staged := e.create("prep-bad-staged", "", 16*miB).GetVolumeId()
-	stagedImage := loop.ImagePath(e.stateDir(), journal.KindProvisioned, staged)
+	stagedImage := loop.ImagePath(e.stateDir(), model.KindProvisioned, staged)
 	e.stage(staged, mountCap("", rwo), nil)
 	dev := e.stagedDevice(staged, stagedImage)
 	watch := prepDevWatch(t, dev)
@@ -145,7 +145,7 @@ func TestPrepareBadInput(t *testing.T) {
 	if v := e.mustRecord(unstaged); v.Stage != nil {
 		t.Errorf("the unstaged volume got staged: %+v", v.Stage)
 	}
-	if ls := plugLoopsBackedBy(t, loop.ImagePath(e.stateDir(), journal.KindProvisioned, unstaged)); len(ls) != 0 {
+	if ls := plugLoopsBackedBy(t, loop.ImagePath(e.stateDir(), model.KindProvisioned, unstaged)); len(ls) != 0 {
 		t.Errorf("the unstaged volume's image is attached to %v", ls)
 	}
 

@@ -12,7 +12,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -42,7 +42,7 @@ func TestPrepareBlock(t *testing.T) {
 	e := startEnv(t, envOptions{})
 
 	id := e.createFor("prep-block", 16*miB, blockCap(rwo)).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, blockCap(rwo), nil)
 	dev := e.stagedDevice(id, image)
 	if st := e.loopState(id); st.FsType != "" {

@@ -18,7 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -66,7 +66,7 @@ func TestPrepareInContainers(t *testing.T) {
 	tm.step("containerd and plugin running")
 
 	id := e.create("prep-containers", "", 64*miB).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)
@@ -180,7 +180,7 @@ func TestPrepareUnshare(t *testing.T) {
 	prepCheckPluginInHostNS(t, e)
 
 	id := e.create("prep-unshare", "", 32*miB).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)

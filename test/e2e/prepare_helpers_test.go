@@ -20,13 +20,13 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // wantConsumer checks that the journal records exactly one consumer of id:
 // pid's mount namespace (by inode, not only by PID) at mountPoint.
-func (e *env) wantConsumer(id string, pid int, mountPoint string) journal.Claim {
+func (e *env) wantConsumer(id string, pid int, mountPoint string) model.Claim {
 	e.t.Helper()
 	cs := e.consumers(id)
 	if len(cs) != 1 {

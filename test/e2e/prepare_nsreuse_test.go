@@ -17,7 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -29,7 +29,7 @@ func TestPrepareDeadConsumerNamespaceReused(t *testing.T) {
 	e := startEnv(t, envOptions{})
 
 	id := e.create("prep-nsreuse", "", 16*miB).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	target := filepath.Join(e.dir, "consumer")

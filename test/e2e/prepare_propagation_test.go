@@ -18,7 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -59,7 +59,7 @@ func TestPrepareRefusesSharedTarget(t *testing.T) {
 	testutil.NoLeaks(t)
 	e := startEnv(t, envOptions{})
 	id := e.create("prep-shared", "", 16*miB).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -22,7 +22,7 @@ func TestPrepareReadOnlyBesideWriter(t *testing.T) {
 	testutil.NoLeaks(t)
 	e := startEnv(t, envOptions{})
 	id := e.create("prep-ro", "", 16*miB).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 	watch := prepDevWatch(t, dev)

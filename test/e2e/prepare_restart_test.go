@@ -14,7 +14,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"google.golang.org/grpc/codes"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -30,7 +30,7 @@ func TestPrepareRestartAdopts(t *testing.T) {
 	t.Run("ext4", func(t *testing.T) {
 		e := e.with(t)
 		id := e.create("prep-restart", "", 32*miB).GetVolumeId()
-		image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+		image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 		e.stage(id, mountCap("", rwo), nil)
 		prepRestartCase(t, e, id, image, nil, nil)
 		e.delete(id)
@@ -86,7 +86,7 @@ func TestPrepareRestartAdopts(t *testing.T) {
 	t.Run("consumer-dies-while-plugin-down", func(t *testing.T) {
 		e := e.with(t)
 		id := e.create("prep-restart-dead", "", 32*miB).GetVolumeId()
-		image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+		image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 		e.stage(id, mountCap("", rwo), nil)
 		dev := e.stagedDevice(id, image)
 		watch := prepDevWatch(t, dev)

@@ -15,7 +15,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -33,7 +33,7 @@ func TestPublishThroughSidecarServe(t *testing.T) {
 	tm.step("plugin and mountplan-sidecar serve running")
 
 	id := e.create("prep-serve", "", 32*miB).GetVolumeId()
-	image := loop.ImagePath(e.stateDir(), journal.KindProvisioned, id)
+	image := loop.ImagePath(e.stateDir(), model.KindProvisioned, id)
 	e.stage(id, mountCap("", rwo), nil)
 	dev := e.stagedDevice(id, image)
 

@@ -17,7 +17,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -234,12 +234,12 @@ func fsck(t *testing.T, fsType, img string) {
 func (e *env) snapshotImage(id string) string { return loop.SnapshotImagePath(e.stateDir(), id) }
 
 // snapshotRecord reads a snapshot's record from the state dir.
-func (e *env) snapshotRecord(id string) (*journal.Snapshot, error) {
+func (e *env) snapshotRecord(id string) (*model.Snapshot, error) {
 	b, err := os.ReadFile(filepath.Join(e.stateDir(), "snapshots", id+".json"))
 	if err != nil {
 		return nil, err
 	}
-	s := &journal.Snapshot{}
+	s := &model.Snapshot{}
 	return s, json.Unmarshal(b, s)
 }
 

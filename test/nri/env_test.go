@@ -27,7 +27,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/nri/guard"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/test/testutil"
@@ -270,7 +270,7 @@ func cloneCap(c *csi.VolumeCapability) *csi.VolumeCapability {
 
 // --- the journal, read from its files ---
 
-func (e *env) record(id string) *journal.Volume {
+func (e *env) record(id string) *model.Volume {
 	e.t.Helper()
 	b, err := os.ReadFile(filepath.Join(e.plugin.StateDir, "volumes", id+".json"))
 	if err != nil {
@@ -279,7 +279,7 @@ func (e *env) record(id string) *journal.Volume {
 		}
 		e.t.Fatal(err)
 	}
-	v := &journal.Volume{}
+	v := &model.Volume{}
 	if err := json.Unmarshal(b, v); err != nil {
 		e.t.Fatalf("journal record %s: %v", id, err)
 	}

@@ -38,8 +38,8 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/fuseprofile"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/source"
@@ -125,7 +125,13 @@ var (
 	_ source.HealthChecker = (*Source)(nil)
 	_ source.Statter       = (*Source)(nil)
 	_ source.HostUser      = (*Source)(nil)
+	_ source.FileOwner     = (*Source)(nil)
+	_ source.Runner        = (*Source)(nil)
 )
+
+// OwnsFiles says that a FUSE volume's files are the daemon's to own: the
+// driver does not give them to kubelet's fsGroup.
+func (s *Source) OwnsFiles() {}
 
 // New returns a FUSE source. It starts nothing.
 func New(o Options) (*Source, error) {
@@ -196,7 +202,7 @@ type layout struct{ dir string }
 func (l layout) mnt() string { return filepath.Join(l.dir, "mnt") }
 
 func (s *Source) layout(id string) (layout, error) {
-	if err := journal.ValidID(id); err != nil {
+	if err := model.ValidID(id); err != nil {
 		return layout{}, err
 	}
 	root, err := s.root()
@@ -213,7 +219,7 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, er
 	if err != nil {
 		return source.Volume{}, fmt.Errorf("volume %s: %w", id, err)
 	}
-	return source.Volume{ID: id, Kind: journal.KindStatic, Parameters: params}, nil
+	return source.Volume{ID: id, Kind: model.KindStatic, Parameters: params}, nil
 }
 
 // Stage checks the volume's profile, parameters and secrets, has the

@@ -11,7 +11,7 @@ import (
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fuseprofile"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 )
 
@@ -35,7 +35,7 @@ func TestNewVolumeChecksContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]string{"profile": "sshfs", "source": "me@example.org:/srv", "port": "2222"}
-	if v.ID != "v1" || v.Kind != journal.KindStatic || !mapsEqual(v.Parameters, want) {
+	if v.ID != "v1" || v.Kind != model.KindStatic || !mapsEqual(v.Parameters, want) {
 		t.Errorf("volume %+v, want parameters %v", v, want)
 	}
 	for name, vctx := range map[string]map[string]string{

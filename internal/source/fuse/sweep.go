@@ -12,7 +12,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/periodic"
 	"github.com/mountplan/mountplan/internal/source"
@@ -70,7 +70,7 @@ func (s *Source) Sweep(ctx context.Context) error {
 	}
 	var errs []error
 	for id := range ids {
-		if journal.ValidID(id) != nil {
+		if model.ValidID(id) != nil {
 			klog.FromContext(ctx).Info("Leaving alone an entry that is not a volume's", "path", filepath.Join(root, id))
 			continue
 		}

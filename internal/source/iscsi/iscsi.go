@@ -34,8 +34,8 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/internal/blockdev"
@@ -180,7 +180,7 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, er
 		return source.Volume{}, fmt.Errorf("iscsi volume %s: attribute %q names no portal: %w", id, CtxPortals, errdefs.ErrInvalidArgument)
 	}
 	params := map[string]string{CtxPortals: strings.Join(portals, ","), CtxIQN: iqn, CtxLUN: strconv.Itoa(lun)}
-	return source.Volume{ID: id, Kind: journal.KindStatic, FsType: vctx[CtxFsType], Parameters: params}, nil
+	return source.Volume{ID: id, Kind: model.KindStatic, FsType: vctx[CtxFsType], Parameters: params}, nil
 }
 
 // credentials are the CHAP secrets of a stage. Their String hides them.

@@ -82,12 +82,12 @@ func (s *Source) makeScratch(ctx context.Context, id, size string) (*Scratch, er
 		return nil, fmt.Errorf("upperSize %q must be a byte count of at least 16 MiB: %w", size, errdefs.ErrInvalidArgument)
 	}
 	img := s.scratchImage(id)
-	if err := CreateImage(img, n); err != nil {
+	if _, err := createImage(img, n, nil); err != nil {
 		return nil, err
 	}
 	l, err := s.Devices.AttachLoop(ctx, mounter.LoopRequest{Image: img, DirectIO: true})
 	if err != nil {
-		return nil, errors.Join(err, RemoveImage(img))
+		return nil, errors.Join(err, removeImage(img))
 	}
 	// Recorded once attached: the rollback detaches by this identity.
 	sc := &Scratch{Image: img, Device: l.Path, Identity: l.Identity}
@@ -108,7 +108,7 @@ func (s *Source) teardownChain(ctx context.Context, id string, c *Chain) error {
 	if err := s.Devices.DetachLoop(ctx, c.Scratch.Identity); err != nil {
 		return err
 	}
-	return RemoveImage(c.Scratch.Image)
+	return removeImage(c.Scratch.Image)
 }
 
 // chainPlan binds the overlay; read-only consumers get the lower layer.

@@ -71,7 +71,10 @@ func freezeTarget(v source.Volume) (State, error) {
 	return st, nil
 }
 
-// SnapshotImagePath is where a snapshot's image lives.
+// SnapshotImagePath is where snapshot id's image lives.
+func (s *Source) SnapshotImagePath(id string) string { return SnapshotImagePath(s.StateDir, id) }
+
+// SnapshotImagePath is where a snapshot's image lives under stateDir.
 func SnapshotImagePath(stateDir, id string) string {
 	return filepath.Join(stateDir, "images", "snapshots", id+".img")
 }
@@ -79,8 +82,8 @@ func SnapshotImagePath(stateDir, id string) string {
 // SnapshotImages lists the snapshot images under the state dir by ID, and
 // the temp files of copies a crash interrupted (see TempImages). Only a
 // holder of the snapshot's lock may remove them.
-func SnapshotImages(stateDir string) (images map[string]string, temps map[string][]string, err error) {
-	dir := filepath.Dir(SnapshotImagePath(stateDir, "x"))
+func (s *Source) SnapshotImages() (images map[string]string, temps map[string][]string, err error) {
+	dir := filepath.Dir(s.SnapshotImagePath("x"))
 	ents, err := os.ReadDir(dir)
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, nil, err

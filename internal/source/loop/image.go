@@ -12,31 +12,26 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/loopdev"
-	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/periodic"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// CreateImage makes a sparse image of size bytes at path. It is created
-// under a temp name, synced, renamed and the directory synced, so a crash
-// never leaves a short image under the final name and a created image
-// survives a machine crash before the caller records it. An existing image
-// is left as it is.
-func CreateImage(path string, size int64) error {
-	_, err := createImage(path, size, nil)
-	return err
-}
-
-// CreateFormattedImage is CreateImage with an fsType filesystem made on
-// the temp file before its rename (mkfs works on a regular file): the image
-// appears under its name formatted or not at all, and its first stage
-// needs neither a probe nor mkfs. made is false when the image existed
-// already and was left as it is (then nothing is known of its contents).
-func CreateFormattedImage(ctx context.Context, path string, size int64, fsType string, m *metrics.Metrics) (made bool, err error) {
+// CreateImage makes a sparse image of size bytes at path, with an fsType
+// filesystem made on it when fsType is not empty (mkfs works on a regular
+// file). It is created under a temp name, synced, renamed and the
+// directory synced, so a crash never leaves a short or half-formatted
+// image under the final name, a created image survives a machine crash
+// before the caller records it, and its first stage needs neither a probe
+// nor mkfs. made is false when the image existed already and was left as
+// it is (then nothing is known of its contents).
+func (s *Source) CreateImage(ctx context.Context, path string, size int64, fsType string) (made bool, err error) {
+	if fsType == "" {
+		return createImage(path, size, nil)
+	}
 	return createImage(path, size, func(tmp string) error {
-		return m.Step("format", func() error { return fsutil.FormatNewFile(ctx, tmp, fsType) })
+		return s.Metrics.Step("format", func() error { return fsutil.FormatNewFile(ctx, tmp, fsType) })
 	})
 }
 
@@ -60,7 +55,7 @@ func createImage(path string, size int64, format func(tmp string) error) (made b
 
 // GrowImage extends the image to size; it never shrinks one. The new size
 // is synced before it returns, so the caller may record it durably.
-func GrowImage(path string, size int64) (err error) {
+func (s *Source) GrowImage(path string, size int64) (err error) {
 	f, err := os.OpenFile(path, os.O_WRONLY, 0)
 	if err != nil {
 		return err
@@ -84,7 +79,9 @@ func GrowImage(path string, size int64) (err error) {
 }
 
 // RemoveImage deletes an image; a missing one is not an error.
-func RemoveImage(path string) error {
+func (s *Source) RemoveImage(path string) error { return removeImage(path) }
+
+func removeImage(path string) error {
 	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
@@ -114,18 +111,22 @@ func ResolveStaticImage(image string, roots []string) (string, error) {
 	return real, nil
 }
 
-// ImagePath is where a provisioned or ephemeral volume's image lives.
-func ImagePath(stateDir string, kind journal.Kind, id string) string {
+// ImagePath is where the image of a provisioned or inline volume lives.
+func (s *Source) ImagePath(kind model.Kind, id string) string { return ImagePath(s.StateDir, kind, id) }
+
+// ImagePath is where a provisioned or ephemeral volume's image lives under
+// stateDir.
+func ImagePath(stateDir string, kind model.Kind, id string) string {
 	return filepath.Join(stateDir, "images", string(kind), id+".img")
 }
 
 // TempImages lists, by volume ID, the temp files of image creations that a
 // crash interrupted (provisioned, ephemeral and scratch images; see
 // CreateImage). Only a caller that holds the volume's lock may remove them.
-func TempImages(stateDir string) (map[string][]string, error) {
+func (s *Source) TempImages() (map[string][]string, error) {
 	out := map[string][]string{}
-	for _, dir := range []string{string(journal.KindProvisioned), string(journal.KindEphemeral), "scratch"} {
-		temps, err := fsutil.AtomicTemps(filepath.Join(stateDir, "images", dir))
+	for _, dir := range []string{string(model.KindProvisioned), string(model.KindEphemeral), "scratch"} {
+		temps, err := fsutil.AtomicTemps(filepath.Join(s.StateDir, "images", dir))
 		if err != nil {
 			return nil, err
 		}
@@ -153,7 +154,7 @@ const releaseWait = time.Second
 // guarantees that nobody else has it open. A device being released is
 // waited for, up to releaseWait; one that stays is named in the error
 // (FailedPrecondition). An image that does not exist is no error.
-func RemoveDetachedImage(ctx context.Context, image string) error {
+func (s *Source) RemoveDetachedImage(ctx context.Context, image string) error {
 	return removeDetachedImage(ctx, image, releaseWait)
 }
 
@@ -162,7 +163,7 @@ func removeDetachedImage(ctx context.Context, image string, grace time.Duration)
 	defer cancel()
 	done := false // an answer other than "open elsewhere"
 	err := periodic.Backoff(time.Millisecond, 50*time.Millisecond).DelayFunc().Until(ctx, true, true, func(context.Context) (bool, error) {
-		err := loopdev.WhileUnopened(image, func() error { return RemoveImage(image) })
+		err := loopdev.WhileUnopened(image, func() error { return removeImage(image) })
 		switch {
 		case errors.Is(err, loopdev.ErrOpenElsewhere):
 			return false, nil // a device being released, maybe: again
@@ -192,7 +193,7 @@ func removeUnlessAttached(image string) error {
 	if len(devs) > 0 {
 		return fmt.Errorf("image %s is still attached to %s: %w", image, strings.Join(devs, ", "), errdefs.ErrFailedPrecondition)
 	}
-	return RemoveImage(image)
+	return removeImage(image)
 }
 
 // AttachedDevices lists the loop devices still backed by image, whoever

@@ -88,7 +88,7 @@ func TestRemoveDetachedImage(t *testing.T) {
 		t.Fatalf("image still there: %v", err)
 	}
 
-	if err := RemoveDetachedImage(ctx, filepath.Join(dir, "missing.img")); err != nil {
+	if err := removeDetachedImage(ctx, filepath.Join(dir, "missing.img"), releaseWait); err != nil {
 		t.Errorf("missing image: %v", err)
 	}
 }
@@ -116,13 +116,13 @@ func TestRemoveDetachedImageOverlay(t *testing.T) {
 	if err := loopdev.WhileUnopened(img, func() error { return nil }); !errors.Is(err, errdefs.ErrUnimplemented) {
 		t.Fatalf("WhileUnopened on overlayfs = %v, want ErrUnimplemented (leases there do not see the lower file's openers)", err)
 	}
-	if err := RemoveDetachedImage(context.Background(), img); !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), d.Path) {
+	if err := removeDetachedImage(context.Background(), img, releaseWait); !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), d.Path) {
 		t.Fatalf("overlay image with %s attached to its lower file = %v, want FailedPrecondition naming it", d.Path, err)
 	}
 	if err := d.Detach(); err != nil {
 		t.Fatal(err)
 	}
-	if err := RemoveDetachedImage(context.Background(), img); err != nil {
+	if err := removeDetachedImage(context.Background(), img, releaseWait); err != nil {
 		t.Fatalf("after detach: %v", err)
 	}
 }

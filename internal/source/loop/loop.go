@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -73,9 +74,10 @@ type Source struct {
 }
 
 var (
-	_ source.Source        = (*Source)(nil)
+	_ source.Snapshotter   = (*Source)(nil)
 	_ source.Expander      = (*Source)(nil)
 	_ source.HealthChecker = (*Source)(nil)
+	_ source.Keeper        = (*Source)(nil)
 )
 
 // New returns a loop source keeping its scratch images under stateDir and
@@ -187,7 +189,7 @@ func (s *Source) undoUnrecorded(ctx context.Context, v source.Volume) error {
 	if err := s.Devices.TeardownChain(ctx, v.ID); err != nil {
 		return err
 	}
-	return RemoveImage(s.scratchImage(v.ID))
+	return removeImage(s.scratchImage(v.ID))
 }
 
 // Adopt checks that a staged volume's device is still the one the mounter
@@ -282,10 +284,24 @@ func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	return source.Health{}
 }
 
-// Identities lists the loop devices of a staged volume's state (its own,
-// and its chain's scratch device), for the reconcile that tells the
-// mounter which devices are still wanted.
-func Identities(state json.RawMessage) []loopdev.Identity {
+// Keep tells the mounter which loop devices the staged volumes hold (their
+// own, and their chains' scratch devices), so that it lets go of the others
+// it attached before since (a stage a crash interrupted before it recorded
+// its device; a volume whose record is gone).
+func (s *Source) Keep(ctx context.Context, staged []source.Volume, since time.Time) error {
+	var ids []loopdev.Identity
+	for _, v := range staged {
+		ids = append(ids, identities(v.State)...)
+	}
+	n, err := s.Devices.KeepLoops(ctx, ids, since)
+	if n > 0 {
+		klog.FromContext(ctx).Info("The mounter let go of loop devices no staged volume holds", "devices", n)
+	}
+	return err
+}
+
+// identities lists the loop devices of a staged volume's state.
+func identities(state json.RawMessage) []loopdev.Identity {
 	var st State
 	if json.Unmarshal(state, &st) != nil || st.Identity.BackingIno == 0 {
 		return nil

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/mountplan/mountplan/internal/config"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/sourcetest"
@@ -60,7 +60,7 @@ func TestOverlayChain(t *testing.T) {
 			stateDir := filepath.Join(dir, "state")
 			node := newNode(t, stateDir, dir)
 			s := New(stateDir, node)
-			v := source.Volume{ID: "chain-" + tc.kind, Kind: journal.KindStatic, Image: readOnlyImage(t, dir, tc.kind),
+			v := source.Volume{ID: "chain-" + tc.kind, Kind: model.KindStatic, Image: readOnlyImage(t, dir, tc.kind),
 				Parameters: map[string]string{ParamOverlay: "true", ParamUpperSize: tc.upperSize}}
 			if tc.upperSize == "" {
 				delete(v.Parameters, ParamUpperSize)
@@ -131,7 +131,7 @@ func TestOverlayRefusesWritableImage(t *testing.T) {
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
 	testutil.NoLeaks(t, dir)
 	img := filepath.Join(dir, "rw.img")
-	if err := CreateImage(img, 32<<20); err != nil {
+	if _, err := createImage(img, 32<<20, nil); err != nil {
 		t.Fatal(err)
 	}
 	if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {

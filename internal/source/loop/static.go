@@ -5,7 +5,7 @@ import (
 	"strings"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 )
 
@@ -41,5 +41,5 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, er
 	if err != nil {
 		return source.Volume{}, err
 	}
-	return source.Volume{ID: id, Kind: journal.KindStatic, Image: image, FsType: vctx[CtxFsType], Parameters: params}, nil
+	return source.Volume{ID: id, Kind: model.KindStatic, Image: image, FsType: vctx[CtxFsType], Parameters: params}, nil
 }

@@ -50,8 +50,8 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/nbdnl"
 	"github.com/mountplan/mountplan/internal/source"
@@ -184,7 +184,7 @@ func (s *Source) NewVolume(id string, vctx map[string]string) (source.Volume, er
 	if wantTLS {
 		params[CtxTLS] = "true"
 	}
-	return source.Volume{ID: id, Kind: journal.KindStatic, FsType: vctx[CtxFsType], Parameters: params}, nil
+	return source.Volume{ID: id, Kind: model.KindStatic, FsType: vctx[CtxFsType], Parameters: params}, nil
 }
 
 // checkAddress returns the canonical form of addr if the admin allows it.

@@ -21,7 +21,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 	"github.com/mountplan/mountplan/internal/source/sourcetest"
@@ -73,7 +73,7 @@ func TestNewVolume(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if v.Parameters[CtxAddress] != tt.want || v.ID == "" || v.Kind != journal.KindStatic {
+			if v.Parameters[CtxAddress] != tt.want || v.ID == "" || v.Kind != model.KindStatic {
 				t.Fatalf("volume %+v, want address %s", v, tt.want)
 			}
 		})

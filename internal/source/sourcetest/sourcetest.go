@@ -9,7 +9,7 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -18,14 +18,14 @@ import (
 // driver would in the volume's record.
 type Recorder struct {
 	mu      sync.Mutex
-	Formats []journal.Format
+	Formats []model.Format
 	Durable int // how many of them were asked to be durable
 	Intents []json.RawMessage
 }
 
 var _ source.Recorder = (*Recorder)(nil)
 
-func (r *Recorder) SetFormat(f journal.Format, durable bool) error {
+func (r *Recorder) SetFormat(f model.Format, durable bool) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.Formats = append(r.Formats, f)

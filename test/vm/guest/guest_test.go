@@ -14,6 +14,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -39,6 +40,7 @@ import (
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/iscsi"
 	"github.com/mountplan/mountplan/internal/source/iscsi/iscsitest"
+	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/internal/source/nbd"
 	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 )
@@ -134,12 +136,12 @@ func newDriverAt(t *testing.T, cfg *config.Config, sources func(*service.Client)
 	t.Helper()
 	cfg.DefaultFsType = "ext4"
 	m := mounterFor(t, cfg, stateDir)
-	var srcs map[string]source.Source
+	srcs := map[string]source.Source{loop.Type: loop.New(stateDir, m)}
 	if sources != nil {
-		srcs = sources(m)
+		maps.Copy(srcs, sources(m))
 	}
 	d, err := driver.New(driver.Options{DriverName: "mountplan.csi.io", NodeID: "guest", StateDir: stateDir, KubeletDir: stateDir, Config: cfg,
-		Node: m, Sources: srcs})
+		Node: m, Sources: srcs, DefaultType: loop.Type})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -223,7 +225,7 @@ func (f *flow) writeRemountRead() {
 
 func (f *flow) state() json {
 	f.t.Helper()
-	st, err := journal.Open(f.stateDir)
+	st, err := journal.OpenVolumes(f.stateDir)
 	if err != nil {
 		f.t.Fatal(err)
 	}

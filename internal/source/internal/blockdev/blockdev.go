@@ -12,8 +12,8 @@ import (
 	"strings"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -61,7 +61,7 @@ func EnsureFilesystem(ctx context.Context, v source.Volume, dev mounter.Device, 
 			}
 			// Recorded with the stage's own final write: finding a
 			// filesystem changes nothing on disk, so no durable write.
-			return found, req.Record.SetFormat(journal.Format{FsType: found, Done: true}, false)
+			return found, req.Record.SetFormat(model.Format{FsType: found, Done: true}, false)
 		}
 	}
 	if req.ReadOnly {
@@ -71,13 +71,13 @@ func EnsureFilesystem(ctx context.Context, v source.Volume, dev mounter.Device, 
 	if interrupted {
 		fsType = v.Format.FsType
 	}
-	if err := req.Record.SetFormat(journal.Format{FsType: fsType}, true); err != nil {
+	if err := req.Record.SetFormat(model.Format{FsType: fsType}, true); err != nil {
 		return "", err
 	}
 	if err := f.Metrics.Step("format", func() error { return f.Tools.Format(ctx, dev, fsType) }); err != nil {
 		return "", err
 	}
-	return fsType, req.Record.SetFormat(journal.Format{FsType: fsType, Done: true}, true)
+	return fsType, req.Record.SetFormat(model.Format{FsType: fsType, Done: true}, true)
 }
 
 // Plan mounts device with fsType (mount access) or binds the device node

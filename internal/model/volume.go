@@ -1,0 +1,104 @@
+package model
+
+import (
+	"encoding/json"
+	"time"
+
+	"github.com/mountplan/mountplan/pkg/plan"
+)
+
+// Phase is where a volume's stage stands. An intent phase found at start-up
+// means the plugin died in the middle of that step.
+type Phase string
+
+const (
+	PhaseStaging   Phase = "staging"
+	PhaseStaged    Phase = "staged"
+	PhaseUnstaging Phase = "unstaging"
+)
+
+// Volume is the record of one volume.
+type Volume struct {
+	ID            string            `json:"id"`
+	Kind          Kind              `json:"kind"`
+	Type          string            `json:"type"`
+	Image         string            `json:"image,omitempty"`
+	CapacityBytes int64             `json:"capacityBytes,omitempty"`
+	FsType        string            `json:"fsType,omitempty"`
+	Parameters    map[string]string `json:"parameters,omitempty"`
+	// Creating is set before CreateVolume makes the image and cleared after.
+	Creating bool `json:"creating,omitempty"`
+	// Format tracks mkfs: Pending before it runs, Done after. A pending
+	// format found later was interrupted and is redone from scratch, so an
+	// image is never left with a half-written filesystem that never mounts.
+	Format    *Format   `json:"format,omitempty"`
+	Stage     *Stage    `json:"stage,omitempty"`
+	Publishes []Publish `json:"publishes,omitempty"`
+	Consumers []Claim   `json:"consumers,omitempty"`
+	// ContentSource is what the image was copied from (a snapshot, or
+	// another volume for a clone); nil for a blank volume.
+	ContentSource *ContentSource `json:"contentSource,omitempty"`
+	// GrowFilesystem says the image was made bigger than the filesystem
+	// copied into it: the first stage with mount access grows it.
+	GrowFilesystem bool `json:"growFilesystem,omitempty"`
+}
+
+// ContentSource names what an image is a copy of. Exactly one of
+// Snapshot and Volume is set.
+type ContentSource struct {
+	Snapshot string `json:"snapshot,omitempty"`
+	Volume   string `json:"volume,omitempty"`
+	// Frozen is written, durably, before the source volume's filesystem
+	// is frozen for the copy and cleared with the copy's completion: a
+	// record still Creating with it set was interrupted while the source
+	// was frozen, and whoever undoes it thaws the source.
+	Frozen bool `json:"frozen,omitempty"`
+}
+
+// Format records the filesystem made on a volume.
+type Format struct {
+	FsType string `json:"fsType"`
+	Done   bool   `json:"done"`
+}
+
+// Stage records an activated volume.
+type Stage struct {
+	Phase       Phase  `json:"phase"`
+	StagingPath string `json:"stagingPath"`
+	Block       bool   `json:"block,omitempty"`
+	ReadOnly    bool   `json:"readOnly,omitempty"`
+	// Source is the state of the volume's source kind (loop device identity,
+	// chain mounts, ...), opaque to the journal.
+	Source json.RawMessage `json:"source,omitempty"`
+}
+
+// Publish records a kubelet publish at a target path in the host namespace.
+type Publish struct {
+	TargetPath string       `json:"targetPath"`
+	ReadOnly   bool         `json:"readOnly,omitempty"`
+	Mounts     []plan.Mount `json:"mounts"`
+	// CreatedTarget says the plugin made the target (a directory, or a
+	// file for block access): unpublish removes it, and nothing else.
+	CreatedTarget bool `json:"createdTarget,omitempty"`
+	// Asked is when the mounter was last asked to perform the plan here.
+	// The record is written before that: after a crash of the plugin or
+	// the mounter, a target that is not mounted yet may still be, since
+	// the mounter may still be at work.
+	Asked time.Time `json:"asked,omitzero"`
+	// NRI marks a publish for containers only: Mounts is what stands at the
+	// target instead of the volume (a guard, or for block access the plan
+	// whose device node is there), and each container's runtime gets the
+	// volume's plan, built with MountFlags (the CO's mount flags).
+	NRI        bool     `json:"nri,omitempty"`
+	MountFlags []string `json:"mountFlags,omitempty"`
+}
+
+// Claim records a consumer of a prepared plan (with the identity of its
+// mount namespace) and the plan it received.
+type Claim struct {
+	plan.Consumer
+	Mounts []plan.Mount `json:"mounts"`
+}
+
+// Staged reports whether the volume's stage completed.
+func (v *Volume) Staged() bool { return v.Stage != nil && v.Stage.Phase == PhaseStaged }
