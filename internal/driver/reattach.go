@@ -7,7 +7,6 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -62,8 +61,8 @@ func (d *Driver) Reattach(ctx context.Context, volumeID string, heal plan.Heal) 
 }
 
 // healCopies has the mounter heal; healed is false when it cannot (a
-// mounter of an earlier version, or a test's), and the caller falls back
-// to replacing the recorded places only.
+// test's mounter that only mounts), and the caller falls back to
+// replacing the recorded places only.
 func (d *Driver) healCopies(ctx context.Context, heal plan.Heal) (res plan.HealResult, healed bool, err error) {
 	h, ok := d.opts.Mounter.(mounter.Healer)
 	if !ok {
@@ -73,10 +72,6 @@ func (d *Driver) healCopies(ctx context.Context, heal plan.Heal) (res plan.HealR
 		return res, true, nil // no connection died: nothing to replace
 	}
 	res, err = h.HealFuse(ctx, heal)
-	if errors.Is(err, errdefs.ErrUnimplemented) {
-		klog.FromContext(ctx).Info("The mounter cannot heal FUSE mounts (an earlier version?): only recorded consumers and publishes are re-attached")
-		return plan.HealResult{}, false, nil
-	}
 	if err != nil {
 		return res, false, fmt.Errorf("heal the mounts of dead FUSE connections %v: %w", heal.Dead, err)
 	}

@@ -236,9 +236,7 @@ func (m *healingMounter) HealFuse(_ context.Context, h plan.Heal) (plan.HealResu
 // A mounter that heals: the dead connections are replaced everywhere
 // first, then the plan is performed again (never unmounted: no moment
 // without the volume) at the live consumer and the publish; what the heal
-// left is passed on; a mounter of an earlier version (Unimplemented) gets
-// the replacement of the recorded places; a failed heal re-attaches
-// nothing.
+// left is passed on; a failed heal re-attaches nothing.
 func TestReattachHealsFirst(t *testing.T) {
 	heal := plan.Heal{Dead: []uint64{42, 43}, Source: "/var/lib/mountplan/fuse/v/mnt"}
 	left := []plan.StaleMount{{PID: 9, MountPoint: "/x", Conn: 42, Reason: "covered"}}
@@ -251,7 +249,6 @@ func TestReattachHealsFirst(t *testing.T) {
 	}{
 		{name: "healed", m: &healingMounter{}, wantMounts: 2},
 		{name: "left", m: &healingMounter{left: left}, wantMounts: 2, wantLeft: 1},
-		{name: "earlier mounter", m: &healingMounter{err: errdefs.ErrUnimplemented}, wantMounts: 2, wantUnmnts: 2},
 		{name: "heal failed", m: &healingMounter{err: errdefs.ErrUnavailable}, wantErr: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -55,10 +55,6 @@ const (
 	Durable
 )
 
-// ValidID is model.ValidID, the rule for every record's key, for the
-// callers that know the store but not the model.
-func ValidID(id string) error { return model.ValidID(id) }
-
 // Store is a directory of records of type T, one JSON file per key
 // (<dir>/<key>.json, the key a model.ValidID), each replaced atomically.
 type Store[T any] struct {

@@ -4,7 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 // NBDBackendPrefix starts the backend identifier of every NBD device
@@ -15,7 +15,7 @@ const NBDBackendPrefix = "mountplan:"
 // NewNBDBackend returns a fresh backend identifier for a connect of
 // volumeID's export.
 func NewNBDBackend(volumeID string) (string, error) {
-	if err := journal.ValidID(volumeID); err != nil {
+	if err := model.ValidID(volumeID); err != nil {
 		return "", err
 	}
 	var b [16]byte

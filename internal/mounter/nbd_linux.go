@@ -28,6 +28,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/nbdnl"
 )
 
@@ -111,7 +112,7 @@ func checkNBDBackend(b string) error {
 		return fmt.Errorf("NBD backend %q is not of the form %s<volume-id>:<%d hex digits>: %w", b, NBDBackendPrefix, nbdBackendRandHex, errdefs.ErrInvalidArgument)
 	}
 	id, random := rest[:i], rest[i+1:]
-	if err := journal.ValidID(id); err != nil {
+	if err := model.ValidID(id); err != nil {
 		return fmt.Errorf("NBD backend %q: %w", b, err)
 	}
 	if len(random) != nbdBackendRandHex || strings.IndexFunc(random, func(r rune) bool { return !(r >= '0' && r <= '9' || r >= 'a' && r <= 'f') }) >= 0 {

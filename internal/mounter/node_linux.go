@@ -16,7 +16,7 @@ import (
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/fuseprofile/policy"
-	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -140,7 +140,7 @@ func (n *Local) HealFuse(ctx context.Context, h plan.Heal) (plan.HealResult, err
 // volumeDir returns <state-dir>/<kind>/<id> for a volume ID that is safe
 // as one path component.
 func (n *Local) volumeDir(kind, id string) (string, error) {
-	if err := journal.ValidID(id); err != nil {
+	if err := model.ValidID(id); err != nil {
 		return "", err
 	}
 	return filepath.Join(n.opts.StateDir, kind, id), nil
