@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"strings"
 
@@ -64,14 +63,41 @@ func (k kubeletDir) rel(name, p string) (string, error) {
 // that exists, down to its parent, is reached without a symlink. Missing
 // directories are fine: kubelet makes a staging path's parents lazily.
 func (k kubeletDir) check(name, p string) error {
-	parent, err := k.openParent(name, p, false)
-	if parent != nil {
-		parent.Close()
-	}
-	if errors.Is(err, errdefs.ErrNotFound) {
+	_, err := k.parent(name, p, false)
+	if errors.Is(err, errdefs.ErrNotFound) && !errors.Is(err, unix.ENOTDIR) {
 		return nil
 	}
 	return err
+}
+
+// parent makes sure the directory p lies in is one below kubelet's
+// directory reached without a symlink (with create, missing directories
+// are made, 0750, as kubelet does) and returns it: a missing one is
+// errdefs.ErrNotFound, a symlink or a non-directory on the way
+// InvalidArgument.
+func (k kubeletDir) parent(name, p string, create bool) (string, error) {
+	root, err := k.open(name, p)
+	if err != nil {
+		return "", err
+	}
+	defer root.Close()
+	dir := filepath.Dir(p)
+	if create {
+		if _, err := root.MkdirAll(dir, false); err != nil {
+			return "", pathError(name, p, err)
+		}
+	}
+	if dir == k.root {
+		return dir, nil
+	}
+	st, err := root.Lstat(dir)
+	if err == nil && st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		err = unix.ENOTDIR
+	}
+	if err != nil {
+		return "", pathError(name, p, err)
+	}
+	return dir, nil
 }
 
 // checkVolumePath checks a node request's volume ID (its presence first)
@@ -93,12 +119,10 @@ func (d *Driver) checkStaged(id, stagingPath string, vc *csi.VolumeCapability) (
 	return checkCapability(vc)
 }
 
-// openParent opens the directory p lies in, resolved below the root by
-// mountns.Root (openat2, no symlink followed). With create, missing
-// directories are made (0750, as kubelet does); without, a missing one is
-// errdefs.ErrNotFound. A symlink or a non-directory on the way is
-// InvalidArgument: the CO sent a path kubelet would not have made.
-func (k kubeletDir) openParent(name, p string, create bool) (*os.File, error) {
+// root opens kubelet's directory as a mountns.Root (openat2 below it, no
+// symlink followed) for a request's path p, after checking p lies below
+// it.
+func (k kubeletDir) open(name, p string) (*mountns.Root, error) {
 	if _, err := k.rel(name, p); err != nil {
 		return nil, err
 	}
@@ -109,66 +133,42 @@ func (k kubeletDir) openParent(name, p string, create bool) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kubelet directory: %w", err)
 	}
-	defer root.Close()
-	dir := filepath.Dir(p)
-	if create {
-		_, err = root.MkdirAll(dir, false)
-	}
-	var parent *os.File
-	if err == nil {
-		parent, err = root.Open(dir)
-	}
-	if err == nil {
-		var st unix.Stat_t
-		if err = unix.Fstat(int(parent.Fd()), &st); err == nil && st.Mode&unix.S_IFMT != unix.S_IFDIR {
-			err = unix.ENOTDIR
-		}
-		if err != nil {
-			parent.Close()
-		}
-	}
-	switch {
-	case errors.Is(err, errdefs.ErrPermissionDenied), errors.Is(err, unix.ENOTDIR):
-		return nil, invalid("%s %q passes through a symlink or something not a directory", name, p)
-	case errors.Is(err, fs.ErrNotExist):
-		return nil, fmt.Errorf("%s %q: %w", name, p, err)
-	case err != nil:
-		return nil, fmt.Errorf("%s %q: open its parent: %w", name, p, err)
-	}
-	return parent, nil
+	return root, nil
 }
 
-// makeTarget makes sure a publish target exists: a directory for mount
-// access, an empty file for block access (the device node is bound onto
-// it). It reports whether it created it: only then may unpublish remove
-// it. An existing target must be of the right kind and not a symlink.
+// pathError says what a failed lookup of p below kubelet's directory
+// means: a symlink or a non-directory on the way is InvalidArgument (the
+// CO sent a path kubelet would not have made).
+func pathError(name, p string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, errdefs.ErrPermissionDenied), errors.Is(err, unix.ENOTDIR):
+		return invalid("%s %q passes through a symlink or something not a directory", name, p)
+	}
+	return fmt.Errorf("%s %q: %w", name, p, err)
+}
+
+// makeTarget makes sure a publish target exists (missing directories on
+// the way made 0750, as kubelet does): a directory for mount access, an
+// empty file for block access (the device node is bound onto it). It
+// reports whether it created it: only then may unpublish remove it. An
+// existing target must be of the right kind and not a symlink.
 func (k kubeletDir) makeTarget(p string, block bool) (created bool, err error) {
-	parent, err := k.openParent("target_path", p, true)
+	if _, err := k.parent("target_path", p, true); err != nil {
+		return false, err
+	}
+	root, err := k.open("target_path", p)
 	if err != nil {
 		return false, err
 	}
-	defer parent.Close()
-	name := filepath.Base(p)
-	if block {
-		fd, err := unix.Openat(int(parent.Fd()), name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
-		if err == nil {
-			return true, unix.Close(fd)
-		}
-		if !errors.Is(err, unix.EEXIST) {
-			return false, fmt.Errorf("create %s: %w", p, err)
-		}
-	} else {
-		err := unix.Mkdirat(int(parent.Fd()), name, 0o750)
-		if err == nil {
-			return true, nil
-		}
-		if !errors.Is(err, unix.EEXIST) {
-			return false, fmt.Errorf("mkdir %s: %w", p, err)
-		}
+	defer root.Close()
+	if created, err = root.Create(p, block); err != nil || created {
+		return created, pathError("target_path", p, err)
 	}
-	var st unix.Stat_t
-	if err := unix.Fstatat(int(parent.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return false, fmt.Errorf("stat %s: %w", p, err)
+	st, err := root.Lstat(p)
+	if err != nil {
+		return false, pathError("target_path", p, err)
 	}
 	switch mode := st.Mode & unix.S_IFMT; {
 	case mode == unix.S_IFDIR && !block, mode == unix.S_IFREG && block:
@@ -184,64 +184,40 @@ func (k kubeletDir) makeTarget(p string, block bool) (created bool, err error) {
 // (nor its parent), without following symlinks: whether it is the
 // plugin's to make.
 func (k kubeletDir) targetMissing(p string) (bool, error) {
-	parent, err := k.openParent("target_path", p, false)
+	root, err := k.open("target_path", p)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return true, nil
 	}
 	if err != nil {
 		return false, err
 	}
-	defer parent.Close()
-	var st unix.Stat_t
-	err = unix.Fstatat(int(parent.Fd()), filepath.Base(p), &st, unix.AT_SYMLINK_NOFOLLOW)
-	if errors.Is(err, unix.ENOENT) {
+	defer root.Close()
+	_, err = root.Lstat(p)
+	if errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.ENOTDIR) {
 		return true, nil
 	}
 	if err != nil {
-		return false, fmt.Errorf("stat %s: %w", p, err)
+		return false, pathError("target_path", p, err)
 	}
 	return false, nil
 }
 
 // removeTarget removes a target the plugin created, and only if it is
-// still what it made: an empty directory or an empty regular file. A
-// target that is gone is fine; one that now holds something (written
-// while nothing was mounted) is left for its owner, and so is a symlink.
+// still what it made: an empty directory, an empty regular file, or the
+// device node of a block publish in NRI mode. A target that is gone is
+// fine; one that now holds something (written while nothing was mounted)
+// is left for its owner, and so is a symlink.
 func (k kubeletDir) removeTarget(p string) error {
-	parent, err := k.openParent("target_path", p, false)
+	root, err := k.open("target_path", p)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
 	}
 	if err != nil {
 		return err
 	}
-	defer parent.Close()
-	name := filepath.Base(p)
-	var st unix.Stat_t
-	if err := unix.Fstatat(int(parent.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		if errors.Is(err, unix.ENOENT) {
-			return nil
-		}
-		return fmt.Errorf("stat %s: %w", p, err)
-	}
-	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFDIR:
-		err = unix.Unlinkat(int(parent.Fd()), name, unix.AT_REMOVEDIR)
-		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EEXIST) {
-			return nil // something was written there: not ours to remove
-		}
-	case unix.S_IFREG:
-		if st.Size != 0 {
-			return nil
-		}
-		err = unix.Unlinkat(int(parent.Fd()), name, 0)
-	case unix.S_IFBLK: // the device node of a block publish in NRI mode
-		err = unix.Unlinkat(int(parent.Fd()), name, 0)
-	default:
-		return nil
-	}
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("remove %s: %w", p, err)
+	defer root.Close()
+	if err := root.RemoveIfEmpty(p); err != nil {
+		return pathError("target_path", p, err)
 	}
 	return nil
 }

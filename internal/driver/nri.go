@@ -174,11 +174,9 @@ func (d *Driver) makeDeviceNode(ctx context.Context, target string, mounts []pla
 	if !ok {
 		return false, fmt.Errorf("block plan names no block device: %w", errdefs.ErrFailedPrecondition)
 	}
-	parent, err := d.kubelet.openParent("target_path", target, true)
-	if err != nil {
+	if _, err := d.kubelet.parent("target_path", target, true); err != nil {
 		return false, err
 	}
-	parent.Close()
 	return d.node.MakeDeviceNode(ctx, target, dev)
 }
 

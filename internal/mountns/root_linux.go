@@ -163,18 +163,14 @@ func makeAt(dir *os.File, name, full string, file bool) error {
 // parent, opened below the root without following a symlink: never
 // recursively, never through a link. A p that does not exist is no error.
 func (r *Root) Remove(p string) error {
-	if p == r.path {
-		return fmt.Errorf("remove %s: it is the root: %w", p, errdefs.ErrInvalidArgument)
-	}
-	parent, err := r.Open(path.Dir(p))
+	parent, name, err := r.parentOf(p)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
 	if err != nil {
-		return err
+		return fmt.Errorf("remove %s: %w", p, err)
 	}
 	defer parent.Close()
-	name := path.Base(p)
 	err = unix.Unlinkat(int(parent.Fd()), name, unix.AT_REMOVEDIR)
 	if errors.Is(err, unix.ENOTDIR) {
 		err = unix.Unlinkat(int(parent.Fd()), name, 0)
@@ -184,6 +180,94 @@ func (r *Root) Remove(p string) error {
 		return nil
 	}
 	return Classify(&os.PathError{Op: "remove", Path: p, Err: err})
+}
+
+// parentOf opens the directory p lies in, below the root without a
+// symlink, and names p in it.
+func (r *Root) parentOf(p string) (*os.File, string, error) {
+	if p == r.path {
+		return nil, "", fmt.Errorf("%s is the root: %w", p, errdefs.ErrInvalidArgument)
+	}
+	parent, err := r.Open(path.Dir(p))
+	if err != nil {
+		return nil, "", err
+	}
+	return parent, path.Base(p), nil
+}
+
+// Lstat stats p itself (a symlink at p is not followed), found below the
+// root as Open finds its parent.
+func (r *Root) Lstat(p string) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	parent, name, err := r.parentOf(p)
+	if err != nil {
+		return st, err
+	}
+	defer parent.Close()
+	if err := unix.Fstatat(int(parent.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return st, Classify(&os.PathError{Op: "lstat", Path: p, Err: err})
+	}
+	return st, nil
+}
+
+// Create makes p, a directory or (file) an empty regular file, in its
+// parent found below the root, and reports whether it made it: an entry
+// already there is no error (the caller looks at what it is).
+func (r *Root) Create(p string, file bool) (created bool, err error) {
+	parent, name, err := r.parentOf(p)
+	if err != nil {
+		return false, err
+	}
+	defer parent.Close()
+	err = makeAt(parent, name, p, file)
+	if errors.Is(err, fs.ErrExist) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// RemoveIfEmpty removes p only while it holds nothing: an empty directory,
+// an empty regular file or a device node. Anything else (a file written
+// to, a symlink, a directory with entries) stays, and so does a p that is
+// gone: neither is an error.
+func (r *Root) RemoveIfEmpty(p string) error {
+	parent, name, err := r.parentOf(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer parent.Close()
+	dfd := int(parent.Fd())
+	var st unix.Stat_t
+	if err := unix.Fstatat(dfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return Classify(&os.PathError{Op: "lstat", Path: p, Err: err})
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		err = unix.Unlinkat(dfd, name, unix.AT_REMOVEDIR)
+		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EEXIST) {
+			return nil
+		}
+	case unix.S_IFREG:
+		if st.Size != 0 {
+			return nil
+		}
+		err = unix.Unlinkat(dfd, name, 0)
+	case unix.S_IFBLK, unix.S_IFCHR:
+		err = unix.Unlinkat(dfd, name, 0)
+	default:
+		return nil
+	}
+	runtime.KeepAlive(parent)
+	if err != nil && !errors.Is(err, unix.ENOENT) {
+		return Classify(&os.PathError{Op: "remove", Path: p, Err: err})
+	}
+	return nil
 }
 
 // AttachAt attaches the detached mount fd onto target, an O_PATH file
