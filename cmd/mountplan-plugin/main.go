@@ -71,14 +71,8 @@ func main() {
 }
 
 func run(f flags) error {
-	if f.nodeID == "" {
-		return fmt.Errorf("--node-id is required")
-	}
-	cfg, err := config.Load(f.configPath)
+	cfg, err := f.check()
 	if err != nil {
-		return err
-	}
-	if err := f.kubelet.check(); err != nil {
 		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
@@ -114,18 +108,8 @@ func run(f flags) error {
 			klog.ErrorS(err, "Reconcile after the mounter's restart left errors")
 		}
 	})
-	if mx != nil {
-		// Listen here, not in the goroutine: a bad --metrics-address must
-		// stop the plugin, not be a log line nobody reads.
-		mlis, err := net.Listen("tcp", f.metricsAddress)
-		if err != nil {
-			return fmt.Errorf("--metrics-address: %w", err)
-		}
-		go func() {
-			if err := mx.Serve(ctx, mlis); err != nil {
-				klog.ErrorS(err, "Metrics server failed", "address", f.metricsAddress)
-			}
-		}()
+	if err := serveMetrics(ctx, mx, f.metricsAddress); err != nil {
+		return err
 	}
 	lis, err := endpoint.Listen(f.endpoint)
 	if err != nil {
@@ -141,23 +125,7 @@ func run(f flags) error {
 	if err := f.kubelet.serve(ctx, f, failKubelet); err != nil {
 		return err
 	}
-	for _, s := range sources {
-		if r, ok := s.(source.Runner); ok {
-			go r.Run(ctx, f.reconcileInterval) // FUSE orphans; daemons outlive the plugin
-		}
-	}
-	go func() {
-		// Serve at once so Probe can answer "not ready" while this runs.
-		if err := d.Reconcile(ctx); err != nil {
-			klog.ErrorS(err, "Startup reconcile left errors")
-			// Tried again soon rather than one whole interval later: what
-			// it could not do (thaw the source a crashed copy left frozen,
-			// adopt a device) may block a consumer until it is done.
-			periodic.Retry(ctx, time.Second, f.reconcileInterval/2, d.Reconcile)
-		}
-		klog.InfoS("Startup reconcile finished")
-		d.RunReconciler(ctx, f.reconcileInterval)
-	}()
+	runInBackground(ctx, d, sources, f.reconcileInterval)
 	go func() {
 		<-ctx.Done()
 		klog.InfoS("Stopping")
@@ -171,6 +139,60 @@ func run(f flags) error {
 		return err
 	}
 	return nil
+}
+
+// check checks the flags before anything starts and loads the config
+// file they name.
+func (f flags) check() (*config.Config, error) {
+	if f.nodeID == "" {
+		return nil, fmt.Errorf("--node-id is required")
+	}
+	cfg, err := config.Load(f.configPath)
+	if err != nil {
+		return nil, err
+	}
+	return cfg, f.kubelet.check()
+}
+
+// serveMetrics serves the metrics (and the debug endpoints) on address when
+// there are metrics. It listens before it returns, not in the goroutine: a
+// bad --metrics-address must stop the plugin, not be a log line nobody reads.
+func serveMetrics(ctx context.Context, mx *metrics.Metrics, address string) error {
+	if mx == nil {
+		return nil
+	}
+	lis, err := net.Listen("tcp", address)
+	if err != nil {
+		return fmt.Errorf("--metrics-address: %w", err)
+	}
+	go func() {
+		if err := mx.Serve(ctx, lis); err != nil {
+			klog.ErrorS(err, "Metrics server failed", "address", address)
+		}
+	}()
+	return nil
+}
+
+// runInBackground starts what runs beside the CSI server until ctx ends:
+// the sources' own loops and the reconciler, whose first pass runs at once
+// while the server already answers (Probe says "not ready" meanwhile).
+func runInBackground(ctx context.Context, d *driver.Driver, sources map[string]source.Source, interval time.Duration) {
+	for _, s := range sources {
+		if r, ok := s.(source.Runner); ok {
+			go r.Run(ctx, interval) // FUSE orphans; daemons outlive the plugin
+		}
+	}
+	go func() {
+		if err := d.Reconcile(ctx); err != nil {
+			klog.ErrorS(err, "Startup reconcile left errors")
+			// Tried again soon rather than one whole interval later: what
+			// it could not do (thaw the source a crashed copy left frozen,
+			// adopt a device) may block a consumer until it is done.
+			periodic.Retry(ctx, time.Second, interval/2, d.Reconcile)
+		}
+		klog.InfoS("Startup reconcile finished")
+		d.RunReconciler(ctx, interval)
+	}()
 }
 
 // newSources builds every kind of volume the plugin serves, by type, over

@@ -197,6 +197,21 @@ func (s *iscsiState) drop(key string) error {
 // iSCSI's character set.
 var iqnPattern = regexp.MustCompile(`^(iqn\.\d{4}-\d{2}\.[a-z0-9.\-]+(:[a-z0-9.\-:]+)?|eui\.[0-9A-Fa-f]{16}|naa\.[0-9A-Fa-f]{16,32})$`)
 
+// checkLogin checks a login request: its target, TPGT and LUN in range,
+// and its CHAP credentials well formed when it carries any.
+func (s *iscsiState) checkLogin(l ISCSILogin) error {
+	if err := s.checkTarget(l.IQN, l.Portal); err != nil {
+		return err
+	}
+	if l.TPGT < 0 || l.TPGT > 65535 || l.LUN < 0 || l.LUN > 16383 {
+		return fmt.Errorf("iSCSI TPGT %d or LUN %d out of range: %w", l.TPGT, l.LUN, errdefs.ErrInvalidArgument)
+	}
+	if l.CHAP != nil {
+		return checkCHAP(*l.CHAP)
+	}
+	return nil
+}
+
 // checkTarget checks a request's target name and portal: well formed, and
 // a portal the mounter's own config allows.
 func (s *iscsiState) checkTarget(iqn, portal string) error {
@@ -289,16 +304,8 @@ func (n *Local) LoginISCSI(ctx context.Context, l ISCSILogin) (ISCSISession, err
 	if n.opts.Observe || s.db == nil {
 		return ISCSISession{}, fmt.Errorf("this mounter only observes; it logs nothing in: %w", errdefs.ErrFailedPrecondition)
 	}
-	if err := s.checkTarget(l.IQN, l.Portal); err != nil {
+	if err := s.checkLogin(l); err != nil {
 		return ISCSISession{}, err
-	}
-	if l.TPGT < 0 || l.TPGT > 65535 || l.LUN < 0 || l.LUN > 16383 {
-		return ISCSISession{}, fmt.Errorf("iSCSI TPGT %d or LUN %d out of range: %w", l.TPGT, l.LUN, errdefs.ErrInvalidArgument)
-	}
-	if l.CHAP != nil {
-		if err := checkCHAP(*l.CHAP); err != nil {
-			return ISCSISession{}, err
-		}
 	}
 	key := iscsiKey(l.IQN, l.Portal)
 	unlock, err := s.lock(ctx, key)
@@ -332,42 +339,9 @@ func (n *Local) LoginISCSI(ctx context.Context, l ISCSILogin) (ISCSISession, err
 
 	// No session: log in, from the record the mounter (re)writes now with
 	// l's credentials, or from the one it wrote before.
-	nodeRec, existed, err := s.recordPath(l.IQN, l.Portal, l.TPGT)
+	rec, redact, fresh, err := s.prepareLogin(ctx, l, key, rec, recorded, n.records.boot)
 	if err != nil {
 		return ISCSISession{}, err
-	}
-	var redact []string
-	fresh := !recorded // this call makes the record; a failure removes it again
-	switch {
-	case l.CHAP == nil && !recorded:
-		return ISCSISession{}, fmt.Errorf("the mounter has no record of a session to %s at %s or of the credentials in its node record, and logs in from no node record it did not write: unstage the volume and stage it again: %w",
-			l.IQN, l.Portal, errdefs.ErrFailedPrecondition)
-	case l.CHAP == nil:
-		if nodeRec, existed, err = s.recordPath(l.IQN, l.Portal, rec.TPGT); err != nil {
-			return ISCSISession{}, err
-		}
-		if !existed {
-			return ISCSISession{}, fmt.Errorf("the iSCSI session to %s at %s is gone and so is its node record %s, which held the CHAP credentials (nothing else keeps them): unstage the volume and stage it again: %w",
-				l.IQN, l.Portal, filepath.Dir(nodeRec), errdefs.ErrFailedPrecondition)
-		}
-	default:
-		redact = l.CHAP.secrets()
-		if fresh {
-			rec = iscsiRecord{Target: l.IQN, Portal: l.Portal, TPGT: l.TPGT}
-			if err := newFingerprint(&rec, *l.CHAP); err != nil {
-				return ISCSISession{}, err
-			}
-		}
-		rec.CreatedRecord = rec.CreatedRecord || !existed
-		rec.SID, rec.Boot = 0, n.records.boot
-		// Intent first: a crash from here on leaves the record that says
-		// which node record to delete.
-		if err := s.put(key, rec); err != nil {
-			return ISCSISession{}, err
-		}
-		if err := s.writeNodeRecord(ctx, l, nodeRec, existed); err != nil {
-			return ISCSISession{}, s.undoLogin(ctx, key, rec, fresh, err)
-		}
 	}
 	_, err = s.adm(ctx, redact, "-m", "node", "-T", l.IQN, "-p", l.Portal, "--login")
 	if err == nil {
@@ -394,6 +368,52 @@ func (n *Local) LoginISCSI(ctx context.Context, l ISCSILogin) (ISCSISession, err
 	}
 	log.Info("Logged in to an iSCSI target", "sid", rec.SID, "createdNodeRecord", rec.CreatedRecord)
 	return ISCSISession{SID: rec.SID}, nil
+}
+
+// prepareLogin makes ready the node record iscsiadm logs in from: (re)written
+// now with l's credentials, recorded first (fresh: by this call, which a
+// failure undoes), or the one the mounter wrote before when l carries none.
+// It returns the record to log in under and the secrets to redact from
+// iscsiadm's output.
+func (s *iscsiState) prepareLogin(ctx context.Context, l ISCSILogin, key string, rec iscsiRecord, recorded bool, boot string) (iscsiRecord, []string, bool, error) {
+	nodeRec, existed, err := s.recordPath(l.IQN, l.Portal, l.TPGT)
+	if err != nil {
+		return rec, nil, false, err
+	}
+	var redact []string
+	fresh := !recorded // this call makes the record; a failure removes it again
+	switch {
+	case l.CHAP == nil && !recorded:
+		return rec, nil, false, fmt.Errorf("the mounter has no record of a session to %s at %s or of the credentials in its node record, and logs in from no node record it did not write: unstage the volume and stage it again: %w",
+			l.IQN, l.Portal, errdefs.ErrFailedPrecondition)
+	case l.CHAP == nil:
+		if nodeRec, existed, err = s.recordPath(l.IQN, l.Portal, rec.TPGT); err != nil {
+			return rec, nil, false, err
+		}
+		if !existed {
+			return rec, nil, false, fmt.Errorf("the iSCSI session to %s at %s is gone and so is its node record %s, which held the CHAP credentials (nothing else keeps them): unstage the volume and stage it again: %w",
+				l.IQN, l.Portal, filepath.Dir(nodeRec), errdefs.ErrFailedPrecondition)
+		}
+	default:
+		redact = l.CHAP.secrets()
+		if fresh {
+			rec = iscsiRecord{Target: l.IQN, Portal: l.Portal, TPGT: l.TPGT}
+			if err := newFingerprint(&rec, *l.CHAP); err != nil {
+				return rec, nil, false, err
+			}
+		}
+		rec.CreatedRecord = rec.CreatedRecord || !existed
+		rec.SID, rec.Boot = 0, boot
+		// Intent first: a crash from here on leaves the record that says
+		// which node record to delete.
+		if err := s.put(key, rec); err != nil {
+			return rec, nil, false, err
+		}
+		if err := s.writeNodeRecord(ctx, l, nodeRec, existed); err != nil {
+			return rec, nil, false, s.undoLogin(ctx, key, rec, fresh, err)
+		}
+	}
+	return rec, redact, fresh, nil
 }
 
 // undoLogin, after a failed login, forgets what this call recorded (fresh:
