@@ -40,6 +40,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP,
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
 			Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
@@ -245,6 +246,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 // asked, with the time it was asked: after a crash of either side the
 // mount may still appear, and the record lets unpublish remove it.
 func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c capability, readOnly bool) error {
+	if err := checkPublishes(v, target, c); err != nil {
+		return err
+	}
 	if c.nri {
 		return d.publishNRI(ctx, v, target, c, readOnly)
 	}
@@ -278,7 +282,8 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	if err != nil {
 		return err
 	}
-	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget),
+		Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.records.Put(v, journal.Runtime); err != nil {
