@@ -512,7 +512,9 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 }
 
 // NodeGetVolumeHealth reports what the volume's source knows: a staged
-// volume whose device or daemon is gone is INACCESSIBLE with a reason.
+// volume whose device or daemon is gone is INACCESSIBLE with a reason, one
+// whose data is being lost DATA_LOSS. (CSI 1.13 removed VOLUME_CONDITION
+// and NodeGetVolumeStats' volume_condition; this RPC replaces them.)
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
 	if err := requireVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
@@ -534,8 +536,11 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		return resp, nil
 	}
 	if h := hc.Health(ctx, viewOf(v)); h.Abnormal {
-		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
-			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: h.Reason, Message: h.Message}}
+		status := csi.VolumeHealthErrorType_INACCESSIBLE
+		if h.DataLoss {
+			status = csi.VolumeHealthErrorType_DATA_LOSS
+		}
+		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: status, Reason: h.Reason, Message: h.Message}}
 	}
 	return resp, nil
 }

@@ -40,13 +40,13 @@ func TestImageHealth(t *testing.T) {
 	if err := os.Rename(other, image); err != nil {
 		t.Fatal(err)
 	}
-	if h := imageHealth(image, st); !h.Abnormal || h.Reason != "ImageReplaced" {
-		t.Fatalf("a replaced image: %+v, want ImageReplaced", h)
+	if h := imageHealth(image, st); !h.Abnormal || !h.DataLoss || h.Reason != "ImageReplaced" {
+		t.Fatalf("a replaced image: %+v, want ImageReplaced with data loss", h)
 	}
 	if err := os.Remove(image); err != nil {
 		t.Fatal(err)
 	}
-	if h := imageHealth(image, st); !h.Abnormal || h.Reason != "ImageGone" {
-		t.Fatalf("a removed image: %+v, want ImageGone", h)
+	if h := imageHealth(image, st); !h.Abnormal || !h.DataLoss || h.Reason != "ImageGone" {
+		t.Fatalf("a removed image: %+v, want ImageGone with data loss", h)
 	}
 }
