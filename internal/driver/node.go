@@ -282,8 +282,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	if err != nil {
 		return err
 	}
-	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget),
-		Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.records.Put(v, journal.Runtime); err != nil {
