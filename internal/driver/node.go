@@ -40,6 +40,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP,
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
 			Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
@@ -245,6 +246,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 // asked, with the time it was asked: after a crash of either side the
 // mount may still appear, and the record lets unpublish remove it.
 func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c capability, readOnly bool) error {
+	if err := checkPublishes(v, target, c); err != nil {
+		return err
+	}
 	if c.nri {
 		return d.publishNRI(ctx, v, target, c, readOnly)
 	}
@@ -278,7 +282,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	if err != nil {
 		return err
 	}
-	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC()}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.records.Put(v, journal.Runtime); err != nil {
@@ -507,7 +511,9 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 }
 
 // NodeGetVolumeHealth reports what the volume's source knows: a staged
-// volume whose device or daemon is gone is INACCESSIBLE with a reason.
+// volume whose device or daemon is gone is INACCESSIBLE with a reason, one
+// whose data is being lost DATA_LOSS. (CSI 1.13 removed VOLUME_CONDITION
+// and NodeGetVolumeStats' volume_condition; this RPC replaces them.)
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
 	if err := requireVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
@@ -529,8 +535,11 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		return resp, nil
 	}
 	if h := hc.Health(ctx, viewOf(v)); h.Abnormal {
-		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{
-			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: h.Reason, Message: h.Message}}
+		status := csi.VolumeHealthErrorType_INACCESSIBLE
+		if h.DataLoss {
+			status = csi.VolumeHealthErrorType_DATA_LOSS
+		}
+		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: status, Reason: h.Reason, Message: h.Message}}
 	}
 	return resp, nil
 }

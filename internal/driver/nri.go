@@ -89,7 +89,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 		return err
 	}
 	prev := findPublish(v, target)
-	pub := model.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC()}
+	pub := model.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
 	if c.block {
 		mounts, err := d.planFor(v, source.PlanRequest{Block: true, ReadOnly: readOnly})
 		if err != nil {

@@ -14,10 +14,15 @@ import (
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
-// The access modes a node-local volume can honour.
+// The access modes a node-local volume can honour. SINGLE_NODE_WRITER stays
+// for COs that predate SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod) and
+// SINGLE_NODE_MULTI_WRITER (ReadWriteOnce), as CSI demands of a plugin with
+// the SINGLE_NODE_MULTI_WRITER capability.
 var supportedModes = []csi.VolumeCapability_AccessMode_Mode{
 	csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
 	csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER,
 }
 
 func invalid(format string, args ...any) error {
@@ -53,11 +58,14 @@ func requirePath(name, p string) error {
 
 // capability is a validated volume capability.
 type capability struct {
-	block      bool
-	readOnly   bool // the access mode allows no writer
-	fsType     string
-	mountFlags []string
-	nri        bool // the volume's attributes ask for NRI mode (publish only)
+	block    bool
+	readOnly bool // the access mode allows no writer
+	// singleWriter: SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod), one
+	// publish on the node at a time (checkPublishes).
+	singleWriter bool
+	fsType       string
+	mountFlags   []string
+	nri          bool // the volume's attributes ask for NRI mode (publish only)
 	// mountGroup is volume_mount_group (kubelet's fsGroup), when set.
 	mountGroup    uint32
 	mountGroupSet bool
@@ -74,7 +82,8 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 	if !slices.Contains(supportedModes, mode) {
 		return capability{}, invalid("access mode %s is not supported by node-local volumes", mode)
 	}
-	out := capability{readOnly: mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY}
+	out := capability{readOnly: mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+		singleWriter: mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER}
 	switch {
 	case c.GetBlock() != nil:
 		out.block = true
@@ -136,6 +145,34 @@ func accessName(block bool) string {
 func checkStagingPath(v *model.Volume, stagingPath string) error {
 	if v.Stage != nil && v.Stage.StagingPath != stagingPath {
 		return invalid("volume %s is staged at %s, not at %s", v.ID, v.Stage.StagingPath, stagingPath)
+	}
+	return nil
+}
+
+// checkPublishes applies CSI's rule for another NodePublishVolume of v on
+// this node (the spec's table for a plugin with the SINGLE_NODE_MULTI_WRITER
+// capability), before anything is recorded or mounted. A volume published
+// SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod) stands at one target at a
+// time: a publish at another target is FailedPrecondition, whichever of the
+// two asked for a single writer. SINGLE_NODE_MULTI_WRITER, and
+// SINGLE_NODE_WRITER as before (kept for older COs, as csi-driver-host-path
+// does), allow several targets. At the same target, the other of "single
+// writer or not" is AlreadyExists, as another readonly flag is. Only
+// kubelet's publishes count (NRI ones included: their containers are one
+// pod's); a NodePrepareVolume consumer is the prepare caller's business.
+func checkPublishes(v *model.Volume, target string, c capability) error {
+	for _, p := range v.Publishes {
+		switch {
+		case p.TargetPath == target && p.SingleWriter != c.singleWriter:
+			return fmt.Errorf("volume %s is already published at %s with single writer %t: %w", v.ID, target, p.SingleWriter, errdefs.ErrAlreadyExists)
+		case p.TargetPath == target:
+		case p.SingleWriter:
+			return fmt.Errorf("volume %s is published at %s for a single writer (SINGLE_NODE_SINGLE_WRITER); unpublish it there first: %w",
+				v.ID, p.TargetPath, errdefs.ErrFailedPrecondition)
+		case c.singleWriter:
+			return fmt.Errorf("volume %s is asked for a single writer (SINGLE_NODE_SINGLE_WRITER) but is published at %s too: %w",
+				v.ID, p.TargetPath, errdefs.ErrFailedPrecondition)
+		}
 	}
 	return nil
 }

@@ -91,6 +91,10 @@ type Publish struct {
 	// volume's plan, built with MountFlags (the CO's mount flags).
 	NRI        bool     `json:"nri,omitempty"`
 	MountFlags []string `json:"mountFlags,omitempty"`
+	// SingleWriter says the publish asked for SINGLE_NODE_SINGLE_WRITER
+	// (ReadWriteOncePod): while it stands, the volume is published nowhere
+	// else on the node.
+	SingleWriter bool `json:"singleWriter,omitempty"`
 }
 
 // Claim records a consumer of a prepared plan (with the identity of its

@@ -111,6 +111,10 @@ type Expander interface {
 // Health is a source's view of a staged volume.
 type Health struct {
 	Abnormal bool
+	// DataLoss says an abnormal volume's data is lost or will be although
+	// the volume still answers (an image removed under its device): CSI's
+	// DATA_LOSS, where any other abnormal volume is INACCESSIBLE.
+	DataLoss bool
 	// Reason is CamelCase, for machines (DeviceGone, DaemonDown, ...).
 	Reason  string
 	Message string

@@ -271,7 +271,8 @@ func (s *Source) GrowUnmounted(ctx context.Context, v source.Volume) error {
 }
 
 // Health reports a staged volume whose loop device is no longer the one
-// the mounter attached for it (detached behind the plugin's back).
+// the mounter attached for it (detached behind the plugin's back), or
+// whose image is no longer the file the device reads (imageHealth).
 func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	st, err := source.DecodeState[State](v)
 	if err != nil {
@@ -281,7 +282,7 @@ func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 		return source.Health{Abnormal: true, Reason: "DeviceGone",
 			Message: fmt.Sprintf("%s is no longer backed by %s: %v", st.Device, v.Image, err)}
 	}
-	return source.Health{}
+	return imageHealth(v.Image, st)
 }
 
 // Keep tells the mounter which loop devices the staged volumes hold (their
