@@ -169,6 +169,9 @@ func TestHostileRequests(t *testing.T) {
 		{"publish with a staging path other than the staged one", func() error {
 			return e.publish("vol", filepath.Join(e.kubelet, "plugins/other/globalmount"), filepath.Join(e.parent, "mount"))
 		}, codes.InvalidArgument, func() error { return notMounted(filepath.Join(e.parent, "mount")) }, false},
+		{"publish with a staging path through a symlinked parent", func() error {
+			return e.publish("vol", filepath.Join(e.link, "globalmount"), filepath.Join(e.parent, "mount"))
+		}, codes.InvalidArgument, func() error { return notMounted(filepath.Join(e.parent, "mount")) }, false},
 		{"publish with mount option errors=panic", func() error { return e.publish("vol", e.staging, filepath.Join(e.parent, "mount"), "errors=panic") },
 			codes.InvalidArgument, func() error { return notMounted(filepath.Join(e.parent, "mount")) }, false},
 		{"publish with mount option noload", func() error { return e.publish("vol", e.staging, filepath.Join(e.parent, "mount"), "noload") },

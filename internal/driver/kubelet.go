@@ -154,15 +154,20 @@ func pathError(name, p string, err error) error {
 // empty file for block access (the device node is bound onto it). It
 // reports whether it created it: only then may unpublish remove it. An
 // existing target must be of the right kind and not a symlink.
+//
+// One Root serves the whole request: the parents are made below it (no
+// symlink followed), and the target is made in the parent that lookup
+// reaches again; a parent that is not a directory fails that mkdirat with
+// ENOTDIR (InvalidArgument, as a symlink on the way is).
 func (k kubeletDir) makeTarget(p string, block bool) (created bool, err error) {
-	if _, err := k.parent("target_path", p, true); err != nil {
-		return false, err
-	}
 	root, err := k.open("target_path", p)
 	if err != nil {
 		return false, err
 	}
 	defer root.Close()
+	if _, err := root.MkdirAll(filepath.Dir(p), false); err != nil {
+		return false, pathError("target_path", p, err)
+	}
 	if created, err = root.Create(p, block); err != nil || created {
 		return created, pathError("target_path", p, err)
 	}

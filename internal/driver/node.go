@@ -217,7 +217,10 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	}
 	ephemeral := req.GetVolumeContext()[ctxEphemeral] == "true"
 	if !ephemeral {
-		if err := d.kubelet.check("staging_target_path", req.GetStagingTargetPath()); err != nil {
+		// Publish never opens the staging path: it must be the one the
+		// stage recorded (checkStagingPath), which that stage resolved.
+		// Its form is checked here; a walk of its directories is not.
+		if _, err := d.kubelet.rel("staging_target_path", req.GetStagingTargetPath()); err != nil {
 			return nil, err
 		}
 	}

@@ -1,7 +1,10 @@
 package model
 
 import (
+	"bytes"
 	"encoding/json"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -106,3 +109,55 @@ type Claim struct {
 
 // Staged reports whether the volume's stage completed.
 func (v *Volume) Staged() bool { return v.Stage != nil && v.Stage.Phase == PhaseStaged }
+
+// Clone returns a deep copy of v: no map, slice or pointer of it is shared
+// with v, so either may be changed without the other seeing it (the
+// driver hands out copies of the records it keeps).
+func (v *Volume) Clone() *Volume {
+	if v == nil {
+		return nil
+	}
+	c := *v
+	c.Parameters = maps.Clone(v.Parameters)
+	if v.Format != nil {
+		f := *v.Format
+		c.Format = &f
+	}
+	if v.Stage != nil {
+		st := *v.Stage
+		st.Source = bytes.Clone(v.Stage.Source)
+		c.Stage = &st
+	}
+	if v.Publishes != nil {
+		c.Publishes = make([]Publish, len(v.Publishes))
+		for i, p := range v.Publishes {
+			p.Mounts = cloneMounts(p.Mounts)
+			p.MountFlags = slices.Clone(p.MountFlags)
+			c.Publishes[i] = p
+		}
+	}
+	if v.Consumers != nil {
+		c.Consumers = make([]Claim, len(v.Consumers))
+		for i, cl := range v.Consumers {
+			cl.Mounts = cloneMounts(cl.Mounts)
+			c.Consumers[i] = cl
+		}
+	}
+	if v.ContentSource != nil {
+		cs := *v.ContentSource
+		c.ContentSource = &cs
+	}
+	return &c
+}
+
+func cloneMounts(ms []plan.Mount) []plan.Mount {
+	if ms == nil {
+		return nil
+	}
+	out := make([]plan.Mount, len(ms))
+	for i, m := range ms {
+		m.Options = slices.Clone(m.Options)
+		out[i] = m
+	}
+	return out
+}

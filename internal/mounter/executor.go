@@ -67,19 +67,20 @@ func (e *Executor) admitConsumer(c plan.Consumer) error {
 
 // kubeletRoot returns the kubelet dir that mount point p lies strictly
 // below: KubeletDir as given or, when the admin's path is a symlink (a
-// kubelet dir moved to another disk), as resolved. "" when neither.
+// kubelet dir moved to another disk), as resolved. "" when neither. The
+// symlinks are resolved only when p is not below the path as given, which
+// answers first either way: kubelet's paths, named as configured, cost no
+// lstat of every component of the dir twice a Mount and twice an Unmount.
 func (e *Executor) kubeletRoot(p string) string {
 	if e.KubeletDir == "" {
 		return ""
 	}
-	dirs := []string{filepath.Clean(e.KubeletDir)}
-	if real, err := filepath.EvalSymlinks(e.KubeletDir); err == nil && real != dirs[0] {
-		dirs = append(dirs, real)
+	below := func(d string) bool { return plan.IsCleanAbs(d) && plan.Within(d, p) && p != d }
+	if d := filepath.Clean(e.KubeletDir); below(d) {
+		return d
 	}
-	for _, d := range dirs {
-		if plan.IsCleanAbs(d) && plan.Within(d, p) && p != d {
-			return d
-		}
+	if real, err := filepath.EvalSymlinks(e.KubeletDir); err == nil && below(real) {
+		return real
 	}
 	return ""
 }

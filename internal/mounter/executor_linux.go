@@ -47,6 +47,7 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 	if err != nil {
 		return err
 	}
+	defer guard.close()
 	a, err := build(mounts, srcs)
 	if err != nil {
 		return err

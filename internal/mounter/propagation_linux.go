@@ -1,7 +1,6 @@
 package mounter
 
 import (
-	"bytes"
 	"fmt"
 	"os"
 	"strconv"
@@ -37,13 +36,22 @@ func propagationOf(i *mountinfo.Info) propagation {
 // reach the mounter's own or the host's namespace: there the volume would
 // outlive the consumer, and nobody would unmount it. Peer group IDs are
 // global, so the namespaces' tables can be compared.
+//
+// The outside tables are needed only when the mount a target lies on is
+// shared, which a container's private or slave mounts are not: newGuard
+// opens them (a mountinfo file shows the namespace of its task as it was
+// at open, so the mounter's own table reads the same from inside the
+// consumer's namespace) and check reads them only then.
 type guard struct {
-	outside []propagation // of the mounts in the mounter's and the host's namespaces
+	tables  []*os.File    // the outside mountinfo files, open, not read yet
+	outside []propagation // of the mounts in the mounter's and the host's namespaces, once read
+	read    bool
 }
 
 // newGuard returns nil when nothing needs checking: propagation is allowed,
 // or the consumer lives in the mounter's own or the host's namespace.
-func (e *Executor) newGuard(ns *mountns.Namespace) (*guard, error) {
+// Close the guard when done.
+func (e *Executor) newGuard(ns *mountns.Namespace) (_ *guard, err error) {
 	if e.AllowPropagation || ns.IsSelf() {
 		return nil, nil
 	}
@@ -56,32 +64,53 @@ func (e *Executor) newGuard(ns *mountns.Namespace) (*guard, error) {
 		return nil, nil
 	}
 	g := &guard{}
+	defer func() {
+		if err != nil {
+			g.close()
+		}
+	}()
 	tables := []string{"/proc/thread-self/mountinfo"}
 	if hostInode != 0 {
 		tables = append(tables, "/proc/1/mountinfo")
 	}
 	for _, t := range tables {
-		if err := g.addTable(t); err != nil {
-			return nil, err
+		fd, err := unix.Open(t, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, fmt.Errorf("propagation check: %w", &os.PathError{Op: "open", Path: t, Err: err})
 		}
+		g.tables = append(g.tables, os.NewFile(uintptr(fd), t))
 	}
 	return g, nil
 }
 
-func (g *guard) addTable(file string) error {
-	data, err := os.ReadFile(file)
-	if err != nil {
-		return fmt.Errorf("propagation check: %w", err)
+// close releases the outside tables; nil is a no-op.
+func (g *guard) close() {
+	if g == nil {
+		return
 	}
-	infos, err := mountinfo.GetMountsFromReader(bytes.NewReader(data), nil)
-	if err != nil {
-		return fmt.Errorf("propagation check: %s: %w", file, err)
+	for _, f := range g.tables {
+		f.Close()
 	}
-	for _, i := range infos {
-		if p := propagationOf(i); p != (propagation{}) {
-			g.outside = append(g.outside, p)
+	g.tables = nil
+}
+
+// readOutside reads the outside tables once.
+func (g *guard) readOutside() error {
+	if g.read {
+		return nil
+	}
+	for _, f := range g.tables {
+		infos, err := mountinfo.GetMountsFromReader(f, nil)
+		if err != nil {
+			return fmt.Errorf("propagation check: %s: %w", f.Name(), err)
+		}
+		for _, i := range infos {
+			if p := propagationOf(i); p != (propagation{}) {
+				g.outside = append(g.outside, p)
+			}
 		}
 	}
+	g.read = true
 	return nil
 }
 
@@ -106,7 +135,13 @@ func (g *guard) check(ns *mountns.Namespace, target *os.File) error {
 		return fmt.Errorf("mount %d under %s is not in the mount table", st.Mnt_id, target.Name())
 	}
 	group := propagationOf(parent).shared
-	if group == 0 || !g.reaches(group, infos) {
+	if group == 0 {
+		return nil
+	}
+	if err := g.readOutside(); err != nil {
+		return err
+	}
+	if !g.reaches(group, infos) {
 		return nil
 	}
 	return fmt.Errorf("%s lies on %s, which shares mount events (peer group %d) with the mounter's or the host's namespace, "+
