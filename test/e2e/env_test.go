@@ -27,8 +27,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/model"
@@ -334,12 +332,7 @@ func (e *env) tryUnstage(id string) error {
 // volume's lock) is asked again.
 func (e *env) unstage(id string) {
 	e.t.Helper()
-	var err error
-	testutil.Poll(30*time.Second, 50*time.Millisecond, func() bool {
-		err = e.tryUnstage(id)
-		return status.Code(err) != codes.Aborted
-	})
-	if err != nil {
+	if err := testutil.RetryAborted(func() error { return e.tryUnstage(id) }); err != nil {
 		e.t.Fatalf("NodeUnstageVolume %s: %v", id, err)
 	}
 }

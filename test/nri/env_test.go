@@ -177,9 +177,13 @@ func (e *env) stage(id string, c *csi.VolumeCapability, vctx map[string]string) 
 	}
 }
 
+// unstage unstages id as kubelet does: asked again while the volume is
+// busy with another operation (Aborted).
 func (e *env) unstage(id string) error {
-	_, err := e.node.NodeUnstageVolume(e.ctx(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id)})
-	return err
+	return testutil.RetryAborted(func() error {
+		_, err := e.node.NodeUnstageVolume(e.ctx(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id)})
+		return err
+	})
 }
 
 // target is kubelet's target path of volume pv in pod uid; for block
@@ -218,9 +222,15 @@ func (e *env) mustPublish(id, target string, c *csi.VolumeCapability, vctx map[s
 	}
 }
 
+// unpublish unpublishes id at target as kubelet does: asked again while
+// the volume is busy with another operation (Aborted: the plugin's
+// reconcile, set off by a container's end, may hold its lock).
 func (e *env) unpublish(id, target string) {
 	e.t.Helper()
-	if _, err := e.node.NodeUnpublishVolume(e.ctx(), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+	if err := testutil.RetryAborted(func() error {
+		_, err := e.node.NodeUnpublishVolume(e.ctx(), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+		return err
+	}); err != nil {
 		e.t.Fatalf("NodeUnpublishVolume %s at %s: %v", id, target, err)
 	}
 }

@@ -39,3 +39,16 @@ func WantCode(t testing.TB, what string, err error, code codes.Code, subs ...str
 		}
 	}
 }
+
+// RetryAborted calls call again, as kubelet does, while it fails with
+// Aborted (the volume is busy with another operation: the plugin's
+// reconcile, a FUSE supervisor restarting its daemon), for up to 30
+// seconds, and returns its last error.
+func RetryAborted(call func() error) error {
+	var err error
+	Poll(30*time.Second, 50*time.Millisecond, func() bool {
+		err = call()
+		return status.Code(err) != codes.Aborted
+	})
+	return err
+}
