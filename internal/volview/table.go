@@ -16,34 +16,75 @@ func WriteJSON(w io.Writer, r *Report) error {
 }
 
 // WriteTable writes r for a person: a line per volume, below it a line per
-// consumer, and at the end how many consumers the records and the kernel
-// disagree about.
+// consumer (kind, mode, what the kernel says, then the path and who), and
+// at the end how many consumers the records and the kernel disagree about.
+// Volume lines are aligned with each other, consumer lines likewise.
 func WriteTable(w io.Writer, r *Report) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "VOLUME\tTYPE\tSOURCE\tDEVICE\tSTAGE\tHEALTH")
-	for _, v := range r.Volumes {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", v.ID, v.Type, orDash(sourceText(v)), orDash(v.Device), v.Stage, healthText(v.Health))
-		for _, c := range v.Consumers {
-			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s\n", c.Kind, c.Path, mode(c.ReadOnly), orDash(whoText(c)), kernelText(c.Kernel), c.Kernel.Detail)
+	vols, err := columns(func(tw io.Writer) {
+		fmt.Fprintln(tw, "VOLUME\tTYPE\tSTAGE\tHEALTH\tDEVICE\tSOURCE")
+		for _, v := range r.Volumes {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", v.ID, v.Type, v.Stage, healthText(v.Health), orDash(v.Device), orDash(sourceText(v)))
 		}
-	}
-	if err := tw.Flush(); err != nil {
+	})
+	if err != nil {
 		return err
 	}
-	for _, e := range r.Errors {
-		if _, err := fmt.Fprintf(w, "error: %s\n", e); err != nil {
-			return err
+	cons, err := columns(func(tw io.Writer) {
+		for _, v := range r.Volumes {
+			for _, c := range v.Consumers {
+				fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", c.Kind, mode(c.ReadOnly), kernelText(c.Kernel), consumerText(c))
+			}
+		}
+	})
+	if err != nil {
+		return err
+	}
+	var b strings.Builder
+	b.WriteString(vols[0])
+	for i, v := range r.Volumes {
+		b.WriteString(vols[i+1])
+		for range v.Consumers {
+			b.WriteString(cons[0])
+			cons = cons[1:]
 		}
 	}
-	n := r.Disagreements()
-	var err error
-	switch {
-	case len(r.Volumes) == 0:
-		_, err = fmt.Fprintln(w, "no volumes")
-	case n > 0:
-		_, err = fmt.Fprintf(w, "%d consumer(s): records and kernel disagree\n", n)
+	for _, e := range r.Errors {
+		fmt.Fprintf(&b, "error: %s\n", e)
 	}
+	switch n := r.Disagreements(); {
+	case len(r.Volumes) == 0:
+		b.WriteString("no volumes\n")
+	case n > 0:
+		fmt.Fprintf(&b, "%d consumer(s): records and kernel disagree\n", n)
+	}
+	_, err = io.WriteString(w, b.String())
 	return err
+}
+
+// columns aligns what write writes in columns and returns it as lines,
+// each with its newline.
+func columns(write func(io.Writer)) ([]string, error) {
+	var b strings.Builder
+	tw := tabwriter.NewWriter(&b, 0, 4, 2, ' ', 0)
+	write(tw)
+	if err := tw.Flush(); err != nil {
+		return nil, err
+	}
+	lines := strings.SplitAfter(b.String(), "\n")
+	return lines[:len(lines)-1], nil // the part after the last newline is empty
+}
+
+// consumerText is a consumer's path, who it is (a container's IDs) and
+// why the kernel check says what it says.
+func consumerText(c Consumer) string {
+	s := c.Path
+	if who := whoText(c); who != "" {
+		s += " in " + who
+	}
+	if c.Kernel.Detail != "" && c.Kernel.State != Present {
+		s += ": " + c.Kernel.Detail
+	}
+	return s
 }
 
 func sourceText(v Volume) string {
@@ -68,10 +109,11 @@ func mode(ro bool) string {
 }
 
 // whoText names a container consumer: pod, container ID, process and
-// mount namespace, as far as recorded; a publish target is on the node.
+// mount namespace, as far as recorded; "" for a publish target (on the
+// node).
 func whoText(c Consumer) string {
 	if c.Kind != KindContainer {
-		return "node"
+		return ""
 	}
 	var parts []string
 	if c.Pod != "" {

@@ -133,12 +133,12 @@ func TestWriteTable(t *testing.T) {
 	}
 	lines := strings.Split(strings.TrimRight(b.String(), "\n"), "\n")
 	want := [][]string{
-		{"VOLUME", "TYPE", "SOURCE", "DEVICE", "STAGE", "HEALTH"},
-		{"pvc-1", "loop", "image /img/pvc-1.img", "/dev/loop3", "staged", "ok"},
-		{"publish", "/var/lib/kubelet/pods/a/mount", "rw", "node", "present"},
-		{"container", "/data", "ro", "container 0123456789abc pid 42 mntns 4026532000", "absent DISAGREES", "recorded as mounted"},
-		{"f", "fuse", "fuse profile s3 (daemon pid 77)", "-", "staged", "INACCESSIBLE DaemonDown"},
-		{"u", "loop", "-", "-", "unstaged", "-"},
+		{"VOLUME", "TYPE", "STAGE", "HEALTH", "DEVICE", "SOURCE"},
+		{"pvc-1", "loop", "staged", "ok", "/dev/loop3", "image /img/pvc-1.img"},
+		{"publish", "rw", "present", "/var/lib/kubelet/pods/a/mount"},
+		{"container", "ro", "absent DISAGREES", "/data in container 0123456789abc pid 42 mntns 4026532000: recorded as mounted"},
+		{"f", "fuse", "staged", "INACCESSIBLE DaemonDown", "-", "fuse profile s3 (daemon pid 77)"},
+		{"u", "loop", "unstaged", "-", "-", "-"},
 		{"1 consumer(s): records and kernel disagree"},
 	}
 	if len(lines) != len(want) {
@@ -159,7 +159,7 @@ func TestWriteTable(t *testing.T) {
 		t.Errorf("a consumer line is not indented under its volume: %q", lines[2])
 	}
 	b.Reset()
-	if err := WriteTable(&b, &Report{}); err != nil || b.String() != "VOLUME  TYPE  SOURCE  DEVICE  STAGE  HEALTH\nno volumes\n" {
+	if err := WriteTable(&b, &Report{}); err != nil || b.String() != "VOLUME  TYPE  STAGE  HEALTH  DEVICE  SOURCE\nno volumes\n" {
 		t.Errorf("empty listing: %q, %v", b.String(), err)
 	}
 }
