@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -49,11 +50,14 @@ func (d *Driver) viewVolume(ctx context.Context, v *model.Volume) volview.Volume
 		out.Health = d.viewHealth(ctx, v.ID)
 	}
 	for _, p := range v.Publishes {
-		kind := volview.KindPublish
+		c := volview.Consumer{Kind: volview.KindPublish, Path: p.TargetPath, ReadOnly: p.ReadOnly}
 		if p.NRI {
-			kind = volview.KindNRIPublish
+			c.Kind = volview.KindNRIPublish
+			if dev, ok := deviceOf(p.Mounts); ok && v.Stage != nil && v.Stage.Block {
+				c.DeviceNode = fmt.Sprintf("%d:%d", dev.Major, dev.Minor)
+			}
 		}
-		out.Consumers = append(out.Consumers, volview.Consumer{Kind: kind, Path: p.TargetPath, ReadOnly: p.ReadOnly})
+		out.Consumers = append(out.Consumers, c)
 	}
 	for _, c := range v.Consumers {
 		out.Consumers = append(out.Consumers, volview.Consumer{Kind: volview.KindContainer, Path: c.MountPoint,

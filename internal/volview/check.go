@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // Proc reads mount tables and mount namespace identities under Root, a
@@ -19,6 +21,10 @@ type Proc struct {
 	// (<pid>/mountinfo, <pid>/ns/mnt a symlink to "mnt:[<inode>]",
 	// self/mountinfo).
 	Root string
+	// DeviceAt returns the device ("major:minor") of the block device node
+	// at path on the node, "" when path is something else; nil: lstat(2)
+	// (tests fake it).
+	DeviceAt func(path string) (string, error)
 }
 
 // HostProc reads the /proc this process sees.
@@ -34,8 +40,12 @@ func (p Proc) Check(r *Report) {
 	for i := range r.Volumes {
 		for j := range r.Volumes[i].Consumers {
 			c := &r.Volumes[i].Consumers[j]
-			if c.Kind == KindContainer {
+			switch {
+			case c.Kind == KindContainer:
 				c.Kernel = p.checkContainer(*c)
+				continue
+			case c.DeviceNode != "":
+				c.Kernel = p.checkDeviceNode(*c)
 				continue
 			}
 			table, err := self()
@@ -79,6 +89,43 @@ func (p Proc) checkContainer(c Consumer) Kernel {
 	via := strconv.Itoa(pid)
 	table, err := p.mountPoints(via)
 	return judge(table, err, c.Path, "pid "+via)
+}
+
+// checkDeviceNode looks for the block device node c records at its path.
+func (p Proc) checkDeviceNode(c Consumer) Kernel {
+	at := p.DeviceAt
+	if at == nil {
+		at = blockDeviceAt
+	}
+	dev, err := at(c.Path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return Kernel{State: Absent, Disagrees: true, Via: "lstat",
+			Detail: "recorded device node " + c.DeviceNode + " is not at " + c.Path}
+	case err != nil:
+		return Kernel{State: Unknown, Via: "lstat", Detail: err.Error()}
+	case dev == "":
+		return Kernel{State: Absent, Disagrees: true, Via: "lstat",
+			Detail: c.Path + " is not a block device node (recorded " + c.DeviceNode + ")"}
+	case dev != c.DeviceNode:
+		return Kernel{State: Absent, Disagrees: true, Via: "lstat",
+			Detail: fmt.Sprintf("%s is device %s, recorded %s", c.Path, dev, c.DeviceNode)}
+	}
+	return Kernel{State: Present, Via: "lstat"}
+}
+
+// blockDeviceAt returns the device of the block device node at path, ""
+// when path is something else.
+func blockDeviceAt(path string) (string, error) {
+	var st unix.Stat_t
+	if err := unix.Lstat(path, &st); err != nil {
+		return "", &fs.PathError{Op: "lstat", Path: path, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return "", nil
+	}
+	rdev := uint64(st.Rdev) //nolint:unconvert // Rdev is uint32 on some architectures
+	return fmt.Sprintf("%d:%d", unix.Major(rdev), unix.Minor(rdev)), nil
 }
 
 // processIn finds a process in c's mount namespace: c.PID when it is

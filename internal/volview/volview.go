@@ -75,6 +75,10 @@ type Consumer struct {
 	PID         int    `json:"pid,omitempty"`
 	MountNS     uint64 `json:"mountNS,omitempty"`
 	ContainerID string `json:"containerID,omitempty"`
+	// DeviceNode, for an NRI publish with block access, is the device
+	// ("major:minor") whose node stands at Path instead of a mount: the
+	// check looks for that node, not a mount.
+	DeviceNode string `json:"deviceNode,omitempty"`
 	// Pod is "namespace/name/container" when the record names it.
 	Pod    string `json:"pod,omitempty"`
 	Kernel Kernel `json:"kernel"`

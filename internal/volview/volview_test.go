@@ -3,6 +3,7 @@ package volview
 import (
 	"bytes"
 	"encoding/json"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -78,6 +79,21 @@ func TestCheckAgainstKernel(t *testing.T) {
 		{Kind: KindContainer, Path: "/data", ContainerID: "c1"},      // NRI, not started
 		{Kind: KindContainer, Path: "/data", PID: 300},               // no namespace recorded: the PID is trusted
 	}}}}
+	p.DeviceAt = func(path string) (string, error) {
+		switch path {
+		case "/k/dev-right", "/k/dev-wrong":
+			return "7:3", nil
+		case "/k/not-a-device":
+			return "", nil
+		}
+		return "", fs.ErrNotExist
+	}
+	r.Volumes[0].Consumers = append(r.Volumes[0].Consumers,
+		Consumer{Kind: KindNRIPublish, Path: "/k/dev-right", DeviceNode: "7:3"},
+		Consumer{Kind: KindNRIPublish, Path: "/k/dev-wrong", DeviceNode: "7:4"},
+		Consumer{Kind: KindNRIPublish, Path: "/k/not-a-device", DeviceNode: "7:3"},
+		Consumer{Kind: KindNRIPublish, Path: "/k/gone", DeviceNode: "7:3"},
+	)
 	p.Check(r)
 	want := []Kernel{
 		{State: Present, Via: "self"},
@@ -88,6 +104,10 @@ func TestCheckAgainstKernel(t *testing.T) {
 		{State: Unknown},
 		{State: Unknown},
 		{State: Present, Via: "pid 300"},
+		{State: Present, Via: "lstat"},
+		{State: Absent, Disagrees: true, Via: "lstat"},
+		{State: Absent, Disagrees: true, Via: "lstat"},
+		{State: Absent, Disagrees: true, Via: "lstat"},
 	}
 	for i, c := range r.Volumes[0].Consumers {
 		got := c.Kernel
@@ -99,8 +119,32 @@ func TestCheckAgainstKernel(t *testing.T) {
 			t.Errorf("consumer %d: %s without a reason", i, got.State)
 		}
 	}
-	if n := r.Disagreements(); n != 2 {
-		t.Errorf("Disagreements = %d, want 2", n)
+	if n := r.Disagreements(); n != 5 {
+		t.Errorf("Disagreements = %d, want 5", n)
+	}
+}
+
+// TestCheckRealProc: this process, found by its PID or by its mount
+// namespace alone, has a mount at / (reading /proc only).
+func TestCheckRealProc(t *testing.T) {
+	ns, err := HostProc.mountNS("self")
+	if err != nil {
+		t.Skipf("no /proc here: %v", err)
+	}
+	r := &Report{Volumes: []Volume{{ID: "v", Consumers: []Consumer{
+		{Kind: KindContainer, Path: "/", PID: os.Getpid(), MountNS: ns},
+		{Kind: KindContainer, Path: "/", PID: 1 << 30, MountNS: ns},
+		{Kind: KindPublish, Path: "/"},
+		{Kind: KindNRIPublish, Path: t.TempDir(), DeviceNode: "7:0"},
+	}}}}
+	HostProc.Check(r)
+	for i, c := range r.Volumes[0].Consumers[:3] {
+		if c.Kernel.State != Present {
+			t.Errorf("consumer %d: %+v, want present", i, c.Kernel)
+		}
+	}
+	if k := r.Volumes[0].Consumers[3].Kernel; k.State != Absent || !k.Disagrees {
+		t.Errorf("a directory where a device node is recorded: %+v, want absent", k)
 	}
 }
 
