@@ -43,13 +43,12 @@ func (p Proc) Check(r *Report) {
 			switch {
 			case c.Kind == KindContainer:
 				c.Kernel = p.checkContainer(*c)
-				continue
 			case c.DeviceNode != "":
 				c.Kernel = p.checkDeviceNode(*c)
-				continue
+			default:
+				table, err := self()
+				c.Kernel = judge(table, err, c.Path, "self")
 			}
-			table, err := self()
-			c.Kernel = judge(table, err, c.Path, "self")
 		}
 	}
 }
