@@ -77,7 +77,7 @@ func judge(table map[string]bool, err error, path, via string) Kernel {
 		return Kernel{State: Present, Via: via}
 	}
 	return Kernel{State: Absent, Disagrees: true, Via: via,
-		Detail: "recorded as mounted, but the mount table shows nothing at " + path}
+		Detail: "recorded as mounted; the mount table shows nothing there"}
 }
 
 func (p Proc) checkContainer(c Consumer) Kernel {

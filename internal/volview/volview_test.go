@@ -162,7 +162,7 @@ func sample() *Report {
 			Health: Health{Status: "ok"}, Consumers: []Consumer{
 				{Kind: KindPublish, Path: "/var/lib/kubelet/pods/a/mount", Kernel: Kernel{State: Present, Via: "self"}},
 				{Kind: KindContainer, Path: "/data", ReadOnly: true, PID: 42, MountNS: 4026532000, ContainerID: "0123456789abcdef0123",
-					Kernel: Kernel{State: Absent, Disagrees: true, Detail: "recorded as mounted, but the mount table shows nothing at /data"}},
+					Kernel: Kernel{State: Absent, Disagrees: true, Detail: "recorded as mounted; the mount table shows nothing there"}},
 			}},
 		{ID: "f", Type: "fuse", Source: "fuse profile s3", DaemonPID: 77, Stage: "staged",
 			Health: Health{Status: "INACCESSIBLE", Reason: "DaemonDown"}},
