@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -32,6 +33,7 @@ import (
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/internal/source/nbd"
 	"github.com/mountplan/mountplan/internal/toolrun"
+	"github.com/mountplan/mountplan/internal/volview"
 )
 
 // maxRequest bounds one request to the plugin's socket.
@@ -108,7 +110,8 @@ func run(f flags) error {
 			klog.ErrorS(err, "Reconcile after the mounter's restart left errors")
 		}
 	})
-	if err := serveMetrics(ctx, mx, f.metricsAddress); err != nil {
+	debug := map[string]http.Handler{"/debug/volumes": volview.Handler(d.Volumes, volview.HostProc)}
+	if err := serveMetrics(ctx, mx, f.metricsAddress, debug); err != nil {
 		return err
 	}
 	lis, err := endpoint.Listen(f.endpoint)
@@ -157,7 +160,7 @@ func (f flags) check() (*config.Config, error) {
 // serveMetrics serves the metrics (and the debug endpoints) on address when
 // there are metrics. It listens before it returns, not in the goroutine: a
 // bad --metrics-address must stop the plugin, not be a log line nobody reads.
-func serveMetrics(ctx context.Context, mx *metrics.Metrics, address string) error {
+func serveMetrics(ctx context.Context, mx *metrics.Metrics, address string, debug map[string]http.Handler) error {
 	if mx == nil {
 		return nil
 	}
@@ -166,7 +169,7 @@ func serveMetrics(ctx context.Context, mx *metrics.Metrics, address string) erro
 		return fmt.Errorf("--metrics-address: %w", err)
 	}
 	go func() {
-		if err := mx.Serve(ctx, lis); err != nil {
+		if err := mx.Serve(ctx, lis, debug); err != nil {
 			klog.ErrorS(err, "Metrics server failed", "address", address)
 		}
 	}()

@@ -26,6 +26,8 @@ commands:
   mount    ask the plugin for a volume's plan and perform it in a process's mount namespace
   unmount  unmount everything at and below a target in a process's mount namespace, then release the claim
   serve    serve the mounter (every privileged act of the plugin) on a unix socket, and the NRI hook
+  volumes  list what is mounted where: every volume, its source, device, stage, health and consumers,
+           from the plugin's /debug/volumes, each consumer checked against the kernel (read only)
 
 Run "mountplan-sidecar <command> -h" for the flags of a command.
 `
@@ -71,6 +73,8 @@ func run(ctx context.Context, cmd string, args []string) error {
 		return runUnmount(ctx, args)
 	case "serve":
 		return runServe(ctx, args)
+	case "volumes":
+		return runVolumes(ctx, args, os.Stdout)
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return nil

@@ -14,7 +14,8 @@
 // kubelet.go (the paths kubelet sends), stats.go, sources.go (what the
 // driver asks of a volume source, and what it offers one), records.go
 // (every record and lock, and the lookups in a record), validate.go
-// (request fields), listing.go (page tokens).
+// (request fields), listing.go (page tokens), volumes.go (the operator's
+// listing of volumes and their consumers, internal/volview).
 package driver
 
 import (

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/volview"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -128,7 +130,7 @@ func TestReadsDuringStateChanges(t *testing.T) {
 	elapsed := time.Since(start)
 	close(done)
 	readers.Wait()
-	t.Logf("%d volumes × %d stage/publish/unpublish/unstage cycles in %v; %d concurrent reads (stats, health, gauge, record), %d of them during a publish that held for the whole call",
+	t.Logf("%d volumes × %d stage/publish/unpublish/unstage cycles in %v; %d concurrent reads (stats, health, gauge, record, listing), %d of them during a publish that held for the whole call",
 		nVols, cycles, elapsed.Round(time.Millisecond), reads.Load(), stableFound.Load())
 	if stableFound.Load() == 0 {
 		t.Error("no read fell inside a publish: the test proved nothing")
@@ -172,7 +174,7 @@ func cycle(d *Driver, v *raceVolume) error {
 	return nil
 }
 
-// readOnce reads v the four ways and checks each answer against what the
+// readOnce reads v the five ways (the fifth: the operator's listing) and checks each answer against what the
 // writer said held for the whole call.
 func readOnce(d *Driver, v *raceVolume, nVols int, stableFound *atomic.Int64) error {
 	ctx := context.Background()
@@ -181,6 +183,7 @@ func readOnce(d *Driver, v *raceVolume, nVols int, stableFound *atomic.Int64) er
 	_, healthErr := d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: v.id})
 	gauge := d.StagedByType()["loop"]
 	rec, recErr := d.records.Get(v.id)
+	list := d.Volumes(ctx)
 	held := v.epoch.Load() == epoch
 	switch code := errdefs.Code(statsErr); {
 	case code != codes.OK && code != codes.NotFound:
@@ -208,5 +211,24 @@ func readOnce(d *Driver, v *raceVolume, nVols int, stableFound *atomic.Int64) er
 	if held && published && findPublish(rec, v.target) == nil {
 		return fmt.Errorf("%s: record of a volume published for the whole call lacks the publish (stale): %+v", v.id, rec.Publishes)
 	}
-	return nil
+	return checkListing(list, v, nVols, held && published)
+}
+
+// checkListing checks the operator's listing (driver.Volumes) taken
+// during a read: every volume, no error, and v's publish when v was
+// published for the whole read.
+func checkListing(list *volview.Report, v *raceVolume, nVols int, published bool) error {
+	if len(list.Volumes) != nVols || len(list.Errors) != 0 {
+		return fmt.Errorf("listing of %d volumes (errors %q), want %d", len(list.Volumes), list.Errors, nVols)
+	}
+	for _, lv := range list.Volumes {
+		if lv.ID != v.id {
+			continue
+		}
+		if published && !slices.ContainsFunc(lv.Consumers, func(c volview.Consumer) bool { return c.Path == v.target }) {
+			return fmt.Errorf("%s: listing of a volume published for the whole call lacks the target (stale): %+v", v.id, lv)
+		}
+		return nil
+	}
+	return fmt.Errorf("%s: not in the listing", v.id)
 }

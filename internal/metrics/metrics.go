@@ -5,8 +5,10 @@ package metrics
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -106,10 +108,17 @@ func (m *Metrics) Reconciled(err error) {
 	m.reconciles.WithLabelValues(result).Inc()
 }
 
-// Serve serves /metrics on lis until ctx ends.
-func (m *Metrics) Serve(ctx context.Context, lis net.Listener) error {
+// Serve serves /metrics on lis until ctx ends, and beside it each of
+// debug's handlers at its path (which must start with /debug/).
+func (m *Metrics) Serve(ctx context.Context, lis net.Listener, debug map[string]http.Handler) error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	for path, h := range debug {
+		if !strings.HasPrefix(path, "/debug/") {
+			return fmt.Errorf("metrics: debug handler at %q, outside /debug/", path)
+		}
+		mux.Handle(path, h)
+	}
 	return endpoint.ServeHTTP(ctx, lis, mux)
 }
 

@@ -40,13 +40,21 @@ func TestScrape(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- m.Serve(ctx, lis) }()
-	resp, err := http.Get("http://" + lis.Addr().String() + "/metrics")
-	if err != nil {
-		t.Fatal(err)
+	debug := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "debug here") })
+	go func() { done <- m.Serve(ctx, lis, map[string]http.Handler{"/debug/x": debug}) }()
+	get := func(path string) string {
+		resp, err := http.Get("http://" + lis.Addr().String() + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return string(body)
 	}
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	body := get("/metrics")
+	if got := get("/debug/x"); got != "debug here" {
+		t.Errorf("/debug/x served %q", got)
+	}
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatalf("server: %v", err)

@@ -276,3 +276,22 @@ func SaveState(rec Recorder, st any) error {
 	}
 	return rec.SaveIntent(raw)
 }
+
+// Description is what a staged volume's state names, for an operator (the
+// listing of what is mounted where). Every field may be empty.
+type Description struct {
+	// Source says what the volume is made of, in the source kind's terms:
+	// "image /path", "nbd host:port export x", "iscsi iqn... lun 0",
+	// "fuse profile p".
+	Source string
+	Device string
+	// DaemonPID is the process serving the volume (a FUSE daemon), as
+	// recorded; 0 when none.
+	DaemonPID int
+}
+
+// Describer is a Source that can describe a volume from its record and
+// state alone: no I/O, no mounter call.
+type Describer interface {
+	Describe(v Volume) Description
+}

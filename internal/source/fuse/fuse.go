@@ -424,3 +424,13 @@ func (s *Source) Stats(ctx context.Context, v source.Volume, _ string) (fsutil.U
 		return fsutil.Usage{}, ctx.Err()
 	}
 }
+
+// Describe names the profile and the daemon's PID as
+// recorded.
+func (s *Source) Describe(v source.Volume) source.Description {
+	st, err := source.DecodeState[State](v)
+	if err != nil {
+		return source.Description{Source: "fuse"}
+	}
+	return source.Description{Source: "fuse profile " + st.Profile, DaemonPID: st.Daemon.PID}
+}

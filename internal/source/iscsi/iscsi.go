@@ -391,3 +391,12 @@ func (s *Source) Health(ctx context.Context, v source.Volume) source.Health {
 	}
 	return s.check(st)
 }
+
+// Describe names the target, portal and LUN and, once logged in, the device.
+func (s *Source) Describe(v source.Volume) source.Description {
+	st, err := source.DecodeState[State](v)
+	if err != nil {
+		return source.Description{Source: "iscsi"}
+	}
+	return source.Description{Source: fmt.Sprintf("iscsi %s at %s lun %d", st.Target, st.Portal, st.LUN), Device: st.Device}
+}

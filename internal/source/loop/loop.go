@@ -313,3 +313,16 @@ func identities(state json.RawMessage) []loopdev.Identity {
 	}
 	return ids
 }
+
+// Describe names the image and, once staged, the loop device (the chain's
+// top device for a writable overlay's volume is not shown).
+func (s *Source) Describe(v source.Volume) source.Description {
+	d := source.Description{Source: "image " + v.Image}
+	if st, err := source.DecodeState[State](v); err == nil {
+		d.Device = st.Device
+		if st.Chain != nil {
+			d.Source += " (chain)"
+		}
+	}
+	return d
+}

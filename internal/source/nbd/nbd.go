@@ -462,3 +462,12 @@ func splitHostPort(server string) (string, int, error) {
 	}
 	return host, port, nil
 }
+
+// Describe names the server and export and, once connected, the device.
+func (s *Source) Describe(v source.Volume) source.Description {
+	st, err := source.DecodeState[State](v)
+	if err != nil {
+		return source.Description{Source: "nbd"}
+	}
+	return source.Description{Source: fmt.Sprintf("nbd %s export %q", st.Server, st.Export), Device: st.Device}
+}
