@@ -56,6 +56,9 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 	}
 	resp := &csi.ControllerListVolumeHealthResponse{}
 	for _, v := range rest {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
 		h := d.controllerHealth(ctx, v)
 		if len(h.HealthStatuses) == 0 {
 			continue
