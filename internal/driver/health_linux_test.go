@@ -17,7 +17,9 @@ import (
 )
 
 // TestLoopHealthWhenBroken stages real loop volumes, breaks each behind
-// the plugin's back and asks NodeGetVolumeHealth, as kubelet does: a
+// the plugin's back and asks NodeGetVolumeHealth, as kubelet does, and
+// ControllerGetVolumeHealth, which says the same of a volume staged on
+// its node (ControllerListVolumeHealth lists only the broken one): a
 // device the kernel detached (the mounter let go of it, as a mounter that
 // died does) is INACCESSIBLE with DeviceGone until a repeated stage
 // attaches it again; an image removed under a staged volume is DATA_LOSS
@@ -80,27 +82,45 @@ func TestLoopHealthWhenBroken(t *testing.T) {
 		if err := wantHealth(d, "detached", 0, ""); err != nil {
 			t.Fatalf("the other volume: %v", err)
 		}
+		list, err := d.ControllerListVolumeHealth(ctx, &csi.ControllerListVolumeHealthRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e := list.GetEntries(); len(e) != 1 || e[0].GetVolumeId() != "unlinked" {
+			t.Fatalf("ControllerListVolumeHealth listed %v, want unlinked alone", e)
+		}
 	})
 }
 
-// wantHealth asks NodeGetVolumeHealth about id: no status when reason is
-// empty, else one status of that type with that reason and a message.
+// wantHealth asks NodeGetVolumeHealth and ControllerGetVolumeHealth about
+// id (a provisioned volume staged here, so both give the same answer, the
+// controller's image check and the node's merged): no status when reason
+// is empty, else one status of that type with that reason and a message.
 func wantHealth(d *Driver, id string, status csi.VolumeHealthErrorType, reason string) error {
-	resp, err := d.NodeGetVolumeHealth(context.Background(), &csi.NodeGetVolumeHealthRequest{VolumeId: id})
+	ctx := context.Background()
+	node, err := d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: id})
 	if err != nil {
 		return err
 	}
-	got := resp.GetVolumeHealth().GetHealthStatuses()
-	if resp.GetVolumeHealth().GetVolumeId() != id {
-		return fmt.Errorf("health of %q answered for %q", id, resp.GetVolumeHealth().GetVolumeId())
+	ctrl, err := d.ControllerGetVolumeHealth(ctx, &csi.ControllerGetVolumeHealthRequest{VolumeId: id})
+	if err != nil {
+		return err
 	}
-	switch {
-	case reason == "" && len(got) != 0:
-		return fmt.Errorf("%s: %v, want healthy", id, got)
-	case reason == "":
-		return nil
-	case len(got) != 1 || got[0].GetStatus() != status || got[0].GetReason() != reason || got[0].GetMessage() == "":
-		return fmt.Errorf("%s: %v, want %s %s with a message", id, got, status, reason)
+	for _, h := range []struct {
+		rpc string
+		h   *csi.VolumeHealth
+	}{{"node", node.GetVolumeHealth()}, {"controller", ctrl.GetVolumeHealth()}} {
+		got := h.h.GetHealthStatuses()
+		if h.h.GetVolumeId() != id {
+			return fmt.Errorf("%s health of %q answered for %q", h.rpc, id, h.h.GetVolumeId())
+		}
+		switch {
+		case reason == "" && len(got) != 0:
+			return fmt.Errorf("%s: %s says %v, want healthy", id, h.rpc, got)
+		case reason == "":
+		case len(got) != 1 || got[0].GetStatus() != status || got[0].GetReason() != reason || got[0].GetMessage() == "":
+			return fmt.Errorf("%s: %s says %v, want %s %s with a message", id, h.rpc, got, status, reason)
+		}
 	}
 	return nil
 }

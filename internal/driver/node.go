@@ -529,20 +529,8 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 	if !v.Staged() {
 		return resp, nil
 	}
-	src, err := d.sourceOf(v)
-	if err != nil {
+	if resp.VolumeHealth.HealthStatuses, err = d.sourceHealth(ctx, v); err != nil {
 		return nil, err
-	}
-	hc, ok := src.(source.HealthChecker)
-	if !ok {
-		return resp, nil
-	}
-	if h := hc.Health(ctx, viewOf(v)); h.Abnormal {
-		status := csi.VolumeHealthErrorType_INACCESSIBLE
-		if h.DataLoss {
-			status = csi.VolumeHealthErrorType_DATA_LOSS
-		}
-		resp.VolumeHealth.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: status, Reason: h.Reason, Message: h.Message}}
 	}
 	return resp, nil
 }
