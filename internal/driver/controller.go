@@ -346,8 +346,9 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 	return resp, nil
 }
 
-func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
-	id := req.GetVolumeId()
+// listedVolume is the record of a volume the controller lists (one that
+// CreateVolume made): NotFound for any other, InvalidArgument for no ID.
+func (d *Driver) listedVolume(id string) (*model.Volume, error) {
 	if err := requireVolumeID(id); err != nil {
 		return nil, err
 	}
@@ -355,6 +356,11 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err == nil && !listed(v) {
 		err = fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
 	}
+	return v, err
+}
+
+func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+	v, err := d.listedVolume(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}

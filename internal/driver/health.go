@@ -10,7 +10,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
 )
@@ -20,14 +19,7 @@ import (
 // record names (controllerHealth). An empty list of statuses means no
 // adverse condition is known, as CSI asks.
 func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (*csi.ControllerGetVolumeHealthResponse, error) {
-	id := req.GetVolumeId()
-	if err := requireVolumeID(id); err != nil {
-		return nil, err
-	}
-	v, err := d.records.Get(id)
-	if err == nil && !listed(v) {
-		err = fmt.Errorf("volume %s: %w", id, errdefs.ErrNotFound)
-	}
+	v, err := d.listedVolume(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
