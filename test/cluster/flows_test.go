@@ -603,7 +603,10 @@ func expandExt4(t *testing.T, e *env) {
 			t.Errorf("filesystem %d KiB after the resize, was %d", after, before)
 		}
 	} else {
-		waitFor(t, 60*time.Second, "the claim's NodeResizeError naming CAP_SYS_RESOURCE", func() error {
+		// Two minutes: the claim's resize goes through the resizer's and
+		// kubelet's queues, whose backoffs earlier flows' resizes may have
+		// raised (a fresh CI run waited past one minute once).
+		waitFor(t, 2*time.Minute, "the claim's NodeResizeError naming CAP_SYS_RESOURCE", func() error {
 			out, err := e.c.kubectl("-n", testNS, "get", "pvc", "ext", "-o", `jsonpath={.status.conditions[?(@.type=="NodeResizeError")].message}`)
 			if err != nil {
 				return err
