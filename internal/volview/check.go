@@ -76,8 +76,13 @@ func judge(table map[string]bool, err error, path, via string) Kernel {
 	if table[filepath.Clean(path)] {
 		return Kernel{State: Present, Via: via}
 	}
-	return Kernel{State: Absent, Disagrees: true, Via: via,
-		Detail: "recorded as mounted; the mount table shows nothing there"}
+	return absent(via, "recorded as mounted; the mount table shows nothing there")
+}
+
+// absent is the kernel's answer where the records name a mount (or device
+// node) it does not show: the one state in which the two disagree.
+func absent(via, detail string) Kernel {
+	return Kernel{State: Absent, Disagrees: true, Via: via, Detail: detail}
 }
 
 func (p Proc) checkContainer(c Consumer) Kernel {
@@ -99,16 +104,13 @@ func (p Proc) checkDeviceNode(c Consumer) Kernel {
 	dev, err := at(c.Path)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		return Kernel{State: Absent, Disagrees: true, Via: "lstat",
-			Detail: "recorded device node " + c.DeviceNode + " is not at " + c.Path}
+		return absent("lstat", "recorded device node "+c.DeviceNode+" is not at "+c.Path)
 	case err != nil:
 		return Kernel{State: Unknown, Via: "lstat", Detail: err.Error()}
 	case dev == "":
-		return Kernel{State: Absent, Disagrees: true, Via: "lstat",
-			Detail: c.Path + " is not a block device node (recorded " + c.DeviceNode + ")"}
+		return absent("lstat", c.Path+" is not a block device node (recorded "+c.DeviceNode+")")
 	case dev != c.DeviceNode:
-		return Kernel{State: Absent, Disagrees: true, Via: "lstat",
-			Detail: fmt.Sprintf("%s is device %s, recorded %s", c.Path, dev, c.DeviceNode)}
+		return absent("lstat", fmt.Sprintf("%s is device %s, recorded %s", c.Path, dev, c.DeviceNode))
 	}
 	return Kernel{State: Present, Via: "lstat"}
 }
