@@ -54,6 +54,7 @@ var flows = []flow{
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
+	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
 	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},
 	{name: "HelmUninstallInUseAndReinstall", run: helmUninstallInUse},
 }
