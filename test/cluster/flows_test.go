@@ -30,6 +30,7 @@ type flow struct {
 
 var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
+	{name: "CapacityTracking", run: capacityTracking},
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
@@ -142,6 +143,7 @@ func (e *env) deleteEverything(t *testing.T) {
 		t.Errorf("journal records left with no volume: %v", recs)
 	}
 	must(t)(e.c.helm("uninstall", "mountplan", "--namespace", "kube-system", "--wait", "--timeout", "3m"))
+	e.checkNoCapacityLeft(t)
 	waitFor(t, 2*time.Minute, "no pod left", func() error {
 		out, err := e.c.kubectl("get", "pods", "-A", "-o", "name")
 		if err != nil {
@@ -758,6 +760,7 @@ func helmUninstallInUse(t *testing.T, e *env) {
 	e.checkWrites(t, "w", &last)
 	must(t)(e.c.helm("uninstall", "mountplan", "--namespace", "kube-system", "--wait", "--timeout", "3m"))
 	sleep(3 * time.Second)
+	e.checkNoCapacityLeft(t)
 	e.checkWrites(t, "w", &last)
 	e.install(t)
 	sleep(2 * time.Second)
