@@ -72,6 +72,10 @@ func containerdKilledNRI(t *testing.T, e *env) {
 	o.log(t, "held down")
 	t.Logf("containerd restart: the pod created during the outage Ready %v after the release (%v after containerd serves again, %v after the hook registered)",
 		ready.Sub(o.released).Round(10*time.Millisecond), ready.Sub(o.serving).Round(10*time.Millisecond), ready.Sub(o.registered).Round(10*time.Millisecond))
+	if ev, err := e.c.kubectl("-n", testNS, "get", "events", "--field-selector", "involvedObject.name=rknew",
+		"-o", `go-template={{range .items}}{{.lastTimestamp}} {{.reason}} x{{.count}}: {{.message}}{{"\n"}}{{end}}`); err == nil {
+		t.Logf("rknew's events (the release at %s):\n%s", o.released.UTC().Format(time.TimeOnly), ev)
+	}
 	e.wantSynchronized(t, o)
 	e.wantWritersKept(t, writers, o)
 
