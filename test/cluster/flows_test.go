@@ -52,6 +52,7 @@ var flows = []flow{
 	{name: "NRITwoPodsRWO_RWOPRefused", run: nriTwoPodsRWO},
 	{name: "NRISubPathRefused", run: nriSubPath},
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
+	{name: "NRISidecarsAndExpandOnline", run: nriSidecarsAndExpand},
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
