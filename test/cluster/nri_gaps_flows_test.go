@@ -19,15 +19,17 @@ const nriGrowClass = "mountplan-nri-grow"
 // main container see one filesystem (the sidecar's appends reach the main
 // container); the claim grows online while both run and both see the new
 // size (the mounter grows the filesystem through a private mount of the
-// same superblock, since nothing is mounted on the node); the sidecar,
+// same superblock, since nothing is mounted on the node; xfs, since ext4's
+// online growth needs CAP_SYS_RESOURCE, which this machine's containers
+// lack: see expandExt4); the sidecar,
 // restarted by kubelet, gets the volume back (its new generation's writes
 // reach the main container), and the plugin counts the running containers
 // as consumers, the dead sidecar's claim released.
 func nriSidecarsAndExpand(t *testing.T, e *env) {
 	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriGrowClass},
-		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer",
+		"provisioner": e.driverName, "parameters": obj{"nri": "true", "fsType": "xfs"}, "volumeBindingMode": "WaitForFirstConsumer",
 		"reclaimPolicy": "Delete", "allowVolumeExpansion": true})
-	e.apply(t, pvc("nside", nriGrowClass, "64Mi"))
+	e.apply(t, pvc("nside", nriGrowClass, "300Mi"))
 	mount := []obj{{"name": "v", "mountPath": "/data"}}
 	ctr := func(name, script string) obj {
 		return obj{"name": name, "image": busyboxImage, "imagePullPolicy": "Never", "command": []string{"sh", "-c", script}, "volumeMounts": mount}
@@ -45,7 +47,7 @@ while [ ! -e /data/stop ]; do echo $gen >> /data/sidecar; sync; sleep 0.2; done;
 			"volumes": []obj{{"name": "v", "persistentVolumeClaim": obj{"claimName": "nside"}}}}})
 	e.nriPV(t, "nside")
 	for _, c := range []string{"sidecar", "c"} {
-		e.wantFSInContainer(t, "nside", c, "/data", "ext4", "/dev/loop")
+		e.wantFSInContainer(t, "nside", c, "/data", "xfs", "/dev/loop")
 	}
 	if got := e.inContainer(t, "nside", "c", "cat", "/data/init"); strings.TrimSpace(got) != "init" {
 		t.Errorf("the main container reads %q in the init container's file", got)
@@ -57,10 +59,10 @@ while [ ! -e /data/stop ]; do echo $gen >> /data/sidecar; sync; sleep 0.2; done;
 	for _, c := range []string{"sidecar", "c"} {
 		before[c] = e.dfKiB(t, "nside", c, "/data")
 	}
-	e.resize(t, "nside", "256Mi")
-	e.waitCapacity(t, "nside", "256Mi")
+	e.resize(t, "nside", "600Mi")
+	e.waitCapacity(t, "nside", "600Mi")
 	for _, c := range []string{"sidecar", "c"} {
-		if after := e.dfKiB(t, "nside", c, "/data"); after < before[c]+150*1024 {
+		if after := e.dfKiB(t, "nside", c, "/data"); after < before[c]+250*1024 {
 			t.Errorf("container %s: filesystem %d KiB after the resize, was %d", c, after, before[c])
 		}
 	}
@@ -77,7 +79,7 @@ while [ ! -e /data/stop ]; do echo $gen >> /data/sidecar; sync; sleep 0.2; done;
 	if gens[0] != first {
 		t.Errorf("sidecar generations %v, want %s first", gens, first)
 	}
-	e.wantFSInContainer(t, "nside", "sidecar", "/data", "ext4", "/dev/loop")
+	e.wantFSInContainer(t, "nside", "sidecar", "/data", "xfs", "/dev/loop")
 	e.wantContainerConsumers(t, "nside", 2)
 	e.c.deleteAndWait(t, "pod", "nside")
 	e.c.deleteAndWait(t, "pvc", "nside")
