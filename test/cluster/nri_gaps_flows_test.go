@@ -27,7 +27,7 @@ const nriGrowClass = "mountplan-nri-grow"
 // as consumers, the dead sidecar's claim released.
 func nriSidecarsAndExpand(t *testing.T, e *env) {
 	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriGrowClass},
-		"provisioner": e.driverName, "parameters": obj{"nri": "true", "fsType": "xfs"}, "volumeBindingMode": "WaitForFirstConsumer",
+		"provisioner": e.driverName, "parameters": obj{"nri": "true", "csi.storage.k8s.io/fstype": "xfs"}, "volumeBindingMode": "WaitForFirstConsumer",
 		"reclaimPolicy": "Delete", "allowVolumeExpansion": true})
 	e.apply(t, pvc("nside", nriGrowClass, "300Mi"))
 	mount := []obj{{"name": "v", "mountPath": "/data"}}
