@@ -15,6 +15,7 @@ import (
 	"io/fs"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -363,5 +364,33 @@ func (d *Driver) statsNRI(ctx context.Context, v *model.Volume, p *model.Publish
 		}
 		return usageResponse(u), nil
 	}
-	return nil, fmt.Errorf("volume %s is published in NRI mode at %s and no running container uses it: %w", v.ID, p.TargetPath, errdefs.ErrNotFound)
+	return d.statsStopped(ctx, v, p)
+}
+
+// statsStopped measures an NRI volume none of whose containers runs: the
+// mounter mounts the device of the volume's plan privately (the
+// filesystem is mounted nowhere else then, or its running containers
+// share the superblock) and measures it. Volumes with no device of their
+// own (chains, FUSE) are NotFound then.
+func (d *Driver) statsStopped(ctx context.Context, v *model.Volume, p *model.Publish) (*csi.NodeGetVolumeStatsResponse, error) {
+	notFound := fmt.Errorf("volume %s is published in NRI mode at %s and no running container uses it: %w", v.ID, p.TargetPath, errdefs.ErrNotFound)
+	mounts, err := d.planFor(v, source.PlanRequest{ReadOnly: p.ReadOnly, MountFlags: p.MountFlags})
+	if err != nil {
+		return nil, errors.Join(notFound, err)
+	}
+	for _, m := range mounts {
+		if m.Type == plan.TypeBind || !strings.HasPrefix(m.Source, "/dev/") {
+			continue
+		}
+		major, minor, err := sysfsDevice(m.Source)
+		if err != nil {
+			return nil, err
+		}
+		u, err := d.node.StatDevice(ctx, mounter.Device{Path: m.Source, Major: major, Minor: minor}, m.HasOption("ro"))
+		if err != nil {
+			return nil, err
+		}
+		return usageResponse(u), nil
+	}
+	return nil, notFound
 }

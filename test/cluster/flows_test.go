@@ -53,6 +53,7 @@ var flows = []flow{
 	{name: "NRITwoPodsRWO_RWOPRefused", run: nriTwoPodsRWO},
 	{name: "NRISubPathRefused", run: nriSubPath},
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
+	{name: "NRISidecarsAndExpandOnline", run: nriSidecarsAndExpand},
 	{name: "ContainerdKilledNRI", run: containerdKilledNRI}, // runtime_restart_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},

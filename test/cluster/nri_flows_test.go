@@ -178,17 +178,22 @@ func (e *env) pvOf(t *testing.T, claim string) string {
 // dir inside a pod's container.
 func (e *env) wantFSInPod(t *testing.T, pod, dir, fsType, sourcePrefix string) {
 	t.Helper()
-	out := must(t)(e.c.podExec(pod, "cat", "/proc/self/mountinfo"))
-	var got, src string
-	for _, l := range strings.Split(out, "\n") {
-		f := strings.Fields(l)
-		if i := slices.Index(f, "-"); len(f) > 4 && f[4] == dir && i > 0 && i+2 < len(f) {
-			got, src = f[i+1], f[i+2]
-		}
-	}
+	got, src := mountAt(must(t)(e.c.podExec(pod, "cat", "/proc/self/mountinfo")), dir)
 	if got != fsType || !strings.HasPrefix(src, sourcePrefix) {
 		t.Errorf("%s in pod %s is %s from %s, want %s from %s*", dir, pod, got, src, fsType, sourcePrefix)
 	}
+}
+
+// mountAt returns the filesystem type and source of the top mount at dir
+// in a mountinfo table.
+func mountAt(mountinfo, dir string) (fsType, source string) {
+	for _, l := range strings.Split(mountinfo, "\n") {
+		f := strings.Fields(l)
+		if i := slices.Index(f, "-"); len(f) > 4 && f[4] == dir && i > 0 && i+2 < len(f) {
+			fsType, source = f[i+1], f[i+2]
+		}
+	}
+	return fsType, source
 }
 
 // wantContainerConsumers checks how many containers the plugin's journal
