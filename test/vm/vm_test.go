@@ -228,7 +228,7 @@ func summary(k kernel, tm *timings, res guestResult, reset bool, after guestResu
 	if after.modulesAt != "" {
 		fmt.Fprintf(&sum, "  %-45s %8s\n", "guest after the reset: modules loaded at", after.modulesAt)
 	}
-	for _, tg := range after.timings {
+	for _, tg := range append(res.timings, after.timings...) {
 		fmt.Fprintf(&sum, "  guest: %-38s %8s\n", tg[0], tg[1])
 	}
 	for _, r := range after.results {
