@@ -18,6 +18,7 @@ func (p PluginVolumes) Prepare(ctx context.Context, c Claim) (string, []plan.Mou
 		Published: &api.PublishedVolume{TargetPath: c.Target, DeviceMajor: c.Major, DeviceMinor: c.Minor},
 		Readonly:  c.ReadOnly,
 		Consumer:  consumerOf(c),
+		Pod:       podOf(c),
 	})
 	if err != nil {
 		return "", nil, errdefs.FromGRPC(err)
@@ -33,6 +34,14 @@ func (p PluginVolumes) Release(ctx context.Context, c Claim) error {
 func (p PluginVolumes) Sync(ctx context.Context, ids []string) error {
 	_, err := p.Client.NodeSyncContainers(ctx, &api.NodeSyncContainersRequest{ContainerIds: ids})
 	return errdefs.FromGRPC(err)
+}
+
+// podOf is who c's container is, nil when the runtime did not say.
+func podOf(c Claim) *api.PodRef {
+	if c.Pod == (PodRef{}) {
+		return nil
+	}
+	return &api.PodRef{Namespace: c.Pod.Namespace, Name: c.Pod.Name, Uid: c.Pod.UID, Container: c.Pod.Container}
 }
 
 func consumerOf(c Claim) *api.Consumer {
