@@ -52,7 +52,9 @@ func TestPublishRecordsPod(t *testing.T) {
 	d, _ := newTestDriver(t)
 	stg := stagedFake(t, d, nil, nil)
 	ctx := context.Background()
-	target := func(uid string) string { return d.kubelet.root + "/pods/" + uid + "/volumes/kubernetes.io~csi/pv-1/mount" }
+	target := func(uid string) string {
+		return d.kubelet.root + "/pods/" + uid + "/volumes/kubernetes.io~csi/pv-1/mount"
+	}
 	publish := func(uid string, vc map[string]string) error {
 		_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: stg,
 			TargetPath: target(uid), VolumeCapability: rwo, VolumeContext: vc})
