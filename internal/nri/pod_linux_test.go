@@ -5,6 +5,7 @@ package nri
 import (
 	"context"
 	"encoding/json"
+	"strings"
 	"testing"
 
 	nriapi "github.com/containerd/nri/pkg/api"
@@ -47,5 +48,12 @@ func TestClaimsNameTheirPod(t *testing.T) {
 	}
 	if podOf(Claim{}) != nil {
 		t.Error("a claim without a pod sends one")
+	}
+	// A name the plugin would refuse is not sent: the container must not
+	// fail over what is only shown.
+	for _, odd := range []PodRef{{Namespace: "shop", Name: "web 0"}, {Name: "a/b"}, {Container: "c\x00"}, {UID: strings.Repeat("u", 254)}} {
+		if p := podOf(Claim{Pod: odd}); p != nil {
+			t.Errorf("%+v sent as %v", odd, p)
+		}
 	}
 }
