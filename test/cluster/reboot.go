@@ -218,6 +218,26 @@ func (c *Cluster) detachLoops() error {
 			loops[filepath.Base(filepath.Dir(filepath.Dir(f)))] = strings.TrimSpace(string(b))
 		}
 	}
+	// Loop devices over those devices' nodes (kubelet's over a block
+	// volume's), whose path the kernel can no longer name, by the node's
+	// device and inode on the host's /dev (the node's too).
+	all := loopDevices()
+	for added := true; added; {
+		added = false
+		nodes := map[string]string{}
+		for dev := range loops {
+			var st unix.Stat_t
+			if unix.Stat("/dev/"+dev, &st) == nil {
+				nodes[fmt.Sprintf("%d:%d", st.Dev, st.Ino)] = dev
+			}
+		}
+		for dev, id := range all {
+			if over, ok := nodes[id]; ok && loops[dev] == "" {
+				loops[dev] = "/dev/" + over
+				added = true
+			}
+		}
+	}
 	var left []string
 	for dev, backing := range loops {
 		if err := detachLoop(dev); err != nil {
