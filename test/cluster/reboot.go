@@ -53,6 +53,7 @@ func (c *Cluster) reboot(t *testing.T) {
 	if err := c.emptyTmpfs(); err != nil {
 		t.Fatal(err)
 	}
+	c.keepBootLogs(t)
 	t.Logf("reboot: node killed and its kernel state released in %v (%d processes, %d mount namespaces, %d FUSE connections, %d container cgroups)",
 		time.Since(start).Round(time.Millisecond), len(k.procs), len(k.mountNS), len(k.fuse), len(k.cgroups))
 	c.startNode(t)
@@ -316,4 +317,21 @@ func (c *Cluster) emptyTmpfs() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// keepBootLogs moves the copies of the last boot's pod logs (keepPodLogs)
+// aside: kubelet starts the new sandboxes' containers at 0.log again,
+// which would be copied over them.
+func (c *Cluster) keepBootLogs(t *testing.T) {
+	t.Helper()
+	for n := 1; ; n++ {
+		dst := c.cfg.path("logs", fmt.Sprintf("pods-boot%d", n))
+		if _, err := os.Stat(dst); err == nil {
+			continue
+		}
+		if err := os.Rename(c.cfg.path("logs", "pods"), dst); err != nil && !os.IsNotExist(err) {
+			t.Error(err)
+		}
+		return
+	}
 }
