@@ -57,6 +57,7 @@ var flows = []flow{
 	// Before the writer of the next two flows starts: a reboot restarts
 	// every container (reboot_flows_test.go).
 	{name: "NodeReboot", run: nodeReboot},
+	{name: "NodeRebootMidWork", run: nodeRebootMidWork},
 	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},
 	{name: "HelmUninstallInUseAndReinstall", run: helmUninstallInUse},
 }

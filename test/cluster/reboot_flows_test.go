@@ -414,3 +414,60 @@ func slicesDiff(a, b []string) []string {
 	}
 	return d
 }
+
+// nodeRebootMidWork: the node loses power while work is in flight: an xfs
+// claim in use growing online (its resize just asked for), and a pod
+// starting on a claim just bound (its stage and publish about to run or
+// running). After the boot the work completes: the claim reaches its new
+// size with the filesystem grown and its data kept, and the pod runs with
+// a working volume; once the claims are deleted nothing of them is left.
+func nodeRebootMidWork(t *testing.T, e *env) {
+	e.apply(t, xfsStorageClass(), pvc("mw-xfs", "mountplan-xfs", "300Mi"))
+	e.run(t, pod("mw-xfs", withClaim("mw-xfs", "/data", false)))
+	tok := e.write(t, "mw-xfs", "/data/token")
+	before := e.fsSize(t, "mw-xfs", "/data")
+
+	e.apply(t, pvc("mw-start", storageClass, "64Mi"))
+	e.resize(t, "mw-xfs", "600Mi")
+	e.apply(t, pod("mw-start", withClaim("mw-start", "/data", false)))
+	waitFor(t, time.Minute, "mw-start's claim bound", func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "pvc", "mw-start", "-o", "jsonpath={.status.phase}")
+		if err != nil || out != "Bound" {
+			return fmt.Errorf("phase %q %v", out, err)
+		}
+		return nil
+	})
+	resizing := must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "mw-xfs", "-o", "jsonpath={.status.capacity.storage} {.status.allocatedResourceStatuses}"))
+	t.Logf("reboot mid-work: mw-xfs at the power loss: %s", resizing)
+	e.c.reboot(t)
+	e.waitRecovered(t)
+
+	e.waitCapacity(t, "mw-xfs", "600Mi")
+	waitFor(t, time.Minute, "mw-xfs's filesystem grown", func() error {
+		if after := e.fsSize(t, "mw-xfs", "/data"); after < before+250*1024 {
+			return fmt.Errorf("filesystem %d KiB, was %d", after, before)
+		}
+		return nil
+	})
+	e.expect(t, "mw-xfs", "/data/token", tok)
+	e.write(t, "mw-xfs", "/data/token")
+	e.write(t, "mw-start", "/data/token")
+
+	ids := map[string]string{}
+	for _, c := range []string{"mw-xfs", "mw-start"} {
+		ids[c] = e.volumeHandle(t, e.pvOf(t, c))
+	}
+	e.c.deleteAndWait(t, "pod", "mw-xfs", "mw-start")
+	e.fsckVolume(t, ids["mw-xfs"], "xfs")
+	e.fsckVolume(t, ids["mw-start"], "ext4")
+	e.c.deleteAndWait(t, "pvc", "mw-xfs", "mw-start")
+	waitFor(t, 2*time.Minute, "the claims' records removed", func() error {
+		for c, id := range ids {
+			if _, err := os.Stat(e.c.cfg.path("state", "volumes", id+".json")); err == nil {
+				return fmt.Errorf("the record of %s (claim %s) is still there", id, c)
+			}
+		}
+		return e.mounterRecordsOf(ids)
+	})
+	waitFor(t, 30*time.Second, "no loop device that no volume uses", func() error { return e.strayLoops(t) })
+}
