@@ -32,7 +32,11 @@ import (
 //
 // Not simulated: data that was written but not synced is not lost, since
 // the host's page cache outlives the node.
-func (c *Cluster) reboot(t *testing.T) {
+func (c *Cluster) reboot(t *testing.T) { c.rebootWith(t, nil) }
+
+// rebootWith is reboot with whileDown run after the kill, before the boot
+// (on the disk the node left).
+func (c *Cluster) rebootWith(t *testing.T, whileDown func()) {
 	t.Helper()
 	k := c.noteKernelState(t)
 	start := time.Now()
@@ -54,6 +58,9 @@ func (c *Cluster) reboot(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.keepBootLogs(t)
+	if whileDown != nil {
+		whileDown()
+	}
 	t.Logf("reboot: node killed and its kernel state released in %v (%d processes, %d mount namespaces, %d FUSE connections, %d container cgroups)",
 		time.Since(start).Round(time.Millisecond), len(k.procs), len(k.mountNS), len(k.fuse), len(k.cgroups))
 	c.startNode(t)

@@ -9,6 +9,7 @@ package cluster
 // gone nothing of them is left on the node.
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -470,4 +471,49 @@ func nodeRebootMidWork(t *testing.T, e *env) {
 		return e.mounterRecordsOf(ids)
 	})
 	waitFor(t, 30*time.Second, "no loop device that no volume uses", func() error { return e.strayLoops(t) })
+}
+
+// nodeRebootAgedInline: an inline volume whose pod had run for longer than
+// the plugin's publish grace (10 minutes) when the node lost power. The
+// record's publish is aged while the node is down (the test cannot wait
+// 10 minutes); after the boot the pod must find its data again.
+func nodeRebootAgedInline(t *testing.T, e *env) {
+	e.run(t, pod("ag-eph", withInline("32Mi", "/scratch")))
+	tok := e.write(t, "ag-eph", "/scratch/token")
+	e.c.rebootWith(t, func() { e.agePublishes(t, model.KindEphemeral, 11*time.Minute) })
+	e.waitRecovered(t)
+	e.expect(t, "ag-eph", "/scratch/token", tok)
+	e.c.deleteAndWait(t, "pod", "ag-eph")
+}
+
+// agePublishes moves the time each publish of the records of a kind was
+// asked back by d (the node is down: nothing else writes the journal).
+func (e *env) agePublishes(t *testing.T, kind model.Kind, d time.Duration) {
+	t.Helper()
+	for _, f := range e.records(t) {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rec map[string]any
+		dec := json.NewDecoder(bytes.NewReader(b))
+		dec.UseNumber() // inodes and sizes kept exact
+		if err := dec.Decode(&rec); err != nil {
+			t.Fatal(err)
+		}
+		pubs, _ := rec["publishes"].([]any)
+		if rec["kind"] != string(kind) || len(pubs) == 0 {
+			continue
+		}
+		for _, p := range pubs {
+			p.(map[string]any)["asked"] = time.Now().Add(-d).UTC().Format(time.RFC3339Nano)
+		}
+		if b, err = json.Marshal(rec); err == nil {
+			err = os.WriteFile(f, b, 0o600)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("publishes of %s aged by %v", filepath.Base(f), d)
+	}
 }
