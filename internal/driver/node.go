@@ -100,9 +100,14 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 			if v.Stage.Block != c.block || v.Stage.ReadOnly != c.readOnly {
 				return fmt.Errorf("volume %s is already staged with another access type or mode: %w", v.ID, errdefs.ErrAlreadyExists)
 			}
-			return d.adopt(ctx, v, src)
+			err := d.adopt(ctx, v, src)
+			if !errors.Is(err, source.ErrNeedsStage) {
+				return err
+			}
+			klog.FromContext(ctx).Info("Staging the volume again: its source cannot recover it from its record", "volume", v.ID, "reason", err.Error())
 		}
-		// An intent left by a crash: undo what may be half done, then stage anew.
+		// An intent left by a crash, or a stage its source cannot recover
+		// alone: undo what may be left, then stage anew.
 		if err := src.Unstage(ctx, viewOf(v)); err != nil {
 			return err
 		}

@@ -37,8 +37,7 @@ var (
 // device inside the container, the guard at kubelet's target.
 func nriPVC(t *testing.T, e *env) {
 	nriPoll = startNodePoller(e)
-	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
-		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"})
+	e.apply(t, e.nriStorageClass())
 	e.apply(t, pvc("ndata", nriClass, "64Mi"))
 	e.run(t, pod("n1", withClaim("ndata", "/data", false)))
 	e.nriPV(t, "ndata")
@@ -48,6 +47,12 @@ func nriPVC(t *testing.T, e *env) {
 	if nriPoll.seen(guard.FSType) == 0 {
 		t.Error("no guard in the node's mount table at kubelet's target")
 	}
+}
+
+// nriStorageClass is the StorageClass of NRI mode.
+func (e *env) nriStorageClass() obj {
+	return obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
+		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"}
 }
 
 // nriPodRecreated: the pod deleted, a new one finds the data; the first
