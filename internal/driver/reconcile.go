@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"maps"
 	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -150,7 +151,12 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 	}
 	changed := d.dropDeadConsumers(ctx, v)
 	n := len(v.Publishes)
-	v.Publishes = slices.DeleteFunc(v.Publishes, d.publishGone)
+	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool {
+		// An inline volume lives only as long as its publishes: while
+		// kubelet keeps the pod's volume directory, it will publish again
+		// (after a reboot) or unpublish, and the data must wait for it.
+		return d.publishGone(p) && !(v.Kind == model.KindEphemeral && kubeletKeeps(p.TargetPath))
+	})
 	changed = changed || len(v.Publishes) != n
 	if v.Kind == model.KindEphemeral && len(v.Publishes) == 0 {
 		return d.destroyEphemeral(ctx, v)
@@ -180,6 +186,15 @@ func (d *Driver) publishGone(p model.Publish) bool {
 		return !d.nriPublished(&p) && time.Since(p.Asked) > publishGrace
 	}
 	return !d.isMountPoint(p.TargetPath) && time.Since(p.Asked) > publishGrace
+}
+
+// kubeletKeeps reports whether kubelet still has the directory it made
+// for a publish's target (pods/<uid>/volumes/kubernetes.io~csi/<name>,
+// with its vol_data.json): it removes it once the volume is torn down for
+// good, and keeps it across reboots and restarts of anything.
+func kubeletKeeps(target string) bool {
+	_, err := os.Lstat(filepath.Dir(target))
+	return err == nil
 }
 
 // RunReconciler reconciles every interval until ctx ends, so consumers

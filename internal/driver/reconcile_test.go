@@ -369,3 +369,44 @@ func TestReadersNeverSeeATornRecord(t *testing.T) {
 		t.Fatalf("staged gauge %d while the file is half written, want 1", n)
 	}
 }
+
+// TestReconcileKeepsInlineKubeletHas: an inline volume whose publish shows
+// no mount (the node rebooted, long after the pod started) stays, with its
+// publish, while kubelet keeps the pod's volume directory: kubelet will
+// publish it again. Once that directory is gone, so is the volume.
+func TestReconcileKeepsInlineKubeletHas(t *testing.T) {
+	d, _ := newTestDriver(t)
+	fake := &fakeSource{}
+	d.sources["fake"] = fake
+	volDir := filepath.Join(t.TempDir(), "pods", "uid", "volumes", "kubernetes.io~csi", "scratch")
+	if err := os.MkdirAll(volDir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	v := &model.Volume{ID: "inline", Kind: model.KindEphemeral, Type: "fake",
+		Stage:     &model.Stage{Phase: model.PhaseStaged, StagingPath: "/s", Source: json.RawMessage(`{}`)},
+		Publishes: []model.Publish{{TargetPath: filepath.Join(volDir, "mount")}}} // asked long ago
+	if err := d.records.Put(v, journal.Runtime); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := d.records.Get("inline"); err != nil || len(got.Publishes) != 1 {
+		t.Fatalf("inline volume while kubelet keeps its directory: %+v, %v; want it with its publish", got, err)
+	}
+	if slices.Contains(fake.unstaged, "inline") {
+		t.Fatal("inline volume unstaged while kubelet keeps its directory")
+	}
+	if err := os.Remove(volDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.records.Get("inline"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("inline volume after kubelet removed its directory: %v, want NotFound", err)
+	}
+	if !slices.Contains(fake.unstaged, "inline") {
+		t.Errorf("inline volume removed without an unstage: %v", fake.unstaged)
+	}
+}

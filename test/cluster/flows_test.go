@@ -62,9 +62,7 @@ var flows = []flow{
 	// every container (reboot_flows_test.go).
 	{name: "NodeReboot", run: nodeReboot},
 	{name: "NodeRebootMidWork", run: nodeRebootMidWork},
-	{name: "NodeRebootAgedInline", run: nodeRebootAgedInline, pending: "the startup reconcile after a reboot forgets a publish asked more than " +
-		"publishGrace (10 min) ago whose target shows no mount, then destroys the inline volume left without publishes " +
-		"(internal/driver/reconcile.go) before kubelet publishes it again: its data is lost; needs the plugin to know it missed a boot"},
+	{name: "NodeRebootAgedInline", run: nodeRebootAgedInline},
 	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},
 	{name: "HelmUninstallInUseAndReinstall", run: helmUninstallInUse},
 }
