@@ -66,10 +66,13 @@ func (n *Local) initCgroups(ctx context.Context) {
 		c.m = m
 		c.notEnforced = m.Reason()
 	}
-	if c.notEnforced != "" {
-		log.Info("WARNING: FUSE profiles' resource limits are NOT enforced; daemons run in the mounter's cgroup as before",
-			"reason", c.notEnforced, "profilesWithLimits", n.profilesWithLimits())
-	} else {
+	limited := n.profilesWithLimits()
+	switch {
+	case c.notEnforced != "" && len(limited) > 0:
+		log.Info("WARNING: FUSE profiles' resource limits are NOT enforced", "reason", c.notEnforced, "profilesWithLimits", limited)
+	case c.notEnforced != "":
+		log.Info("FUSE daemons' resource limits could not be enforced (no profile has any)", "reason", c.notEnforced)
+	default:
 		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode())
 	}
 	if c.m != nil {
@@ -139,7 +142,7 @@ func (n *Local) stopCgroup(ctx context.Context, id string, teardown bool) error 
 		return nil
 	}
 	if !teardown {
-		return n.cgroups.m.Kill(id)
+		return n.cgroups.m.KillProcs(ctx, id, cgroupRemoveTimeout)
 	}
 	return n.cgroups.m.Remove(ctx, id, cgroupRemoveTimeout)
 }

@@ -276,7 +276,8 @@ func (m *Manager) Populated(name string) bool {
 
 // Kill kills every process left in name's leaf (cgroup.kill, Linux 5.14):
 // a process that left the daemon's session is still in its cgroup. A
-// kernel without cgroup.kill, or a leaf that is gone, is no error.
+// kernel without cgroup.kill, or a leaf that is gone, is no error. The
+// leaf is not for reuse afterwards (see KillProcs).
 func (m *Manager) Kill(name string) error {
 	if err := checkName(name); err != nil {
 		return err
@@ -286,6 +287,39 @@ func (m *Manager) Kill(name string) error {
 		return nil
 	}
 	return err
+}
+
+// KillProcs kills every process in name's leaf one by one, until it is
+// empty or timeout passes, and leaves the leaf usable. Not cgroup.kill:
+// measured on Linux 6.18, every process later started into a leaf that
+// once had cgroup.kill written (clone3 CLONE_INTO_CGROUP) is killed at
+// once, so a leaf that a volume's next daemon will use is never killed
+// that way.
+func (m *Manager) KillProcs(ctx context.Context, name string, timeout time.Duration) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
+		pids, err := readLines(filepath.Join(m.Path(name), "cgroup.procs"))
+		if errors.Is(err, fs.ErrNotExist) {
+			return true, nil
+		}
+		if err != nil {
+			last = err
+			return false, nil
+		}
+		for _, p := range pids {
+			if pid, err := strconv.Atoi(p); err == nil && pid > 1 && pid != os.Getpid() {
+				_ = unix.Kill(pid, unix.SIGKILL)
+			}
+		}
+		return len(pids) == 0, nil
+	})
+	if err != nil {
+		return fmt.Errorf("processes left in %s: %w", m.Path(name), errors.Join(err, last))
+	}
+	return nil
 }
 
 // Remove kills what is left in name's leaf, waits up to timeout for it to

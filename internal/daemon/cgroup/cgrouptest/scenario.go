@@ -74,8 +74,9 @@ func Exercise(t *testing.T, base string) cgroup.Mode {
 	if leaf.Path != filepath.Join(base, "daemons", "vol-a") || leaf.Enforced != enforced {
 		t.Errorf("Prepare = %+v (enforced here: %t)", leaf, enforced)
 	}
-	// A daemon and its child start in the leaf.
-	d := spawn("daemon", leaf.Path, "/bin/sh", "-c", sleep+" 61 & exec "+sleep+" 60")
+	// A daemon and its child (which leaves the daemon's session) start in
+	// the leaf.
+	d := spawn("daemon", leaf.Path, "/bin/sh", "-c", "setsid "+sleep+" 61 & exec "+sleep+" 60")
 	if got := Of(fsRoot, d.PID); got != leaf.Path {
 		t.Errorf("the daemon runs in %s, want %s", got, leaf.Path)
 	}
@@ -87,6 +88,19 @@ func Exercise(t *testing.T, base string) cgroup.Mode {
 	if err != nil || u.HasMemory != enforced || (enforced && u.MemoryMax != MemoryLimit) {
 		t.Errorf("Usage = %+v, %v", u, err)
 	}
+	// A restart's stop kills what is left in the leaf, a child that left
+	// the daemon's session too, and the next daemon runs there.
+	if err := m.KillProcs(context.Background(), "vol-a", 2*time.Second); err != nil {
+		t.Error(err)
+	}
+	if d.Alive() || Populated(leaf.Path) {
+		t.Errorf("KillProcs left processes in %s", leaf.Path)
+	}
+	next := spawn("next", leaf.Path, sleep, "60")
+	time.Sleep(100 * time.Millisecond)
+	if !next.Alive() || Of(fsRoot, next.PID) != leaf.Path {
+		t.Errorf("the next daemon did not live in the leaf after KillProcs")
+	}
 	if enforced {
 		oomKill(t, m, spawn)
 	}
@@ -95,8 +109,8 @@ func Exercise(t *testing.T, base string) cgroup.Mode {
 			t.Errorf("Remove(%s): %v", name, err)
 		}
 	}
-	if d.Alive() {
-		t.Errorf("daemon %s lives on after its cgroup was removed", d)
+	if next.Alive() {
+		t.Errorf("daemon %s lives on after its cgroup was removed", next)
 	}
 	if names, err := m.Names(); err != nil || len(names) != 0 {
 		t.Errorf("leaves left: %v, %v", names, err)
