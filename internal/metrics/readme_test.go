@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"context"
 	"go/ast"
 	"go/parser"
 	"go/token"
@@ -113,6 +114,9 @@ func TestReadmeListsEveryMetric(t *testing.T) {
 	m.ObserveStep("attach", time.Millisecond)
 	m.DaemonRestarted("p")
 	m.Reconciled(nil)
+	m.AddDaemonUsage(func(context.Context) ([]DaemonUsage, error) {
+		return []DaemonUsage{{Volume: "v", Profile: "p", InCgroup: true, HasMemory: true}}, nil
+	})
 	mfs, err := m.Registry.Gather()
 	if err != nil {
 		t.Fatal(err)

@@ -58,6 +58,7 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
+mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mkdir -p /run/lock/iscsi /var/run/tgtd /etc/iscsi/nodes /etc/iscsi/send_targets
 ip link set lo up
 t0=$(cat /proc/uptime)
