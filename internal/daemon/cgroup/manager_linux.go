@@ -157,15 +157,19 @@ func (m *Manager) enable() error {
 	return nil
 }
 
-// Mode is what the manager does; Reason says why limits are not enforced
-// ("" when they are).
-func (m *Manager) Mode() Mode      { return m.mode }
-func (m *Manager) Reason() string  { return m.reason }
-func (m *Manager) Base() string    { return m.base }
+// Mode is what the manager does for the daemons.
+func (m *Manager) Mode() Mode { return m.mode }
+
+// Reason says why limits are not enforced ("" when they are).
+func (m *Manager) Reason() string { return m.reason }
+
+// Base is the cgroup laid out for the daemons.
+func (m *Manager) Base() string { return m.base }
+
+// Path is the directory of the leaf name.
+func (m *Manager) Path(name string) string { return filepath.Join(m.daemons(), name) }
+
 func (m *Manager) daemons() string { return filepath.Join(m.base, "daemons") }
-func (m *Manager) Path(name string) string {
-	return filepath.Join(m.daemons(), name)
-}
 
 // Leaf is a daemon's cgroup, ready for it.
 type Leaf struct {
