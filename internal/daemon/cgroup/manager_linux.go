@@ -63,10 +63,21 @@ func Setup(base string) (*Manager, error) {
 		return nil, err
 	}
 	m := &Manager{base: base}
-	if err := m.evacuate(); err != nil {
-		return nil, err
+	// A process may be forked into base between the move and the enabling
+	// (the write then fails EBUSY), and the kernel may answer EBUSY for a
+	// moment after a move (crun retries for that too): move and enable
+	// again a few times.
+	var err error
+	for i := 0; i < 10; i++ {
+		if err = m.evacuate(); err != nil {
+			return nil, err
+		}
+		if err = m.enable(); !errors.Is(err, unix.EBUSY) {
+			break
+		}
+		time.Sleep(time.Duration(i+1) * 10 * time.Millisecond)
 	}
-	if err := m.enable(); err != nil {
+	if err != nil {
 		return nil, err
 	}
 	return m, nil
