@@ -71,7 +71,7 @@ func (n *Local) initCgroups(ctx context.Context) {
 	case c.notEnforced != "" && len(limited) > 0:
 		log.Info("WARNING: FUSE profiles' resource limits are NOT enforced", "reason", c.notEnforced, "profilesWithLimits", limited)
 	case c.notEnforced != "":
-		log.Info("FUSE daemons' resource limits could not be enforced (no profile has any)", "reason", c.notEnforced)
+		log.V(2).Info("FUSE daemons' resource limits could not be enforced (no profile has any)", "reason", c.notEnforced)
 	default:
 		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode())
 	}
