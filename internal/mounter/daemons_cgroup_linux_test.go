@@ -102,6 +102,7 @@ func (f *daemonFixture) oomKilled(leafOf func(string) string) {
 	}
 	waitGone(t, f.n, info.Proc)
 	st, err := f.n.DaemonStatus(ctx, info.Proc, 0)
+	t.Logf("the mounter says of the hog: %s: %s", st.Reason, st.Detail)
 	if err != nil || st.Alive || st.Reason != mounter.ReasonOOMKilled || !strings.Contains(st.Detail, "memory.max 33554432") {
 		t.Fatalf("DaemonStatus of a daemon past its memory limit = %+v, %v", st, err)
 	}

@@ -45,10 +45,10 @@ func (tm *timings) start(name string) func() {
 }
 
 // guestTools are the host programs the guest needs, with their libraries.
-var guestTools = []string{"nbdkit", "mke2fs", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
+var guestTools = []string{"nbdkit", "mke2fs", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm", "squashfuse", "mksquashfs"}
 
 // guestModules are loaded, with their dependencies, before the tests run.
-var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop"}
+var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "fuse"}
 
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -84,6 +84,14 @@ func TestVM(t *testing.T) {
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go test -c ./guest: %v\n%s", err, out)
+	}
+	// The mounter's FUSE daemon tests, which the guest runs where the
+	// memory and cpu controllers are (TestMounterDaemonCgroup).
+	mounterBin := filepath.Join(work, "mounter.test")
+	cmd = exec.Command("go", "test", "-c", "-o", mounterBin, "../../internal/mounter")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go test -c ./internal/mounter: %v\n%s", err, out)
 	}
 	stop()
 
@@ -123,6 +131,7 @@ func TestVM(t *testing.T) {
 	order := a.modules(t, k, guestModules...)
 	a.file("/modules/order", []byte(strings.Join(order, "\n")+"\n"), 0o644)
 	a.copyFile(t, guestBin, "/guest.test")
+	a.copyFile(t, mounterBin, "/mounter.test")
 	initrd := filepath.Join(work, "initrd.cpio")
 	size, err := a.write(initrd)
 	if err != nil {

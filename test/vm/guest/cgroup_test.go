@@ -4,6 +4,8 @@ package guest
 
 import (
 	"os"
+	"os/exec"
+	"strings"
 	"testing"
 
 	"github.com/mountplan/mountplan/internal/daemon/cgroup"
@@ -28,5 +30,29 @@ func TestDaemonCgroupsEnforced(t *testing.T) {
 	base := cgrouptest.Dedicated(t, "mounter", "daemons")
 	if mode := cgrouptest.Exercise(t, base); mode != cgroup.Enforced {
 		t.Fatalf("mode %s in the guest, want %s", mode, cgroup.Enforced)
+	}
+}
+
+// TestMounterDaemonCgroup runs the mounter's own TestDaemonCgroup (its
+// test binary, which test/vm puts at /mounter.test) where memory and cpu
+// are enabled: a FUSE daemon's profile limits in its leaf, and a daemon
+// that allocates past them dies OOMKilled and is restarted in the same
+// leaf. CI=true: a missing prerequisite fails it rather than skip.
+func TestMounterDaemonCgroup(t *testing.T) {
+	if err := os.WriteFile("/sys/fs/cgroup/cgroup.subtree_control", []byte("+memory +cpu"), 0); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("/mounter.test", "-test.run", "^TestDaemonCgroup$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), "CI=true")
+	cmd.Dir = "/tmp"
+	out, err := cmd.CombinedOutput()
+	t.Logf("%s", out)
+	if err != nil {
+		t.Fatalf("the mounter's TestDaemonCgroup: %v", err)
+	}
+	for _, want := range []string{"--- PASS: TestDaemonCgroup", "OOMKilled"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("its output lacks %q", want)
+		}
 	}
 }
