@@ -132,6 +132,11 @@ func TestVM(t *testing.T) {
 	a.file("/modules/order", []byte(strings.Join(order, "\n")+"\n"), 0o644)
 	a.copyFile(t, guestBin, "/guest.test")
 	a.copyFile(t, mounterBin, "/mounter.test")
+	// mksquashfs's threads dlopen libgcc_s at pthread_exit; ldd does not
+	// list it.
+	if libgcc, err := filepath.Glob("/lib/*/libgcc_s.so.1"); err == nil && len(libgcc) > 0 {
+		a.copyFile(t, libgcc[0], libgcc[0])
+	}
 	initrd := filepath.Join(work, "initrd.cpio")
 	size, err := a.write(initrd)
 	if err != nil {
