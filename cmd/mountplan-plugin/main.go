@@ -90,6 +90,9 @@ func run(f flags) error {
 	var d *driver.Driver
 	if f.metricsAddress != "" {
 		mx = metrics.New(func() map[string]int { return d.StagedByType() })
+		if u, ok := node.(mounter.DaemonUsages); ok {
+			mx.AddDaemonUsage(daemonUsage(u))
+		}
 	}
 	sources, err := newSources(f, cfg, node, mx)
 	if err != nil {
@@ -246,6 +249,19 @@ func newMounter(ctx context.Context, f flags, cfg *config.Config) (node mounter.
 		return nil, nil, nil, err
 	}
 	return local, func(func()) {}, func() { _ = local.Close() }, nil
+}
+
+// daemonUsage asks the mounter, at each scrape, what the FUSE daemons use.
+func daemonUsage(u mounter.DaemonUsages) func(context.Context) ([]metrics.DaemonUsage, error) {
+	return func(ctx context.Context) ([]metrics.DaemonUsage, error) {
+		all, err := u.DaemonUsage(ctx)
+		out := make([]metrics.DaemonUsage, 0, len(all))
+		for _, d := range all {
+			out = append(out, metrics.DaemonUsage{Volume: d.VolumeID, Profile: d.Profile, InCgroup: d.Cgroup != "",
+				LimitsEnforced: d.LimitsEnforced, HasMemory: d.HasMemory, MemoryBytes: d.MemoryBytes, CPUUsec: d.CPUUsec, OOMKills: d.OOMKills})
+		}
+		return out, err
+	}
 }
 
 func version() string {

@@ -103,6 +103,8 @@ func runServe(ctx context.Context, args []string) error {
 		"Unmount removes the mount point afterwards (rmdir or unlink, never recursive)")
 	fs.StringVar(&nf.kubeletDir, "kubelet-dir", config.DefaultKubeletDir,
 		"kubelet's root directory: plans for the mounter's own namespace (kubelet's publishes) are performed only below it")
+	fs.StringVar(&nf.daemonCgroup, "daemon-cgroup", mounter.CgroupSelf,
+		`where each FUSE daemon gets a cgroup v2 of its own with its profile's resources: "self" (below the mounter's own cgroup, which it then leaves for <own>/mounter), a cgroup directory, or "" (none: daemons run in the mounter's cgroup, limits not enforced)`)
 	hf := addNRIFlags(fs)
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err

@@ -28,6 +28,7 @@ type nodeFlags struct {
 	allowPropagation                 bool
 	removeMountPoint                 bool
 	kubeletDir                       string // serve only: the mount command serves containers
+	daemonCgroup                     string // serve only: the one-shot commands run no daemons
 }
 
 func addNodeFlags(fs *flag.FlagSet) *nodeFlags {
@@ -70,7 +71,7 @@ func (f *nodeFlags) options() (mounter.Options, error) {
 		return mounter.Options{}, fmt.Errorf("--records-dir %q must be an absolute path outside --state-dir %s (and not holding it): %w", f.recordsDir, state, errUsage)
 	}
 	return mounter.Options{StateDir: state, KubeletDir: f.kubeletDir, RecordsDir: records, Config: cfg,
-		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation}, nil
+		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation, DaemonCgroup: f.daemonCgroup}, nil
 }
 
 type consumerFlag struct {

@@ -46,6 +46,10 @@ type Command struct {
 	// ParseCapabilities): its bounding set, and for a daemon that runs as
 	// another user than root its ambient set. Empty: none.
 	Capabilities []string `json:"capabilities,omitempty"`
+	// Cgroup, when set, is the cgroup v2 directory the daemon starts in
+	// (clone3 CLONE_INTO_CGROUP): it and every child of it are accounted
+	// and limited there from their first instruction.
+	Cgroup string `json:"cgroup,omitempty"`
 	// Spec, when set, is what the command was rendered from: the mounter
 	// renders every command itself, from Spec's profile and its own copy
 	// of the admin's profiles, and records both.
@@ -137,8 +141,16 @@ func (LocalSpawner) Spawn(ctx context.Context, c Command) (Proc, error) {
 		return Proc{}, fmt.Errorf("daemon log: %w", err)
 	}
 	defer log.Close()
-	closeOnExecAll()
 	sys := &syscall.SysProcAttr{Setsid: true}
+	if c.Cgroup != "" {
+		cg, err := mountns.Openat2(unix.AT_FDCWD, c.Cgroup, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0, mountns.ResolveNoSymlinks)
+		if err != nil {
+			return Proc{}, fmt.Errorf("daemon cgroup: %w", openError(c.Cgroup, err))
+		}
+		defer unix.Close(cg)
+		sys.UseCgroupFD, sys.CgroupFD = true, cg
+	}
+	closeOnExecAll()
 	if c.RunAs != nil {
 		sys.Credential = &syscall.Credential{Uid: c.RunAs.UID, Gid: c.RunAs.GID, Groups: []uint32{}}
 		if c.RunAs.UID != 0 {

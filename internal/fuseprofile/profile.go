@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/mountplan/mountplan/internal/daemon"
+	"github.com/mountplan/mountplan/internal/daemon/cgroup"
 )
 
 // Profile is a FUSE daemon an admin allows; a volume picks one by name
@@ -79,7 +80,25 @@ type Profile struct {
 	// ReadyTimeout bounds how long the FUSE mount may take to appear after
 	// the daemon starts. Default 30s.
 	ReadyTimeout Duration `json:"readyTimeout,omitempty"`
+	// Resources limit each daemon of the profile (and its children) in
+	// the cgroup of its own the mounter starts it in: memory.max (swap
+	// off) and cpu.max. A daemon killed for exceeding its memory is
+	// restarted like any that dies, with the reason OOMKilled. Enforced
+	// on cgroup v2 hosts only; elsewhere the mounter warns and reports
+	// them as not enforced.
+	Resources Resources `json:"resources,omitzero"`
 }
+
+// Resources are Kubernetes quantities; empty: no limit.
+type Resources struct {
+	// Memory in bytes ("256Mi"), at least 4Mi.
+	Memory string `json:"memory,omitempty"`
+	// CPU in CPUs ("500m", "2"), at least 10m.
+	CPU string `json:"cpu,omitempty"`
+}
+
+// Limits are r parsed.
+func (r Resources) Limits() (cgroup.Limits, error) { return cgroup.ParseLimits(r.Memory, r.CPU) }
 
 // SourceRule constrains a volume's source: either a pattern (a remote
 // such as user@host:/path) or a host path under one of Roots. Every source

@@ -49,6 +49,9 @@ func (p *Profile) validate() error {
 	if p.ReadyTimeout.Duration < 0 {
 		return invalidf("readyTimeout must not be negative")
 	}
+	if _, err := p.Resources.Limits(); err != nil {
+		return invalidf("%v", err)
+	}
 	if err := p.Source.validate(); err != nil {
 		return err
 	}

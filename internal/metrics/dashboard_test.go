@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -33,6 +34,9 @@ func gathered(t *testing.T) []*dto.MetricFamily {
 	m.ObserveStep("attach", time.Millisecond)
 	m.DaemonRestarted("p")
 	m.Reconciled(nil)
+	m.AddDaemonUsage(func(context.Context) ([]DaemonUsage, error) {
+		return []DaemonUsage{{Volume: "v", Profile: "p", InCgroup: true, HasMemory: true}}, nil
+	})
 	mfs, err := m.Registry.Gather()
 	if err != nil {
 		t.Fatal(err)

@@ -33,6 +33,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/daemon"
+	"github.com/mountplan/mountplan/internal/daemon/cgroup"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/fuseprofile"
@@ -95,6 +96,11 @@ type daemonRecord struct {
 	Profile    string    `json:"profile"`
 	Conn       uint64    `json:"conn,omitempty"`
 	Started    time.Time `json:"started"`
+	// Cgroup is the daemon's cgroup ("": it runs in the mounter's), and
+	// OOMKills the cgroup's count of OOM kills when it started.
+	Cgroup         string `json:"cgroup,omitempty"`
+	OOMKills       uint64 `json:"oomKills,omitempty"`
+	LimitsEnforced bool   `json:"limitsEnforced,omitempty"`
 }
 
 // fuseLayout is a volume's directory: below the state dir as given (how
@@ -122,7 +128,7 @@ func (n *Local) fuseLayout(id string) (fuseLayout, error) {
 // records of another boot are dropped, daemons that are gone forgotten;
 // a volume's record stays (its directory and secrets do) for the next
 // start. One that observes only reads them.
-func (n *Local) initDaemons(context.Context) error {
+func (n *Local) initDaemons(ctx context.Context) error {
 	d := &n.daemons
 	d.vols = map[string]volumeDaemons{}
 	real, err := filepath.EvalSymlinks(n.opts.StateDir)
@@ -157,6 +163,9 @@ func (n *Local) initDaemons(context.Context) error {
 			errs = append(errs, d.db.Put(key, rec))
 		}
 		d.vols[key] = rec
+	}
+	if !n.opts.Observe {
+		n.initCgroups(ctx)
 	}
 	return errors.Join(lerr, errors.Join(errs...))
 }
@@ -253,6 +262,10 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 	if err != nil {
 		return info, err
 	}
+	prof, err := n.profiles.Profile(req.Profile)
+	if err != nil {
+		return info, err
+	}
 	timeout := req.ReadyTimeout
 	if timeout <= 0 {
 		timeout = defaultReadyTimeout
@@ -275,7 +288,12 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 	if err := n.makeVolumeDir(l, cmd.RunAs, restart, names, req.Secrets); err != nil {
 		return info, err
 	}
-	proc, conn, err := n.runDaemon(ctx, l, &rec, req, cmd, timeout)
+	leaf, err := n.daemonLeaf(req.VolumeID, prof)
+	if err != nil {
+		return info, err
+	}
+	cmd.Cgroup = leaf.Path
+	proc, conn, err := n.runDaemon(ctx, l, &rec, req, cmd, leaf, timeout)
 	if err != nil {
 		if tail := daemon.LogTail(l.realLog(), logTailBytes, red); tail != "" {
 			err = fmt.Errorf("%w; the daemon's log ends with:\n%s", err, tail)
@@ -467,7 +485,7 @@ func writeSecret(dir *os.File, name, value string, runAs *daemon.User) error {
 
 // runDaemon starts cmd, records it at once, waits until its FUSE mount
 // sits on mnt/ and answers, and records the mount.
-func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons, req DaemonRequest, cmd daemon.Command, timeout time.Duration) (daemon.Proc, uint64, error) {
+func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons, req DaemonRequest, cmd daemon.Command, leaf cgroup.Leaf, timeout time.Duration) (daemon.Proc, uint64, error) {
 	w, err := newMountWatch()
 	if err != nil {
 		return daemon.Proc{}, 0, err
@@ -478,14 +496,15 @@ func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons,
 	if err != nil {
 		return daemon.Proc{}, 0, fmt.Errorf("fuse daemon %s: %w", cmd.Path, err)
 	}
-	rec.Daemons = append(rec.Daemons, daemonRecord{Proc: proc, Generation: req.Generation, Profile: req.Profile, Started: started.UTC()})
+	rec.Daemons = append(rec.Daemons, daemonRecord{Proc: proc, Generation: req.Generation, Profile: req.Profile, Started: started.UTC(),
+		Cgroup: leaf.Path, OOMKills: leaf.OOMKills, LimitsEnforced: leaf.Enforced})
 	if err := n.daemons.put(*rec); err != nil {
 		_ = daemon.Terminate(context.WithoutCancel(ctx), proc, 0)
 		return proc, 0, err
 	}
 	log := klog.FromContext(ctx)
 	log.Info("Started daemon", "volume", req.VolumeID, "pid", proc.PID, "generation", req.Generation, "profile", req.Profile,
-		"capabilities", cmd.Capabilities, "runAs", cmd.RunAs)
+		"capabilities", cmd.Capabilities, "runAs", cmd.RunAs, "cgroup", leaf.Path, "limitsEnforced", leaf.Enforced)
 	conn, err := n.waitReady(ctx, l, proc, timeout, w)
 	if err != nil {
 		return proc, conn, err
@@ -611,6 +630,9 @@ func (n *Local) DaemonStatus(_ context.Context, p daemon.Proc, conn uint64) (Dae
 		return DaemonStatus{}, fmt.Errorf("%s is no daemon the mounter started: %w", p, errdefs.ErrNotFound)
 	}
 	st := DaemonStatus{Alive: p.Alive()}
+	if !st.Alive {
+		st.Reason, st.Detail = n.exitReason(rec)
+	}
 	if conn == 0 {
 		return st, nil
 	}
@@ -696,6 +718,10 @@ func (n *Local) stopVolume(ctx context.Context, l fuseLayout, id string, known [
 			continue
 		}
 		log.V(2).Info("Stopped daemon", "pid", p.PID)
+	}
+	// Whatever left the daemons' sessions is still in their cgroup.
+	if len(errs) == 0 {
+		errs = append(errs, n.stopCgroup(ctx, id, teardown))
 	}
 	// Also when a daemon would not die: its aborted connection and
 	// detached mount still free the volume's directory.

@@ -38,11 +38,17 @@ type daemonFixture struct {
 	records     string
 	images, img string
 	outside     string
+	cgroup      string // the node's DaemonCgroup ("": none)
 	cfg         *config.Config
 	n           *mounter.Local
 }
 
 const nobody = 65534
+
+const hogScript = `squashfuse -f -o allow_other "$1" "$2" &
+until [ -e "$3/go" ]; do sleep 0.05; done
+x=$(dd if=/dev/zero bs=1048576 count=256 2>/dev/null | tr '\0' a)
+wait`
 
 func newDaemonFixture(t *testing.T) *daemonFixture {
 	mountnstest.RequireRoot(t)
@@ -77,12 +83,19 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 	}
 	src := fuseprofile.SourceRule{Roots: []string{f.images}}
 	squash := []string{"-f", "{source}", "{mountpoint}", "-o", "allow_other"}
+	limited := fuseprofile.Resources{Memory: "64Mi", CPU: "500m"}
 	f.cfg = &config.Config{FuseProfiles: []fuseprofile.Profile{
 		{Name: "squashfuse", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, ReadyTimeout: fuseprofile.Duration{Duration: 10 * time.Second}},
 		{Name: "squashfuse-nocaps", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, Capabilities: []string{}},
 		{Name: "squashfuse-user", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, RunAs: &daemon.User{UID: nobody, GID: nobody}},
 		{Name: "secretful", Binary: "/usr/bin/squashfuse", Args: append(squash, "-o", "fsname={secret:token}"), Source: src,
 			Secrets: []fuseprofile.Secret{{Name: "token"}}},
+		{Name: "squashfuse-limited", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, Resources: limited},
+		// hog mounts (through squashfuse, its child) and, once told to
+		// by a file in its work dir, reads 256 MiB into a variable of
+		// its own: past its memory limit.
+		{Name: "hog", Binary: "/bin/sh", Args: []string{"-c", hogScript, "hog", "{source}", "{mountpoint}", "{workdir}"}, Source: src,
+			Resources: fuseprofile.Resources{Memory: "32Mi"}},
 		{Name: "sleeper", Binary: "/bin/sh", Args: []string{"-c", "exec sleep 30", "{mountpoint}"}, Source: fuseprofile.SourceRule{Pattern: "x"}},
 		{Name: "leaky", Binary: "/bin/sh", Args: []string{"-c", `cat "$1"; echo; echo giving up >&2; exit 3`, "{mountpoint}", "{secret:token}"},
 			Source: fuseprofile.SourceRule{Pattern: "x"}, Secrets: []fuseprofile.Secret{{Name: "token"}}},
@@ -97,7 +110,7 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 // node makes a node over the fixture's state and records dirs (again,
 // after a "restart").
 func (f *daemonFixture) node() *mounter.Local {
-	return node(f.t, mounter.Options{StateDir: f.state, KubeletDir: f.state, RecordsDir: f.records, Config: f.cfg})
+	return node(f.t, mounter.Options{StateDir: f.state, KubeletDir: f.state, RecordsDir: f.records, Config: f.cfg, DaemonCgroup: f.cgroup})
 }
 
 func (f *daemonFixture) request(id, profile string) mounter.DaemonRequest {

@@ -206,6 +206,36 @@ type DaemonStatus struct {
 	Alive bool `json:"alive"`
 	// Waiting counts the requests the daemon has not answered yet.
 	Waiting int `json:"waiting"`
+	// Reason says why a daemon that is gone died, when the mounter
+	// knows (ReasonOOMKilled), and Detail says more.
+	Reason string `json:"reason,omitempty"`
+	Detail string `json:"detail,omitempty"`
+}
+
+// DaemonUsage is what one volume's daemon uses, from its cgroup.
+type DaemonUsage struct {
+	VolumeID string `json:"volumeID"`
+	Profile  string `json:"profile"`
+	// Cgroup is the daemon's cgroup; "": none (the figures are zero).
+	Cgroup string `json:"cgroup,omitempty"`
+	// LimitsEnforced: the profile limits nothing, or its limits are
+	// applied to the daemon's cgroup.
+	LimitsEnforced bool `json:"limitsEnforced"`
+	// MemoryBytes is memory.current (HasMemory false: not accounted),
+	// MemoryMaxBytes memory.max (0: no limit).
+	MemoryBytes    uint64 `json:"memoryBytes"`
+	HasMemory      bool   `json:"hasMemory"`
+	MemoryMaxBytes uint64 `json:"memoryMaxBytes"`
+	// CPUUsec is the CPU time used (cpu.stat usage_usec).
+	CPUUsec uint64 `json:"cpuUsec"`
+	// OOMKills counts the OOM kills in the cgroup, every generation of
+	// the volume's daemon together.
+	OOMKills uint64 `json:"oomKills"`
+}
+
+// DaemonUsages reports the daemons' usage (a metrics scrape asks).
+type DaemonUsages interface {
+	DaemonUsage(ctx context.Context) ([]DaemonUsage, error)
 }
 
 // Daemons runs the FUSE daemons of volumes under <state-dir>/fuse/<id>.

@@ -35,6 +35,7 @@ type Local struct {
 
 	// What each kind of device or daemon keeps, in a file of its own.
 	daemons daemonsState
+	cgroups daemonCgroups
 	nbd     nbdState
 	iscsi   iscsiState
 }

@@ -26,6 +26,12 @@ type Options struct {
 	// Config is the admin's config: the plan policy, the static image
 	// roots, the FUSE profiles, the iSCSI settings.
 	Config *config.Config
+	// DaemonCgroup is the cgroup v2 directory below which each FUSE
+	// daemon gets a cgroup of its own with its profile's limits
+	// (internal/daemon/cgroup); CgroupSelf: the mounter's own cgroup,
+	// which it then leaves for <own>/mounter. Empty: daemons run in the
+	// mounter's cgroup and limits are not enforced (said in a warning).
+	DaemonCgroup string
 	// Spawner starts FUSE daemons; nil: daemon.LocalSpawner.
 	Spawner daemon.Spawner
 	// RemoveMountPoint: see Executor.

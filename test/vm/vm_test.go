@@ -43,11 +43,11 @@ func (tm *timings) start(name string) func() {
 }
 
 // guestTools are the host programs the guest needs, with their libraries.
-var guestTools = []string{"nbdkit", "mke2fs", "e2fsck", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
+var guestTools = []string{"nbdkit", "mke2fs", "e2fsck", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm", "squashfuse", "mksquashfs"}
 
 // guestModules are loaded, with their dependencies, before the tests run
-// (virtio_blk for the reboot test's disks).
-var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "virtio_pci", "virtio_blk"}
+// (virtio_blk for the reboot test's disks, fuse for the daemons' cgroups).
+var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "fuse", "virtio_pci", "virtio_blk"}
 
 // initScript is the guest's /init. The first boot runs the guest's tests,
 // then the reboot test's first phase, which ends in the host's reset; the
@@ -62,6 +62,7 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
+mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mkdir -p /run/lock/iscsi /var/run/tgtd /etc/iscsi/nodes /etc/iscsi/send_targets
 ip link set lo up
 t0=$(cat /proc/uptime)
@@ -113,6 +114,14 @@ func TestVM(t *testing.T) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go test -c ./guest: %v\n%s", err, out)
 	}
+	// The mounter's FUSE daemon tests, which the guest runs where the
+	// memory and cpu controllers are (TestMounterDaemonCgroup).
+	mounterBin := filepath.Join(work, "mounter.test")
+	cmd = exec.Command("go", "test", "-c", "-o", mounterBin, "../../internal/mounter")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go test -c ./internal/mounter: %v\n%s", err, out)
+	}
 	stop()
 
 	stop = tm.start("build initramfs")
@@ -151,6 +160,12 @@ func TestVM(t *testing.T) {
 	order := a.modules(t, k, guestModules...)
 	a.file("/modules/order", []byte(strings.Join(order, "\n")+"\n"), 0o644)
 	a.copyFile(t, guestBin, "/guest.test")
+	a.copyFile(t, mounterBin, "/mounter.test")
+	// mksquashfs's threads dlopen libgcc_s at pthread_exit; ldd does not
+	// list it.
+	if libgcc, err := filepath.Glob("/lib/*/libgcc_s.so.1"); err == nil && len(libgcc) > 0 {
+		a.copyFile(t, libgcc[0], libgcc[0])
+	}
 	initrd := filepath.Join(work, "initrd.cpio")
 	size, err := a.write(initrd)
 	if err != nil {

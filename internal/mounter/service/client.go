@@ -169,6 +169,13 @@ func (c *Client) StopDaemons(ctx context.Context, volumeID string, known []daemo
 	return do(ctx, c, "StopDaemons", volumeReq{VolumeID: volumeID, Known: known, Teardown: teardown})
 }
 
+// DaemonUsage asks the mounter what each volume's daemon uses (a metrics
+// scrape).
+func (c *Client) DaemonUsage(ctx context.Context) ([]mounter.DaemonUsage, error) {
+	r, err := call[empty, usageResp](ctx, c, "DaemonUsage", empty{})
+	return r.Usage, err
+}
+
 // ConnectNBD passes sock to the mounter as a descriptor (SCM_RIGHTS); the
 // caller keeps its own and may close it once the call returns.
 func (c *Client) ConnectNBD(ctx context.Context, req mounter.NBDRequest, sock *os.File) (mounter.Device, error) {

@@ -76,6 +76,9 @@ type (
 	createdResp struct {
 		Created bool `json:"created"`
 	}
+	usageResp struct {
+		Usage []mounter.DaemonUsage `json:"usage"`
+	}
 	daemonReq struct {
 		Proc daemon.Proc `json:"proc"`
 		Conn uint64      `json:"conn,omitempty"`
@@ -209,6 +212,12 @@ func registerNode(s *unixrpc.Server, n mounter.Node) {
 	handle(s, "StopDaemons", func(ctx context.Context, r volumeReq, _ []*os.File) (empty, error) {
 		return empty{}, n.StopDaemons(ctx, r.VolumeID, r.Known, r.Teardown)
 	})
+	if u, ok := n.(mounter.DaemonUsages); ok {
+		unixrpc.Handle(s, "DaemonUsage", func(ctx context.Context, _ empty, _ []*os.File) (usageResp, error) {
+			all, err := u.DaemonUsage(ctx)
+			return usageResp{all}, err
+		})
+	}
 }
 
 // oneFile is the one descriptor a call carries; nil when it carries none

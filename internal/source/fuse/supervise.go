@@ -230,7 +230,7 @@ func (sup *supervisor) watch(ctx context.Context) (reason, msg string) {
 		case <-ctx.Done():
 			return "", ""
 		case <-exited:
-			return "DaemonDown", fmt.Sprintf("fuse daemon %s exited", d.Proc)
+			return sup.whyExited(ctx, d)
 		case r := <-results:
 			inFlight = time.Time{}
 			if errors.Is(r.err, unix.ENOTCONN) || errors.Is(r.err, unix.ECONNABORTED) {
@@ -258,6 +258,19 @@ func (sup *supervisor) watch(ctx context.Context) (reason, msg string) {
 			}
 		}
 	}
+}
+
+// whyExited asks the mounter why d died: the kernel's OOM killer at the
+// profile's memory limit is OOMKilled, anything else (or a mounter that
+// cannot say) DaemonDown.
+func (sup *supervisor) whyExited(ctx context.Context, d Daemon) (reason, msg string) {
+	sctx, cancel := context.WithTimeout(ctx, statusTimeout)
+	st, err := sup.src.daemons.DaemonStatus(sctx, d.Proc, 0)
+	cancel()
+	if err == nil && st.Reason != "" {
+		return st.Reason, st.Detail
+	}
+	return "DaemonDown", fmt.Sprintf("fuse daemon %s exited", d.Proc)
 }
 
 // checkHung asks the mounter about a daemon whose statfs has been

@@ -1,0 +1,197 @@
+package mounter
+
+// The FUSE daemons' cgroups (internal/daemon/cgroup): each volume's daemon
+// runs in <base>/daemons/<volume>, every generation of it in the same
+// leaf, so that its OOM kills count on across restarts; the leaf goes
+// when the volume is torn down, and a mounter that starts removes the
+// empty leaves of volumes with no live daemon. Without a usable cgroup v2
+// (a v1 host, a cgroup the mounter cannot write, or no --daemon-cgroup)
+// daemons run in the mounter's cgroup as before, a warning says once that
+// the profiles' limits are not enforced, and DaemonUsage reports them so.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/internal/daemon/cgroup"
+	"github.com/mountplan/mountplan/internal/fuseprofile"
+)
+
+// CgroupSelf (Options.DaemonCgroup) lays the daemons' cgroups out below
+// the mounter's own cgroup (/proc/self/cgroup).
+const CgroupSelf = "self"
+
+// ReasonOOMKilled is DaemonStatus.Reason of a daemon the kernel killed at
+// its memory limit.
+const ReasonOOMKilled = "OOMKilled"
+
+// cgroupRemoveTimeout bounds the wait for a leaf to empty after
+// cgroup.kill.
+const cgroupRemoveTimeout = 2 * time.Second
+
+// daemonCgroups is the mounter's cgroup manager, or why it has none.
+type daemonCgroups struct {
+	m *cgroup.Manager // nil: daemons run in the mounter's cgroup
+	// notEnforced says why profiles' limits are not enforced ("": they
+	// are).
+	notEnforced string
+}
+
+// initCgroups sets the daemons' cgroups up (Options.DaemonCgroup), warns
+// once when limits will not be enforced, and removes the leaves of dead
+// daemons an earlier mounter left.
+func (n *Local) initCgroups(ctx context.Context) {
+	log := klog.FromContext(ctx)
+	c := &n.cgroups
+	switch base := n.opts.DaemonCgroup; base {
+	case "":
+		c.notEnforced = "the mounter was started without a cgroup for its daemons (--daemon-cgroup)"
+	default:
+		if base == CgroupSelf {
+			base = ""
+		}
+		m, err := cgroup.Setup(base)
+		if err != nil {
+			c.notEnforced = fmt.Sprintf("no cgroup v2 for the daemons: %v", err)
+			break
+		}
+		c.m = m
+		c.notEnforced = m.Reason()
+	}
+	limited := n.profilesWithLimits()
+	switch {
+	case c.notEnforced != "" && len(limited) > 0:
+		log.Info("WARNING: FUSE profiles' resource limits are NOT enforced", "reason", c.notEnforced, "profilesWithLimits", limited)
+	case c.notEnforced != "":
+		log.V(2).Info("FUSE daemons' resource limits could not be enforced (no profile has any)", "reason", c.notEnforced)
+	default:
+		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode())
+	}
+	if c.m != nil {
+		n.removeStaleCgroups(ctx)
+	}
+}
+
+func (n *Local) profilesWithLimits() []string {
+	var names []string
+	for _, p := range n.opts.Config.FuseProfiles {
+		if p.Resources != (fuseprofile.Resources{}) {
+			names = append(names, p.Name)
+		}
+	}
+	return names
+}
+
+// removeStaleCgroups removes each leaf that is empty and whose volume has
+// no live daemon. A leaf with processes in it is left: they are not known
+// to be dead, and the mounter kills nothing it does not know.
+func (n *Local) removeStaleCgroups(ctx context.Context) {
+	log := klog.FromContext(ctx)
+	names, err := n.cgroups.m.Names()
+	if err != nil {
+		log.Error(err, "Cannot list the daemons' cgroups")
+		return
+	}
+	for _, name := range names {
+		rec, _ := n.daemons.get(name)
+		if slices.ContainsFunc(rec.Daemons, func(r daemonRecord) bool { return r.Alive() }) {
+			continue
+		}
+		if n.cgroups.m.Populated(name) {
+			log.Info("A daemon cgroup with processes but no live daemon recorded is left alone", "cgroup", n.cgroups.m.Path(name))
+			continue
+		}
+		if err := n.cgroups.m.Remove(ctx, name, cgroupRemoveTimeout); err != nil {
+			log.Error(err, "Cannot remove a dead daemon's cgroup")
+			continue
+		}
+		log.V(2).Info("Removed a dead daemon's cgroup", "volume", name)
+	}
+}
+
+// daemonLeaf prepares the cgroup of volume id's daemon of profile and
+// returns it; a zero Leaf (with Enforced false when prof asks for limits)
+// without cgroups.
+func (n *Local) daemonLeaf(id string, prof *fuseprofile.Profile) (cgroup.Leaf, error) {
+	limits, err := prof.Resources.Limits()
+	if err != nil {
+		return cgroup.Leaf{}, err
+	}
+	if n.cgroups.m == nil {
+		return cgroup.Leaf{Enforced: limits.IsZero()}, nil
+	}
+	leaf, err := n.cgroups.m.Prepare(id, limits)
+	if err != nil {
+		return leaf, fmt.Errorf("cgroup of volume %s's daemon: %w", id, err)
+	}
+	return leaf, nil
+}
+
+// stopCgroup kills what is left in volume id's leaf (a process that left
+// the daemon's session) and, at teardown, removes the leaf.
+func (n *Local) stopCgroup(ctx context.Context, id string, teardown bool) error {
+	if n.cgroups.m == nil {
+		return nil
+	}
+	if !teardown {
+		return n.cgroups.m.KillProcs(ctx, id, cgroupRemoveTimeout)
+	}
+	return n.cgroups.m.Remove(ctx, id, cgroupRemoveTimeout)
+}
+
+// exitReason says why r, a daemon that is gone, died when its cgroup
+// tells: OOMKilled when the leaf's OOM kills went up since it started.
+func (n *Local) exitReason(r daemonRecord) (reason, detail string) {
+	if n.cgroups.m == nil || r.Cgroup == "" {
+		return "", ""
+	}
+	u, err := n.cgroups.m.Usage(filepath.Base(r.Cgroup))
+	if err != nil || u.OOMKills <= r.OOMKills {
+		return "", ""
+	}
+	return ReasonOOMKilled, fmt.Sprintf("fuse daemon %s was killed by the kernel's OOM killer at its memory limit (memory.max %d bytes, %d OOM kills in its cgroup since it started)",
+		r.Proc, u.MemoryMax, u.OOMKills-r.OOMKills)
+}
+
+// DaemonUsage reports, for each volume with a recorded daemon, its
+// profile, cgroup and what the cgroup used: read at the call (a metrics
+// scrape), never polled.
+func (n *Local) DaemonUsage(context.Context) ([]DaemonUsage, error) {
+	if err := n.daemonsUsable(); err != nil {
+		return nil, err
+	}
+	d := &n.daemons
+	d.mu.Lock()
+	var latest []daemonRecord
+	var ids []string
+	for id, v := range d.vols {
+		if len(v.Daemons) > 0 {
+			ids, latest = append(ids, id), append(latest, v.Daemons[len(v.Daemons)-1])
+		}
+	}
+	d.mu.Unlock()
+	out := make([]DaemonUsage, 0, len(ids))
+	var errs []error
+	for i, r := range latest {
+		u := DaemonUsage{VolumeID: ids[i], Profile: r.Profile, Cgroup: r.Cgroup, LimitsEnforced: r.LimitsEnforced}
+		if r.Cgroup != "" && n.cgroups.m != nil {
+			cu, err := n.cgroups.m.Usage(ids[i])
+			if err != nil && !errors.Is(err, fs.ErrNotExist) {
+				errs = append(errs, err)
+			}
+			u.MemoryBytes, u.HasMemory, u.MemoryMaxBytes = cu.MemoryBytes, cu.HasMemory, cu.MemoryMax
+			u.CPUUsec, u.OOMKills = cu.CPUUsec, cu.OOMKills
+		}
+		out = append(out, u)
+	}
+	slices.SortFunc(out, func(a, b DaemonUsage) int { return strings.Compare(a.VolumeID, b.VolumeID) })
+	return out, errors.Join(errs...)
+}
