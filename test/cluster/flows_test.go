@@ -58,6 +58,7 @@ var flows = []flow{
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
+	{name: "OperatorVolumesListing", run: operatorVolumes},
 	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},
 	{name: "HelmUninstallInUseAndReinstall", run: helmUninstallInUse},
 }
