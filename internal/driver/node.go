@@ -215,6 +215,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if c.nri, err = parseNRI(req.GetVolumeContext()); err != nil {
 		return nil, err
 	}
+	if c.pod, err = podOfContext(req.GetVolumeContext()); err != nil {
+		return nil, err
+	}
 	ephemeral := req.GetVolumeContext()[ctxEphemeral] == "true"
 	if !ephemeral {
 		// Publish never opens the staging path: it must be the one the
@@ -285,7 +288,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	if err != nil {
 		return err
 	}
-	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter, Pod: c.pod}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.records.Put(v, journal.Runtime); err != nil {
