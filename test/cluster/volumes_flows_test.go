@@ -13,10 +13,10 @@ import (
 
 // operatorVolumes: what an operator sees on a node with a loop volume, an
 // overlay chain, a FUSE volume and an NRI volume in use, each in a pod of
-// its own: `mountplan-sidecar volumes`, run in the plugin's container
-// against its metrics port, lists each volume with its source, device or
+// its own: `mountplan-sidecar volumes`, run in the mounter's container
+// against the plugin's metrics port, lists each volume with its source, device or
 // daemon, stage and health, and each consumer with its pod, checked
-// against the kernel (no disagreement). The table goes to the test log.
+// against the kernel (every one present, the NRI container's too). The table goes to the test log.
 func operatorVolumes(t *testing.T, e *env) {
 	// A loop volume (the default class) and an NRI volume.
 	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
@@ -45,10 +45,14 @@ func operatorVolumes(t *testing.T, e *env) {
 	} {
 		want[e.volumeHandle(t, w.claim)] = struct{ pod, typ, consumer string }{w.pod, w.typ, w.consumer}
 	}
-	url := fmt.Sprintf("--plugin-url=http://127.0.0.1:%d", metricsPort)
-	table := must(t)(e.containerExec(t, nodeComponent, pluginContainer, "mountplan-sidecar", "volumes", url))
+	// As docs/usage.md says: in the mounter's container, which sees the
+	// node's processes (hostPID) and so every container's mount table;
+	// the plugin's own has neither.
+	ip := strings.TrimSpace(must(t)(e.c.kubectl("-n", "kube-system", "get", "pod", e.podOf(t, nodeComponent), "-o", "jsonpath={.status.podIP}")))
+	url := fmt.Sprintf("--plugin-url=http://%s:%d", ip, metricsPort)
+	table := must(t)(e.containerExec(t, mounterComponent, mounterContainer, "mountplan-sidecar", "volumes", url))
 	t.Logf("mountplan-sidecar volumes, with a loop, an NRI, a chain and a FUSE volume in use:\n%s", table)
-	out := must(t)(e.containerExec(t, nodeComponent, pluginContainer, "mountplan-sidecar", "volumes", url, "-o", "json"))
+	out := must(t)(e.containerExec(t, mounterComponent, mounterContainer, "mountplan-sidecar", "volumes", url, "-o", "json"))
 	var r struct {
 		Volumes []struct {
 			ID, Type, Source, Device, Stage string
@@ -82,8 +86,8 @@ func operatorVolumes(t *testing.T, e *env) {
 		}
 		found := false
 		for _, c := range v.Consumers {
-			if c.Kernel.Disagrees || c.Kernel.State == "absent" {
-				t.Errorf("volume %s (pod %s): consumer %s: the records and the kernel disagree (%s)", v.ID, w.pod, c.Kind, c.Kernel.State)
+			if c.Kernel.Disagrees || c.Kernel.State != "present" {
+				t.Errorf("volume %s (pod %s): consumer %s: the kernel says %q (disagrees: %v), want present", v.ID, w.pod, c.Kind, c.Kernel.State, c.Kernel.Disagrees)
 			}
 			if c.Kind == w.consumer && c.Pod != nil && c.Pod.Namespace == testNS && c.Pod.Name == w.pod {
 				found = true
