@@ -61,6 +61,7 @@ logVerbosity: 4
 registration: builtin
 nri: {enabled: true}
 snapshots: {enabled: true}
+metrics: {enabled: true, port: %[8]d}
 podAnnotations: {mountplan.io/rollout: "%[7]d"}
 image:
   plugin: {repository: %[3]s, tag: %[4]s, pullPolicy: Never}
@@ -83,7 +84,7 @@ config:
     source: {pattern: '[a-z]+:[A-Za-z0-9/._-]*'}
     secrets: [{name: rcloneConf}]
     readyTimeout: 20s
-`, r("kubelet"), r("state"), e.imageRepo, e.tag, r("srv/images"), r("srv/fuse"), e.rollout)
+`, r("kubelet"), r("state"), e.imageRepo, e.tag, r("srv/images"), r("srv/fuse"), e.rollout, metricsPort)
 }
 
 // install installs or upgrades the chart and waits for both DaemonSets:
@@ -102,6 +103,8 @@ const (
 	nodeComponent    = "node"    // DaemonSet mountplan-node: plugin, provisioner, snapshotter, resizer
 	mounterComponent = "mounter" // DaemonSet mountplan-mounter: mounter alone
 	pluginContainer  = "plugin"
+	// metricsPort: the plugin's metrics and /debug/volumes, in its pod.
+	metricsPort      = 29654
 	mounterContainer = "mounter"
 	pluginComm       = "mountplan-plugi" // /proc/PID/comm: 15 bytes
 	mounterComm      = "mountplan-sidec"

@@ -58,6 +58,7 @@ var flows = []flow{
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
+	{name: "OperatorVolumesListing", run: operatorVolumes},
 	// Before the writer of the next two flows starts: a reboot restarts
 	// every container (reboot_flows_test.go).
 	{name: "NodeReboot", run: nodeReboot},
