@@ -113,6 +113,7 @@ func TestReadmeListsEveryMetric(t *testing.T) {
 	m.ObserveStep("attach", time.Millisecond)
 	m.DaemonRestarted("p")
 	m.Reconciled(nil)
+	m.WatchReboot(true, func() int { return 2 })
 	mfs, err := m.Registry.Gather()
 	if err != nil {
 		t.Fatal(err)
