@@ -65,7 +65,7 @@ func (d *Driver) markRebooted(last string) (int, error) {
 			errs = append(errs, err) // a record that does not read: the reconciler reports it
 			continue
 		}
-		if v.Stage == nil && len(v.Publishes) == 0 && len(v.Consumers) == 0 {
+		if v.Stage == nil && len(v.Publishes) == 0 && len(v.Consumers) == 0 && v.Rebooted == nil {
 			continue
 		}
 		r := v.Rebooted
@@ -73,10 +73,11 @@ func (d *Driver) markRebooted(last string) (int, error) {
 			r = &model.Rebooted{}
 		}
 		// A record of two ended boots keeps what the older one left on
-		// disk until its source has removed it.
-		r.Boot, r.Found = last, now
-		if v.Stage != nil {
-			r.Stage = v.Stage
+		// disk until its source has removed it; kubelet gets the whole
+		// grace again.
+		r.Found = now
+		if v.Stage != nil || r.Boot == "" {
+			r.Boot, r.Stage = last, v.Stage
 		}
 		r.Publishes = append(r.Publishes, v.Publishes...)
 		v.Rebooted, v.Stage, v.Publishes, v.Consumers = r, nil, nil, nil
