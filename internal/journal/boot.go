@@ -11,21 +11,28 @@ import (
 	"github.com/mountplan/mountplan/internal/fsutil"
 )
 
-// bootIDPath is where the kernel shows the ID of the running boot: a new
+// BootIDPath is where the kernel shows the ID of the running boot: a new
 // random UUID at every boot.
-const bootIDPath = "/proc/sys/kernel/random/boot_id"
+const BootIDPath = "/proc/sys/kernel/random/boot_id"
 
 // CurrentBoot returns the ID of the running boot.
-func CurrentBoot() (string, error) {
-	b, err := os.ReadFile(bootIDPath)
-	if err != nil {
-		return "", fmt.Errorf("journal: boot id: %w", err)
+func CurrentBoot() (string, error) { return BootFrom(BootIDPath)() }
+
+// BootFrom returns a reader of the boot ID in the file at path: the
+// kernel's (BootIDPath), or a file a test rewrites to play a reboot the
+// kernel does not see (a node in namespaces of a host that stays up).
+func BootFrom(path string) func() (string, error) {
+	return func() (string, error) {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return "", fmt.Errorf("journal: boot id: %w", err)
+		}
+		id := strings.TrimSpace(string(b))
+		if id == "" {
+			return "", fmt.Errorf("journal: boot id: %s is empty", path)
+		}
+		return id, nil
 	}
-	id := strings.TrimSpace(string(b))
-	if id == "" {
-		return "", fmt.Errorf("journal: %s is empty", bootIDPath)
-	}
-	return id, nil
 }
 
 // Boot is the record of the boot the driver last ran in

@@ -45,3 +45,22 @@ func TestCurrentBoot(t *testing.T) {
 		t.Fatalf("CurrentBoot = %q then %q, %v; want one UUID", id, again, err)
 	}
 }
+
+func TestBootFrom(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "boot_id")
+	if _, err := BootFrom(p)(); err == nil {
+		t.Fatal("a missing boot ID file reads")
+	}
+	if err := os.WriteFile(p, []byte("\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := BootFrom(p)(); err == nil {
+		t.Fatal("an empty boot ID reads")
+	}
+	if err := os.WriteFile(p, []byte("played-boot\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if id, err := BootFrom(p)(); err != nil || id != "played-boot" {
+		t.Fatalf("BootFrom = %q, %v", id, err)
+	}
+}
