@@ -130,8 +130,10 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 		v.Stage = nil
 		return errors.Join(err, uerr, d.saveOrForget(v))
 	}
-	// Kubelet asked for it again: what the reboot erased is history (it
-	// publishes again where its pods still are).
+	// Kubelet asked for it again: what the reboot erased is history. It
+	// publishes again where its pods still are, and the plugin makes those
+	// targets afresh (so that unpublish removes them again).
+	d.removeRebootedTargets(ctx, v)
 	v.Rebooted = nil
 	return d.records.Put(v, journal.Runtime)
 }

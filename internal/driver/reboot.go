@@ -149,6 +149,21 @@ func (d *Driver) dropRebooted(ctx context.Context, v *model.Volume) error {
 	return d.saveOrForget(v)
 }
 
+// removeRebootedTargets removes, when kubelet stages v again, the targets
+// the ended boot's publishes made: kubelet publishes again at those of the
+// pods still there, and the plugin makes them again. A target that does
+// not go is left to kubelet (it removes its pods' directories too).
+func (d *Driver) removeRebootedTargets(ctx context.Context, v *model.Volume) {
+	if v.Rebooted == nil {
+		return
+	}
+	for _, p := range v.Rebooted.Publishes {
+		if err := d.removeRebootedTarget(p); err != nil {
+			klog.FromContext(ctx).Error(err, "Removing the target of a publish of an ended boot", "target", p.TargetPath)
+		}
+	}
+}
+
 // removeRebootedTarget removes the target of a publish of an ended boot
 // if the plugin made it and nothing is mounted there.
 func (d *Driver) removeRebootedTarget(p model.Publish) error {

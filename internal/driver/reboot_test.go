@@ -235,8 +235,8 @@ func TestRebootStagesAfreshOrDrops(t *testing.T) {
 		TargetPath: n.target("asked"), VolumeCapability: rwo}); err != nil {
 		t.Fatalf("NodePublishVolume after the reboot: %v", err)
 	}
-	if n.mounter.calls != calls+1 || len(get(t, d, "pvc-asked").Publishes) != 1 {
-		t.Errorf("the publish was not performed again: %d mounter calls", n.mounter.calls-calls)
+	if v := get(t, d, "pvc-asked"); n.mounter.calls != calls+1 || len(v.Publishes) != 1 || !v.Publishes[0].CreatedTarget {
+		t.Errorf("the publish was not performed again, at a target the plugin made: %d mounter calls, %+v", n.mounter.calls-calls, v.Publishes)
 	}
 	ephemeral := map[string]string{ctxEphemeral: "true", "size": "64Mi"}
 	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "inline-asked", TargetPath: n.target("inline-asked"),
