@@ -42,7 +42,7 @@ func (d *Driver) detectReboot(logger klog.Logger) error {
 		return err
 	}
 	if last != "" && last != cur {
-		marked, err := d.markRebooted(last)
+		marked, err := d.markRebooted(logger, last)
 		if err != nil {
 			return err
 		}
@@ -55,7 +55,7 @@ func (d *Driver) detectReboot(logger klog.Logger) error {
 
 // markRebooted moves the runtime part of every record to its Rebooted
 // part and returns how many records had one.
-func (d *Driver) markRebooted(last string) (int, error) {
+func (d *Driver) markRebooted(logger klog.Logger, last string) (int, error) {
 	now := time.Now().UTC()
 	n := 0
 	var errs []error
@@ -87,7 +87,7 @@ func (d *Driver) markRebooted(last string) (int, error) {
 		n++
 	}
 	if len(errs) > 0 {
-		klog.Background().Error(errors.Join(errs...), "Records that do not read were not marked as of an ended boot")
+		logger.Error(errors.Join(errs...), "Records that do not read were not marked as of an ended boot")
 	}
 	return n, nil
 }
