@@ -51,8 +51,9 @@ test-crash: build
 	$(GO) test -count=1 -v -timeout 0 -run '^TestCrash$$' ./test/e2e/ -crash.kills=$(N)
 
 # Boots Debian's kernel (it has nbd and iscsi_tcp) under qemu TCG and runs
-# the NBD and iSCSI flows inside it; about 25 s once the kernel package is
-# cached under /var/cache/mountplan-vm. Built only with its tag: `make test`
+# the NBD and iSCSI flows inside it, then resets it and checks NBD and iSCSI
+# volumes after the reboot; about 85 s once the kernel package is cached
+# under /var/cache/mountplan-vm. Built only with its tag: `make test`
 # does not see it.
 test-vm:
 	$(GO) test -tags vmtest -count=1 -v -timeout 20m ./test/vm/

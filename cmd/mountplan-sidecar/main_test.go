@@ -121,9 +121,12 @@ func TestServeCommand(t *testing.T) {
 	go func() {
 		done <- run(ctx, "serve", []string{"--endpoint", "unix://" + sock, "--state-dir", dir, "--records-dir", t.TempDir()})
 	}()
-	// Serving starts asynchronously: wait for the socket.
+	// Serving starts asynchronously: wait until the socket accepts (the
+	// file exists from bind(2) on, before listen(2): a connection in
+	// between is refused).
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		if _, err := os.Lstat(sock); err == nil {
+		if conn, err := net.Dial("unix", sock); err == nil {
+			conn.Close()
 			break
 		}
 	}

@@ -10,7 +10,6 @@ import (
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/journal"
@@ -67,14 +66,26 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return createParams{}, err
 	}
-	p := createParams{typ: cmp.Or(req.GetParameters()[paramType], d.opts.DefaultType)}
-	for k := range req.GetParameters() {
+	p, err := d.parseClass(req.GetParameters(), req.GetVolumeCapabilities())
+	if err != nil {
+		return p, err
+	}
+	p.size, err = capacityFor(req.GetCapacityRange(), p.fsType)
+	return p, err
+}
+
+// parseClass reads what a StorageClass's parameters (and the capabilities'
+// fsType) decide about a new volume: the source that makes its image and
+// the filesystem on it. CreateVolume and GetCapacity read them alike.
+func (d *Driver) parseClass(params map[string]string, caps []*csi.VolumeCapability) (createParams, error) {
+	p := createParams{typ: cmp.Or(params[paramType], d.opts.DefaultType)}
+	for k := range params {
 		switch {
 		case k == paramType:
 		case k == paramFsType || k == paramCSIFsType:
-			p.fsType = req.GetParameters()[k]
+			p.fsType = params[k]
 		case k == ctxNRI:
-			if _, err := parseNRI(req.GetParameters()); err != nil {
+			if _, err := parseNRI(params); err != nil {
 				return p, err
 			}
 		case strings.HasPrefix(k, source.ReservedPrefix):
@@ -87,7 +98,7 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 		return p, invalid("parameter type=%q: only %s can be provisioned", p.typ, d.provisionerTypes())
 	}
 	if p.fsType == "" {
-		for _, c := range req.GetVolumeCapabilities() {
+		for _, c := range caps {
 			if fs := c.GetMount().GetFsType(); fs != "" {
 				p.fsType = fs
 			}
@@ -96,12 +107,7 @@ func (d *Driver) parseCreate(req *csi.CreateVolumeRequest) (createParams, error)
 	if p.fsType == "" {
 		p.fsType = d.opts.Config.DefaultFsType
 	}
-	if err := checkFormattable(p.fsType); err != nil {
-		return p, err
-	}
-	var err error
-	p.size, err = capacityFor(req.GetCapacityRange(), p.fsType)
-	return p, err
+	return p, checkFormattable(p.fsType)
 }
 
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
@@ -268,16 +274,6 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 		VolumeCapabilities: req.GetVolumeCapabilities(),
 		Parameters:         req.GetParameters(),
 	}}, nil
-}
-
-// GetCapacity reports the free bytes of the state dir's filesystem. Images
-// are sparse, so this is what new volumes can still be written into.
-func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
-	var st unix.Statfs_t
-	if err := unix.Statfs(d.opts.StateDir, &st); err != nil {
-		return nil, fmt.Errorf("statfs %s: %w", d.opts.StateDir, err)
-	}
-	return &csi.GetCapacityResponse{AvailableCapacity: int64(st.Bavail) * st.Bsize}, nil
 }
 
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {

@@ -100,9 +100,14 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 			if v.Stage.Block != c.block || v.Stage.ReadOnly != c.readOnly {
 				return fmt.Errorf("volume %s is already staged with another access type or mode: %w", v.ID, errdefs.ErrAlreadyExists)
 			}
-			return d.adopt(ctx, v, src)
+			err := d.adopt(ctx, v, src)
+			if !errors.Is(err, source.ErrNeedsStage) {
+				return err
+			}
+			klog.FromContext(ctx).Info("Staging the volume again: its source cannot recover it from its record", "volume", v.ID, "reason", err.Error())
 		}
-		// An intent left by a crash: undo what may be half done, then stage anew.
+		// An intent left by a crash, or a stage its source cannot recover
+		// alone: undo what may be left, then stage anew.
 		if err := src.Unstage(ctx, viewOf(v)); err != nil {
 			return err
 		}
@@ -230,6 +235,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if c.nri, err = parseNRI(req.GetVolumeContext()); err != nil {
 		return nil, err
 	}
+	if c.pod, err = podOfContext(req.GetVolumeContext()); err != nil {
+		return nil, err
+	}
 	ephemeral := req.GetVolumeContext()[ctxEphemeral] == "true"
 	if !ephemeral {
 		// Publish never opens the staging path: it must be the one the
@@ -300,7 +308,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	if err != nil {
 		return err
 	}
-	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter, Pod: c.pod}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.records.Put(v, journal.Runtime); err != nil {

@@ -15,6 +15,7 @@ import (
 	"io/fs"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -89,7 +90,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 		return err
 	}
 	prev := findPublish(v, target)
-	pub := model.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC(), SingleWriter: c.singleWriter}
+	pub := model.Publish{TargetPath: target, ReadOnly: readOnly, NRI: true, MountFlags: c.mountFlags, Asked: time.Now().UTC(), SingleWriter: c.singleWriter, Pod: c.pod}
 	if c.block {
 		mounts, err := d.planFor(v, source.PlanRequest{Block: true, ReadOnly: readOnly})
 		if err != nil {
@@ -190,6 +191,10 @@ func (d *Driver) preparePublished(ctx context.Context, req *api.NodePrepareVolum
 	if cons.ContainerID == "" {
 		return nil, invalid("a volume named by its publish is prepared for a container: consumer.container_id is required")
 	}
+	pod, err := podOfRequest(req.GetPod())
+	if err != nil {
+		return nil, err
+	}
 	pub := req.GetPublished()
 	if pub.GetTargetPath() != "" {
 		if err := requirePath("published.target_path", pub.GetTargetPath()); err != nil {
@@ -209,7 +214,7 @@ func (d *Driver) preparePublished(ctx context.Context, req *api.NodePrepareVolum
 	if p == nil {
 		return nil, fmt.Errorf("volume %s is no longer published there: %w", id, errdefs.ErrNotFound)
 	}
-	mounts, err := d.prepareContainer(ctx, v, &cons, p, req.GetReadonly())
+	mounts, err := d.prepareContainer(ctx, v, &cons, pod, p, req.GetReadonly())
 	if err != nil {
 		return nil, err
 	}
@@ -259,8 +264,9 @@ func findPublishOf(v *model.Volume, pub *api.PublishedVolume) *model.Publish {
 // prepareContainer records a container as a consumer of v (as published
 // by p) and returns the plan its runtime performs. The container's process
 // may not exist yet: a later call with its PID records its namespace, so
-// that the reconciler can tell when it is gone.
-func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *plan.Consumer, p *model.Publish, readOnly bool) ([]plan.Mount, error) {
+// that the reconciler can tell when it is gone. pod, who the container
+// is, is recorded with it (and added to a claim recorded without it).
+func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *plan.Consumer, pod model.Pod, p *model.Publish, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -273,11 +279,19 @@ func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *pl
 	}
 	if i := slices.IndexFunc(v.Consumers, sameConsumer(*cons)); i >= 0 {
 		c := &v.Consumers[i]
+		learnsPod := c.Pod == (model.Pod{}) && pod != (model.Pod{})
 		if cons.PID == 0 || c.Namespace == cons.Namespace {
 			*cons = c.Consumer
-			return c.Mounts, nil // a repeated prepare: same answer
+			if !learnsPod {
+				return c.Mounts, nil // a repeated prepare: same answer
+			}
+			c.Pod = pod // a claim recorded before pods were
+			return c.Mounts, d.records.Put(v, journal.Runtime)
 		}
 		c.PID, c.Namespace = cons.PID, cons.Namespace
+		if learnsPod {
+			c.Pod = pod
+		}
 		klog.FromContext(ctx).V(2).Info("Container consumer started", "volume", v.ID, "container", cons.ContainerID, "pid", cons.PID, "mntns", cons.Namespace.Inode)
 		return c.Mounts, d.records.Put(v, journal.Runtime)
 	}
@@ -288,7 +302,7 @@ func (d *Driver) prepareContainer(ctx context.Context, v *model.Volume, cons *pl
 	if err := roomForConsumer(v); err != nil {
 		return nil, err
 	}
-	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
+	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts, Pod: pod})
 	klog.FromContext(ctx).V(2).Info("Prepared for a container", "volume", v.ID, "container", cons.ContainerID, "mountPoint", cons.MountPoint, "pid", cons.PID)
 	return mounts, d.records.Put(v, journal.Runtime)
 }
@@ -363,5 +377,33 @@ func (d *Driver) statsNRI(ctx context.Context, v *model.Volume, p *model.Publish
 		}
 		return usageResponse(u), nil
 	}
-	return nil, fmt.Errorf("volume %s is published in NRI mode at %s and no running container uses it: %w", v.ID, p.TargetPath, errdefs.ErrNotFound)
+	return d.statsStopped(ctx, v, p)
+}
+
+// statsStopped measures an NRI volume none of whose containers runs: the
+// mounter mounts the device of the volume's plan privately (the
+// filesystem is mounted nowhere else then, or its running containers
+// share the superblock) and measures it. Volumes with no device of their
+// own (chains, FUSE) are NotFound then.
+func (d *Driver) statsStopped(ctx context.Context, v *model.Volume, p *model.Publish) (*csi.NodeGetVolumeStatsResponse, error) {
+	notFound := fmt.Errorf("volume %s is published in NRI mode at %s and no running container uses it: %w", v.ID, p.TargetPath, errdefs.ErrNotFound)
+	mounts, err := d.planFor(v, source.PlanRequest{ReadOnly: p.ReadOnly, MountFlags: p.MountFlags})
+	if err != nil {
+		return nil, errors.Join(notFound, err)
+	}
+	for _, m := range mounts {
+		if m.Type == plan.TypeBind || !strings.HasPrefix(m.Source, "/dev/") {
+			continue
+		}
+		major, minor, err := sysfsDevice(m.Source)
+		if err != nil {
+			return nil, err
+		}
+		u, err := d.node.StatDevice(ctx, mounter.Device{Path: m.Source, Major: major, Minor: minor}, m.HasOption("ro"))
+		if err != nil {
+			return nil, err
+		}
+		return usageResponse(u), nil
+	}
+	return nil, notFound
 }

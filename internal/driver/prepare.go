@@ -32,6 +32,10 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
+	pod, err := podOfRequest(req.GetPod())
+	if err != nil {
+		return nil, err
+	}
 	if cons.PID == 0 || cons.ContainerID != "" {
 		return nil, invalid("consumer.pid must be a positive process id (a container consumer names the volume by its publish)")
 	}
@@ -40,16 +44,17 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 	if err != nil {
 		return nil, err
 	}
-	mounts, err := d.addConsumer(ctx, v, &cons, c, req.GetStagingTargetPath(), req.GetReadonly())
+	mounts, err := d.addConsumer(ctx, v, &cons, pod, c, req.GetStagingTargetPath(), req.GetReadonly())
 	if err != nil {
 		return nil, err
 	}
 	return &api.NodePrepareVolumeResponse{Mounts: plan.ToProto(mounts), Consumer: plan.ConsumerToProto(cons)}, nil
 }
 
-// addConsumer records cons as a consumer of the staged v and returns the
-// plan it is to perform; a repeated call gets the recorded plan.
-func (d *Driver) addConsumer(ctx context.Context, v *model.Volume, cons *plan.Consumer, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
+// addConsumer records cons (who is pod, when the caller says) as a
+// consumer of the staged v and returns the plan it is to perform; a
+// repeated call gets the recorded plan.
+func (d *Driver) addConsumer(ctx context.Context, v *model.Volume, cons *plan.Consumer, pod model.Pod, c capability, stagingPath string, readOnly bool) ([]plan.Mount, error) {
 	if !v.Staged() {
 		return nil, fmt.Errorf("volume %s is not staged: %w", v.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -77,7 +82,7 @@ func (d *Driver) addConsumer(ctx context.Context, v *model.Volume, cons *plan.Co
 	if err := roomForConsumer(v); err != nil {
 		return nil, err
 	}
-	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts})
+	v.Consumers = append(v.Consumers, model.Claim{Consumer: *cons, Mounts: mounts, Pod: pod})
 	klog.FromContext(ctx).V(2).Info("Prepared", "pid", cons.PID, "mntns", ns.Inode, "mountPoint", cons.MountPoint)
 	return mounts, d.records.Put(v, journal.Runtime)
 }

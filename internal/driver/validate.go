@@ -66,6 +66,8 @@ type capability struct {
 	fsType       string
 	mountFlags   []string
 	nri          bool // the volume's attributes ask for NRI mode (publish only)
+	// pod is who kubelet publishes for (publish only; podInfoOnMount).
+	pod model.Pod
 	// mountGroup is volume_mount_group (kubelet's fsGroup), when set.
 	mountGroup    uint32
 	mountGroupSet bool

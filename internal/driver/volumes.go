@@ -50,7 +50,14 @@ func (d *Driver) viewVolume(ctx context.Context, v *model.Volume) volview.Volume
 		out.Health = d.viewHealth(ctx, v.ID)
 	}
 	for _, p := range v.Publishes {
-		c := volview.Consumer{Kind: volview.KindPublish, Path: p.TargetPath, ReadOnly: p.ReadOnly}
+		c := volview.Consumer{Kind: volview.KindPublish, Path: p.TargetPath, ReadOnly: p.ReadOnly, Pod: viewPod(p.Pod)}
+		if c.Pod == nil {
+			// Recorded without podInfoOnMount (or before the plugin kept
+			// it): kubelet's target path still says which pod.
+			if uid := volview.PodUIDOfTarget(d.kubelet.root, p.TargetPath); uid != "" {
+				c.Pod = &volview.Pod{UID: uid}
+			}
+		}
 		if p.NRI {
 			c.Kind = volview.KindNRIPublish
 			if dev, ok := deviceOf(p.Mounts); ok && v.Stage != nil && v.Stage.Block {
@@ -61,9 +68,18 @@ func (d *Driver) viewVolume(ctx context.Context, v *model.Volume) volview.Volume
 	}
 	for _, c := range v.Consumers {
 		out.Consumers = append(out.Consumers, volview.Consumer{Kind: volview.KindContainer, Path: c.MountPoint,
-			ReadOnly: readOnlyPlan(c.Mounts), PID: c.PID, MountNS: c.Namespace.Inode, ContainerID: c.ContainerID})
+			ReadOnly: readOnlyPlan(c.Mounts), PID: c.PID, MountNS: c.Namespace.Inode, ContainerID: c.ContainerID, Pod: viewPod(c.Pod)})
 	}
 	return out
+}
+
+// viewPod is a recorded pod as the listing shows it; nil when nothing was
+// recorded.
+func viewPod(p model.Pod) *volview.Pod {
+	if p == (model.Pod{}) {
+		return nil
+	}
+	return &volview.Pod{Namespace: p.Namespace, Name: p.Name, UID: p.UID, Container: p.Container}
 }
 
 // viewHealth is NodeGetVolumeHealth's answer for volume id.

@@ -49,7 +49,10 @@ func TestVolumesAgainstTheKernel(t *testing.T) {
 	if _, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: rwo}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: rwo}); err != nil {
+	// kubelet's pod info (podInfoOnMount) names the pod in the listing.
+	podInfo := map[string]string{ctxPodNamespace: "shop", ctxPodName: "web-0", ctxPodUID: "p"}
+	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: rwo, VolumeContext: podInfo}); err != nil {
 		t.Fatal(err)
 	}
 	srv := httptest.NewServer(volview.Handler(d.Volumes, volview.HostProc))
@@ -62,6 +65,9 @@ func TestVolumesAgainstTheKernel(t *testing.T) {
 	}
 	if len(v.Consumers) != 1 || v.Consumers[0].Path != target || v.Consumers[0].Kernel.State != volview.Present || v.Consumers[0].Kernel.Disagrees {
 		t.Fatalf("consumers %+v, want the target present\n%s", v.Consumers, table)
+	}
+	if p := v.Consumers[0].Pod; p == nil || *p != (volview.Pod{Namespace: "shop", Name: "web-0", UID: "p"}) || !strings.Contains(table, target+" in pod shop/web-0") {
+		t.Errorf("consumer's pod %+v, want shop/web-0 (uid p) in JSON and table\n%s", p, table)
 	}
 	t.Logf("published:\n%s", table)
 

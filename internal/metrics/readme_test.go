@@ -11,9 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
-
-	"google.golang.org/grpc/codes"
 )
 
 // repoRoot is the module's root, seen from this package.
@@ -108,18 +105,8 @@ func TestReadmeListsEveryStep(t *testing.T) {
 // of mountplan's own that a scrape shows.
 func TestReadmeListsEveryMetric(t *testing.T) {
 	sec := readmeMetrics(t)
-	m := New(func() map[string]int { return map[string]int{"loop": 1} })
-	m.ObserveRPC("/x", codes.OK, time.Millisecond)
-	m.ObserveStep("attach", time.Millisecond)
-	m.DaemonRestarted("p")
-	m.Reconciled(nil)
-	m.WatchReboot(true, func() int { return 2 })
-	mfs, err := m.Registry.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
 	var names []string
-	for _, mf := range mfs {
+	for _, mf := range gathered(t) {
 		if strings.HasPrefix(mf.GetName(), namespace+"_") {
 			names = append(names, mf.GetName())
 		}

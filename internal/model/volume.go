@@ -121,6 +121,9 @@ type Publish struct {
 	// (ReadWriteOncePod): while it stands, the volume is published nowhere
 	// else on the node.
 	SingleWriter bool `json:"singleWriter,omitempty"`
+	// Pod is the pod kubelet published for (its volume_context, with the
+	// CSIDriver's podInfoOnMount), for the operator's listing only.
+	Pod Pod `json:"pod,omitzero"`
 }
 
 // Claim records a consumer of a prepared plan (with the identity of its
@@ -128,6 +131,19 @@ type Publish struct {
 type Claim struct {
 	plan.Consumer
 	Mounts []plan.Mount `json:"mounts"`
+	// Pod is who the consumer is, as its caller said (the NRI hook: the
+	// runtime's pod and container), for the operator's listing only.
+	Pod Pod `json:"pod,omitzero"`
+}
+
+// Pod names a pod (and one of its containers) as kubelet or the container
+// runtime told the plugin. Every field is optional (records written before
+// it have none); nothing is decided by it, it is only shown.
+type Pod struct {
+	Namespace string `json:"namespace,omitempty"`
+	Name      string `json:"name,omitempty"`
+	UID       string `json:"uid,omitempty"`
+	Container string `json:"container,omitempty"`
 }
 
 // Staged reports whether the volume's stage completed.

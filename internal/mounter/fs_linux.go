@@ -81,6 +81,36 @@ func (n *Local) GrowFS(ctx context.Context, d Device, fsType string, unused bool
 	})
 }
 
+// statTypes are the filesystems StatDevice mounts: those a device of a
+// volume holds.
+var statTypes = []string{fsutil.Ext4, fsutil.XFS, "btrfs", "erofs", "squashfs"}
+
+// StatDevice measures a device's filesystem through a private mount. The
+// type is what the device holds, never what the caller says.
+func (n *Local) StatDevice(ctx context.Context, d Device, readOnly bool) (u fsutil.Usage, err error) {
+	f, err := n.openDev(d)
+	if err != nil {
+		return u, err
+	}
+	defer f.Close()
+	fsType, err := fsutil.Detect(ctx, d.Path)
+	if err != nil {
+		return u, err
+	}
+	if !slices.Contains(statTypes, fsType) {
+		return u, fmt.Errorf("%s holds %q, not a filesystem the mounter measures (%s): %w", d.Path, fsType, strings.Join(statTypes, ", "), errdefs.ErrFailedPrecondition)
+	}
+	data := ""
+	if readOnly {
+		data = "ro"
+	}
+	err = n.withScratchMount(d, f, fsType, data, func(dir string) error {
+		u, err = fsutil.Stats(dir)
+		return err
+	})
+	return u, err
+}
+
 // notMounted reports whether nothing holds the block device at p open
 // exclusively: a mounted filesystem does, in any mount namespace.
 func notMounted(p string) bool {

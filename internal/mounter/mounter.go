@@ -161,6 +161,11 @@ type Namespaces interface {
 	// StatFS measures the filesystem at c's mount point inside c's
 	// namespace.
 	StatFS(ctx context.Context, c plan.Consumer) (fsutil.Usage, error)
+	// StatDevice measures the filesystem on dev, a device the mounter
+	// set up, through a private mount of it (read-only when readOnly):
+	// a volume whose containers have all stopped has no mount left to
+	// measure through.
+	StatDevice(ctx context.Context, dev Device, readOnly bool) (fsutil.Usage, error)
 	// MakeDeviceNode creates a block device node of dev at target, below
 	// kubelet's directory; created is false when it was there already.
 	MakeDeviceNode(ctx context.Context, target string, dev Device) (created bool, err error)

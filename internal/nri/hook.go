@@ -65,9 +65,22 @@ type Claim struct {
 	// container's namespace, over the guard the runtime bound there (see
 	// sharedReadOnly).
 	AtStart bool `json:"atStart,omitempty"`
-	// ContainerID and PID are not recorded: they come with each event.
+	// ContainerID, PID and Pod are not recorded: they come with each
+	// event (and the annotation is never trusted to say whose it is).
 	ContainerID string `json:"-"`
 	PID         int    `json:"-"`
+	Pod         PodRef `json:"-"`
+}
+
+// PodRef is who a container is, as the runtime says: its pod and its
+// name in the pod. The plugin records it for the operator's listing.
+type PodRef struct {
+	Namespace, Name, UID, Container string
+}
+
+// podRef names ctr of pod.
+func podRef(pod *nriapi.PodSandbox, ctr *nriapi.Container) PodRef {
+	return PodRef{Namespace: pod.GetNamespace(), Name: pod.GetName(), UID: pod.GetUid(), Container: ctr.GetName()}
 }
 
 func (c Claim) block() bool { return c.Target == "" }
@@ -158,7 +171,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		if !ours {
 			continue
 		}
-		c := Claim{Target: m.GetSource(), Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId()}
+		c := Claim{Target: m.GetSource(), Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId(), Pod: podRef(pod, ctr)}
 		if err := h.claimMount(ctx, adj, &c); err != nil {
 			return nil, nil, err
 		}
@@ -169,7 +182,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 			continue
 		}
 		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId(),
-			ReadOnly: !writable(ctr, d)}
+			ReadOnly: !writable(ctr, d), Pod: podRef(pod, ctr)}
 		ours, err := h.claimDevice(ctx, adj, &c, d)
 		if err != nil {
 			return nil, nil, err
@@ -405,6 +418,7 @@ func (h *Hook) claimsOf(ctx context.Context, pod *nriapi.PodSandbox, ctr *nriapi
 	kept := claims[:0]
 	for _, c := range claims {
 		if c.block() && hasDevice(ctr, c) || !c.block() && h.ofPod(pod, c.Target) {
+			c.Pod = podRef(pod, ctr)
 			kept = append(kept, c)
 			continue
 		}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/containerd/nri/pkg/stub"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/periodic"
@@ -26,26 +27,45 @@ const (
 func Run(ctx context.Context, socket string, h *Hook) error {
 	logger := klog.FromContext(ctx).WithValues("nriSocket", socket)
 	ctx = klog.NewContext(ctx, logger)
-	_ = periodic.Backoff(time.Second, 10*time.Second).DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
-		err := runOnce(ctx, socket, h)
+	reconnect(ctx, periodic.Backoff(time.Second, 10*time.Second), func(ctx context.Context) bool {
+		registered, err := runOnce(ctx, socket, h)
 		h.stopGuard(ctx)
 		if ctx.Err() == nil {
 			logger.Info("No NRI connection; connecting again after a pause (1s, doubling up to 10s)", "err", err)
 		}
-		return false, nil
+		return registered
 	})
 	return nil
 }
 
-func runOnce(ctx context.Context, socket string, h *Hook) error {
+// reconnect calls connect at once and again after each return, pausing as
+// backoff says, until ctx ends. A connection that registered starts the
+// backoff over: after a runtime restart the first try comes after the
+// first pause, not after the longest one an earlier outage left (the hook
+// stayed away, and the guard down, 10s after each later restart).
+func reconnect(ctx context.Context, backoff wait.Backoff, connect func(context.Context) (registered bool)) {
+	next := backoff.DelayFunc()
+	// sliding: the pause is taken after connect returns, so from the
+	// fresh backoff when it registered.
+	_ = wait.DelayFunc(func() time.Duration { return next() }).Until(ctx, true, true, func(ctx context.Context) (bool, error) {
+		if connect(ctx) {
+			next = backoff.DelayFunc()
+		}
+		return false, nil
+	})
+}
+
+// runOnce serves one connection to the runtime until it ends; registered
+// says whether the runtime took the registration.
+func runOnce(ctx context.Context, socket string, h *Hook) (registered bool, _ error) {
 	s, err := stub.New(h,
 		stub.WithPluginName(PluginName), stub.WithPluginIdx(PluginIndex),
 		stub.WithSocketPath(socket), stub.WithLogger(logAdapter{klog.FromContext(ctx)}))
 	if err != nil {
-		return fmt.Errorf("NRI stub: %w", err)
+		return false, fmt.Errorf("NRI stub: %w", err)
 	}
 	if err := s.Start(ctx); err != nil {
-		return fmt.Errorf("registering with the runtime: %w", err)
+		return false, fmt.Errorf("registering with the runtime: %w", err)
 	}
 	klog.FromContext(ctx).Info("Registered with the runtime", "plugin", PluginIndex+"-"+PluginName)
 	done := make(chan struct{})
@@ -55,7 +75,7 @@ func runOnce(ctx context.Context, socket string, h *Hook) error {
 		s.Stop()
 	case <-done:
 	}
-	return errors.New("connection closed")
+	return true, errors.New("connection closed")
 }
 
 // logAdapter sends the NRI library's log lines to klog.

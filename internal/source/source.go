@@ -101,6 +101,12 @@ type Source interface {
 	Adopt(ctx context.Context, v Volume) (json.RawMessage, error)
 }
 
+// ErrNeedsStage is wrapped by an Adopt that cannot bring a staged volume
+// back from its record alone, because a reboot took what only a stage
+// request carries (a FUSE daemon's secrets): the driver then stages the
+// volume anew with the next NodeStageVolume's request.
+var ErrNeedsStage = fmt.Errorf("the volume needs a new stage: %w", errdefs.ErrUnavailable)
+
 // Expander is a Source whose volumes can grow.
 type Expander interface {
 	// Expand makes the staged v's device and filesystem see its new size

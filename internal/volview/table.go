@@ -108,16 +108,17 @@ func mode(ro bool) string {
 	return "rw"
 }
 
-// whoText names a container consumer: pod, container ID, process and
-// mount namespace, as far as recorded; "" for a publish target (on the
-// node).
+// whoText names a consumer: its pod (and container), and for a
+// container its ID, process and mount namespace, as far as recorded.
 func whoText(c Consumer) string {
-	if c.Kind != KindContainer {
-		return ""
-	}
 	var parts []string
-	if c.Pod != "" {
-		parts = append(parts, "pod "+c.Pod)
+	if c.Pod != nil {
+		if s := c.Pod.String(); s != "" {
+			parts = append(parts, "pod "+s)
+		}
+	}
+	if c.Kind != KindContainer {
+		return strings.Join(parts, " ")
 	}
 	if c.ContainerID != "" {
 		id := c.ContainerID

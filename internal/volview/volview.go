@@ -10,6 +10,8 @@
 package volview
 
 import (
+	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -79,9 +81,55 @@ type Consumer struct {
 	// ("major:minor") whose node stands at Path instead of a mount: the
 	// check looks for that node, not a mount.
 	DeviceNode string `json:"deviceNode,omitempty"`
-	// Pod is "namespace/name/container" when the record names it.
-	Pod    string `json:"pod,omitempty"`
+	// Pod is who the consumer is, as far as known: for a container, the
+	// pod and container the runtime named to the NRI hook; for a publish,
+	// the pod kubelet named (podInfoOnMount), or only its UID, read from
+	// kubelet's target path. nil when nothing is known.
+	Pod    *Pod   `json:"pod,omitempty"`
 	Kernel Kernel `json:"kernel"`
+}
+
+// Pod names a pod and, for a container consumer, the container.
+type Pod struct {
+	Namespace string `json:"namespace,omitempty"`
+	Name      string `json:"name,omitempty"`
+	UID       string `json:"uid,omitempty"`
+	Container string `json:"container,omitempty"`
+}
+
+// String is "namespace/name/container" (without "/container" for a
+// publish), or "uid <uid>" when only the UID is known; "" when nothing is.
+func (p *Pod) String() string {
+	var s string
+	switch {
+	case p.Name != "":
+		s = p.Namespace + "/" + p.Name
+	case p.UID != "":
+		s = "uid " + p.UID
+	}
+	if p.Container != "" {
+		s += "/" + p.Container
+	}
+	return s
+}
+
+// PodUIDOfTarget reads the pod's UID from kubelet's target path of a
+// publish: <kubeletDir>/pods/<uid>/volumes/... (mount access) or
+// <kubeletDir>/plugins/kubernetes.io/csi/volumeDevices/publish/<volume>/<uid>
+// (block access); "" for any other path.
+func PodUIDOfTarget(kubeletDir, target string) string {
+	rel, err := filepath.Rel(kubeletDir, filepath.Clean(target))
+	if err != nil {
+		return ""
+	}
+	parts := strings.Split(filepath.ToSlash(rel), "/")
+	switch {
+	case len(parts) >= 4 && parts[0] == "pods" && parts[2] == "volumes":
+		return parts[1]
+	case len(parts) == 7 && strings.Join(parts[:5], "/") == "plugins/kubernetes.io/csi/volumeDevices/publish":
+		return parts[6]
+	}
+	return ""
 }
 
 // What the kernel says of a consumer.

@@ -160,8 +160,11 @@ func sample() *Report {
 	return &Report{Node: "n1", Volumes: []Volume{
 		{ID: "pvc-1", Type: "loop", Source: "image /img/pvc-1.img", Device: "/dev/loop3", Stage: "staged",
 			Health: Health{Status: "ok"}, Consumers: []Consumer{
-				{Kind: KindPublish, Path: "/var/lib/kubelet/pods/a/mount", Kernel: Kernel{State: Present, Via: "self"}},
+				{Kind: KindPublish, Path: "/var/lib/kubelet/pods/a/mount", Kernel: Kernel{State: Present, Via: "self"},
+					Pod: &Pod{Namespace: "shop", Name: "web-0", UID: "a"}},
+				{Kind: KindNRIPublish, Path: "/var/lib/kubelet/pods/b/mount", Kernel: Kernel{State: Present, Via: "self"}, Pod: &Pod{UID: "b"}},
 				{Kind: KindContainer, Path: "/data", ReadOnly: true, PID: 42, MountNS: 4026532000, ContainerID: "0123456789abcdef0123",
+					Pod:    &Pod{Namespace: "shop", Name: "web-0", UID: "a", Container: "app"},
 					Kernel: Kernel{State: Absent, Disagrees: true, Detail: "recorded as mounted; the mount table shows nothing there"}},
 			}},
 		{ID: "f", Type: "fuse", Source: "fuse profile s3", DaemonPID: 77, Stage: "staged",
@@ -179,8 +182,9 @@ func TestWriteTable(t *testing.T) {
 	want := [][]string{
 		{"VOLUME", "TYPE", "STAGE", "HEALTH", "DEVICE", "SOURCE"},
 		{"pvc-1", "loop", "staged", "ok", "/dev/loop3", "image /img/pvc-1.img"},
-		{"publish", "rw", "present", "/var/lib/kubelet/pods/a/mount"},
-		{"container", "ro", "absent DISAGREES", "/data in container 0123456789abc pid 42 mntns 4026532000: recorded as mounted"},
+		{"publish", "rw", "present", "/var/lib/kubelet/pods/a/mount in pod shop/web-0"},
+		{"nri-publish", "rw", "present", "/var/lib/kubelet/pods/b/mount in pod uid b"},
+		{"container", "ro", "absent DISAGREES", "/data in pod shop/web-0/app container 0123456789abc pid 42 mntns 4026532000: recorded as mounted"},
 		{"f", "fuse", "staged", "INACCESSIBLE DaemonDown", "-", "fuse profile s3 (daemon pid 77)"},
 		{"u", "loop", "unstaged", "-", "-", "-"},
 		{"1 consumer(s): records and kernel disagree"},
@@ -220,9 +224,45 @@ func TestWriteJSONRoundTrip(t *testing.T) {
 	if !reflect.DeepEqual(&back, sample()) {
 		t.Fatalf("round trip:\n%+v\n%+v", &back, sample())
 	}
-	for _, key := range []string{`"disagrees": true`, `"mountNS": 4026532000`, `"daemonPID": 77`, `"readOnly": true`} {
+	for _, key := range []string{`"disagrees": true`, `"mountNS": 4026532000`, `"daemonPID": 77`, `"readOnly": true`,
+		`"container": "app"`, `"name": "web-0"`, `"uid": "b"`} {
 		if !strings.Contains(b.String(), key) {
 			t.Errorf("JSON lacks %s", key)
+		}
+	}
+}
+
+func TestPodString(t *testing.T) {
+	for _, tc := range []struct {
+		pod  Pod
+		want string
+	}{
+		{Pod{Namespace: "shop", Name: "web-0", UID: "u", Container: "app"}, "shop/web-0/app"},
+		{Pod{Namespace: "shop", Name: "web-0", UID: "u"}, "shop/web-0"},
+		{Pod{UID: "u"}, "uid u"},
+		{Pod{UID: "u", Container: "app"}, "uid u/app"},
+		{Pod{}, ""},
+	} {
+		if got := tc.pod.String(); got != tc.want {
+			t.Errorf("%+v: %q, want %q", tc.pod, got, tc.want)
+		}
+	}
+}
+
+func TestPodUIDOfTarget(t *testing.T) {
+	const k = "/var/lib/kubelet"
+	for target, want := range map[string]string{
+		k + "/pods/7d1e-42/volumes/kubernetes.io~csi/pvc-1/mount":                  "7d1e-42",
+		k + "/pods/7d1e-42/volumes/kubernetes.io~csi/pvc-1/mount/":                 "7d1e-42",
+		k + "/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/7d1e-42":       "7d1e-42",
+		k + "/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/7d1e-42/extra": "",
+		k + "/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-1/7d1e-42":       "",
+		k + "/pods/7d1e-42/plugins/x":                                              "",
+		"/elsewhere/pods/7d1e-42/volumes/kubernetes.io~csi/pvc-1/mount":            "",
+		k + "/../pods/7d1e-42/volumes/x/mount":                                     "",
+	} {
+		if got := PodUIDOfTarget(k, target); got != want {
+			t.Errorf("%s: %q, want %q", target, got, want)
 		}
 	}
 }

@@ -71,6 +71,7 @@ var valueSets = []struct {
 	{"snapshots", map[string]any{"snapshots": map[string]any{"enabled": true}}},
 	{"snapshotsDefaultClass", map[string]any{"driverName": "loop.storage.example.com",
 		"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"name": "nightly", "isDefault": true, "deletionPolicy": "Retain"}}}},
+	{"noStorageCapacity", map[string]any{"storageCapacity": map[string]any{"enabled": false}}},
 	{"snapshotsNoClass", map[string]any{"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"create": false}}}},
 	// values.yaml's example, and roots shared with imageRoots or under the state dir.
 	{"fuseProfiles", map[string]any{"config": map[string]any{
@@ -121,6 +122,10 @@ type rendered struct {
 	role    *rbacv1.ClusterRole
 	binding *rbacv1.ClusterRoleBinding
 	vsc     *volumeSnapshotClass
+	// nsRole and nsBinding are the provisioner's in the release namespace
+	// (CSIStorageCapacity), with storageCapacity.enabled only.
+	nsRole    *rbacv1.Role
+	nsBinding *rbacv1.RoleBinding
 
 	// rawConfig is the ConfigMap's config.yaml; config is the same file read by
 	// the plugin's own loader.
@@ -145,6 +150,8 @@ var decoders = map[string]struct {
 	"ServiceAccount":      {"v1", func() any { return &corev1.ServiceAccount{} }},
 	"ClusterRole":         {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRole{} }},
 	"ClusterRoleBinding":  {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.ClusterRoleBinding{} }},
+	"Role":                {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.Role{} }},
+	"RoleBinding":         {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.RoleBinding{} }},
 	"VolumeSnapshotClass": {"snapshot.storage.k8s.io/v1", func() any { return &volumeSnapshotClass{} }},
 }
 
@@ -281,6 +288,10 @@ func (r *rendered) decode(t *testing.T, template, doc string) {
 		set(&r.role)
 	case *rbacv1.ClusterRoleBinding:
 		set(&r.binding)
+	case *rbacv1.Role:
+		set(&r.nsRole)
+	case *rbacv1.RoleBinding:
+		set(&r.nsBinding)
 	case *volumeSnapshotClass:
 		set(&r.vsc)
 	default:

@@ -25,8 +25,9 @@ import (
 type Cluster struct {
 	cfg     nodeConfig
 	node    *exec.Cmd
-	created []string // fixed host paths created for covering, removed at the end
-	started time.Time
+	created []string      // fixed host paths created for covering, removed at the end
+	started time.Time     // when the node process last started
+	exited  chan struct{} // closed when the node process has exited
 }
 
 // programs the node needs, by name; tools maps a name to a bin directory.
@@ -63,7 +64,7 @@ func startCluster(t *testing.T, root string, path []string) *Cluster {
 	if err := os.MkdirAll(root, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	c := &Cluster{cfg: cfg, started: time.Now()}
+	c := &Cluster{cfg: cfg}
 	for _, p := range fixedPaths {
 		top, err := mkdirRecording(p)
 		if err != nil {
@@ -83,15 +84,27 @@ func startCluster(t *testing.T, root string, path []string) *Cluster {
 	if err := writeConfigs(cfg); err != nil {
 		t.Fatal(err)
 	}
+	c.startNode(t)
+	return c
+}
+
+// startNode starts the node process on the cluster's root, with the PKI and
+// configuration already there (a first start, or a boot after reboot), and
+// waits until its components run.
+func (c *Cluster) startNode(t *testing.T) {
+	t.Helper()
+	cfg := c.cfg
 	js, err := json.Marshal(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	log, err := os.Create(cfg.path("logs", "node.log"))
+	// Appended to: a reboot's log follows the first boot's.
+	log, err := os.OpenFile(cfg.path("logs", "node.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer log.Close()
+	c.started = time.Now()
 	c.node = exec.Command(os.Args[0])
 	c.node.Env = append(os.Environ(), nodeEnv+"="+string(js))
 	c.node.Stdout, c.node.Stderr = log, log
@@ -103,6 +116,7 @@ func startCluster(t *testing.T, root string, path []string) *Cluster {
 		t.Fatal(err)
 	}
 	exited := make(chan struct{})
+	c.exited = exited
 	go func() { _ = c.node.Wait(); close(exited) }()
 	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
 		if _, err := os.Stat(cfg.path("node", "ready")); err == nil {
@@ -121,7 +135,6 @@ func startCluster(t *testing.T, root string, path []string) *Cluster {
 		}
 	}
 	t.Logf("control plane, containerd and kubelet up in %v", time.Since(c.started).Round(time.Millisecond))
-	return c
 }
 
 func lookPath(name string, path []string) (string, error) {

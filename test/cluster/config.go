@@ -81,6 +81,7 @@ syncFrequency: 10s
 nodeStatusUpdateFrequency: 5s
 volumeStatsAggPeriod: 10s
 shutdownGracePeriod: 0s
+featureGates: {CSIVolumeHealth: true}
 `, c.path("run", "containerd.sock"), nodeIP, c.path("log", "pods")),
 
 		"cni/net.d/10-mountplan.conflist": fmt.Sprintf(`{

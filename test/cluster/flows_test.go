@@ -30,6 +30,7 @@ type flow struct {
 
 var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
+	{name: "CapacityTracking", run: capacityTracking},
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
@@ -52,8 +53,18 @@ var flows = []flow{
 	{name: "NRITwoPodsRWO_RWOPRefused", run: nriTwoPodsRWO},
 	{name: "NRISubPathRefused", run: nriSubPath},
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
+	{name: "NRISidecarsAndExpandOnline", run: nriSidecarsAndExpand},
+	{name: "ContainerdKilledNRI", run: containerdKilledNRI}, // runtime_restart_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
+	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
+	// Before the writer of the next two flows starts: a reboot restarts
+	// every container (reboot_flows_test.go).
+	{name: "NodeReboot", run: nodeReboot},
+	{name: "NodeRebootMidWork", run: nodeRebootMidWork},
+	{name: "NodeRebootAgedInline", run: nodeRebootAgedInline, pending: "the startup reconcile after a reboot forgets a publish asked more than " +
+		"publishGrace (10 min) ago whose target shows no mount, then destroys the inline volume left without publishes " +
+		"(internal/driver/reconcile.go) before kubelet publishes it again: its data is lost; needs the plugin to know it missed a boot"},
 	{name: "WritesSurviveRestarts", run: writesSurviveRestarts},
 	{name: "HelmUninstallInUseAndReinstall", run: helmUninstallInUse},
 }
@@ -141,6 +152,7 @@ func (e *env) deleteEverything(t *testing.T) {
 		t.Errorf("journal records left with no volume: %v", recs)
 	}
 	must(t)(e.c.helm("uninstall", "mountplan", "--namespace", "kube-system", "--wait", "--timeout", "3m"))
+	e.checkNoCapacityLeft(t)
 	waitFor(t, 2*time.Minute, "no pod left", func() error {
 		out, err := e.c.kubectl("get", "pods", "-A", "-o", "name")
 		if err != nil {
@@ -161,10 +173,7 @@ func inlineEphemeral(t *testing.T, e *env) {
 	if n := e.ephemeralRecords(t); n != 0 {
 		t.Fatalf("%d inline volumes' records before the pod", n)
 	}
-	e.run(t, pod("eph", func(spec, ctr obj) {
-		addVolume(spec, obj{"name": "scratch", "csi": obj{"driver": driverName, "volumeAttributes": obj{"size": "32Mi"}}})
-		addMount(ctr, obj{"name": "scratch", "mountPath": "/scratch"})
-	}))
+	e.run(t, pod("eph", withInline("32Mi", "/scratch")))
 	e.write(t, "eph", "/scratch/token")
 	if n := e.ephemeralRecords(t); n != 1 {
 		t.Errorf("%d inline volumes' records with the pod running, want 1", n)
@@ -176,6 +185,14 @@ func inlineEphemeral(t *testing.T, e *env) {
 		}
 		return nil
 	})
+}
+
+// withInline mounts a CSI inline volume of the driver at path.
+func withInline(size, path string) podOpt {
+	return func(spec, ctr obj) {
+		addVolume(spec, obj{"name": "scratch", "csi": obj{"driver": driverName, "volumeAttributes": obj{"size": size}}})
+		addMount(ctr, obj{"name": "scratch", "mountPath": path})
+	}
 }
 
 // ephemeralRecords counts the journal records of inline volumes.
@@ -254,10 +271,7 @@ func rawBlock(t *testing.T, e *env) {
 	claim := pvc("blk", storageClass, "32Mi")
 	claim["spec"].(obj)["volumeMode"] = "Block"
 	e.apply(t, claim)
-	withDevice := func(spec, ctr obj) {
-		addVolume(spec, obj{"name": "blk", "persistentVolumeClaim": obj{"claimName": "blk"}})
-		ctr["volumeDevices"] = []obj{{"name": "blk", "devicePath": "/dev/xvda"}}
-	}
+	withDevice := withBlockClaim("blk", "/dev/xvda")
 	e.run(t, pod("blk1", withDevice))
 	must(t)(e.c.podExec("blk1", "sh", "-c",
 		"dd if=/dev/urandom of=/tmp/x bs=4096 count=64 2>/dev/null && dd if=/tmp/x of=/dev/xvda bs=4096 count=64 conv=fsync 2>/dev/null && md5sum < /tmp/x"))
@@ -277,11 +291,24 @@ func rawBlock(t *testing.T, e *env) {
 	e.c.deleteAndWait(t, "pvc", "blk")
 }
 
+// withBlockClaim gives the container a block claim's device at path.
+func withBlockClaim(claim, path string) podOpt {
+	return func(spec, ctr obj) {
+		addVolume(spec, obj{"name": claim, "persistentVolumeClaim": obj{"claimName": claim}})
+		ctr["volumeDevices"] = []obj{{"name": claim, "devicePath": path}}
+	}
+}
+
+// xfsStorageClass is a StorageClass of the admin's asking for xfs.
+func xfsStorageClass() obj {
+	return obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": "mountplan-xfs"},
+		"provisioner": driverName, "parameters": obj{"type": "loop", "csi.storage.k8s.io/fstype": "xfs"},
+		"volumeBindingMode": "WaitForFirstConsumer", "allowVolumeExpansion": true, "reclaimPolicy": "Delete"}
+}
+
 // xfsClass: a StorageClass of the admin's asking for xfs.
 func xfsClass(t *testing.T, e *env) {
-	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": "mountplan-xfs"},
-		"provisioner": driverName, "parameters": obj{"type": "loop", "csi.storage.k8s.io/fstype": "xfs"},
-		"volumeBindingMode": "WaitForFirstConsumer", "allowVolumeExpansion": true, "reclaimPolicy": "Delete"})
+	e.apply(t, xfsStorageClass())
 	e.apply(t, pvc("xfs", "mountplan-xfs", "300Mi"))
 	e.run(t, pod("xfs", withClaim("xfs", "/data", false)))
 	if out := strings.TrimSpace(must(t)(e.c.podExec("xfs", "stat", "-f", "-c", "%T", "/data"))); out != "xfs" {
@@ -757,6 +784,7 @@ func helmUninstallInUse(t *testing.T, e *env) {
 	e.checkWrites(t, "w", &last)
 	must(t)(e.c.helm("uninstall", "mountplan", "--namespace", "kube-system", "--wait", "--timeout", "3m"))
 	sleep(3 * time.Second)
+	e.checkNoCapacityLeft(t)
 	e.checkWrites(t, "w", &last)
 	e.install(t)
 	sleep(2 * time.Second)

@@ -194,7 +194,8 @@ func (n *node) components() []component {
 			"--authorization-mode=Node,RBAC", "--allow-privileged=true",
 			"--service-account-issuer=https://kubernetes.default.svc", "--service-account-key-file=" + pki("sa.pub"),
 			"--service-account-signing-key-file=" + pki("sa.key"),
-			"--kubelet-preferred-address-types=InternalIP,Hostname", "--profiling=false"},
+			"--kubelet-preferred-address-types=InternalIP,Hostname", "--profiling=false",
+			"--feature-gates=CSIVolumeHealth=true"},
 			ready: apiReady(pki("admin.kubeconfig"))},
 		{name: "kube-controller-manager", argv: []string{c.Bin["kube-controller-manager"],
 			"--kubeconfig=" + pki("controller-manager.kubeconfig"), "--leader-elect=false", "--secure-port=0",
@@ -363,6 +364,7 @@ func (n *node) reap() {
 			n.logf("%s (pid %d) exited: %v; restarting", p.name, pid, ws)
 			go func() {
 				time.Sleep(time.Second)
+				n.whileHeld(p.name)
 				if _, err := n.spawn(&proc{name: p.name, argv: p.argv, restart: true}); err != nil {
 					n.logf("restart %s: %v", p.name, err)
 				}
@@ -426,5 +428,26 @@ func (n *node) terminate(name string, d time.Duration) {
 			<-p.exited
 		}
 		cancel()
+	}
+}
+
+// holdPath is a file whose presence keeps the node from restarting a
+// component that exited: a test holds containerd down this way, as long
+// as it likes, and releases it by removing the file.
+func (c nodeConfig) holdPath(component string) string { return c.path("node", "hold-"+component) }
+
+// whileHeld waits while a component is held (holdPath) and the node runs.
+func (n *node) whileHeld(name string) {
+	for logged := false; ; logged = true {
+		n.mu.Lock()
+		stopping := n.stop
+		n.mu.Unlock()
+		if _, err := os.Stat(n.cfg.holdPath(name)); err != nil || stopping {
+			return
+		}
+		if !logged {
+			n.logf("%s held down until %s is removed", name, n.cfg.holdPath(name))
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -37,8 +37,7 @@ var (
 // device inside the container, the guard at kubelet's target.
 func nriPVC(t *testing.T, e *env) {
 	nriPoll = startNodePoller(e)
-	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
-		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"})
+	e.apply(t, e.nriStorageClass())
 	e.apply(t, pvc("ndata", nriClass, "64Mi"))
 	e.run(t, pod("n1", withClaim("ndata", "/data", false)))
 	e.nriPV(t, "ndata")
@@ -48,6 +47,12 @@ func nriPVC(t *testing.T, e *env) {
 	if nriPoll.seen(guard.FSType) == 0 {
 		t.Error("no guard in the node's mount table at kubelet's target")
 	}
+}
+
+// nriStorageClass is the StorageClass of NRI mode.
+func (e *env) nriStorageClass() obj {
+	return obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
+		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"}
 }
 
 // nriPodRecreated: the pod deleted, a new one finds the data; the first
@@ -178,17 +183,22 @@ func (e *env) pvOf(t *testing.T, claim string) string {
 // dir inside a pod's container.
 func (e *env) wantFSInPod(t *testing.T, pod, dir, fsType, sourcePrefix string) {
 	t.Helper()
-	out := must(t)(e.c.podExec(pod, "cat", "/proc/self/mountinfo"))
-	var got, src string
-	for _, l := range strings.Split(out, "\n") {
-		f := strings.Fields(l)
-		if i := slices.Index(f, "-"); len(f) > 4 && f[4] == dir && i > 0 && i+2 < len(f) {
-			got, src = f[i+1], f[i+2]
-		}
-	}
+	got, src := mountAt(must(t)(e.c.podExec(pod, "cat", "/proc/self/mountinfo")), dir)
 	if got != fsType || !strings.HasPrefix(src, sourcePrefix) {
 		t.Errorf("%s in pod %s is %s from %s, want %s from %s*", dir, pod, got, src, fsType, sourcePrefix)
 	}
+}
+
+// mountAt returns the filesystem type and source of the top mount at dir
+// in a mountinfo table.
+func mountAt(mountinfo, dir string) (fsType, source string) {
+	for _, l := range strings.Split(mountinfo, "\n") {
+		f := strings.Fields(l)
+		if i := slices.Index(f, "-"); len(f) > 4 && f[4] == dir && i > 0 && i+2 < len(f) {
+			fsType, source = f[i+1], f[i+2]
+		}
+	}
+	return fsType, source
 }
 
 // wantContainerConsumers checks how many containers the plugin's journal

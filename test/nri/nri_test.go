@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
@@ -376,4 +377,43 @@ func TestNRIXFS(t *testing.T) {
 	}
 	e.exec(c, "echo x > /data/f")
 	e.finish(id, []*testutil.Pod{pod}, target)
+}
+
+// TestNRIStatsWithContainersStopped: NodeGetVolumeStats of an NRI volume
+// answers through a running container's mount, and, once no container
+// runs, through the mounter's private mount of the volume's device: the
+// same filesystem, the same usage, nothing left mounted afterwards
+// (finish checks the mount tables).
+func TestNRIStatsWithContainersStopped(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, pod, target := e.podWithVolume("nri-stats", mountCap(), publishOptions{})
+	c := pod.RunContainer(t, "app", volumeMount("/data", target, false))
+	e.exec(c, "dd if=/dev/zero of=/data/fill bs=1M count=8 conv=fsync 2>/dev/null")
+	running := e.usedBytes(id, target)
+	if running < 8<<20 {
+		t.Errorf("used bytes with the container running: %d, want at least 8 MiB", running)
+	}
+	e.removeContainer(c)
+	e.wantConsumers(id)
+	stopped := e.usedBytes(id, target)
+	if stopped != running {
+		t.Errorf("used bytes with no container running: %d, with one: %d", stopped, running)
+	}
+	e.finish(id, []*testutil.Pod{pod}, target)
+}
+
+// usedBytes asks NodeGetVolumeStats for the bytes a volume uses.
+func (e *env) usedBytes(id, target string) int64 {
+	e.t.Helper()
+	resp, err := e.node.NodeGetVolumeStats(e.ctx(), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
+	if err != nil {
+		e.t.Fatalf("NodeGetVolumeStats: %v", err)
+	}
+	for _, u := range resp.GetUsage() {
+		if u.GetUnit() == csi.VolumeUsage_BYTES {
+			return u.GetUsed()
+		}
+	}
+	e.t.Fatalf("NodeGetVolumeStats: no bytes in %v", resp)
+	return 0
 }

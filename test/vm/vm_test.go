@@ -15,13 +15,11 @@ package vm
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -45,11 +43,17 @@ func (tm *timings) start(name string) func() {
 }
 
 // guestTools are the host programs the guest needs, with their libraries.
-var guestTools = []string{"nbdkit", "mke2fs", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
+var guestTools = []string{"nbdkit", "mke2fs", "e2fsck", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm"}
 
-// guestModules are loaded, with their dependencies, before the tests run.
-var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop"}
+// guestModules are loaded, with their dependencies, before the tests run
+// (virtio_blk for the reboot test's disks).
+var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "virtio_pci", "virtio_blk"}
 
+// initScript is the guest's /init. The first boot runs the guest's tests,
+// then the reboot test's first phase, which ends in the host's reset; the
+// boot after the reset (mountplan.phase=after on the kernel's command
+// line) runs its second phase. Both phases mount the two disks the host
+// attached (persistDisks), found by their serial numbers.
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
@@ -64,9 +68,34 @@ t0=$(cat /proc/uptime)
 for m in $(cat /modules/order); do insmod $m || echo "MOUNTPLAN-GUEST insmod $m failed"; done
 echo "MOUNTPLAN-GUEST modules loaded at $(cat /proc/uptime | cut -d' ' -f1)s uptime (init at ${t0%% *}s)"
 cd /tmp
-MOUNTPLAN_VM_GUEST=1 TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1
-echo "MOUNTPLAN-GUEST-EXIT=$?"
-poweroff -f
+disk() { for d in /sys/block/vd*; do [ "$(cat $d/serial 2>/dev/null)" = "$1" ] && echo /dev/${d##*/}; done; }
+# The node's disk keeps only what was synced (commit=600, no periodic
+# writeback), and holds /etc/iscsi as a node's root disk does.
+persist() {
+	mkdir -p /persist /srv
+	mount -t ext4 -o commit=600 "$(disk mpnode)" /persist || return 1
+	mount -t ext4 "$(disk mpserver)" /srv || return 1
+	[ -d /persist/iscsi ] || cp -a /etc/iscsi /persist/iscsi || return 1
+	mount --bind /persist/iscsi /etc/iscsi || return 1
+	echo 0 > /proc/sys/vm/dirty_writeback_centisecs
+}
+case " $(cat /proc/cmdline) " in
+*" mountplan.phase=after "*)
+	persist || echo "MOUNTPLAN-GUEST mounting the disks failed"
+	MOUNTPLAN_VM_GUEST=1 MOUNTPLAN_VM_REBOOT=after TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.run '^TestRebootAfter$'
+	echo "MOUNTPLAN-GUEST-EXIT=$?"
+	;;
+*)
+	MOUNTPLAN_VM_GUEST=1 TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.skip '^TestReboot'
+	echo "MOUNTPLAN-GUEST-EXIT=$?"
+	persist || echo "MOUNTPLAN-GUEST mounting the disks failed"
+	MOUNTPLAN_VM_GUEST=1 MOUNTPLAN_VM_REBOOT=before TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.run '^TestRebootBefore$'
+	echo "MOUNTPLAN-GUEST-REBOOT-EXIT=$?"
+	;;
+esac
+# No sync: a session whose target died (a failed test) would hold it for
+# iSCSI's two-minute replacement timeout, and the disks are thrown away.
+poweroff -f -n
 `
 
 func TestVM(t *testing.T) {
@@ -130,20 +159,62 @@ func TestVM(t *testing.T) {
 	stop()
 	t.Logf("initramfs: %d MiB, %d entries, %d modules", size>>20, len(a.entries), len(order))
 
-	serial := filepath.Join(work, "serial.log")
-	stop = tm.start("qemu run (boot, guest tests, poweroff)")
-	out := boot(t, k.Vmlinux, initrd, serial)
+	stop = tm.start("make the reboot test's disks")
+	disks := persistDisks(t, work)
 	stop()
-	tm.add("total", time.Since(total))
 
-	res := parseGuest(out)
-	for _, line := range res.lines {
+	stop = tm.start("qemu run 1 (guest tests, reboot test to reset)")
+	first := boot(t, k.Vmlinux, initrd, filepath.Join(work, "serial-1.log"), disks, "", resetMarker)
+	stop()
+	res := parseGuest(first.out)
+	logLines(t, "boot 1", res.lines)
+	var after guestResult
+	if first.reset {
+		tm.add("  of which the reset (marker to qemu's exit)", first.resetTook)
+		stop = tm.start("qemu run 2 (boot after the reset, recovery)")
+		second := boot(t, k.Vmlinux, initrd, filepath.Join(work, "serial-2.log"), disks, "mountplan.phase=after", "")
+		stop()
+		after = parseGuest(second.out)
+		logLines(t, "boot 2", after.lines)
+	}
+	tm.add("total", time.Since(total))
+	t.Log(summary(k, tm, res, first.reset, after))
+
+	switch {
+	case res.exit == "":
+		t.Fatalf("the guest did not report its tests' exit status; serial output in the log above")
+	case res.exit != "0" || len(res.results) == 0:
+		t.Errorf("guest tests failed (exit %s)", res.exit)
+	}
+	for _, r := range append(res.results, after.results...) {
+		if r.verdict != "PASS" {
+			t.Errorf("guest %s: %s", r.name, r.verdict)
+		}
+	}
+	switch {
+	case !first.reset:
+		t.Errorf("the reboot test's first boot never asked for the reset (exit %q); serial output in the log above", res.rebootExit)
+	case after.exit == "":
+		t.Errorf("the boot after the reset did not report its test's exit status; serial output in the log above")
+	case after.exit != "0" || len(after.results) != 1:
+		t.Errorf("the reboot test's second boot failed (exit %s)", after.exit)
+	}
+}
+
+func logLines(t *testing.T, boot string, lines []string) {
+	t.Helper()
+	t.Logf("serial output of %s:", boot)
+	for _, line := range lines {
 		t.Log(line)
 	}
+}
+
+// summary lays out the run's timings and the guest's verdicts.
+func summary(k kernel, tm *timings, res guestResult, reset bool, after guestResult) string {
 	var sum strings.Builder
 	fmt.Fprintf(&sum, "VM test timings (kernel %s):\n", k.Package)
 	for i, n := range tm.names {
-		fmt.Fprintf(&sum, "  %-45s %8.1fs\n", n, tm.durs[i].Seconds())
+		fmt.Fprintf(&sum, "  %-45s %8.2fs\n", n, tm.durs[i].Seconds())
 	}
 	if res.modulesAt != "" {
 		fmt.Fprintf(&sum, "  %-45s %8s\n", "guest: modules loaded at uptime", res.modulesAt)
@@ -151,62 +222,38 @@ func TestVM(t *testing.T) {
 	for _, r := range res.results {
 		fmt.Fprintf(&sum, "  guest %-39s %8s  %s\n", r.name, r.dur, r.verdict)
 	}
-	t.Log(sum.String())
-	switch {
-	case res.exit == "":
-		t.Fatalf("the guest did not report its tests' exit status; serial output in the log above")
-	case res.exit != "0" || len(res.results) == 0:
-		t.Fatalf("guest tests failed (exit %s)", res.exit)
+	if reset {
+		fmt.Fprintf(&sum, "  guest %-39s %8s  %s\n", "TestRebootBefore", "", "reached the reset")
 	}
-	for _, r := range res.results {
-		if r.verdict != "PASS" {
-			t.Errorf("guest %s: %s", r.name, r.verdict)
-		}
+	if after.modulesAt != "" {
+		fmt.Fprintf(&sum, "  %-45s %8s\n", "guest after the reset: modules loaded at", after.modulesAt)
 	}
-}
-
-// boot runs qemu as VM-NOTES.md measured it and returns the serial output.
-func boot(t *testing.T, vmlinux, initrd, serial string) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
-	defer cancel()
-	smp := "2"
-	if runtime.NumCPU() < 2 {
-		smp = "1"
+	for _, tg := range append(res.timings, after.timings...) {
+		fmt.Fprintf(&sum, "  guest: %-38s %8s\n", tg[0], tg[1])
 	}
-	cmd := exec.CommandContext(ctx, "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", smp, "-m", "1024",
-		"-nographic", "-no-reboot", "-nic", "none", "-kernel", vmlinux, "-initrd", initrd,
-		"-append", "console=ttyS0 panic=-1 rdinit=/init loglevel=4")
-	f, err := os.Create(serial)
-	if err != nil {
-		t.Fatal(err)
+	for _, r := range after.results {
+		fmt.Fprintf(&sum, "  guest %-39s %8s  %s\n", r.name, r.dur, r.verdict)
 	}
-	defer f.Close()
-	cmd.Stdout, cmd.Stderr = f, f
-	err = cmd.Run()
-	b, _ := os.ReadFile(serial)
-	out := strings.ReplaceAll(string(b), "\r\n", "\n")
-	if err != nil {
-		t.Logf("serial output:\n%s", out)
-		t.Fatalf("qemu: %v", err)
-	}
-	return out
+	return sum.String()
 }
 
 type guestResult struct {
-	lines     []string
-	exit      string
-	modulesAt string
-	results   []struct{ name, verdict, dur string }
+	lines      []string
+	exit       string
+	rebootExit string
+	modulesAt  string
+	results    []struct{ name, verdict, dur string }
+	timings    [][2]string
 }
 
 var (
 	resultLine  = regexp.MustCompile(`^\s*--- (PASS|FAIL|SKIP): (\S+) \(([0-9.]+s)\)`)
 	modulesLine = regexp.MustCompile(`modules loaded at ([0-9.]+s)`)
+	timingLine  = regexp.MustCompile(`^MOUNTPLAN-GUEST-TIMING (.+) ([0-9.]+s)$`)
 )
 
 // parseGuest reads the guest's serial output: go test -v lines, the exit
-// status /init prints, and the module load time.
+// statuses /init prints, the module load time and the guest's timings.
 func parseGuest(out string) guestResult {
 	var r guestResult
 	sc := bufio.NewScanner(bytes.NewReader([]byte(out)))
@@ -217,8 +264,14 @@ func parseGuest(out string) guestResult {
 		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "MOUNTPLAN-GUEST-EXIT="); ok {
 			r.exit = v
 		}
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "MOUNTPLAN-GUEST-REBOOT-EXIT="); ok {
+			r.rebootExit = v
+		}
 		if m := modulesLine.FindStringSubmatch(line); m != nil {
 			r.modulesAt = m[1]
+		}
+		if m := timingLine.FindStringSubmatch(strings.TrimSpace(line)); m != nil {
+			r.timings = append(r.timings, [2]string{m[1], m[2]})
 		}
 		if m := resultLine.FindStringSubmatch(line); m != nil {
 			r.results = append(r.results, struct{ name, verdict, dur string }{m[2], m[1], m[3]})

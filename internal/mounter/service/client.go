@@ -144,6 +144,10 @@ func (c *Client) StatFS(ctx context.Context, consumer plan.Consumer) (fsutil.Usa
 	return call[plan.Consumer, fsutil.Usage](ctx, c, "StatFS", consumer)
 }
 
+func (c *Client) StatDevice(ctx context.Context, d mounter.Device, readOnly bool) (fsutil.Usage, error) {
+	return call[fsReq, fsutil.Usage](ctx, c, "StatDevice", fsReq{Device: d, ReadOnly: readOnly})
+}
+
 func (c *Client) MakeDeviceNode(ctx context.Context, target string, d mounter.Device) (bool, error) {
 	r, err := call[volumeReq, createdResp](ctx, c, "MakeDeviceNode", volumeReq{Target: target, Device: d})
 	return r.Created, err

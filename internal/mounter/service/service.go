@@ -43,6 +43,8 @@ type (
 		Device mounter.Device `json:"device"`
 		FsType string         `json:"fsType,omitempty"`
 		Unused bool           `json:"unused,omitempty"`
+		// ReadOnly: StatDevice mounts the filesystem read-only.
+		ReadOnly bool `json:"readOnly,omitempty"`
 	}
 	fsTypeResp struct {
 		FsType string `json:"fsType"`
@@ -187,6 +189,9 @@ func registerNode(s *unixrpc.Server, n mounter.Node) {
 	})
 	unixrpc.Handle(s, "StatFS", func(ctx context.Context, c plan.Consumer, _ []*os.File) (fsutil.Usage, error) {
 		return n.StatFS(ctx, c)
+	})
+	unixrpc.Handle(s, "StatDevice", func(ctx context.Context, r fsReq, _ []*os.File) (fsutil.Usage, error) {
+		return n.StatDevice(ctx, r.Device, r.ReadOnly)
 	})
 	unixrpc.Handle(s, "MakeDeviceNode", func(ctx context.Context, r volumeReq, _ []*os.File) (createdResp, error) {
 		created, err := n.MakeDeviceNode(ctx, r.Target, r.Device)

@@ -67,6 +67,11 @@ func TestThroughTheSocket(t *testing.T) {
 	if fs, err := c.Detect(ctx, l.Device); err != nil || fs != "ext4" {
 		t.Fatalf("Detect after Format = %q, %v", fs, err)
 	}
+	// StatDevice measures the filesystem mounted nowhere, through a
+	// private mount it removes again (Scratch's cleanup finds any left).
+	if u, err := c.StatDevice(ctx, l.Device, true); err != nil || u.TotalBytes <= 16<<20 || u.TotalBytes > 32<<20 || u.UsedBytes <= 0 {
+		t.Fatalf("StatDevice of a fresh 32 MiB ext4 = %+v, %v", u, err)
+	}
 	pid := mountnstest.Namespace(t, "private")
 	mounts := []plan.Mount{{Type: "ext4", Source: l.Path, Options: []string{"nosuid", "nodev"}}}
 	cons := plan.Consumer{PID: pid, MountPoint: filepath.Join(dir, "mp")}
@@ -100,6 +105,10 @@ func TestThroughTheSocket(t *testing.T) {
 		}, errdefs.ErrPermissionDenied},
 		{"a device the mounter did not set up", func() error {
 			return c.Format(ctx, mounter.Device{Path: "/dev/null", Major: 1, Minor: 3}, "ext4")
+		}, errdefs.ErrPermissionDenied},
+		{"statfs of a device the mounter did not set up", func() error {
+			_, err := c.StatDevice(ctx, mounter.Device{Path: "/dev/null", Major: 1, Minor: 3}, true)
+			return err
 		}, errdefs.ErrPermissionDenied},
 		{"a loop device it does not hold", func() error {
 			_, err := c.ResizeLoop(ctx, l.Identity)

@@ -31,6 +31,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
@@ -115,7 +116,9 @@ type Source struct {
 	host     source.Host
 	sups     map[string]*supervisor
 	statting map[string]bool
-	ctx      context.Context // parent of the supervisors
+	fuseAt   func(string) (*mountinfo.Info, error) // mountns.FuseAt, or a test's
+	mounted  func(string) (bool, error)            // mountinfo.Mounted, or a test's
+	ctx      context.Context                       // parent of the supervisors
 	stop     context.CancelFunc
 	realDir  string
 }
@@ -149,6 +152,8 @@ func New(o Options) (*Source, error) {
 		log:      klog.Background().WithName("fuse"),
 		sups:     map[string]*supervisor{},
 		statting: map[string]bool{},
+		fuseAt:   mountns.FuseAt,
+		mounted:  mountinfo.Mounted,
 	}
 	if s.probe <= 0 {
 		s.probe = 2 * time.Second
@@ -302,6 +307,13 @@ func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, er
 	if err := plan.CheckBindOptions(req.MountFlags); err != nil {
 		return nil, fmt.Errorf("fuse volume %s: %w", v.ID, err)
 	}
+	// Without the daemon's mount the bind would give the consumer the
+	// empty directory under it, on the node's disk (after a reboot, until
+	// the supervisor or a new stage has the daemon serving again): the CO
+	// retries instead.
+	if !s.serving(st) {
+		return nil, fmt.Errorf("fuse volume %s: no daemon serves at %s yet: %w", v.ID, st.MountPoint, errdefs.ErrUnavailable)
+	}
 	opts := plan.Options([]string{"nosuid", "nodev"}, req.ReadOnly || st.ReadOnly, req.MountFlags...)
 	return []plan.Mount{{Type: plan.TypeBind, Source: st.BindSource, Options: opts}}, nil
 }
@@ -356,9 +368,27 @@ func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, e
 	if _, err := os.Lstat(l.dir); err != nil {
 		return nil, fmt.Errorf("volume %s: its directory %s is gone: %w", v.ID, l.dir, errdefs.ErrFailedPrecondition)
 	}
+	if st.Secrets && !s.serving(st) && !s.isMounted(filepath.Join(l.dir, "secrets")) {
+		// A reboot: the daemon, its mount and its secrets' tmpfs are gone,
+		// and the mounter cannot start it again without the secrets, which
+		// only a stage request carries.
+		return nil, fmt.Errorf("volume %s: its FUSE daemon and its secrets are gone: %w", v.ID, source.ErrNeedsStage)
+	}
 	klog.FromContext(ctx).Info("Supervising FUSE daemon", "pid", st.Daemon.PID, "conn", st.Daemon.Conn, "generation", st.Daemon.Generation)
 	s.supervise(v.ID, st, v.Parameters, l)
 	return json.Marshal(st)
+}
+
+// serving says whether the daemon's mount is on top at its mount point,
+// as the plugin's mount table says.
+func (s *Source) serving(st State) bool {
+	info, err := s.fuseAt(st.MountPoint)
+	return err == nil && info != nil
+}
+
+func (s *Source) isMounted(p string) bool {
+	mounted, err := s.mounted(p)
+	return err == nil && mounted
 }
 
 // Health answers from the supervisor's view, or before there is one from

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/moby/sys/mountinfo"
+
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fuseprofile"
@@ -101,6 +103,15 @@ func TestPlan(t *testing.T) {
 	}
 	st, _ := json.Marshal(State{BindSource: "/var/lib/mountplan/fuse/v/mnt", MountPoint: "/var/lib/mountplan/fuse/v/mnt"})
 	v := source.Volume{ID: "v", Staging: true, State: st}
+	// No daemon's mount at the mount point (a reboot, a daemon being
+	// restarted): no plan, rather than a bind of the empty directory.
+	s.fuseAt = func(string) (*mountinfo.Info, error) { return nil, nil }
+	if _, err := s.Plan(v, source.PlanRequest{}); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Errorf("plan without the daemon's mount: got %v, want Unavailable", err)
+	}
+	s.fuseAt = func(p string) (*mountinfo.Info, error) {
+		return &mountinfo.Info{Mountpoint: p, FSType: "fuse.squashfuse"}, nil
+	}
 	got, err := s.Plan(v, source.PlanRequest{ReadOnly: true, MountFlags: []string{"noexec"}})
 	if err != nil {
 		t.Fatal(err)

@@ -206,7 +206,11 @@ type NodePrepareVolumeRequest struct {
 	// Instead of volume_id, staging_target_path and volume_capability: the
 	// volume that kubelet published in NRI mode and a container uses, named by
 	// what its runtime knows. Only for a consumer with container_id.
-	Published     *PublishedVolume `protobuf:"bytes,8,opt,name=published,proto3" json:"published,omitempty"`
+	Published *PublishedVolume `protobuf:"bytes,8,opt,name=published,proto3" json:"published,omitempty"`
+	// Who the consumer is, as its caller knows it (the NRI hook: the runtime's
+	// pod sandbox and container). Optional; recorded with the consumer for the
+	// operator's listing only, never used to decide anything.
+	Pod           *PodRef `protobuf:"bytes,9,opt,name=pod,proto3" json:"pod,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -297,6 +301,83 @@ func (x *NodePrepareVolumeRequest) GetPublished() *PublishedVolume {
 	return nil
 }
 
+func (x *NodePrepareVolumeRequest) GetPod() *PodRef {
+	if x != nil {
+		return x.Pod
+	}
+	return nil
+}
+
+// PodRef names a pod and one of its containers. Every field is optional.
+type PodRef struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Namespace string                 `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Name      string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Uid       string                 `protobuf:"bytes,3,opt,name=uid,proto3" json:"uid,omitempty"`
+	// The container's name in the pod's spec.
+	Container     string `protobuf:"bytes,4,opt,name=container,proto3" json:"container,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PodRef) Reset() {
+	*x = PodRef{}
+	mi := &file_mountplan_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PodRef) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PodRef) ProtoMessage() {}
+
+func (x *PodRef) ProtoReflect() protoreflect.Message {
+	mi := &file_mountplan_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PodRef.ProtoReflect.Descriptor instead.
+func (*PodRef) Descriptor() ([]byte, []int) {
+	return file_mountplan_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *PodRef) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *PodRef) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PodRef) GetUid() string {
+	if x != nil {
+		return x.Uid
+	}
+	return ""
+}
+
+func (x *PodRef) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 // PublishedVolume names a volume published in NRI mode: by the target path of
 // the publish (a container's bind mount source), or, for block access, by the
 // device number (a container's device).
@@ -311,7 +392,7 @@ type PublishedVolume struct {
 
 func (x *PublishedVolume) Reset() {
 	*x = PublishedVolume{}
-	mi := &file_mountplan_proto_msgTypes[3]
+	mi := &file_mountplan_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -323,7 +404,7 @@ func (x *PublishedVolume) String() string {
 func (*PublishedVolume) ProtoMessage() {}
 
 func (x *PublishedVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[3]
+	mi := &file_mountplan_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -336,7 +417,7 @@ func (x *PublishedVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishedVolume.ProtoReflect.Descriptor instead.
 func (*PublishedVolume) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{3}
+	return file_mountplan_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *PublishedVolume) GetTargetPath() string {
@@ -374,7 +455,7 @@ type NodePrepareVolumeResponse struct {
 
 func (x *NodePrepareVolumeResponse) Reset() {
 	*x = NodePrepareVolumeResponse{}
-	mi := &file_mountplan_proto_msgTypes[4]
+	mi := &file_mountplan_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -386,7 +467,7 @@ func (x *NodePrepareVolumeResponse) String() string {
 func (*NodePrepareVolumeResponse) ProtoMessage() {}
 
 func (x *NodePrepareVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[4]
+	mi := &file_mountplan_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -399,7 +480,7 @@ func (x *NodePrepareVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodePrepareVolumeResponse.ProtoReflect.Descriptor instead.
 func (*NodePrepareVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{4}
+	return file_mountplan_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *NodePrepareVolumeResponse) GetMounts() []*Mount {
@@ -433,7 +514,7 @@ type NodeUnprepareVolumeRequest struct {
 
 func (x *NodeUnprepareVolumeRequest) Reset() {
 	*x = NodeUnprepareVolumeRequest{}
-	mi := &file_mountplan_proto_msgTypes[5]
+	mi := &file_mountplan_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -445,7 +526,7 @@ func (x *NodeUnprepareVolumeRequest) String() string {
 func (*NodeUnprepareVolumeRequest) ProtoMessage() {}
 
 func (x *NodeUnprepareVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[5]
+	mi := &file_mountplan_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -458,7 +539,7 @@ func (x *NodeUnprepareVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeUnprepareVolumeRequest.ProtoReflect.Descriptor instead.
 func (*NodeUnprepareVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{5}
+	return file_mountplan_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *NodeUnprepareVolumeRequest) GetVolumeId() string {
@@ -483,7 +564,7 @@ type NodeUnprepareVolumeResponse struct {
 
 func (x *NodeUnprepareVolumeResponse) Reset() {
 	*x = NodeUnprepareVolumeResponse{}
-	mi := &file_mountplan_proto_msgTypes[6]
+	mi := &file_mountplan_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -495,7 +576,7 @@ func (x *NodeUnprepareVolumeResponse) String() string {
 func (*NodeUnprepareVolumeResponse) ProtoMessage() {}
 
 func (x *NodeUnprepareVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[6]
+	mi := &file_mountplan_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -508,7 +589,7 @@ func (x *NodeUnprepareVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeUnprepareVolumeResponse.ProtoReflect.Descriptor instead.
 func (*NodeUnprepareVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{6}
+	return file_mountplan_proto_rawDescGZIP(), []int{7}
 }
 
 type NodeSyncContainersRequest struct {
@@ -521,7 +602,7 @@ type NodeSyncContainersRequest struct {
 
 func (x *NodeSyncContainersRequest) Reset() {
 	*x = NodeSyncContainersRequest{}
-	mi := &file_mountplan_proto_msgTypes[7]
+	mi := &file_mountplan_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -533,7 +614,7 @@ func (x *NodeSyncContainersRequest) String() string {
 func (*NodeSyncContainersRequest) ProtoMessage() {}
 
 func (x *NodeSyncContainersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[7]
+	mi := &file_mountplan_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -546,7 +627,7 @@ func (x *NodeSyncContainersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeSyncContainersRequest.ProtoReflect.Descriptor instead.
 func (*NodeSyncContainersRequest) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{7}
+	return file_mountplan_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *NodeSyncContainersRequest) GetContainerIds() []string {
@@ -566,7 +647,7 @@ type NodeSyncContainersResponse struct {
 
 func (x *NodeSyncContainersResponse) Reset() {
 	*x = NodeSyncContainersResponse{}
-	mi := &file_mountplan_proto_msgTypes[8]
+	mi := &file_mountplan_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -578,7 +659,7 @@ func (x *NodeSyncContainersResponse) String() string {
 func (*NodeSyncContainersResponse) ProtoMessage() {}
 
 func (x *NodeSyncContainersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_mountplan_proto_msgTypes[8]
+	mi := &file_mountplan_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -591,7 +672,7 @@ func (x *NodeSyncContainersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeSyncContainersResponse.ProtoReflect.Descriptor instead.
 func (*NodeSyncContainersResponse) Descriptor() ([]byte, []int) {
-	return file_mountplan_proto_rawDescGZIP(), []int{8}
+	return file_mountplan_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *NodeSyncContainersResponse) GetReleased() uint32 {
@@ -618,7 +699,7 @@ const file_mountplan_proto_rawDesc = "" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x16\n" +
 	"\x06source\x18\x02 \x01(\tR\x06source\x12\x16\n" +
 	"\x06target\x18\x03 \x01(\tR\x06target\x12\x18\n" +
-	"\aoptions\x18\x04 \x03(\tR\aoptions\"\x87\x05\n" +
+	"\aoptions\x18\x04 \x03(\tR\aoptions\"\xb5\x05\n" +
 	"\x18NodePrepareVolumeRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12.\n" +
 	"\x13staging_target_path\x18\x02 \x01(\tR\x11stagingTargetPath\x12E\n" +
@@ -627,13 +708,19 @@ const file_mountplan_proto_rawDesc = "" +
 	"\x0evolume_context\x18\x05 \x03(\v2?.mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntryR\rvolumeContext\x12X\n" +
 	"\asecrets\x18\x06 \x03(\v29.mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntryB\x03\x98B\x01R\asecrets\x128\n" +
 	"\bconsumer\x18\a \x01(\v2\x1c.mountplan.v1alpha1.ConsumerR\bconsumer\x12A\n" +
-	"\tpublished\x18\b \x01(\v2#.mountplan.v1alpha1.PublishedVolumeR\tpublished\x1a@\n" +
+	"\tpublished\x18\b \x01(\v2#.mountplan.v1alpha1.PublishedVolumeR\tpublished\x12,\n" +
+	"\x03pod\x18\t \x01(\v2\x1a.mountplan.v1alpha1.PodRefR\x03pod\x1a@\n" +
 	"\x12VolumeContextEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a:\n" +
 	"\fSecretsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"x\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"j\n" +
+	"\x06PodRef\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x10\n" +
+	"\x03uid\x18\x03 \x01(\tR\x03uid\x12\x1c\n" +
+	"\tcontainer\x18\x04 \x01(\tR\tcontainer\"x\n" +
 	"\x0fPublishedVolume\x12\x1f\n" +
 	"\vtarget_path\x18\x01 \x01(\tR\n" +
 	"targetPath\x12!\n" +
@@ -668,41 +755,43 @@ func file_mountplan_proto_rawDescGZIP() []byte {
 	return file_mountplan_proto_rawDescData
 }
 
-var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_mountplan_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_mountplan_proto_goTypes = []any{
 	(*Consumer)(nil),                    // 0: mountplan.v1alpha1.Consumer
 	(*Mount)(nil),                       // 1: mountplan.v1alpha1.Mount
 	(*NodePrepareVolumeRequest)(nil),    // 2: mountplan.v1alpha1.NodePrepareVolumeRequest
-	(*PublishedVolume)(nil),             // 3: mountplan.v1alpha1.PublishedVolume
-	(*NodePrepareVolumeResponse)(nil),   // 4: mountplan.v1alpha1.NodePrepareVolumeResponse
-	(*NodeUnprepareVolumeRequest)(nil),  // 5: mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	(*NodeUnprepareVolumeResponse)(nil), // 6: mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	(*NodeSyncContainersRequest)(nil),   // 7: mountplan.v1alpha1.NodeSyncContainersRequest
-	(*NodeSyncContainersResponse)(nil),  // 8: mountplan.v1alpha1.NodeSyncContainersResponse
-	nil,                                 // 9: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	nil,                                 // 10: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
-	(*csi.VolumeCapability)(nil),        // 11: csi.v1.VolumeCapability
+	(*PodRef)(nil),                      // 3: mountplan.v1alpha1.PodRef
+	(*PublishedVolume)(nil),             // 4: mountplan.v1alpha1.PublishedVolume
+	(*NodePrepareVolumeResponse)(nil),   // 5: mountplan.v1alpha1.NodePrepareVolumeResponse
+	(*NodeUnprepareVolumeRequest)(nil),  // 6: mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	(*NodeUnprepareVolumeResponse)(nil), // 7: mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	(*NodeSyncContainersRequest)(nil),   // 8: mountplan.v1alpha1.NodeSyncContainersRequest
+	(*NodeSyncContainersResponse)(nil),  // 9: mountplan.v1alpha1.NodeSyncContainersResponse
+	nil,                                 // 10: mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	nil,                                 // 11: mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	(*csi.VolumeCapability)(nil),        // 12: csi.v1.VolumeCapability
 }
 var file_mountplan_proto_depIdxs = []int32{
-	11, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
-	9,  // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
-	10, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
+	12, // 0: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_capability:type_name -> csi.v1.VolumeCapability
+	10, // 1: mountplan.v1alpha1.NodePrepareVolumeRequest.volume_context:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.VolumeContextEntry
+	11, // 2: mountplan.v1alpha1.NodePrepareVolumeRequest.secrets:type_name -> mountplan.v1alpha1.NodePrepareVolumeRequest.SecretsEntry
 	0,  // 3: mountplan.v1alpha1.NodePrepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	3,  // 4: mountplan.v1alpha1.NodePrepareVolumeRequest.published:type_name -> mountplan.v1alpha1.PublishedVolume
-	1,  // 5: mountplan.v1alpha1.NodePrepareVolumeResponse.mounts:type_name -> mountplan.v1alpha1.Mount
-	0,  // 6: mountplan.v1alpha1.NodePrepareVolumeResponse.consumer:type_name -> mountplan.v1alpha1.Consumer
-	0,  // 7: mountplan.v1alpha1.NodeUnprepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
-	2,  // 8: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
-	5,  // 9: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
-	7,  // 10: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:input_type -> mountplan.v1alpha1.NodeSyncContainersRequest
-	4,  // 11: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
-	6,  // 12: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
-	8,  // 13: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:output_type -> mountplan.v1alpha1.NodeSyncContainersResponse
-	11, // [11:14] is the sub-list for method output_type
-	8,  // [8:11] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	4,  // 4: mountplan.v1alpha1.NodePrepareVolumeRequest.published:type_name -> mountplan.v1alpha1.PublishedVolume
+	3,  // 5: mountplan.v1alpha1.NodePrepareVolumeRequest.pod:type_name -> mountplan.v1alpha1.PodRef
+	1,  // 6: mountplan.v1alpha1.NodePrepareVolumeResponse.mounts:type_name -> mountplan.v1alpha1.Mount
+	0,  // 7: mountplan.v1alpha1.NodePrepareVolumeResponse.consumer:type_name -> mountplan.v1alpha1.Consumer
+	0,  // 8: mountplan.v1alpha1.NodeUnprepareVolumeRequest.consumer:type_name -> mountplan.v1alpha1.Consumer
+	2,  // 9: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:input_type -> mountplan.v1alpha1.NodePrepareVolumeRequest
+	6,  // 10: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:input_type -> mountplan.v1alpha1.NodeUnprepareVolumeRequest
+	8,  // 11: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:input_type -> mountplan.v1alpha1.NodeSyncContainersRequest
+	5,  // 12: mountplan.v1alpha1.NodePrepare.NodePrepareVolume:output_type -> mountplan.v1alpha1.NodePrepareVolumeResponse
+	7,  // 13: mountplan.v1alpha1.NodePrepare.NodeUnprepareVolume:output_type -> mountplan.v1alpha1.NodeUnprepareVolumeResponse
+	9,  // 14: mountplan.v1alpha1.NodePrepare.NodeSyncContainers:output_type -> mountplan.v1alpha1.NodeSyncContainersResponse
+	12, // [12:15] is the sub-list for method output_type
+	9,  // [9:12] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_mountplan_proto_init() }
@@ -716,7 +805,7 @@ func file_mountplan_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_mountplan_proto_rawDesc), len(file_mountplan_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -41,23 +41,31 @@ type Options struct {
 	// CHAPUser and CHAPPassword, when set, make the target require CHAP.
 	// (They are on tgtadm's command line: this is the target's side.)
 	CHAPUser, CHAPPassword string
+	// Port, when set, is the portal's TCP port (a target started again
+	// where initiators knew it, as after the VM test's reboot); 0: a free
+	// one.
+	Port int
 }
 
 // StartTgtd starts tgtd serving one target with the options' LUNs, backed
-// by files in dir. It skips when tgt is not installed and stops tgtd in a
-// cleanup.
+// by files in dir; a backing file already there keeps its content (the
+// same target started again). It skips when tgt is not installed and
+// stops tgtd in a cleanup.
 func StartTgtd(t testing.TB, dir string, o Options) *Target {
 	t.Helper()
 	testenv.RequireCommands(t, "tgtd", "tgtadm")
 	if o.IQN == "" {
 		o.IQN = "iqn.2024-01.io.mountplan.test:disk"
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	port := o.Port
+	if port == 0 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port = l.Addr().(*net.TCPAddr).Port
+		l.Close()
 	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
 	tg := &Target{Portal: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), IQN: o.IQN, ControlPort: controlPort(), LUNs: map[int]string{}}
 	logPath := filepath.Join(dir, "tgtd.log")
 	logf, err := os.Create(logPath)
@@ -90,7 +98,7 @@ func StartTgtd(t testing.TB, dir string, o Options) *Target {
 	for i, size := range o.LUNSizes {
 		lun := i + 1
 		p := filepath.Join(dir, fmt.Sprintf("lun%d.img", lun))
-		f, err := os.Create(p)
+		f, err := os.OpenFile(p, os.O_RDWR|os.O_CREATE, 0o644)
 		if err != nil {
 			t.Fatal(err)
 		}

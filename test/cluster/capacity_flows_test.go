@@ -1,0 +1,197 @@
+//go:build clustertest
+
+package cluster
+
+import (
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	storagev1 "k8s.io/api/storage/v1"
+
+	"github.com/mountplan/mountplan/internal/topology"
+)
+
+const gib = int64(1) << 30
+
+// capacityTracking: the node's provisioner publishes a CSIStorageCapacity
+// for the chart's StorageClass and the node's topology segment, holding
+// the free bytes of the state dir's filesystem and owned by the node
+// DaemonSet. A pod whose new claim is bigger than that stays Pending with
+// the scheduler's reason, and no CreateVolume is ever asked for its claim;
+// a claim that fits is provisioned and bound.
+func capacityTracking(t *testing.T, e *env) {
+	room := e.waitCapacityMatchesFree(t)
+
+	// More than the node's room, yet less than its filesystem's size where
+	// that is larger: the plugin would make such a sparse image if asked,
+	// so only the scheduler keeps the claim off the node.
+	big := fmt.Sprintf("%dGi", room/gib+32)
+	e.apply(t, pvc("toobig", storageClass, big), pod("toobig", withClaim("toobig", "/data", false)))
+	e.apply(t, pvc("fits", storageClass, "64Mi"))
+	e.run(t, pod("fits", withClaim("fits", "/data", false)))
+	e.write(t, "fits", "/data/token")
+	if phase := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "fits", "-o", "jsonpath={.status.phase}"))); phase != "Bound" {
+		t.Errorf("claim fits is %s, want Bound", phase)
+	}
+
+	waitFor(t, 90*time.Second, "pod toobig unschedulable for want of storage", func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "pod", "toobig", "-o",
+			`jsonpath={.status.phase} {.status.conditions[?(@.type=="PodScheduled")].reason}: {.status.conditions[?(@.type=="PodScheduled")].message}`)
+		if err != nil {
+			return err
+		}
+		if !strings.HasPrefix(out, "Pending Unschedulable") || !strings.Contains(out, "did not have enough free storage") {
+			return fmt.Errorf("pod toobig: %s", out)
+		}
+		return nil
+	})
+	events := must(t)(e.c.kubectl("-n", testNS, "get", "events", "--field-selector", "involvedObject.kind=Pod,involvedObject.name=toobig,reason=FailedScheduling",
+		"-o", "jsonpath={.items[*].message}"))
+	if !strings.Contains(events, "did not have enough free storage") {
+		t.Errorf("the scheduler's FailedScheduling events for toobig do not name the storage: %q", events)
+	}
+	t.Logf("a %s claim on a node with %d MiB of room: %s", big, room>>20, events)
+	// The fits claim was provisioned while the scheduler refused toobig
+	// over and over: if the provisioner were ever to try toobig, it would
+	// have had that long.
+	e.checkNeverProvisioned(t, "toobig", "fits")
+
+	e.c.deleteAndWait(t, "pod", "toobig", "fits")
+	e.c.deleteAndWait(t, "pvc", "toobig", "fits")
+}
+
+// waitCapacityMatchesFree waits until the CSIStorageCapacity of the chart's
+// StorageClass and the node's segment holds the free bytes of the state
+// dir's filesystem (df's Avail), within a GiB: the provisioner asks every
+// minute and after each volume it makes or deletes, and other work on the
+// machine moves the free bytes meanwhile. It checks the object's owner and
+// returns its capacity.
+func (e *env) waitCapacityMatchesFree(t *testing.T) int64 {
+	t.Helper()
+	var room int64
+	waitFor(t, 3*time.Minute, "a CSIStorageCapacity with the state dir's free bytes", func() error {
+		c, err := e.nodeCapacity()
+		if err != nil {
+			return err
+		}
+		free := e.stateFree(t)
+		room = c.Capacity.Value()
+		if d := room - free; d > gib || d < -gib {
+			return fmt.Errorf("%s holds %d bytes, the state dir's filesystem has %d free", c.Name, room, free)
+		}
+		if c.MaximumVolumeSize != nil {
+			t.Errorf("%s has maximumVolumeSize %v: the scheduler takes it for the room", c.Name, c.MaximumVolumeSize)
+		}
+		owners := c.OwnerReferences
+		if len(owners) != 1 || owners[0].Kind != "DaemonSet" || owners[0].Name != "mountplan-node" || owners[0].Controller == nil || !*owners[0].Controller {
+			t.Errorf("%s is owned by %+v, want the DaemonSet mountplan-node alone", c.Name, owners)
+		}
+		t.Logf("%s: %d MiB for class %s on node %s; the state dir's filesystem has %d MiB free", c.Name, room>>20, c.StorageClassName, nodeName, free>>20)
+		return nil
+	})
+	return room
+}
+
+// nodeCapacity is the one CSIStorageCapacity of the driver for the chart's
+// StorageClass and the node's topology segment.
+func (e *env) nodeCapacity() (*storagev1.CSIStorageCapacity, error) {
+	list, err := e.capacities()
+	if err != nil {
+		return nil, err
+	}
+	var mine []*storagev1.CSIStorageCapacity
+	for i := range list {
+		c := &list[i]
+		if c.StorageClassName == storageClass && c.NodeTopology != nil &&
+			c.NodeTopology.MatchLabels[topology.Key] == nodeName && len(c.NodeTopology.MatchLabels) == 1 {
+			mine = append(mine, c)
+		}
+	}
+	if len(mine) != 1 || mine[0].Capacity == nil {
+		return nil, fmt.Errorf("%d CSIStorageCapacity objects for class %s on node %s (of %d): %+v", len(mine), storageClass, nodeName, len(list), mine)
+	}
+	return mine[0], nil
+}
+
+// capacities lists the driver's CSIStorageCapacity objects in every namespace.
+func (e *env) capacities() ([]storagev1.CSIStorageCapacity, error) {
+	out, err := e.c.kubectl("get", "csistoragecapacities", "-A", "-l", "csi.storage.k8s.io/drivername="+driverName, "-o", "json")
+	if err != nil {
+		return nil, err
+	}
+	var list storagev1.CSIStorageCapacityList
+	if err := json.Unmarshal([]byte(out), &list); err != nil {
+		return nil, fmt.Errorf("csistoragecapacities: %w", err)
+	}
+	return list.Items, nil
+}
+
+// stateFree is df's Avail of the state dir's filesystem.
+func (e *env) stateFree(t *testing.T) int64 {
+	t.Helper()
+	var st unix.Statfs_t
+	if err := unix.Statfs(e.c.cfg.path("state"), &st); err != nil {
+		t.Fatal(err)
+	}
+	return int64(st.Bavail) * st.Bsize
+}
+
+// checkNeverProvisioned: no CreateVolume reached the plugin for claim (its
+// volume's name, pvc-<uid>, is in no request the plugin logged), no node
+// was selected for it, no provisioning event and no PV name it. The claim
+// provisioned, whose CreateVolume must be in the log, shows that the log
+// is the right one.
+func (e *env) checkNeverProvisioned(t *testing.T, claim, provisioned string) {
+	t.Helper()
+	uid := func(c string) string {
+		return strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", c, "-o", "jsonpath={.metadata.uid}")))
+	}
+	log := must(t)(e.c.kubectl("-n", "kube-system", "logs", e.podOf(t, nodeComponent), "-c", pluginContainer))
+	if name := "pvc-" + uid(provisioned); !strings.Contains(log, name) {
+		t.Fatalf("the plugin's log has no request for %s (claim %s): it is not the log of the node's CreateVolume calls", name, provisioned)
+	}
+	if name := "pvc-" + uid(claim); strings.Contains(log, name) {
+		t.Errorf("the plugin got a request for %s (claim %s), which no node has room for", name, claim)
+	}
+	out := must(t)(e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o",
+		`jsonpath={.status.phase} {.metadata.annotations.volume\.kubernetes\.io/selected-node}`))
+	if strings.TrimSpace(out) != "Pending" {
+		t.Errorf("claim %s: phase and selected node %q, want Pending and none", claim, out)
+	}
+	reasons := strings.Fields(must(t)(e.c.kubectl("-n", testNS, "get", "events", "--field-selector",
+		"involvedObject.kind=PersistentVolumeClaim,involvedObject.name="+claim, "-o", "jsonpath={.items[*].reason}")))
+	for _, r := range reasons {
+		if slices.Contains([]string{"ExternalProvisioning", "Provisioning", "ProvisioningFailed", "ProvisioningSucceeded"}, r) {
+			t.Errorf("claim %s has a %s event: its provisioning was attempted (events: %v)", claim, r, reasons)
+		}
+	}
+	pvs := must(t)(e.c.kubectl("get", "pv", "-o", `jsonpath={range .items[*]}{.spec.claimRef.name}{"\n"}{end}`))
+	if slices.Contains(strings.Fields(pvs), claim) {
+		t.Errorf("a PV is bound to claim %s", claim)
+	}
+}
+
+// checkNoCapacityLeft: once the chart is uninstalled, the garbage collector
+// removes the CSIStorageCapacity objects the DaemonSet owned.
+func (e *env) checkNoCapacityLeft(t *testing.T) {
+	t.Helper()
+	waitFor(t, 90*time.Second, "no CSIStorageCapacity of the driver after the uninstall", func() error {
+		list, err := e.capacities()
+		if err != nil {
+			return err
+		}
+		if len(list) != 0 {
+			var names []string
+			for _, c := range list {
+				names = append(names, c.Namespace+"/"+c.Name)
+			}
+			return fmt.Errorf("left: %v", names)
+		}
+		return nil
+	})
+}

@@ -1,0 +1,124 @@
+//go:build clustertest
+
+package cluster
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// volumeHealthInPodStatus: Kubernetes' own view of a volume's health. With
+// the CSIVolumeHealth feature gate (alpha, on in this cluster: kubelet and
+// API server), kubelet calls NodeGetVolumeHealth every volumeStatsAggPeriod
+// and writes what the plugin says into the pod's status.volumeHealth. The
+// squashfuse daemon of a pod's volume is killed while its image is away, so
+// the restart fails and the volume stays down; the pod's status must say so
+// (Inaccessible, with the plugin's reason), and must say nothing once the
+// image is back and the volume healed.
+func volumeHealthInPodStatus(t *testing.T, e *env) {
+	sqTok, _ := e.fuseSetup(t)
+	const name, vol = "sqhealth", "v-sqfuse"
+	e.run(t, pod(name, withClaim("sqfuse", "/data", true)))
+	if err := e.podHolds(name, "/data/file", sqTok); err != nil {
+		t.Fatal(err)
+	}
+	img := e.c.cfg.path("srv", "fuse", "tree.sqfs")
+	away := img + ".away"
+	daemon := e.containerPID(t, mounterComponent, mounterContainer, "squashfuse")
+
+	// The image goes away first: the supervisor's restarts fail until it
+	// is back.
+	if err := os.Rename(img, away); err != nil {
+		t.Fatal(err)
+	}
+	restored := false
+	restore := func() {
+		if !restored {
+			restored = true
+			if err := os.Rename(away, img); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	defer restore()
+	killed := time.Now()
+	if err := unix.Kill(daemon, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	var down []volumeHealthCondition
+	waitFor(t, 90*time.Second, "pod status to report the volume abnormal", func() error {
+		c, err := e.podVolumeHealth(name, vol)
+		if err != nil {
+			return err
+		}
+		if len(c) == 0 {
+			return fmt.Errorf("status.volumeHealth of %s has no condition yet", vol)
+		}
+		down = c
+		return nil
+	})
+	t.Logf("pod status reports the volume abnormal %v after the kill: %+v", time.Since(killed).Round(100*time.Millisecond), down)
+	for _, c := range down {
+		if c.Status != "Inaccessible" || (c.Reason != "DaemonDown" && c.Reason != "RestartFailed") {
+			t.Errorf("condition %+v, want status Inaccessible with reason DaemonDown or RestartFailed", c)
+		}
+	}
+
+	restore()
+	back := time.Now()
+	waitFor(t, 3*time.Minute, "the volume to heal and the pod status to clear", func() error {
+		if err := e.podHolds(name, "/data/file", sqTok); err != nil {
+			return err
+		}
+		c, err := e.podVolumeHealth(name, vol)
+		if err != nil {
+			return err
+		}
+		if len(c) != 0 {
+			return fmt.Errorf("status.volumeHealth of %s still has %+v", vol, c)
+		}
+		return nil
+	})
+	t.Logf("heal time: the pod reads the volume again and its status is clear %v after the image came back", time.Since(back).Round(100*time.Millisecond))
+	e.c.deleteAndWait(t, "pod", name)
+	e.fuseTeardown(t, "sqfuse", "rclone")
+}
+
+// volumeHealthCondition is one entry of a pod's status.volumeHealth[].healthConditions.
+type volumeHealthCondition struct {
+	Status  string `json:"status"`
+	Reason  string `json:"reason"`
+	Message string `json:"message"`
+}
+
+// podVolumeHealth returns the conditions kubelet wrote for one of a pod's
+// volumes (none: the volume is healthy, or kubelet has not probed it).
+func (e *env) podVolumeHealth(pod, volume string) ([]volumeHealthCondition, error) {
+	out, err := e.c.kubectl("-n", testNS, "get", "pod", pod, "-o", "json")
+	if err != nil {
+		return nil, err
+	}
+	var p struct {
+		Status struct {
+			VolumeHealth []struct {
+				Name             string                  `json:"name"`
+				HealthConditions []volumeHealthCondition `json:"healthConditions"`
+			} `json:"volumeHealth"`
+		} `json:"status"`
+	}
+	if err := json.NewDecoder(strings.NewReader(out)).Decode(&p); err != nil {
+		return nil, fmt.Errorf("pod %s: %w", pod, err)
+	}
+	for _, v := range p.Status.VolumeHealth {
+		if v.Name == volume {
+			return v.HealthConditions, nil
+		}
+	}
+	return nil, nil
+}
