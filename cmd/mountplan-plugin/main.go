@@ -23,6 +23,7 @@ import (
 	"github.com/mountplan/mountplan/internal/driver"
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/fdlimit"
+	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
@@ -41,7 +42,8 @@ const maxRequest = 4 << 20
 
 type flags struct {
 	endpoint, nodeID, stateDir, kubeletDir, driverName, configPath, mounterEndpoint, metricsAddress string
-	reconcileInterval                                                                               time.Duration
+	bootIDFile                                                                                      string
+	reconcileInterval, rebootGrace                                                                  time.Duration
 	fuseProbeInterval, fuseProbeTimeout                                                             time.Duration
 	kubelet                                                                                         kubeletFlags
 	nri                                                                                             bool
@@ -59,6 +61,8 @@ func main() {
 	flag.StringVar(&f.mounterEndpoint, "mounter-endpoint", "", "the mounter's socket (mountplan-sidecar serve), which does every privileged act: devices, mounts, FUSE daemons; empty: all of it in this process, which then needs the privileges")
 	flag.StringVar(&f.metricsAddress, "metrics-address", "", "serve Prometheus metrics on this address (host:port); empty: off")
 	flag.DurationVar(&f.reconcileInterval, "reconcile-interval", time.Minute, "how often records are compared with the kernel")
+	flag.DurationVar(&f.rebootGrace, "reboot-grace", driver.DefaultRebootGrace, "after a reboot, how long volumes kubelet does not stage or publish again keep what the reboot erased (their stage and publishes; inline volumes their image)")
+	flag.StringVar(&f.bootIDFile, "boot-id-file", journal.BootIDPath, "where the ID of the running boot is read; the plugin compares it with the one its state dir recorded to tell a reboot it did not see (tests point it at a file to play a reboot)")
 	flag.DurationVar(&f.fuseProbeInterval, "fuse-probe-interval", 2*time.Second, "how often each FUSE daemon is checked")
 	flag.DurationVar(&f.fuseProbeTimeout, "fuse-probe-timeout", 5*time.Second, "a FUSE daemon that leaves a statfs unanswered this long is restarted")
 	f.kubelet.define()
@@ -100,10 +104,11 @@ func run(f flags) error {
 	}
 	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
 		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Node: node, Metrics: mx, NRI: f.nri,
-		Sources: sources, DefaultType: loop.Type})
+		Sources: sources, DefaultType: loop.Type, RebootGrace: f.rebootGrace, BootID: journal.BootFrom(f.bootIDFile)})
 	if err != nil {
 		return err
 	}
+	mx.WatchReboot(d.RebootedFrom() != "", d.AwaitingRestage)
 	// A new mounter process cleared the loop devices nothing mounted (unless
 	// it could take them back): reconcile at once rather than at the next
 	// interval, so that staged volumes get their devices again.

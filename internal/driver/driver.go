@@ -24,12 +24,15 @@ import (
 	"path/filepath"
 	"slices"
 	"sync/atomic"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/metrics"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source"
@@ -66,6 +69,13 @@ type Options struct {
 	// NRI lets volumes ask for NRI mode (attribute nri: "true"): the
 	// mounter's NRI hook gives them to containers through the runtime.
 	NRI bool
+	// BootID returns the ID of the running boot (default
+	// journal.CurrentBoot; tests inject one).
+	BootID func() (string, error)
+	// RebootGrace is how long after a reboot the records of volumes that
+	// kubelet has not staged or published again are kept (default
+	// DefaultRebootGrace); see docs/state.md, "After a reboot".
+	RebootGrace time.Duration
 }
 
 // Driver implements the services. Create it with New.
@@ -85,10 +95,15 @@ type Driver struct {
 	policy      plan.Policy
 	kubelet     kubeletDir
 	ready       atomic.Bool
+	// rebootedFrom is the boot the node had left when this process
+	// started, "" when it started in the boot it last ran in.
+	rebootedFrom string
 }
 
 // New builds a driver over the state dir. It touches no device: Reconcile
-// does that, and Probe says not-ready until it has.
+// does that, and Probe says not-ready until it has. If the node rebooted
+// since the state dir's last run, it marks every record's runtime part as
+// of an ended boot first (detectReboot).
 func New(opts Options) (*Driver, error) {
 	if opts.DriverName == "" || opts.NodeID == "" || opts.StateDir == "" {
 		return nil, fmt.Errorf("driver: name, node id and state dir are required: %w", errdefs.ErrInvalidArgument)
@@ -115,6 +130,12 @@ func New(opts Options) (*Driver, error) {
 	if opts.Mounter == nil {
 		opts.Mounter = opts.Node
 	}
+	if opts.BootID == nil {
+		opts.BootID = journal.CurrentBoot
+	}
+	if opts.RebootGrace <= 0 {
+		opts.RebootGrace = DefaultRebootGrace
+	}
 	if _, ok := opts.Sources[opts.DefaultType]; !ok {
 		return nil, fmt.Errorf("driver: the default volume type %q is no source's: %w", opts.DefaultType, errdefs.ErrInvalidArgument)
 	}
@@ -137,6 +158,9 @@ func New(opts Options) (*Driver, error) {
 			}
 			d.snapshotter = sn
 		}
+	}
+	if err := d.detectReboot(klog.Background()); err != nil {
+		return nil, fmt.Errorf("driver: %w", err)
 	}
 	return d, nil
 }

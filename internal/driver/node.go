@@ -112,6 +112,11 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 			return err
 		}
 	}
+	// Staged in an ended boot: what that stage left on disk goes first
+	// (its devices went with the boot), then the volume is staged afresh.
+	if err := d.forgetRebootedStage(ctx, v); err != nil {
+		return err
+	}
 	v.Stage = &model.Stage{Phase: model.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
 	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
@@ -130,6 +135,11 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 		v.Stage = nil
 		return errors.Join(err, uerr, d.saveOrForget(v))
 	}
+	// Kubelet asked for it again: what the reboot erased is history. It
+	// publishes again where its pods still are, and the plugin makes those
+	// targets afresh (so that unpublish removes them again).
+	d.removeRebootedTargets(ctx, v)
+	v.Rebooted = nil
 	return d.records.Put(v, journal.Runtime)
 }
 
@@ -154,7 +164,7 @@ func (d *Driver) growCopiedFilesystem(ctx context.Context, v *model.Volume, src 
 // saveOrForget keeps the record of a volume that outlives its stage and
 // drops the record of a static one, which exists only while staged.
 func (d *Driver) saveOrForget(v *model.Volume) error {
-	if v.Kind == model.KindStatic && v.Stage == nil {
+	if v.Kind == model.KindStatic && v.Stage == nil && v.Rebooted == nil {
 		return d.records.Delete(v.ID, journal.Runtime)
 	}
 	return d.records.Put(v, journal.Runtime)
@@ -172,6 +182,11 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	}
 	if err != nil {
 		return nil, err
+	}
+	if v.Stage == nil && v.Rebooted != nil {
+		// Staged in an ended boot and given up by kubelet: nothing to
+		// detach, what the stage left on disk goes now.
+		return &csi.NodeUnstageVolumeResponse{}, d.dropRebooted(ctx, v)
 	}
 	return &csi.NodeUnstageVolumeResponse{}, d.unstage(ctx, v)
 }
@@ -330,6 +345,13 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 		if v.Kind != model.KindEphemeral {
 			return fmt.Errorf("volume %s exists and is not an inline volume: %w", id, errdefs.ErrAlreadyExists)
 		}
+		if !v.Staged() {
+			// Its image outlived a reboot (Rebooted): kubelet publishes
+			// it again for the pod, with its data. A failure keeps it.
+			if err := d.stage(ctx, v, d.opts.StateDir, c, nil, nil); err != nil {
+				return err
+			}
+		}
 		return d.publish(ctx, v, target, c, req.GetReadonly())
 	}
 	if !errors.Is(err, errdefs.ErrNotFound) {
@@ -389,6 +411,9 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	defer unlock()
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return nil, err
+	}
+	if rebootedPublish(v, target) && findPublish(v, target) == nil && !d.isMountPoint(target) {
+		return &csi.NodeUnpublishVolumeResponse{}, d.unpublishRebooted(ctx, v, target)
 	}
 	if v == nil || findPublish(v, target) == nil {
 		return &csi.NodeUnpublishVolumeResponse{}, d.unpublishUnrecorded(ctx, v, target)

@@ -132,6 +132,11 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
+	if v.Rebooted != nil && !v.Creating {
+		// Its stage and publishes were of an ended boot: nothing of them
+		// is compared with the kernel; kubelet stages it again, or not.
+		return d.reconcileRebooted(ctx, v)
+	}
 	if v.Kind == model.KindEphemeral && (v.Creating || !v.Staged()) {
 		return d.destroyEphemeral(ctx, v)
 	}

@@ -37,6 +37,7 @@ func gathered(t *testing.T) []*dto.MetricFamily {
 	m.AddDaemonUsage(func(context.Context) ([]DaemonUsage, error) {
 		return []DaemonUsage{{Volume: "v", Profile: "p", InCgroup: true, HasMemory: true}}, nil
 	})
+	m.WatchReboot(true, func() int { return 2 })
 	mfs, err := m.Registry.Gather()
 	if err != nil {
 		t.Fatal(err)

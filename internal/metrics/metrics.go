@@ -96,6 +96,29 @@ func (m *Metrics) DaemonRestarted(profile string) {
 	}
 }
 
+// WatchReboot adds the gauges of a reboot the plugin did not see:
+// mountplan_started_after_reboot (1 when this process found, at its
+// start, that the node had rebooted since the state dir's last run) and
+// mountplan_volumes_awaiting_restage (asked at each scrape: volumes whose
+// devices and mounts the reboot erased and that kubelet has not staged
+// or published again yet).
+func (m *Metrics) WatchReboot(rebooted bool, awaiting func() int) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if rebooted {
+		v = 1
+	}
+	m.Registry.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: namespace, Name: "started_after_reboot",
+			Help: "1 when the plugin found at its start that the node had rebooted since its last run."},
+			func() float64 { return v }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: namespace, Name: "volumes_awaiting_restage",
+			Help: "Volumes whose devices and mounts a reboot erased and that kubelet has not staged or published again."},
+			func() float64 { return float64(awaiting()) }))
+}
+
 // Reconciled counts a volume the reconciler visited.
 func (m *Metrics) Reconciled(err error) {
 	if m == nil {

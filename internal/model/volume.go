@@ -44,6 +44,29 @@ type Volume struct {
 	// GrowFilesystem says the image was made bigger than the filesystem
 	// copied into it: the first stage with mount access grows it.
 	GrowFilesystem bool `json:"growFilesystem,omitempty"`
+	// Rebooted holds what the record said of a boot that has ended: the
+	// stage and publishes, whose devices, sessions, daemons and mounts the
+	// reboot took. Set at the plugin's start in a new boot, cleared when
+	// kubelet stages the volume again, or when no one asked for it within
+	// the reboot grace (docs/state.md, "After a reboot").
+	Rebooted *Rebooted `json:"rebooted,omitempty"`
+}
+
+// Rebooted is what a reboot erased of a volume's record. Nothing in it
+// is trusted against the kernel: a device number, session or PID of an
+// ended boot may name something else now.
+type Rebooted struct {
+	// Boot is the boot the stage and publishes were of.
+	Boot string `json:"boot"`
+	// Found is when the plugin found the boot had changed: the grace
+	// counts from here.
+	Found time.Time `json:"found"`
+	// Stage is the ended boot's stage, until the source has removed what
+	// it left on disk (source.Forgetter); nil after that or if none.
+	Stage *Stage `json:"stage,omitempty"`
+	// Publishes are the ended boot's publishes: kubelet may unpublish them
+	// (the plugin then removes a target it made) or publish them again.
+	Publishes []Publish `json:"publishes,omitempty"`
 }
 
 // ContentSource names what an image is a copy of. Exactly one of
@@ -139,19 +162,8 @@ func (v *Volume) Clone() *Volume {
 		f := *v.Format
 		c.Format = &f
 	}
-	if v.Stage != nil {
-		st := *v.Stage
-		st.Source = bytes.Clone(v.Stage.Source)
-		c.Stage = &st
-	}
-	if v.Publishes != nil {
-		c.Publishes = make([]Publish, len(v.Publishes))
-		for i, p := range v.Publishes {
-			p.Mounts = cloneMounts(p.Mounts)
-			p.MountFlags = slices.Clone(p.MountFlags)
-			c.Publishes[i] = p
-		}
-	}
+	c.Stage = cloneStage(v.Stage)
+	c.Publishes = clonePublishes(v.Publishes)
 	if v.Consumers != nil {
 		c.Consumers = make([]Claim, len(v.Consumers))
 		for i, cl := range v.Consumers {
@@ -163,7 +175,35 @@ func (v *Volume) Clone() *Volume {
 		cs := *v.ContentSource
 		c.ContentSource = &cs
 	}
+	if v.Rebooted != nil {
+		r := *v.Rebooted
+		r.Stage = cloneStage(v.Rebooted.Stage)
+		r.Publishes = clonePublishes(v.Rebooted.Publishes)
+		c.Rebooted = &r
+	}
 	return &c
+}
+
+func cloneStage(s *Stage) *Stage {
+	if s == nil {
+		return nil
+	}
+	st := *s
+	st.Source = bytes.Clone(s.Source)
+	return &st
+}
+
+func clonePublishes(ps []Publish) []Publish {
+	if ps == nil {
+		return nil
+	}
+	out := make([]Publish, len(ps))
+	for i, p := range ps {
+		p.Mounts = cloneMounts(p.Mounts)
+		p.MountFlags = slices.Clone(p.MountFlags)
+		out[i] = p
+	}
+	return out
 }
 
 func cloneMounts(ms []plan.Mount) []plan.Mount {

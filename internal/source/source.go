@@ -205,6 +205,19 @@ type Keeper interface {
 	Keep(ctx context.Context, staged []Volume, since time.Time) error
 }
 
+// Forgetter is a Source whose stage leaves something on disk that a
+// reboot does not end (an overlay's scratch image and directories, a
+// session record and the node record it names). Forget removes it for a
+// stage of an ended boot, v.State being that boot's, without detaching,
+// disconnecting or stopping anything by what the state names: the reboot
+// ended every device, session and daemon of it, and a device number or
+// session ID it recorded may be someone else's now. Idempotent. A source
+// without one left nothing that outlives a boot (NBD), or has its own
+// sweep of it (FUSE).
+type Forgetter interface {
+	Forget(ctx context.Context, v Volume) error
+}
+
 // FileOwner is a Source whose volumes' files have owners of the source's
 // own (a FUSE daemon serves them as its remote or profile says): kubelet's
 // fsGroup (volume_mount_group) is not applied to them.

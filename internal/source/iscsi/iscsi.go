@@ -97,6 +97,7 @@ var (
 	_ source.Source        = (*Source)(nil)
 	_ source.HealthChecker = (*Source)(nil)
 	_ source.HostUser      = (*Source)(nil)
+	_ source.Forgetter     = (*Source)(nil)
 )
 
 // SetHost receives the driver, which keeps the session records.
@@ -338,6 +339,15 @@ func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, er
 // created it and no other volume uses it. It works from the session
 // registry, so a stage a crash interrupted is undone too.
 func (s *Source) Unstage(ctx context.Context, v source.Volume) error {
+	return s.release(ctx, v.ID)
+}
+
+// Forget drops the volume from the sessions of an ended boot: the last
+// user's leave asks the mounter to end the session, which it logs out
+// only when it is one it logged in during this boot (a SID of an ended
+// boot may be someone else's session now), and to delete the node record
+// it created. A new stage logs in again with the secrets it is given.
+func (s *Source) Forget(ctx context.Context, v source.Volume) error {
 	return s.release(ctx, v.ID)
 }
 

@@ -78,6 +78,7 @@ var (
 	_ source.Expander      = (*Source)(nil)
 	_ source.HealthChecker = (*Source)(nil)
 	_ source.Keeper        = (*Source)(nil)
+	_ source.Forgetter     = (*Source)(nil)
 )
 
 // New returns a loop source keeping its scratch images under stateDir and
@@ -190,6 +191,14 @@ func (s *Source) undoUnrecorded(ctx context.Context, v source.Volume) error {
 		return err
 	}
 	return removeImage(s.scratchImage(v.ID))
+}
+
+// Forget removes what a stage of an ended boot left on disk: its
+// overlay's directories and scratch image, found by the volume's ID as
+// undoUnrecorded finds them. The recorded devices are never detached:
+// their numbers may name another image's device in this boot.
+func (s *Source) Forget(ctx context.Context, v source.Volume) error {
+	return s.undoUnrecorded(ctx, v)
 }
 
 // Adopt checks that a staged volume's device is still the one the mounter
