@@ -3,10 +3,8 @@ package driver
 import (
 	"bytes"
 	"context"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -14,7 +12,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/config"
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/loopdev"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/source/loop"
@@ -87,7 +84,7 @@ func TestRebootOnRealLoopDevices(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitDetached(t, image)
-	endBootOfMounterRecords(t, mounter.DefaultRecordsDir(state))
+	testutil.EndMounterBoot(t, mounter.DefaultRecordsDir(state))
 	// Another image gets the number the records name.
 	decoyImage := filepath.Join(base, "decoy.img")
 	if err := os.WriteFile(decoyImage, make([]byte, 1<<20), 0o600); err != nil {
@@ -181,37 +178,6 @@ func waitDetached(t *testing.T, image string) {
 			t.Fatalf("%s is still attached after its last holder closed it", image)
 		}
 		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-// endBootOfMounterRecords makes the mounter's records of what it set up
-// records of another boot, as a reboot does.
-func endBootOfMounterRecords(t *testing.T, dir string) {
-	t.Helper()
-	cur, err := journal.CurrentBoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	err = filepath.WalkDir(dir, func(p string, e fs.DirEntry, err error) error {
-		if err != nil || e.IsDir() || !strings.HasSuffix(p, ".json") {
-			return err
-		}
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		if nb := bytes.ReplaceAll(b, []byte(`"boot":"`+cur+`"`), []byte(`"boot":"ended-`+cur+`"`)); !bytes.Equal(nb, b) {
-			n++
-			return os.WriteFile(p, nb, 0o600)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if n == 0 {
-		t.Fatalf("no record of the mounter's under %s names the boot", dir)
 	}
 }
 

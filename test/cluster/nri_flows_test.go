@@ -207,31 +207,42 @@ func (e *env) wantContainerConsumers(t *testing.T, claim string, n int) {
 	t.Helper()
 	vol := e.pvOf(t, claim)
 	waitFor(t, 30*time.Second, fmt.Sprintf("%d container consumers of %s", n, claim), func() error {
-		b, err := os.ReadFile(e.c.cfg.path("state", "volumes", vol+".json"))
+		ids, err := e.containerConsumers(vol)
 		if err != nil {
 			return err
 		}
-		var rec struct {
-			Consumers []struct {
-				ContainerID string `json:"containerID"`
-				NSInode     uint64 `json:"nsInode"`
-			} `json:"consumers"`
-		}
-		if err := json.Unmarshal(b, &rec); err != nil {
-			return err
-		}
-		got := 0
-		for _, c := range rec.Consumers {
-			if c.ContainerID == "" || c.NSInode == 0 {
-				return fmt.Errorf("consumer %+v is not a started container", c)
-			}
-			got++
-		}
-		if got != n {
-			return fmt.Errorf("%d container consumers", got)
+		if len(ids) != n {
+			return fmt.Errorf("%d container consumers", len(ids))
 		}
 		return nil
 	})
+}
+
+// containerConsumers reads the container IDs a volume's journal record
+// names as consumers; a consumer that is not a started container (no ID or
+// no namespace) is an error.
+func (e *env) containerConsumers(vol string) ([]string, error) {
+	b, err := os.ReadFile(e.c.cfg.path("state", "volumes", vol+".json"))
+	if err != nil {
+		return nil, err
+	}
+	var rec struct {
+		Consumers []struct {
+			ContainerID string `json:"containerID"`
+			NSInode     uint64 `json:"nsInode"`
+		} `json:"consumers"`
+	}
+	if err := json.Unmarshal(b, &rec); err != nil {
+		return nil, err
+	}
+	var ids []string
+	for _, c := range rec.Consumers {
+		if c.ContainerID == "" || c.NSInode == 0 {
+			return nil, fmt.Errorf("consumer %+v is not a started container", c)
+		}
+		ids = append(ids, c.ContainerID)
+	}
+	return ids, nil
 }
 
 // nodePoller reads the node's mount table every 5 ms.

@@ -13,7 +13,6 @@ package cluster
 
 import (
 	"bufio"
-	"encoding/json"
 	"fmt"
 	"maps"
 	"net"
@@ -321,25 +320,9 @@ func (e *env) wantClaimConsumers(t *testing.T, claim string, pods ...string) {
 	slices.Sort(want)
 	vol := e.pvOf(t, claim)
 	waitFor(t, 30*time.Second, fmt.Sprintf("the consumers of %s: the containers of %v", claim, pods), func() error {
-		b, err := os.ReadFile(e.c.cfg.path("state", "volumes", vol+".json"))
+		got, err := e.containerConsumers(vol)
 		if err != nil {
 			return err
-		}
-		var rec struct {
-			Consumers []struct {
-				ContainerID string `json:"containerID"`
-				NSInode     uint64 `json:"nsInode"`
-			} `json:"consumers"`
-		}
-		if err := json.Unmarshal(b, &rec); err != nil {
-			return err
-		}
-		var got []string
-		for _, c := range rec.Consumers {
-			if c.ContainerID == "" || c.NSInode == 0 {
-				return fmt.Errorf("consumer %+v is not a started container", c)
-			}
-			got = append(got, c.ContainerID)
 		}
 		slices.Sort(got)
 		if !slices.Equal(got, want) {

@@ -5,8 +5,6 @@ package e2e
 // does not reboot.
 
 import (
-	"bytes"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,7 +12,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -52,7 +49,7 @@ func TestPluginPlayedReboot(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitNoLoop(t, img)
-	endMounterBoot(t, mounter.DefaultRecordsDir(e.stateDir()))
+	testutil.EndMounterBoot(t, mounter.DefaultRecordsDir(e.stateDir()))
 	setBoot("played-boot-b")
 
 	e.restart()
@@ -81,35 +78,4 @@ func TestPluginPlayedReboot(t *testing.T) {
 	e.unstage(id)
 	waitNoLoop(t, img)
 	e.delete(id)
-}
-
-// endMounterBoot makes the mounter's records of what it set up records of
-// another boot, as a reboot does.
-func endMounterBoot(t *testing.T, dir string) {
-	t.Helper()
-	cur, err := journal.CurrentBoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() || !strings.HasSuffix(p, ".json") {
-			return err
-		}
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		if nb := bytes.ReplaceAll(b, []byte(`"boot":"`+cur+`"`), []byte(`"boot":"ended-`+cur+`"`)); !bytes.Equal(nb, b) {
-			n++
-			return os.WriteFile(p, nb, 0o600)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if n == 0 {
-		t.Fatalf("no record of the mounter's under %s names the boot", dir)
-	}
 }
