@@ -417,11 +417,13 @@ func slicesDiff(a, b []string) []string {
 }
 
 // nodeRebootMidWork: the node loses power while work is in flight: an xfs
-// claim in use growing online (its resize just asked for), and a pod
-// starting on a claim just bound (its stage and publish about to run or
-// running). After the boot the work completes: the claim reaches its new
-// size with the filesystem grown and its data kept, and the pod runs with
-// a working volume; once the claims are deleted nothing of them is left.
+// claim in use growing online (its resize just asked for), a snapshot of
+// it being taken, and a pod starting on a claim just bound (its stage and
+// publish about to run or running). After the boot the work completes: the
+// snapshot is ready and a claim restored from it holds the data with a
+// clean filesystem, the claim reaches its new size with the filesystem
+// grown and its data kept, and the pod runs with a working volume; once
+// the claims and the snapshot are deleted nothing of them is left.
 func nodeRebootMidWork(t *testing.T, e *env) {
 	e.apply(t, xfsStorageClass(), pvc("mw-xfs", "mountplan-xfs", "300Mi"))
 	e.run(t, pod("mw-xfs", withClaim("mw-xfs", "/data", false)))
@@ -438,10 +440,46 @@ func nodeRebootMidWork(t *testing.T, e *env) {
 		}
 		return nil
 	})
+	// A snapshot of the claim in use, asked for just before the power
+	// goes: the copy is under way, done, or not begun at the loss.
+	e.apply(t, obj{"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+		"metadata": obj{"name": "mw-snap", "namespace": testNS},
+		"spec":     obj{"volumeSnapshotClassName": snapshotClass, "source": obj{"persistentVolumeClaimName": "mw-xfs"}}})
 	resizing := must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "mw-xfs", "-o", "jsonpath={.status.capacity.storage} {.status.allocatedResourceStatuses}"))
-	t.Logf("reboot mid-work: mw-xfs at the power loss: %s", resizing)
+	snap, _ := e.c.kubectl("-n", testNS, "get", "volumesnapshot", "mw-snap", "-o", "jsonpath={.status.readyToUse}")
+	t.Logf("reboot mid-work: mw-xfs at the power loss: %s; its snapshot ready: %q", resizing, snap)
 	e.c.reboot(t)
 	e.waitRecovered(t)
+
+	// The snapshot completes after the boot, and a claim restored from it
+	// holds the token and a clean filesystem.
+	waitFor(t, 2*time.Minute, "mw-snap ready to use after the boot", func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "volumesnapshot", "mw-snap", "-o",
+			"jsonpath={.status.readyToUse}/{.status.error.message}")
+		if err != nil {
+			return err
+		}
+		if !strings.HasPrefix(out, "true/") {
+			return fmt.Errorf("readyToUse/error: %q", out)
+		}
+		return nil
+	})
+	restored := pvc("mw-restored", "mountplan-xfs", "600Mi")
+	restored["spec"].(obj)["dataSource"] = obj{"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "mw-snap"}
+	e.apply(t, restored)
+	e.run(t, pod("mw-restored", withClaim("mw-restored", "/data", false)))
+	e.expect(t, "mw-restored", "/data/token", tok)
+	restoredID := e.volumeHandle(t, e.pvOf(t, "mw-restored"))
+	e.c.deleteAndWait(t, "pod", "mw-restored")
+	e.fsckVolume(t, restoredID, "xfs")
+	e.c.deleteAndWait(t, "pvc", "mw-restored")
+	e.c.deleteAndWait(t, "volumesnapshot", "mw-snap")
+	waitFor(t, time.Minute, "the snapshot's copy removed", func() error {
+		if c := e.snapshotCopies(t); len(c) != 0 {
+			return fmt.Errorf("snapshots on the node: %v", c)
+		}
+		return nil
+	})
 
 	e.waitCapacity(t, "mw-xfs", "600Mi")
 	waitFor(t, time.Minute, "mw-xfs's filesystem grown", func() error {
