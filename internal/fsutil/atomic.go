@@ -80,8 +80,10 @@ func AtomicTemps(dir string) (map[string][]string, error) {
 	for _, e := range ents {
 		name := e.Name()
 		i := strings.LastIndex(name, tempInfix)
-		digits := name[i+len(tempInfix):]
-		if e.IsDir() || i < 2 || name[0] != '.' || digits == "" || strings.Trim(digits, "0123456789") != "" {
+		if e.IsDir() || i < 2 || name[0] != '.' {
+			continue // not a temp file (a name shorter than the infix too)
+		}
+		if digits := name[i+len(tempInfix):]; digits == "" || strings.Trim(digits, "0123456789") != "" {
 			continue
 		}
 		out[name[1:i]] = append(out[name[1:i]], filepath.Join(dir, name))

@@ -84,7 +84,7 @@ func TestAtomicTempsFindsCreateAtomicsTempFiles(t *testing.T) {
 		t.Fatalf("CreateAtomic: %v", err)
 	}
 	// CreateAtomic removed it on error; a killed process would not have.
-	for _, name := range []string{filepath.Base(temp), "vol.json", ".vol.json.tmp-", ".vol.json.tmp-x1", "x.tmp-1"} {
+	for _, name := range []string{filepath.Base(temp), "vol.json", ".vol.json.tmp-", ".vol.json.tmp-x1", "x.tmp-1", "nri", "a", ".t"} {
 		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o600); err != nil {
 			t.Fatal(err)
 		}
