@@ -265,6 +265,12 @@ func (c *Cluster) detachLoops() error {
 // reported as left until that happened.
 func detachLoop(dev string) error {
 	fd, err := unix.Open("/dev/"+dev, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.EBUSY) {
+		if terr := thawOrphan(dev); terr != nil {
+			return fmt.Errorf("%w (thawing it: %v)", err, terr)
+		}
+		fd, err = unix.Open("/dev/"+dev, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
+	}
 	if err != nil {
 		return err
 	}
@@ -275,6 +281,40 @@ func detachLoop(dev string) error {
 	}
 	if _, err := os.Stat(filepath.Join("/sys/block", dev, "loop")); err == nil {
 		return errors.New("set to detach at its last close")
+	}
+	return nil
+}
+
+// thawOrphan releases a filesystem on dev that a dead freezer left frozen
+// (a snapshot's copy under way at the power loss): a frozen superblock
+// keeps itself, and its device, alive with no mount left, where a reboot
+// ends it. Mounting the device again finds that superblock, which is
+// thawed and unmounted; on a filesystem that is not frozen (a mount still
+// going lazily) the thaw is refused and nothing changes.
+func thawOrphan(dev string) error {
+	dir, err := os.MkdirTemp("", "mp-thaw-")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(dir)
+	var merr error
+	for _, fsType := range []string{"xfs", "ext4"} {
+		if merr = unix.Mount("/dev/"+dev, dir, fsType, unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); merr == nil {
+			break
+		}
+	}
+	if merr != nil {
+		return merr
+	}
+	defer unix.Unmount(dir, 0) //nolint:errcheck // the detach that follows says if it stayed
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	const fithaw = 0xC0045878 // _IOWR('X', 120, int), linux/fs.h
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), fithaw, 0); errno != 0 && errno != unix.EINVAL {
+		return errno
 	}
 	return nil
 }
