@@ -453,17 +453,7 @@ func nodeRebootMidWork(t *testing.T, e *env) {
 
 	// The snapshot completes after the boot, and a claim restored from it
 	// holds the token and a clean filesystem.
-	waitFor(t, 2*time.Minute, "mw-snap ready to use after the boot", func() error {
-		out, err := e.c.kubectl("-n", testNS, "get", "volumesnapshot", "mw-snap", "-o",
-			"jsonpath={.status.readyToUse}/{.status.error.message}")
-		if err != nil {
-			return err
-		}
-		if !strings.HasPrefix(out, "true/") {
-			return fmt.Errorf("readyToUse/error: %q", out)
-		}
-		return nil
-	})
+	e.waitSnapshotReady(t, "mw-snap")
 	restored := pvc("mw-restored", "mountplan-xfs", "600Mi")
 	restored["spec"].(obj)["dataSource"] = obj{"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "mw-snap"}
 	e.apply(t, restored)

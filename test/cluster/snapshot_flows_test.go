@@ -25,17 +25,7 @@ func snapshotRestoreClone(t *testing.T, e *env) {
 		"metadata": obj{"name": "snap", "namespace": testNS},
 		"spec":     obj{"volumeSnapshotClassName": snapshotClass, "source": obj{"persistentVolumeClaimName": "data"}}})
 	start := time.Now()
-	waitFor(t, 2*time.Minute, "the snapshot ready to use", func() error {
-		out, err := e.c.kubectl("-n", testNS, "get", "volumesnapshot", "snap", "-o",
-			"jsonpath={.status.readyToUse}/{.status.restoreSize}/{.status.error.message}")
-		if err != nil {
-			return err
-		}
-		if !strings.HasPrefix(out, "true/") {
-			return fmt.Errorf("readyToUse/restoreSize/error: %q", out)
-		}
-		return nil
-	})
+	e.waitSnapshotReady(t, "snap")
 	t.Logf("snapshot of a 64 MiB claim in use ready in %v", time.Since(start).Round(time.Millisecond))
 	if copies := e.snapshotCopies(t); len(copies) != 2 || filepath.Ext(copies[0]) != ".json" || filepath.Ext(copies[1]) != ".img" {
 		t.Errorf("snapshots on the node: %v, want one record and its image", copies)
@@ -71,6 +61,22 @@ func snapshotRestoreClone(t *testing.T, e *env) {
 		}
 		if copies := e.snapshotCopies(t); len(copies) != 0 {
 			return fmt.Errorf("copies left on the node: %v", copies)
+		}
+		return nil
+	})
+}
+
+// waitSnapshotReady waits until a VolumeSnapshot is ready to use.
+func (e *env) waitSnapshotReady(t *testing.T, name string) {
+	t.Helper()
+	waitFor(t, 2*time.Minute, name+" ready to use", func() error {
+		out, err := e.c.kubectl("-n", testNS, "get", "volumesnapshot", name, "-o",
+			"jsonpath={.status.readyToUse}/{.status.restoreSize}/{.status.error.message}")
+		if err != nil {
+			return err
+		}
+		if !strings.HasPrefix(out, "true/") {
+			return fmt.Errorf("readyToUse/restoreSize/error: %q", out)
 		}
 		return nil
 	})
