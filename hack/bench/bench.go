@@ -262,7 +262,7 @@ func (b *bench) measure(ctx context.Context) (*results, error) {
 		}
 		var stopTrace func() string
 		if b.o.straceOut != "" && g[0].in == b.instance {
-			if stopTrace, err = b.straceOn(fmt.Sprintf("%s.cycle%d", b.o.straceOut, g[0].n)); err != nil {
+			if stopTrace, err = b.straceOn(g[0].in, fmt.Sprintf("%s.cycle%d", b.o.straceOut, g[0].n)); err != nil {
 				return res, err
 			}
 		}
@@ -406,7 +406,8 @@ func (b *bench) createVolume(ctx context.Context, in *instance) error {
 
 // leanVolume gives the lean server its volume: a sparse copy of the main
 // instance's formatted image (as the floors have), which every stage names
-// in its volume context, and its target_path; one stage and unstage before
+// in its volume context (the server makes and removes target_path, as a
+// plugin does); one stage and unstage before
 // anything is timed. The main instance has started before.
 func (b *bench) leanVolume(ctx context.Context, in *instance) error {
 	if b.instance.image == "" {
@@ -417,11 +418,6 @@ func (b *bench) leanVolume(ctx context.Context, in *instance) error {
 	in.image = filepath.Join(in.root, "lean.img")
 	in.volumeContext = map[string]string{"image": in.image} // leancsi's imageKey
 	if err := sparseCopy(b.instance.image, in.image); err != nil {
-		return err
-	}
-	// A plugin makes target_path and removes it at unpublish; the lean
-	// server mounts on what is there.
-	if err := os.Mkdir(in.target, 0o750); err != nil {
 		return err
 	}
 	if err := in.stage(ctx); err != nil {

@@ -230,22 +230,46 @@ func (b *bench) startConsumer(ctx context.Context) error {
 	}
 }
 
-// straceOn attaches `strace -f -c -w` to the plugin; the returned function
-// stops it and returns its summary.
-func (b *bench) straceOn(out string) (func() string, error) {
+// straceOn attaches `strace -f -c -w` to in's plugin and, split, to its
+// mounter, one strace each so that their summaries stay apart (out and
+// out.mounter); the returned function stops them and returns the summaries.
+func (b *bench) straceOn(in *instance, out string) (func() string, error) {
 	if _, err := exec.LookPath("strace"); err != nil {
 		return nil, err
 	}
-	c, err := startChild("strace", nil, nil, "strace", "-f", "-c", "-w", "-o", out, "-p", strconv.Itoa(b.plugin.pid()))
-	if err != nil {
-		return nil, err
+	type traced struct {
+		label, out string
+		c          *child
+	}
+	procs := []*child{in.plugin}
+	if in.mounterProc != nil {
+		procs = append(procs, in.mounterProc)
+	}
+	var ts []traced
+	stop := func() string {
+		var sb strings.Builder
+		for _, t := range ts {
+			_ = t.c.stop(syscall.SIGINT, 10*time.Second)
+			data, _ := os.ReadFile(t.out)
+			fmt.Fprintf(&sb, "%s:\n%s\n", t.label, data)
+		}
+		return sb.String()
+	}
+	for i, p := range procs {
+		t := traced{label: "plugin", out: out}
+		if i > 0 {
+			t.label, t.out = "mounter", out+".mounter"
+		}
+		c, err := startChild("strace", nil, nil, "strace", "-f", "-c", "-w", "-o", t.out, "-p", strconv.Itoa(p.pid()))
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		t.c = c
+		ts = append(ts, t)
 	}
 	time.Sleep(300 * time.Millisecond) // let it attach to every thread
-	return func() string {
-		_ = c.stop(syscall.SIGINT, 10*time.Second)
-		data, _ := os.ReadFile(out)
-		return string(data)
-	}, nil
+	return stop, nil
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {

@@ -34,8 +34,11 @@ type statResp struct {
 	Ino uint64 `json:"ino"`
 }
 
-// benchServer registers Noop and Stat, a handler that makes one syscall
-// as the mounter's handlers do.
+// benchServer registers Noop; Stat, a handler that makes one syscall as
+// the mounter's handlers do; and Block, one that blocks 1 ms in a
+// syscall as a mount(2) or umount2(2) of the publish cycle does (the Go
+// runtime then hands the thread's P off, and the answer has to wake a
+// thread of each process).
 func benchServer() *unixrpc.Server {
 	s := unixrpc.NewServer(klog.Background())
 	unixrpc.Handle(s, "Noop", func(context.Context, statReq, []*os.File) (statResp, error) {
@@ -47,6 +50,17 @@ func benchServer() *unixrpc.Server {
 			return statResp{}, err
 		}
 		return statResp{Dev: st.Dev, Ino: st.Ino}, nil
+	})
+	unixrpc.Handle(s, "Block", func(context.Context, statReq, []*os.File) (statResp, error) {
+		ts := syscall.Timespec{Nsec: int64(time.Millisecond)}
+		for {
+			// The runtime's preemption signal interrupts the sleep:
+			// it goes on with what is left.
+			err := syscall.Nanosleep(&ts, &ts)
+			if err != syscall.EINTR {
+				return statResp{}, err
+			}
+		}
 	})
 	return s
 }
@@ -118,7 +132,7 @@ func startServerProcess(b *testing.B, path string) int {
 // for it.
 func BenchmarkCall(b *testing.B) {
 	for _, where := range []string{"child", "same"} {
-		for _, method := range []string{"Noop", "Stat"} {
+		for _, method := range []string{"Noop", "Stat", "Block"} {
 			for _, deadline := range []string{"deadline", "none"} {
 				b.Run(where+"/"+method+"/"+deadline, func(b *testing.B) {
 					benchCall(b, where, method, deadline == "deadline")

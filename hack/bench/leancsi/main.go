@@ -10,9 +10,11 @@
 //     "image" to a loop device as the bench's floor does (loopdev.Attach: a
 //     number it detached before, else LOOP_CTL_GET_FREE; LOOP_CONFIGURE with
 //     direct I/O where the backing filesystem allows it, autoclear);
-//   - NodePublishVolume mount(2)s that device ext4 nosuid,nodev at
-//     target_path (the caller makes the directory);
-//   - NodeUnpublishVolume umount2(2)s it;
+//   - NodePublishVolume makes target_path (mkdir(2), as the CSI spec has
+//     the SP create it, kubelet making only its parent) and mount(2)s that
+//     device ext4 nosuid,nodev there;
+//   - NodeUnpublishVolume umount2(2)s it and removes target_path (rmdir(2):
+//     the spec has the SP delete what it created);
 //   - NodeUnstageVolume clears the device (LOOP_CLR_FD) and closes it;
 //   - NodePrepareVolume answers the plan of the staged device (one ext4
 //     mount nosuid,nodev), which the caller performs in the consumer's
@@ -144,20 +146,28 @@ func (s *server) NodePublishVolume(_ context.Context, req *csi.NodePublishVolume
 	if !ok {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged", req.GetVolumeId())
 	}
+	target := req.GetTargetPath()
+	if err := unix.Mkdir(target, 0o750); err != nil && !errors.Is(err, unix.EEXIST) {
+		return nil, status.Errorf(codes.Internal, "mkdir %s: %v", target, err)
+	}
 	flags := uintptr(unix.MS_NOSUID | unix.MS_NODEV)
 	if req.GetReadonly() {
 		flags |= unix.MS_RDONLY
 	}
-	if err := unix.Mount(d.Path, req.GetTargetPath(), "ext4", flags, ""); err != nil {
-		return nil, status.Errorf(codes.Internal, "mount %s at %s: %v", d.Path, req.GetTargetPath(), err)
+	if err := unix.Mount(d.Path, target, "ext4", flags, ""); err != nil {
+		return nil, status.Errorf(codes.Internal, "mount %s at %s: %v", d.Path, target, errors.Join(err, unix.Rmdir(target)))
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
 func (s *server) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
-	err := unix.Unmount(req.GetTargetPath(), 0)
+	target := req.GetTargetPath()
+	err := unix.Unmount(target, 0)
 	if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) { // not mounted, or gone: done
-		return nil, status.Errorf(codes.Internal, "umount2 %s: %v", req.GetTargetPath(), err)
+		return nil, status.Errorf(codes.Internal, "umount2 %s: %v", target, err)
+	}
+	if err := unix.Rmdir(target); err != nil && !errors.Is(err, unix.ENOENT) {
+		return nil, status.Errorf(codes.Internal, "rmdir %s: %v", target, err)
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
