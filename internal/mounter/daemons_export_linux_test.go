@@ -7,3 +7,11 @@ func SetMaxDaemonVolumes(max int) (restore func()) {
 	maxDaemonVolumes = max
 	return func() { maxDaemonVolumes = old }
 }
+
+// ReadMountTablesOnly makes the propagation check read the mount tables as
+// on a kernel without statmount(2), and returns a function that restores
+// it.
+func ReadMountTablesOnly() (restore func()) {
+	old := noStatmount.Swap(true)
+	return func() { noStatmount.Store(old) }
+}

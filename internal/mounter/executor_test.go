@@ -276,12 +276,21 @@ func TestSharedParent(t *testing.T) {
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(shared, "mp")}
 	mounts := []plan.Mount{tmpfs("vol", "")}
 
-	err := executor(t, dir).Mount(context.Background(), mounts, c)
-	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "peer group") {
-		t.Fatalf("Mount under a shared parent = %v, want FailedPrecondition", err)
-	}
-	if n := countMounts(t, 0, shared) + countMounts(t, pid, shared); n != 2 {
-		t.Fatalf("refused Mount left mounts: %d under %s, want only the shared tmpfs in each namespace", n, shared)
+	// The kernel tells the parent is shared (statmount), and so does
+	// the mount table, as on a kernel before 6.8.
+	for _, how := range []string{"statmount", "mount table"} {
+		restore := func() {}
+		if how == "mount table" {
+			restore = mounter.ReadMountTablesOnly()
+		}
+		err := executor(t, dir).Mount(context.Background(), mounts, c)
+		restore()
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "peer group") {
+			t.Fatalf("%s: Mount under a shared parent = %v, want FailedPrecondition", how, err)
+		}
+		if n := countMounts(t, 0, shared) + countMounts(t, pid, shared); n != 2 {
+			t.Fatalf("%s: refused Mount left mounts: %d under %s, want only the shared tmpfs in each namespace", how, n, shared)
+		}
 	}
 
 	// Allowed, it propagates: what the check prevents by default.

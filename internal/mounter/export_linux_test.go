@@ -1,5 +1,7 @@
 package mounter
 
+import "os"
+
 // SetHostNS has the test play the host with the namespace file p (a
 // /proc/PID/ns/mnt) and returns a function that restores the real one.
 func SetHostNS(p string) (restore func()) {
@@ -28,3 +30,7 @@ func CheckBindSource(n *Local, p string) error {
 	}
 	return err
 }
+
+// SharedGroupOf is sharedGroupOf: the peer group of the shared mount f lies
+// on, by statmount(2).
+func SharedGroupOf(f *os.File) (int, error) { return sharedGroupOf(f) }

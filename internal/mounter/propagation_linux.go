@@ -1,6 +1,7 @@
 package mounter
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -117,6 +118,14 @@ func (g *guard) readOutside() error {
 // check fails if a mount attached at target would propagate outside. Run
 // inside the namespace.
 func (g *guard) check(ns *mountns.Namespace, target *os.File) error {
+	// Most often the mount a target lies on is not shared, which the
+	// kernel tells about that one mount (statmount); the table is read
+	// only when it is, or when the kernel cannot tell.
+	if group, err := sharedGroupOf(target); err == nil && group == 0 {
+		return nil
+	} else if err != nil && !errors.Is(err, errNoStatmount) {
+		return err
+	}
 	st, err := statxOf(target, unix.STATX_MNT_ID, false)
 	if err != nil {
 		return err
