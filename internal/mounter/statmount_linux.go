@@ -42,8 +42,8 @@ var errNoStatmount = errors.New("statmount(2) not available")
 // sharedGroupOf returns the peer group of the mount f lies on when that
 // mount is shared, 0 when it is not, asking the kernel about that one
 // mount in the calling thread's namespace. errNoStatmount means it cannot
-// (a kernel before 6.8): the caller reads the mount table. Run inside the
-// namespace.
+// (a kernel before 6.8, or it did not answer): the caller reads the mount
+// table. Run inside the namespace.
 func sharedGroupOf(f *os.File) (int, error) {
 	if noStatmount.Load() {
 		return 0, errNoStatmount
@@ -69,7 +69,9 @@ func sharedGroupOf(f *os.File) (int, error) {
 		noStatmount.Store(true)
 		return 0, errNoStatmount
 	case errno != 0:
-		return 0, &os.PathError{Op: "statmount", Path: f.Name(), Err: errno}
+		// Refused (EPERM where the caller could not see the mount) or
+		// not found: the mount table decides, and says why.
+		return 0, errNoStatmount
 	case binary.NativeEndian.Uint64(buf[statmountMaskOff:])&statmountBasic == 0:
 		return 0, errNoStatmount
 	case binary.NativeEndian.Uint64(buf[statmountPropagationOff:])&msShared == 0:
