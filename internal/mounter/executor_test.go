@@ -256,22 +256,29 @@ func TestBlockBindOntoNewFile(t *testing.T) {
 	}
 }
 
+// sharedTmpfs mounts a shared tmpfs at p (made) in the test's namespace,
+// unmounted at the test's end, and returns p.
+func sharedTmpfs(t *testing.T, p string) string {
+	t.Helper()
+	if err := os.Mkdir(p, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("mp-shared", p, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(p, unix.MNT_DETACH) })
+	if err := unix.Mount("", p, "", unix.MS_SHARED, ""); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 // TestSharedParent: under a mount that is a peer of one in the host, the
 // volume would appear in the host too and outlive the consumer.
 func TestSharedParent(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	dir := mountnstest.Scratch(t)
-	shared := filepath.Join(dir, "shared")
-	if err := os.Mkdir(shared, 0o750); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("mp-shared", shared, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Unmount(shared, unix.MNT_DETACH) })
-	if err := unix.Mount("", shared, "", unix.MS_SHARED, ""); err != nil {
-		t.Fatal(err)
-	}
+	shared := sharedTmpfs(t, filepath.Join(dir, "shared"))
 	pid := mountnstest.Namespace(t, "unchanged")
 	c := plan.Consumer{PID: pid, MountPoint: filepath.Join(shared, "mp")}
 	mounts := []plan.Mount{tmpfs("vol", "")}

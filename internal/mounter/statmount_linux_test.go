@@ -22,17 +22,7 @@ import (
 func TestSharedGroupOfAgreesWithMountTable(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	dir := mountnstest.Scratch(t)
-	p := filepath.Join(dir, "m")
-	if err := os.Mkdir(p, 0o750); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("mp-statmount", p, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Unmount(p, unix.MNT_DETACH) })
-	if err := unix.Mount("", p, "", unix.MS_SHARED, ""); err != nil {
-		t.Fatal(err)
-	}
+	p := sharedTmpfs(t, filepath.Join(dir, "m"))
 	if err := os.Mkdir(filepath.Join(p, "sub"), 0o750); err != nil {
 		t.Fatal(err)
 	}
