@@ -21,7 +21,7 @@ CLUSTERTAGS := clustertest
 all: build
 
 build:
-	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./hack/csictl
+	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./cmd/kubectl-mountplan ./hack/csictl
 
 # Every test but the VM's and the cluster's. hack/testreport prints go
 # test's usual lines, then the counts of passed, failed and skipped tests

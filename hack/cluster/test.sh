@@ -35,6 +35,9 @@ run=$(mktemp -d "$cache/run.XXXXXX")
 trap 'rm -rf "$run"' EXIT
 go run ./hack/cluster/images -out "$run/images" -cache "$cache/images" -provisioner "$provisioner" -snapshotter "$snapshotter" -tag test
 go test -c -tags clustertest -o "$run/cluster.test" ./test/cluster
+# The operator's kubectl plugin, which flows run against the cluster.
+go build -o "$run/bin/kubectl-mountplan" ./cmd/kubectl-mountplan
+path="$path$run/bin:"
 echo "test-cluster: built in $((SECONDS - start))s"
 
 # The shared test lock, unless the caller holds it already (`flock

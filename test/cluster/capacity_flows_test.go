@@ -3,6 +3,7 @@
 package cluster
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -194,4 +195,104 @@ func (e *env) checkNoCapacityLeft(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// goneNode is a node that was in the cluster and is gone for good: what it
+// left in the API is made by hand as its components would have made it.
+const goneNode = "mp-gone"
+
+// nodeRemovedForGood: a node deleted for good leaves a provisioned volume
+// (pinned to it, with external-provisioner's finalizer, bound to a claim
+// that a pod still asks for) and its CSIStorageCapacity; nothing in the
+// cluster can delete them, since the provisioner that would ran on that
+// node. `kubectl mountplan forget-node` shows them, refuses a node that
+// still exists, and with --yes deletes them for real against the API
+// server and its controllers, while the live node's claim, volume,
+// capacity and data stay.
+func nodeRemovedForGood(t *testing.T, e *env) {
+	e.apply(t, pvc("live", storageClass, "64Mi"))
+	e.run(t, pod("live", withClaim("live", "/data", false)))
+	tok := e.write(t, "live", "/data/token")
+	livePV := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "live", "-o", "jsonpath={.spec.volumeName}")))
+
+	claim := pvc("gone-claim", storageClass, "64Mi")
+	claim["spec"].(obj)["volumeName"] = "pv-gone"
+	e.apply(t, obj{"apiVersion": "v1", "kind": "PersistentVolume",
+		"metadata": obj{"name": "pv-gone", "finalizers": []string{"external-provisioner.volume.kubernetes.io/finalizer"},
+			"annotations": obj{"pv.kubernetes.io/provisioned-by": driverName}},
+		"spec": obj{"capacity": obj{"storage": "64Mi"}, "accessModes": []string{"ReadWriteOnce"},
+			"persistentVolumeReclaimPolicy": "Delete", "storageClassName": storageClass,
+			"claimRef": obj{"namespace": testNS, "name": "gone-claim"},
+			"csi":      obj{"driver": driverName, "volumeHandle": "gone-vol", "fsType": "ext4"},
+			"nodeAffinity": obj{"required": obj{"nodeSelectorTerms": []obj{{"matchExpressions": []obj{
+				{"key": topology.Key, "operator": "In", "values": []string{goneNode}}}}}}}}},
+		claim,
+		pod("gone-user", withClaim("gone-claim", "/data", false)),
+		obj{"apiVersion": "storage.k8s.io/v1", "kind": "CSIStorageCapacity",
+			"metadata":         obj{"name": "csisc-" + goneNode, "namespace": "kube-system", "labels": obj{"csi.storage.k8s.io/drivername": driverName}},
+			"storageClassName": storageClass, "capacity": "1Gi",
+			"nodeTopology": obj{"matchLabels": obj{topology.Key: goneNode}}})
+	waitFor(t, time.Minute, "claim gone-claim bound to pv-gone", func() error {
+		if phase := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "gone-claim", "-o", "jsonpath={.status.phase}"))); phase != "Bound" {
+			return fmt.Errorf("claim gone-claim is %q", phase)
+		}
+		return nil
+	})
+
+	forget := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		return e.c.inNode(ctx, nil, "kubectl-mountplan", append([]string{"forget-node"}, args...)...)
+	}
+	if out, err := forget(nodeName, "--yes"); err == nil || !strings.Contains(err.Error(), "still exists") {
+		t.Errorf("forget-node of the live node %s: %v\n%s", nodeName, err, out)
+	}
+	shown := must(t)(forget(goneNode))
+	t.Logf("kubectl mountplan forget-node %s:\n%s", goneNode, shown)
+	for _, want := range []string{"persistentvolume pv-gone (64Mi, Bound), bound to claim " + testNS + "/gone-claim", "csistoragecapacity kube-system/csisc-" + goneNode, "--yes"} {
+		if !strings.Contains(shown, want) {
+			t.Errorf("forget-node %s does not show %q", goneNode, want)
+		}
+	}
+	if strings.Contains(shown, livePV) {
+		t.Errorf("forget-node %s shows the live node's volume %s", goneNode, livePV)
+	}
+	// Shown, not done: without --yes everything is still there.
+	must(t)(e.c.kubectl("get", "pv", "pv-gone"))
+	must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "gone-claim"))
+
+	done := must(t)(forget(goneNode, "--yes"))
+	t.Logf("kubectl mountplan forget-node %s --yes:\n%s", goneNode, done)
+	// The pod still asking for the claim holds it (claim protection) until
+	// it goes, as the command says; the volume goes at once.
+	waitFor(t, time.Minute, "pv-gone deleted", func() error {
+		if out, err := e.c.kubectl("get", "pv", "pv-gone", "--ignore-not-found", "-o", "name"); err != nil || strings.TrimSpace(out) != "" {
+			return fmt.Errorf("still there: %q %v", out, err)
+		}
+		return nil
+	})
+	e.c.deleteAndWait(t, "pod", "gone-user")
+	waitFor(t, time.Minute, "claim gone-claim and the gone node's capacity deleted", func() error {
+		for _, args := range [][]string{{"-n", testNS, "get", "pvc", "gone-claim"}, {"-n", "kube-system", "get", "csistoragecapacity", "csisc-" + goneNode}} {
+			if out, err := e.c.kubectl(append(args, "--ignore-not-found", "-o", "name")...); err != nil || strings.TrimSpace(out) != "" {
+				return fmt.Errorf("%v: still there: %q %v", args, out, err)
+			}
+		}
+		return nil
+	})
+	if again := must(t)(forget(goneNode)); !strings.Contains(again, "left nothing") {
+		t.Errorf("after --yes, forget-node %s still shows:\n%s", goneNode, again)
+	}
+
+	// The live node's claim, volume, capacity and data are untouched.
+	if phase := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "live", "-o", "jsonpath={.status.phase}"))); phase != "Bound" {
+		t.Errorf("the live claim is %q after forget-node, want Bound", phase)
+	}
+	must(t)(e.c.kubectl("get", "pv", livePV))
+	if _, err := e.nodeCapacity(); err != nil {
+		t.Errorf("the live node's capacity after forget-node: %v", err)
+	}
+	e.expect(t, "live", "/data/token", tok)
+	e.c.deleteAndWait(t, "pod", "live")
+	e.c.deleteAndWait(t, "pvc", "live")
 }

@@ -31,6 +31,7 @@ type flow struct {
 var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
 	{name: "CapacityTracking", run: capacityTracking},
+	{name: "NodeRemovedForGood", run: nodeRemovedForGood},
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
