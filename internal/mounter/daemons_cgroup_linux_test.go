@@ -117,7 +117,10 @@ func (f *daemonFixture) oomKilled(leafOf func(string) string) {
 	if got := cgrouptest.Of(cgrouptest.FS(), second.PID); got != leafOf(id) {
 		t.Errorf("the restarted hog in cgroup %s, want %s", got, leafOf(id))
 	}
-	if u := f.usage(id); u.OOMKills != 1 || u.Profile != "hog" {
+	// The kernel counts each process it kills: the hog's shell, and at
+	// times a second of its processes (squashfuse, a pipeline's) when
+	// the leaf is still at its limit after the first.
+	if u := f.usage(id); u.OOMKills < 1 || u.Profile != "hog" {
 		t.Errorf("DaemonUsage after the OOM kill = %+v", u)
 	}
 	if st, err := f.n.DaemonStatus(ctx, second.Proc, 0); err != nil || !st.Alive || st.Reason != "" {
