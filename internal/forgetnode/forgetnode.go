@@ -172,8 +172,9 @@ func (p *Plan) Print(w io.Writer) {
 // provisioner's finalizer: the provisioner and the storage were on the
 // node) and deletes it, then deletes the capacities. Every delete is
 // conditional on the UID the plan saw, so an object made again since under
-// the same name is left alone. A claim that a pod still uses stays until
-// that pod goes (Kubernetes' claim protection); say so to the operator.
+// the same name is left alone. A claim that a scheduled pod still uses
+// stays until that pod goes (Kubernetes' claim protection; a pod that was
+// never scheduled does not hold it); say so to the operator.
 func (p *Plan) Apply(ctx context.Context, cs kubernetes.Interface, w io.Writer) error {
 	var errs []error
 	for _, v := range p.Volumes {
@@ -183,7 +184,7 @@ func (p *Plan) Apply(ctx context.Context, cs kubernetes.Interface, w io.Writer) 
 		}
 		fmt.Fprintf(w, "deleted persistentvolume %s\n", v.Name)
 		if v.Claim != nil {
-			fmt.Fprintf(w, "deleted claim %s (a pod that still uses it keeps it until the pod is deleted)\n", v.Claim)
+			fmt.Fprintf(w, "deleted claim %s (a scheduled pod that still uses it keeps it until that pod is deleted)\n", v.Claim)
 		}
 	}
 	for _, c := range p.Capacities {

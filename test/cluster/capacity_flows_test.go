@@ -263,23 +263,19 @@ func nodeRemovedForGood(t *testing.T, e *env) {
 
 	done := must(t)(forget(goneNode, "--yes"))
 	t.Logf("kubectl mountplan forget-node %s --yes:\n%s", goneNode, done)
-	// The pod still asking for the claim holds it (claim protection) until
-	// it goes, as the command says; the volume goes at once.
-	waitFor(t, time.Minute, "pv-gone deleted", func() error {
-		if out, err := e.c.kubectl("get", "pv", "pv-gone", "--ignore-not-found", "-o", "name"); err != nil || strings.TrimSpace(out) != "" {
-			return fmt.Errorf("still there: %q %v", out, err)
-		}
-		return nil
-	})
-	e.c.deleteAndWait(t, "pod", "gone-user")
-	waitFor(t, time.Minute, "claim gone-claim and the gone node's capacity deleted", func() error {
-		for _, args := range [][]string{{"-n", testNS, "get", "pvc", "gone-claim"}, {"-n", "kube-system", "get", "csistoragecapacity", "csisc-" + goneNode}} {
+	// The pod still asking for the claim was never scheduled, so claim
+	// protection does not hold the claim for it (it does for a pod on a
+	// node): claim, volume and capacity go at once, and the pod, Pending
+	// for ever until now, can be made again by its owner.
+	waitFor(t, time.Minute, "the gone node's volume, claim and capacity deleted", func() error {
+		for _, args := range [][]string{{"get", "pv", "pv-gone"}, {"-n", testNS, "get", "pvc", "gone-claim"}, {"-n", "kube-system", "get", "csistoragecapacity", "csisc-" + goneNode}} {
 			if out, err := e.c.kubectl(append(args, "--ignore-not-found", "-o", "name")...); err != nil || strings.TrimSpace(out) != "" {
 				return fmt.Errorf("%v: still there: %q %v", args, out, err)
 			}
 		}
 		return nil
 	})
+	e.c.deleteAndWait(t, "pod", "gone-user")
 	if again := must(t)(forget(goneNode)); !strings.Contains(again, "left nothing") {
 		t.Errorf("after --yes, forget-node %s still shows:\n%s", goneNode, again)
 	}
@@ -295,4 +291,53 @@ func nodeRemovedForGood(t *testing.T, e *env) {
 	e.expect(t, "live", "/data/token", tok)
 	e.c.deleteAndWait(t, "pod", "live")
 	e.c.deleteAndWait(t, "pvc", "live")
+}
+
+// drainNodeLocal: the node is drained while a StatefulSet's pod writes to
+// a node-local claim. The pod is evicted and its successor stays Pending
+// with the scheduler's reason (the one node that can hold the claim is
+// cordoned); the claim stays bound to its volume; once the node is
+// uncordoned the pod runs there again and reads what the evicted one
+// wrote.
+func drainNodeLocal(t *testing.T, e *env) {
+	const sts = "drained"
+	p := sts + "-0"
+	e.apply(t, statefulSet(sts, 1, "64Mi"))
+	must(t)(e.c.kubectl("-n", testNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
+	tok := e.write(t, p, "/data/token")
+	uid := func() string {
+		return strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", p, "--ignore-not-found", "-o", "jsonpath={.metadata.uid}")))
+	}
+	before := uid()
+	pv := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "data-"+p, "-o", "jsonpath={.spec.volumeName}")))
+
+	t.Cleanup(func() { _, _ = e.c.kubectl("uncordon", nodeName) })
+	out := must(t)(e.c.kubectl("drain", nodeName, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"))
+	t.Logf("kubectl drain %s:\n%s", nodeName, lastLines(out, 6))
+	waitFor(t, 90*time.Second, "the evicted pod's successor Pending for want of a node", func() error {
+		now := uid()
+		if now == "" || now == before {
+			return fmt.Errorf("pod %s not made again yet (uid %q)", p, now)
+		}
+		st, err := e.c.kubectl("-n", testNS, "get", "pod", p, "-o",
+			`jsonpath={.status.phase} {.status.conditions[?(@.type=="PodScheduled")].reason}: {.status.conditions[?(@.type=="PodScheduled")].message}`)
+		if err != nil {
+			return err
+		}
+		if !strings.HasPrefix(st, "Pending Unschedulable") || !strings.Contains(st, "unschedulable") {
+			return fmt.Errorf("pod %s: %s", p, st)
+		}
+		t.Logf("while the node is drained, pod %s: %s", p, st)
+		return nil
+	})
+	if got := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "data-"+p, "-o", "jsonpath={.status.phase} {.spec.volumeName}"))); got != "Bound "+pv {
+		t.Errorf("claim data-%s while the node is drained: %q, want Bound to %s", p, got, pv)
+	}
+
+	must(t)(e.c.kubectl("uncordon", nodeName))
+	must(t)(e.c.kubectl("-n", testNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
+	e.c.waitPod(t, p)
+	e.expect(t, p, "/data/token", tok)
+	e.c.deleteAndWait(t, "statefulset", sts)
+	e.c.deleteAndWait(t, "pvc", "data-"+p)
 }

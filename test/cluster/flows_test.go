@@ -32,6 +32,7 @@ var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
 	{name: "CapacityTracking", run: capacityTracking},
 	{name: "NodeRemovedForGood", run: nodeRemovedForGood},
+	{name: "DrainNodeLocal", run: drainNodeLocal},
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
