@@ -43,11 +43,12 @@ func TestCluster(t *testing.T) {
 	}
 	cleanStale(t, root)
 	before := takeSnapshot(t, root)
-	// A containerd of the host's own may use the same namespace: its
-	// cgroups are not the cluster's to remove.
-	v1, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", criNamespace))
-	_, err = os.Stat(filepath.Join("/sys/fs/cgroup", criNamespace))
-	hadNSCgroup := len(v1) > 0 || err == nil
+	// A containerd of the host's own may use the same namespace: the
+	// cgroups found there now are not the cluster's to remove.
+	hostCgroups, err := testutil.CgroupTree(criNamespace)
+	if err != nil {
+		t.Fatal(err)
+	}
 	c := startCluster(t, root, path)
 	logs := keepPodLogs(c)
 	defer func() {
@@ -56,10 +57,10 @@ func TestCluster(t *testing.T) {
 		if err != nil {
 			t.Error(err)
 		}
-		if !hadNSCgroup {
-			if err := testutil.RemoveCgroupTree(criNamespace); err != nil {
-				t.Errorf("leak: %v", err)
-			}
+		// runc removes a container's cgroups when it deletes it; those of
+		// containers killed with their node (the reboots) outlive them.
+		if err := testutil.RemoveCgroupTreeExcept(criNamespace, hostCgroups); err != nil {
+			t.Errorf("leak: %v", err)
 		}
 		for _, l := range left {
 			t.Errorf("leak: process still running in the node at its stop: %s", l)

@@ -174,11 +174,25 @@ func containerCgroups(pid int) []string {
 			continue
 		}
 		// v1: a hierarchy is mounted at its controllers' joined names
-		// ("cpu,cpuacct", "systemd" for name=systemd); v2 at the top.
+		// ("cpu,cpuacct", "systemd" for name=systemd); v2 at the top, or
+		// at unified/ on a hybrid host.
 		dir := filepath.Join("/sys/fs/cgroup", strings.TrimPrefix(f[1], "name="), f[2])
+		if f[0] == "0" && f[1] == "" {
+			dir = filepath.Join(cgroup2Root(), f[2])
+		}
 		dirs = append(dirs, dir)
 	}
 	return dirs
+}
+
+// cgroup2Root is where the v2 hierarchy is mounted: /sys/fs/cgroup on a
+// v2 host, /sys/fs/cgroup/unified on a hybrid one (systemd's layout).
+func cgroup2Root() string {
+	var st unix.Statfs_t
+	if unix.Statfs("/sys/fs/cgroup", &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+		return "/sys/fs/cgroup"
+	}
+	return "/sys/fs/cgroup/unified"
 }
 
 // processesLeft: an error while a process of the node still runs (or is
