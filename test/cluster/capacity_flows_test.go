@@ -32,6 +32,8 @@ func capacityTracking(t *testing.T, e *env) {
 	// that is larger: the plugin would make such a sparse image if asked,
 	// so only the scheduler keeps the claim off the node.
 	big := fmt.Sprintf("%dGi", room/gib+32)
+	e.c.deleteAtEnd(t, "pvc", "toobig", "fits")
+	e.c.deleteAtEnd(t, "pod", "toobig", "fits")
 	e.apply(t, pvc("toobig", storageClass, big), pod("toobig", withClaim("toobig", "/data", false)))
 	e.apply(t, pvc("fits", storageClass, "64Mi"))
 	e.run(t, pod("fits", withClaim("fits", "/data", false)))
@@ -210,6 +212,15 @@ const goneNode = "mp-gone"
 // server and its controllers, while the live node's claim, volume,
 // capacity and data stay.
 func nodeRemovedForGood(t *testing.T, e *env) {
+	// Cleanups run last first: the pods, then the claims, then the gone
+	// node's volume, whose finalizer no provisioner would ever remove.
+	t.Cleanup(func() {
+		_, _ = e.c.kubectl("patch", "pv", "pv-gone", "--type=merge", "-p", `{"metadata":{"finalizers":null}}`)
+		_, _ = e.c.kubectl("delete", "pv", "pv-gone", "--ignore-not-found", "--wait=false")
+		_, _ = e.c.kubectl("-n", "kube-system", "delete", "csistoragecapacity", "csisc-"+goneNode, "--ignore-not-found")
+	})
+	e.c.deleteAtEnd(t, "pvc", "live", "gone-claim")
+	e.c.deleteAtEnd(t, "pod", "live", "gone-user")
 	e.apply(t, pvc("live", storageClass, "64Mi"))
 	e.run(t, pod("live", withClaim("live", "/data", false)))
 	tok := e.write(t, "live", "/data/token")
@@ -268,9 +279,13 @@ func nodeRemovedForGood(t *testing.T, e *env) {
 	// node): claim, volume and capacity go at once, and the pod, Pending
 	// for ever until now, can be made again by its owner.
 	waitFor(t, time.Minute, "the gone node's volume, claim and capacity deleted", func() error {
+		// What holds each one, if anything still does: its finalizers,
+		// and a volume's phase (pv-protection lets go once it is no
+		// longer Bound).
+		const holds = "-o=jsonpath={.metadata.name} finalizers={.metadata.finalizers} phase={.status.phase} deleting={.metadata.deletionTimestamp}"
 		for _, args := range [][]string{{"get", "pv", "pv-gone"}, {"-n", testNS, "get", "pvc", "gone-claim"}, {"-n", "kube-system", "get", "csistoragecapacity", "csisc-" + goneNode}} {
-			if out, err := e.c.kubectl(append(args, "--ignore-not-found", "-o", "name")...); err != nil || strings.TrimSpace(out) != "" {
-				return fmt.Errorf("%v: still there: %q %v", args, out, err)
+			if out, err := e.c.kubectl(append(args, "--ignore-not-found", holds)...); err != nil || strings.TrimSpace(out) != "" {
+				return fmt.Errorf("still there: %s %v", out, err)
 			}
 		}
 		return nil
@@ -302,6 +317,9 @@ func nodeRemovedForGood(t *testing.T, e *env) {
 func drainNodeLocal(t *testing.T, e *env) {
 	const sts = "drained"
 	p := sts + "-0"
+	t.Cleanup(func() { _, _ = e.c.kubectl("uncordon", nodeName) })
+	e.c.deleteAtEnd(t, "pvc", "data-"+p)
+	e.c.deleteAtEnd(t, "statefulset", sts)
 	e.apply(t, statefulSet(sts, 1, "64Mi"))
 	must(t)(e.c.kubectl("-n", testNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
 	tok := e.write(t, p, "/data/token")
@@ -311,8 +329,10 @@ func drainNodeLocal(t *testing.T, e *env) {
 	before := uid()
 	pv := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "data-"+p, "-o", "jsonpath={.spec.volumeName}")))
 
-	t.Cleanup(func() { _, _ = e.c.kubectl("uncordon", nodeName) })
-	out := must(t)(e.c.kubectl("drain", nodeName, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"))
+	// Only this flow's pods: the cluster is shared with the other flows,
+	// whose bare pods drain would refuse to evict (no controller to make
+	// them again) and whose pods this flow has no business moving.
+	out := must(t)(e.c.kubectl("drain", nodeName, "--pod-selector", "app="+sts, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"))
 	t.Logf("kubectl drain %s:\n%s", nodeName, lastLines(out, 6))
 	waitFor(t, 90*time.Second, "the evicted pod's successor Pending for want of a node", func() error {
 		now := uid()

@@ -138,6 +138,18 @@ func (c *Cluster) deleteAndWait(t *testing.T, kind string, names ...string) {
 	must(t)(c.kubectl(args...))
 }
 
+// deleteAtEnd deletes objects of the test namespace when the flow ends,
+// passed or not: a failed flow's pods and claims would otherwise stay on
+// the shared cluster and fail the flows after it.
+func (c *Cluster) deleteAtEnd(t *testing.T, kind string, names ...string) {
+	t.Cleanup(func() {
+		args := append([]string{"-n", testNS, "delete", kind, "--wait=true", "--timeout=120s", "--ignore-not-found"}, names...)
+		if out, err := c.kubectl(args...); err != nil {
+			t.Errorf("cleaning up %s %v: %v\n%s", kind, names, err, out)
+		}
+	})
+}
+
 func lastLines(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {
