@@ -1,6 +1,9 @@
-// Command mountplan-resizer expands the PersistentVolumeClaims whose volumes
-// live on its node (internal/resizer). It runs in the node pod next to the
-// plugin, whose Controller service it calls on the plugin's socket.
+// Command mountplan-resizer is the node pod's side of the API server: it
+// expands the PersistentVolumeClaims whose volumes live on its node
+// (internal/resizer) and records Events when a volume in use on the node
+// turns abnormal or heals (internal/healthevents). It runs next to the
+// plugin, whose Controller and Node services it calls on the plugin's
+// socket, so that the plugin itself holds no API credentials.
 package main
 
 import (
@@ -10,6 +13,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -18,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/healthevents"
 	"github.com/mountplan/mountplan/internal/resizer"
 	"github.com/mountplan/mountplan/internal/topology"
 )
@@ -25,21 +30,23 @@ import (
 func main() {
 	var pluginEndpoint, nodeID, driverName, kubeconfig string
 	var workers int
+	var healthInterval time.Duration
 	flag.StringVar(&pluginEndpoint, "plugin-endpoint", "unix:///csi/csi.sock", "the plugin's CSI socket")
 	flag.StringVar(&nodeID, "node-id", "", "name of this node, as the plugin's --node-id (required)")
 	flag.StringVar(&driverName, "driver-name", "mountplan.csi.io", "CSI driver name")
 	flag.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; empty: the pod's service account")
 	flag.IntVar(&workers, "workers", 4, "claims expanded at the same time")
+	flag.DurationVar(&healthInterval, "health-events-interval", 10*time.Second, "how often the health of each volume in use on the node is asked, for Events on its claim and pods; 0: no such Events")
 	klog.InitFlags(nil)
 	flag.Parse()
-	if err := run(pluginEndpoint, nodeID, driverName, kubeconfig, workers); err != nil {
+	if err := run(pluginEndpoint, nodeID, driverName, kubeconfig, workers, healthInterval); err != nil {
 		klog.ErrorS(err, "mountplan-resizer failed")
 		klog.Flush()
 		os.Exit(1)
 	}
 }
 
-func run(pluginEndpoint, nodeID, driverName, kubeconfig string, workers int) error {
+func run(pluginEndpoint, nodeID, driverName, kubeconfig string, workers int, healthInterval time.Duration) error {
 	if nodeID == "" {
 		return fmt.Errorf("--node-id is required")
 	}
@@ -70,5 +77,19 @@ func run(pluginEndpoint, nodeID, driverName, kubeconfig string, workers int) err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	return r.Run(klog.NewContext(ctx, klog.Background()), workers)
+	ctx = klog.NewContext(ctx, klog.Background())
+	if healthInterval > 0 {
+		pvcs, pvs := r.Listers()
+		w, err := healthevents.New(healthevents.Options{DriverName: driverName, NodeID: nodeID, Kube: kube,
+			Node: csi.NewNodeClient(conn), PVCs: pvcs, PVs: pvs, Interval: healthInterval})
+		if err != nil {
+			return err
+		}
+		go func() {
+			if err := w.Run(ctx); err != nil {
+				klog.FromContext(ctx).Error(err, "Volume health Events stopped")
+			}
+		}()
+	}
+	return r.Run(ctx, workers)
 }

@@ -130,6 +130,12 @@ func New(opts Options) (*Resizer, error) {
 	return r, nil
 }
 
+// Listers are the resizer's caches of claims and volumes, filled once Run
+// has started, for others in the same process to read.
+func (r *Resizer) Listers() (corelisters.PersistentVolumeClaimLister, corelisters.PersistentVolumeLister) {
+	return r.pvcs, r.pvs
+}
+
 // Run serves until ctx ends.
 func (r *Resizer) Run(ctx context.Context, workers int) error {
 	defer utilruntime.HandleCrash()

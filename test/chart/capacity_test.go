@@ -90,11 +90,14 @@ func (r *rendered) checkCapacityRole(t *testing.T) {
 			t.Errorf("Role %s grants %v on pods, want get alone", r.nsRole.Name, rule.Verbs)
 		}
 	}
-	for _, res := range []string{"csistoragecapacities", "pods"} {
-		for _, rule := range r.role.Rules {
-			if slices.Contains(rule.Resources, res) {
-				t.Errorf("ClusterRole %s grants %s cluster-wide", r.role.Name, res)
-			}
+	for _, rule := range r.role.Rules {
+		if slices.Contains(rule.Resources, "csistoragecapacities") {
+			t.Errorf("ClusterRole %s grants csistoragecapacities cluster-wide", r.role.Name)
+		}
+		// The resizer's health Events watch the pods of their node: list
+		// and watch, never more.
+		if slices.Contains(rule.Resources, "pods") && !slices.Equal(rule.Verbs, []string{"list", "watch"}) {
+			t.Errorf("ClusterRole %s grants %v on pods cluster-wide, want list and watch alone", r.role.Name, rule.Verbs)
 		}
 	}
 	ref := r.nsBinding.RoleRef
@@ -125,4 +128,23 @@ func envFromField(t *testing.T, c *corev1.Container, name, field string) {
 		}
 	}
 	t.Errorf("container %s: no env %s", c.Name, name)
+}
+
+// The resizer's health Events: its interval is the value's, and the
+// ClusterRole's pods rule (list and watch) is there only while they are on.
+func TestHealthEventsValue(t *testing.T) {
+	podsRule := func(r *rendered) bool {
+		return slices.ContainsFunc(r.role.Rules, func(rule rbacv1.PolicyRule) bool { return slices.Contains(rule.Resources, "pods") })
+	}
+	on := render(t, nil)
+	wantArg(t, on.container(t, "resizer"), "--health-events-interval", "10s")
+	if !podsRule(on) {
+		t.Error("health Events on by default, but the ClusterRole cannot list pods")
+	}
+	for _, off := range []any{"0s", "0", 0} {
+		r := render(t, map[string]any{"resizer": map[string]any{"healthEventsInterval": off}})
+		if podsRule(r) {
+			t.Errorf("healthEventsInterval %v: the ClusterRole still lists pods", off)
+		}
+	}
 }

@@ -64,6 +64,25 @@ func volumeHealthInPodStatus(t *testing.T, e *env) {
 		return nil
 	})
 	t.Logf("pod status reports the volume abnormal %v after the kill: %+v", time.Since(killed).Round(100*time.Millisecond), down)
+	// The claim and the pod are told too, in Events (mountplan-resizer's
+	// health events), whatever kubelet's feature gates.
+	claimUID := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "sqfuse", "-o", "jsonpath={.metadata.uid}")))
+	podUID := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", name, "-o", "jsonpath={.metadata.uid}")))
+	healthEvents := func(reason string) error {
+		for _, on := range []struct{ kind, name, uid string }{{"PersistentVolumeClaim", "sqfuse", claimUID}, {"Pod", name, podUID}} {
+			msg, err := e.c.kubectl("-n", testNS, "get", "events", "-o", "jsonpath={.items[*].message}", "--field-selector",
+				"reason="+reason+",involvedObject.kind="+on.kind+",involvedObject.name="+on.name+",involvedObject.uid="+on.uid)
+			if err != nil {
+				return err
+			}
+			if strings.TrimSpace(msg) == "" {
+				return fmt.Errorf("no %s event on %s %s yet", reason, on.kind, on.name)
+			}
+			t.Logf("event %s on %s %s: %s", reason, on.kind, on.name, msg)
+		}
+		return nil
+	}
+	waitFor(t, time.Minute, "VolumeConditionAbnormal events on the claim and the pod", func() error { return healthEvents("VolumeConditionAbnormal") })
 	for _, c := range down {
 		if c.Status != "Inaccessible" || (c.Reason != "DaemonDown" && c.Reason != "RestartFailed") {
 			t.Errorf("condition %+v, want status Inaccessible with reason DaemonDown or RestartFailed", c)
@@ -86,6 +105,7 @@ func volumeHealthInPodStatus(t *testing.T, e *env) {
 		return nil
 	})
 	t.Logf("heal time: the pod reads the volume again and its status is clear %v after the image came back", time.Since(back).Round(100*time.Millisecond))
+	waitFor(t, time.Minute, "VolumeConditionNormal events on the claim and the pod", func() error { return healthEvents("VolumeConditionNormal") })
 	e.c.deleteAndWait(t, "pod", name)
 	e.fuseTeardown(t, "sqfuse", "rclone")
 }
