@@ -32,9 +32,9 @@ const usage = `usage: kubectl mountplan forget-node NODE [--driver NAME] [--yes]
 forget-node: NODE is gone for good (deleted from the cluster); show what it
 left of the driver's objects: its PersistentVolumes (node-local, their data
 was on it), the claims bound to them, its CSIStorageCapacity objects. With
---yes, delete the claims, take the provisioner's finalizer off the volumes
-(the provisioner that would have deleted them ran on NODE) and delete them,
-and delete the capacities.
+--yes, delete the claims, delete the volumes and take the provisioner's
+finalizer off them (the provisioner that would have deleted them ran on
+NODE), and delete the capacities.
 `
 
 func main() {

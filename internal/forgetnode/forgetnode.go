@@ -85,6 +85,12 @@ func Make(ctx context.Context, cs kubernetes.Interface, driver, node string) (*P
 		if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver || !pinnedTo(pv, node) {
 			continue
 		}
+		// Being deleted and free of the provisioner's finalizer: done
+		// here; Kubernetes' own pv-protection lets go of it once the
+		// volume is no longer Bound.
+		if pv.DeletionTimestamp != nil && !slices.Contains(pv.Finalizers, ProvisionerFinalizer) {
+			continue
+		}
 		v := Volume{Name: pv.Name, UID: pv.UID, Phase: pv.Status.Phase}
 		if q, ok := pv.Spec.Capacity[corev1.ResourceStorage]; ok {
 			v.Size = q.String()
@@ -205,7 +211,16 @@ func (p *Plan) forgetVolume(ctx context.Context, cs kubernetes.Interface, v Volu
 			return fmt.Errorf("claim %s of %s: %w", c, v.Name, err)
 		}
 	}
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+	// Deleted first, then freed of the finalizer: a provisioner of another
+	// node adds its finalizer back to a volume of the driver that is
+	// still Bound and not being deleted (the claim's deletion takes a
+	// moment to reach the volume's phase); to one being deleted it never
+	// does.
+	err := cs.CoreV1().PersistentVolumes().Delete(ctx, v.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &v.UID}})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("persistentvolume %s: %w", v.Name, err)
+	}
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		pv, err := cs.CoreV1().PersistentVolumes().Get(ctx, v.Name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -219,10 +234,6 @@ func (p *Plan) forgetVolume(ctx context.Context, cs kubernetes.Interface, v Volu
 	})
 	if err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("persistentvolume %s: releasing its provisioner's finalizer: %w", v.Name, err)
-	}
-	err = cs.CoreV1().PersistentVolumes().Delete(ctx, v.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &v.UID}})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("persistentvolume %s: %w", v.Name, err)
 	}
 	return nil
 }

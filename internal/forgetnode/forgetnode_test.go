@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -64,7 +65,7 @@ func capacity(name, drv, node string) *storagev1.CSIStorageCapacity {
 // TestForgetNode: of a gone node, the volumes pinned to it alone (a bound
 // one with its claim, a released one whose claim is gone) and its
 // capacities are found and deleted, the provisioner's finalizer taken off
-// first, every delete conditional on the UID seen; another node's volumes,
+// after the volume's delete, every delete conditional on the UID seen; another node's volumes,
 // another driver's, and a volume that another node could serve are left.
 func TestForgetNode(t *testing.T) {
 	ctx := context.Background()
@@ -82,6 +83,29 @@ func TestForgetNode(t *testing.T) {
 		capacity("cap-gone", driver, "gone"), capacity("cap-live", driver, "live"), capacity("cap-other", "other.csi.io", "gone"),
 	}
 	cs := fake.NewClientset(objs...)
+	// As the API server does (registered first, so that the record of
+	// deletes below sees each before it): a volume with finalizers is only marked for
+	// deletion, and goes once the last one is taken off.
+	pvs := corev1.SchemeGroupVersion.WithResource("persistentvolumes")
+	cs.PrependReactor("delete", "persistentvolumes", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		o, err := cs.Tracker().Get(pvs, "", a.(k8stesting.DeleteAction).GetName())
+		if err != nil {
+			return false, nil, nil
+		}
+		v := o.(*corev1.PersistentVolume).DeepCopy()
+		if len(v.Finalizers) == 0 {
+			return false, nil, nil
+		}
+		v.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+		return true, v, cs.Tracker().Update(pvs, v, "")
+	})
+	cs.PrependReactor("update", "persistentvolumes", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		v := a.(k8stesting.UpdateAction).GetObject().(*corev1.PersistentVolume)
+		if v.DeletionTimestamp != nil && len(v.Finalizers) == 0 {
+			return true, v, cs.Tracker().Delete(pvs, "", v.Name)
+		}
+		return false, nil, nil
+	})
 	var deletes []string
 	cs.PrependReactor("delete", "*", func(a k8stesting.Action) (bool, runtime.Object, error) {
 		d := a.(k8stesting.DeleteAction)
@@ -138,7 +162,9 @@ func TestForgetNode(t *testing.T) {
 	}
 	var names []string
 	for _, v := range left.Items {
-		names = append(names, v.Name)
+		if v.DeletionTimestamp == nil {
+			names = append(names, v.Name)
+		}
 	}
 	if want := []string{"pv-either", "pv-live", "pv-no-affinity", "pv-other-driver"}; !slices.Equal(names, want) {
 		t.Errorf("volumes left: %q, want %q", names, want)
@@ -146,12 +172,16 @@ func TestForgetNode(t *testing.T) {
 	if _, err := cs.CoreV1().PersistentVolumeClaims("apps").Get(ctx, "reused", metav1.GetOptions{}); err != nil {
 		t.Errorf("the claim made again under a released volume's old claim name: %v", err)
 	}
-	// The finalizer was taken off before the delete: the fake deletes at
-	// once, so the update is what shows it.
+	// The finalizer was taken off after the delete (another node's
+	// provisioner adds it back to a volume still Bound and not being
+	// deleted), and only it: pv-protection's stays.
 	var updated []string
 	for _, a := range cs.Actions() {
 		if u, ok := a.(k8stesting.UpdateAction); ok && a.GetResource().Resource == "persistentvolumes" {
 			v := u.GetObject().(*corev1.PersistentVolume)
+			if v.DeletionTimestamp == nil {
+				t.Errorf("the finalizer of %s was taken off before its delete", v.Name)
+			}
 			if slices.Contains(v.Finalizers, forgetnode.ProvisionerFinalizer) || !slices.Contains(v.Finalizers, "kubernetes.io/pv-protection") {
 				t.Errorf("update of %s left finalizers %q, want only the provisioner's taken off", v.Name, v.Finalizers)
 			}
