@@ -31,8 +31,8 @@ type flow struct {
 var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
 	{name: "CapacityTracking", run: capacityTracking},
-	{name: "NodeRemovedForGood", run: nodeRemovedForGood, pending: "passes alone; in a full run the gone node's PersistentVolume outlived its finalizer's removal by more than a minute, not understood yet"},
-	{name: "DrainNodeLocal", run: drainNodeLocal, pending: "passes alone; in a full run kubectl drain refuses the other flows' bare pods: it needs --pod-selector for its own"},
+	{name: "NodeRemovedForGood", run: nodeRemovedForGood},
+	{name: "DrainNodeLocal", run: drainNodeLocal},
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
