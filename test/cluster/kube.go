@@ -134,8 +134,13 @@ func (c *Cluster) waitPod(t *testing.T, pod string) {
 // deleteAndWait deletes objects and waits until they are gone.
 func (c *Cluster) deleteAndWait(t *testing.T, kind string, names ...string) {
 	t.Helper()
-	args := append([]string{"-n", testNS, "delete", kind, "--wait=true", "--timeout=120s", "--ignore-not-found"}, names...)
-	must(t)(c.kubectl(args...))
+	must(t)(c.kubectl(deleteArgs(kind, names)...))
+}
+
+// deleteArgs deletes objects of the test namespace and waits until they
+// are gone.
+func deleteArgs(kind string, names []string) []string {
+	return append([]string{"-n", testNS, "delete", kind, "--wait=true", "--timeout=120s", "--ignore-not-found"}, names...)
 }
 
 // deleteAtEnd deletes objects of the test namespace when the flow ends,
@@ -143,8 +148,7 @@ func (c *Cluster) deleteAndWait(t *testing.T, kind string, names ...string) {
 // the shared cluster and fail the flows after it.
 func (c *Cluster) deleteAtEnd(t *testing.T, kind string, names ...string) {
 	t.Cleanup(func() {
-		args := append([]string{"-n", testNS, "delete", kind, "--wait=true", "--timeout=120s", "--ignore-not-found"}, names...)
-		if out, err := c.kubectl(args...); err != nil {
+		if out, err := c.kubectl(deleteArgs(kind, names)...); err != nil {
 			t.Errorf("cleaning up %s %v: %v\n%s", kind, names, err, out)
 		}
 	})

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // reboot is a power loss of the node and its boot on the same root: the
@@ -90,6 +92,10 @@ func (c *Cluster) noteKernelState(t *testing.T) kernelState {
 	k := kernelState{procs: map[int]string{}, mountNS: map[uint64]bool{}}
 	fuse := map[string]bool{}
 	cgroups := map[string]bool{}
+	v2root, err := testutil.Cgroup2Root()
+	if err != nil {
+		t.Fatal(err)
+	}
 	entries, _ := os.ReadDir("/proc")
 	for _, d := range entries {
 		pid, err := strconv.Atoi(d.Name())
@@ -107,7 +113,7 @@ func (c *Cluster) noteKernelState(t *testing.T) kernelState {
 				fuse[dev] = true
 			}
 		}
-		for _, cg := range containerCgroups(pid) {
+		for _, cg := range containerCgroups(pid, v2root) {
 			cgroups[cg] = true
 		}
 	}
@@ -161,7 +167,7 @@ func fuseDevs(pid int) []string {
 // containerCgroups lists the cgroup directories (one per v1 hierarchy, or
 // the v2 one) of a process in a container of the CRI's namespace
 // (criNamespace): the node's own processes run in the test's cgroups.
-func containerCgroups(pid int) []string {
+func containerCgroups(pid int, v2root string) []string {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
 	if err != nil {
 		return nil
@@ -174,25 +180,14 @@ func containerCgroups(pid int) []string {
 			continue
 		}
 		// v1: a hierarchy is mounted at its controllers' joined names
-		// ("cpu,cpuacct", "systemd" for name=systemd); v2 at the top, or
-		// at unified/ on a hybrid host.
+		// ("cpu,cpuacct", "systemd" for name=systemd); v2 at v2root.
 		dir := filepath.Join("/sys/fs/cgroup", strings.TrimPrefix(f[1], "name="), f[2])
 		if f[0] == "0" && f[1] == "" {
-			dir = filepath.Join(cgroup2Root(), f[2])
+			dir = filepath.Join(v2root, f[2])
 		}
 		dirs = append(dirs, dir)
 	}
 	return dirs
-}
-
-// cgroup2Root is where the v2 hierarchy is mounted: /sys/fs/cgroup on a
-// v2 host, /sys/fs/cgroup/unified on a hybrid one (systemd's layout).
-func cgroup2Root() string {
-	var st unix.Statfs_t
-	if unix.Statfs("/sys/fs/cgroup", &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
-		return "/sys/fs/cgroup"
-	}
-	return "/sys/fs/cgroup/unified"
 }
 
 // processesLeft: an error while a process of the node still runs (or is

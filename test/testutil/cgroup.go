@@ -56,10 +56,23 @@ func RemoveCgroupTreeExcept(name string, keep map[string]bool) error {
 }
 
 // cgroupMounts lists the mount points of every cgroup hierarchy.
-func cgroupMounts() ([]string, error) {
-	infos, err := mountinfo.GetMounts(func(mi *mountinfo.Info) (skip, stop bool) {
-		return mi.FSType != "cgroup" && mi.FSType != "cgroup2", false
-	})
+func cgroupMounts() ([]string, error) { return mountsOfType("cgroup", "cgroup2") }
+
+// Cgroup2Root is where the v2 hierarchy is mounted: /sys/fs/cgroup on a
+// v2 host, /sys/fs/cgroup/unified on a hybrid one (systemd's layout).
+func Cgroup2Root() (string, error) {
+	tops, err := mountsOfType("cgroup2")
+	if err != nil {
+		return "", err
+	}
+	if len(tops) == 0 {
+		return "", errors.New("no cgroup2 hierarchy mounted")
+	}
+	return tops[0], nil
+}
+
+func mountsOfType(types ...string) ([]string, error) {
+	infos, err := mountinfo.GetMounts(mountinfo.FSTypeFilter(types...))
 	if err != nil {
 		return nil, err
 	}
