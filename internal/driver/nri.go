@@ -380,11 +380,13 @@ func (d *Driver) statsNRI(ctx context.Context, v *model.Volume, p *model.Publish
 	return d.statsStopped(ctx, v, p)
 }
 
-// statsStopped measures an NRI volume none of whose containers runs: the
-// mounter mounts the device of the volume's plan privately (the
-// filesystem is mounted nowhere else then, or its running containers
-// share the superblock) and measures it. Volumes with no device of their
-// own (chains, FUSE) are NotFound then.
+// statsStopped measures an NRI volume none of whose containers runs. A
+// plan that binds a mount of the state dir (a chain's overlay, a FUSE
+// daemon's mount) is measured there, where it stays mounted while the
+// volume is staged, as a classic publish is through the bind of it. A plan
+// that mounts a device: the mounter mounts it privately (the filesystem is
+// mounted nowhere else then, or its running containers share the
+// superblock) and measures it.
 func (d *Driver) statsStopped(ctx context.Context, v *model.Volume, p *model.Publish) (*csi.NodeGetVolumeStatsResponse, error) {
 	notFound := fmt.Errorf("volume %s is published in NRI mode at %s and no running container uses it: %w", v.ID, p.TargetPath, errdefs.ErrNotFound)
 	mounts, err := d.planFor(v, source.PlanRequest{ReadOnly: p.ReadOnly, MountFlags: p.MountFlags})
@@ -392,6 +394,9 @@ func (d *Driver) statsStopped(ctx context.Context, v *model.Volume, p *model.Pub
 		return nil, errors.Join(notFound, err)
 	}
 	for _, m := range mounts {
+		if m.Type == plan.TypeBind && !m.IsDeviceBind() && plan.Within(d.opts.StateDir, m.Source) {
+			return d.statsOf(ctx, v, m.Source)
+		}
 		if m.Type == plan.TypeBind || !strings.HasPrefix(m.Source, "/dev/") {
 			continue
 		}

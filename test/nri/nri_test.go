@@ -269,7 +269,7 @@ func TestNRIBlock(t *testing.T) {
 // volume (squashfuse) in NRI mode reach containers as an overlay mount and
 // a bind of the daemon's mount, made by the runtime inside the container;
 // their host-side sources live under the state dir, never at a kubelet
-// path.
+// path, and measure the volume once no container runs.
 func TestNRIChainAndFUSE(t *testing.T) {
 	testutil.RequireCommands(t, "mksquashfs", "mkfs.erofs", "squashfuse")
 	dir := t.TempDir()
@@ -336,8 +336,15 @@ fuseProfiles:
 				}
 			}
 			e.wantConsumers(tc.id, c2)
+			running := e.usedBytes(tc.id, target)
 			e.removeContainer(c2)
 			e.wantConsumers(tc.id)
+			// With no container left, the stats come from the chain's
+			// overlay or the daemon's mount under the state dir: the same
+			// filesystem the container had.
+			if stopped := e.usedBytes(tc.id, target); running <= 0 || stopped != running {
+				t.Errorf("used bytes with no container running: %d, with one: %d", stopped, running)
+			}
 			e.unpublish(tc.id, target)
 			if err := e.unstage(tc.id); err != nil {
 				t.Fatal(err)
