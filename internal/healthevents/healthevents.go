@@ -6,16 +6,20 @@
 // node-local driver answers only for its own node. So the node pod does it:
 // every interval it asks the plugin (NodeGetVolumeHealth, the same answer
 // kubelet gets) about each volume that a pod on this node uses through a
-// claim, and on a change it records a Warning VolumeConditionAbnormal (or a
-// Normal VolumeConditionNormal, with how long the volume was abnormal) on
-// the claim and on each of those pods.
+// claim or as a CSI inline volume, and on a change it records a Warning
+// VolumeConditionAbnormal (or a Normal VolumeConditionNormal, with how long
+// the volume was abnormal) on the claim and on each of those pods (an
+// inline volume: on its pod). A claim's status.healthStatus (Kubernetes'
+// alpha CSIVolumeHealth gate; dropped by an API server without it) says
+// the same: the conditions while the volume is abnormal, none once healed.
 //
-// What it does not see: a CSI inline volume (no claim, and its handle is
-// kubelet's), and a change that comes and goes between two probes.
+// What it does not see: a change that comes and goes between two probes.
 package healthevents
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -30,6 +34,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
@@ -77,6 +82,7 @@ type Watcher struct {
 type finding struct {
 	since   time.Time
 	summary string
+	claim   *v1.ObjectReference // whose health status says so, if any
 }
 
 // New builds a Watcher; nothing runs before Run.
@@ -132,10 +138,15 @@ func (w *Watcher) Run(ctx context.Context) error {
 	}
 }
 
-// use is one volume in use on the node: its claim and the pods using it.
+// use is one volume in use on the node: its claim and the pods using it,
+// or the one pod of an inline volume (no claim).
 type use struct {
+	what  string // the volume, as the Events name it
 	claim *v1.ObjectReference
-	pods  []*v1.ObjectReference
+	// claimSaysAbnormal: the claim's status.healthStatus has conditions
+	// (written by an earlier run, when the watcher starts).
+	claimSaysAbnormal bool
+	pods              []*v1.ObjectReference
 }
 
 // Probe asks the plugin about every volume in use on the node once and
@@ -148,56 +159,111 @@ func (w *Watcher) Probe(ctx context.Context) {
 		return
 	}
 	for handle, u := range uses {
-		summary, err := w.probe(ctx, handle)
+		conds, err := w.probe(ctx, handle)
 		if err != nil {
 			// Not staged here (yet), or the plugin did not answer: no
 			// change can be told, so none is.
 			log.V(4).Info("No health for volume", "volume", handle, "err", err)
 			continue
 		}
+		summary := summarize(conds)
 		was, found := w.abnormal[handle]
 		switch {
 		case summary != "" && (!found || was.summary != summary):
 			if !found {
 				was.since = w.opts.Now()
 			}
-			w.abnormal[handle] = finding{since: was.since, summary: summary}
-			w.record(u, v1.EventTypeWarning, ReasonAbnormal, "volume %s on node %s is abnormal: %s", handle, w.opts.NodeID, summary)
+			w.abnormal[handle] = finding{since: was.since, summary: summary, claim: u.claim}
+			w.record(u, v1.EventTypeWarning, ReasonAbnormal, "%s on node %s is abnormal: %s", u.what, w.opts.NodeID, summary)
+			w.setClaimHealth(ctx, u, conds)
 		case summary == "" && found:
 			delete(w.abnormal, handle)
-			w.record(u, v1.EventTypeNormal, ReasonNormal, "volume %s on node %s is healthy again, %v after it was found abnormal (%s)",
-				handle, w.opts.NodeID, w.opts.Now().Sub(was.since).Round(100*time.Millisecond), was.summary)
+			w.record(u, v1.EventTypeNormal, ReasonNormal, "%s on node %s is healthy again, %v after it was found abnormal (%s)",
+				u.what, w.opts.NodeID, w.opts.Now().Sub(was.since).Round(100*time.Millisecond), was.summary)
+			w.setClaimHealth(ctx, u, nil)
+		case summary == "" && u.claimSaysAbnormal:
+			w.setClaimHealth(ctx, u, nil) // what an earlier run wrote
 		}
 	}
-	// A volume no pod here uses any more: its next use starts afresh.
-	for handle := range w.abnormal {
+	// A volume no pod here uses any more: its next use starts afresh, and
+	// its claim no longer says what this node found.
+	for handle, was := range w.abnormal {
 		if _, ok := uses[handle]; !ok {
 			delete(w.abnormal, handle)
+			w.setClaimHealth(ctx, &use{claim: was.claim}, nil)
 		}
 	}
 }
 
-// probe returns the plugin's adverse conditions for a volume, one line
-// ("" when there are none).
-func (w *Watcher) probe(ctx context.Context, handle string) (string, error) {
+// probe returns the plugin's adverse conditions for a volume (none when
+// it is healthy).
+func (w *Watcher) probe(ctx context.Context, handle string) ([]*csi.VolumeHealth_VolumeHealthEntry, error) {
 	ctx, cancel := context.WithTimeout(ctx, w.opts.Interval)
 	defer cancel()
 	resp, err := w.opts.Node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: handle})
 	if err != nil {
 		if status.Code(err) == codes.NotFound {
-			return "", fmt.Errorf("not on this node: %w", err)
+			return nil, fmt.Errorf("not on this node: %w", err)
 		}
-		return "", err
+		return nil, err
 	}
+	return resp.GetVolumeHealth().GetHealthStatuses(), nil
+}
+
+// summarize puts a volume's adverse conditions in one line ("" when there
+// are none).
+func summarize(conds []*csi.VolumeHealth_VolumeHealthEntry) string {
 	var parts []string
-	for _, s := range resp.GetVolumeHealth().GetHealthStatuses() {
+	for _, s := range conds {
 		parts = append(parts, fmt.Sprintf("%s (%s): %s", s.GetStatus(), s.GetReason(), s.GetMessage()))
 	}
-	return strings.Join(parts, "; "), nil
+	return strings.Join(parts, "; ")
+}
+
+// maxConditions is the API server's bound on a claim's health conditions.
+const maxConditions = 16
+
+// setClaimHealth writes a use's claim's status.healthStatus: conds, since
+// now, or nothing (conds empty). A failure is logged: the Events carry
+// the news anyway.
+func (w *Watcher) setClaimHealth(ctx context.Context, u *use, conds []*csi.VolumeHealth_VolumeHealthEntry) {
+	if u.claim == nil {
+		return
+	}
+	var hs *v1.VolumeHealthStatus
+	if len(conds) > 0 {
+		hs = &v1.VolumeHealthStatus{LastTransitionTime: metav1.NewTime(w.opts.Now())}
+		for _, c := range conds[:min(len(conds), maxConditions)] {
+			hs.HealthConditions = append(hs.HealthConditions, v1.VolumeHealthCondition{
+				Status: statusType(c.GetStatus()), Reason: c.GetReason(), Message: c.GetMessage()})
+		}
+	}
+	// A merge patch: null removes the field.
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"healthStatus": hs}})
+	if err == nil {
+		_, err = w.opts.Kube.PersistentVolumeClaims(u.claim.Namespace).Patch(ctx, u.claim.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+	}
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Writing a claim's health status", "claim", klog.KRef(u.claim.Namespace, u.claim.Name))
+	}
+}
+
+// statusType is the API's name of a CSI health error type; one it does
+// not know is Degraded (something is wrong, and the volume is not said
+// to be lost).
+func statusType(t csi.VolumeHealthErrorType) v1.VolumeHealthStatusType {
+	switch t {
+	case csi.VolumeHealthErrorType_INACCESSIBLE:
+		return v1.VolumeHealthInaccessible
+	case csi.VolumeHealthErrorType_DATA_LOSS:
+		return v1.VolumeHealthDataLoss
+	default:
+		return v1.VolumeHealthDegraded
+	}
 }
 
 // inUse maps the handle of each of the driver's volumes that a pod on the
-// node uses through a bound claim to that claim and those pods.
+// node uses, through a bound claim or inline, to its claim and those pods.
 func (w *Watcher) inUse() (map[string]*use, error) {
 	pods, err := w.pods.List(labels.Everything())
 	if err != nil {
@@ -208,7 +274,15 @@ func (w *Watcher) inUse() (map[string]*use, error) {
 		if pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
 			continue
 		}
+		// (References, not the objects: the lister's objects carry no
+		// kind for the recorder to name.)
+		ref := &v1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID}
 		for _, vol := range pod.Spec.Volumes {
+			if vol.CSI != nil && vol.CSI.Driver == w.opts.DriverName {
+				handle := InlineHandle(string(pod.UID), vol.Name)
+				uses[handle] = &use{what: fmt.Sprintf("inline volume %s (%s)", vol.Name, handle), pods: []*v1.ObjectReference{ref}}
+				continue
+			}
 			if vol.PersistentVolumeClaim == nil {
 				continue
 			}
@@ -223,13 +297,11 @@ func (w *Watcher) inUse() (map[string]*use, error) {
 			handle := pv.Spec.CSI.VolumeHandle
 			u := uses[handle]
 			if u == nil {
-				u = &use{claim: &v1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1",
-					Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}}
+				u = &use{what: "volume " + handle, claim: &v1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1",
+					Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID},
+					claimSaysAbnormal: pvc.Status.HealthStatus != nil && len(pvc.Status.HealthStatus.HealthConditions) > 0}
 				uses[handle] = u
 			}
-			// (References, not the objects: the lister's objects carry no
-			// kind for the recorder to name.)
-			ref := &v1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID}
 			if !slices.ContainsFunc(u.pods, func(r *v1.ObjectReference) bool { return r.UID == ref.UID }) {
 				u.pods = append(u.pods, ref)
 			}
@@ -238,10 +310,19 @@ func (w *Watcher) inUse() (map[string]*use, error) {
 	return uses, nil
 }
 
-// record records one Event on the claim and on each pod of a use.
+// InlineHandle is the volume ID kubelet gives a pod's CSI inline volume
+// (csi-<sha256 of the pod's UID and the volume's name>, as kubelet's CSI
+// plugin makes it), the ID the plugin knows the volume by.
+func InlineHandle(podUID, volumeName string) string {
+	return fmt.Sprintf("csi-%x", sha256.Sum256([]byte(podUID+volumeName)))
+}
+
+// record records one Event on the claim (if any) and on each pod of a use.
 func (w *Watcher) record(u *use, kind, reason, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
-	w.opts.Recorder.Event(u.claim, kind, reason, msg)
+	if u.claim != nil {
+		w.opts.Recorder.Event(u.claim, kind, reason, msg)
+	}
 	for _, pod := range u.pods {
 		w.opts.Recorder.Event(pod, kind, reason, msg)
 	}

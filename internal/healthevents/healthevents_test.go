@@ -64,6 +64,7 @@ func (r *recorder) take() []event {
 
 type fixture struct {
 	w      *Watcher
+	pvcs   cache.Indexer
 	plugin *plugin
 	rec    *recorder
 	now    time.Time
@@ -95,7 +96,7 @@ func newFixture(t *testing.T) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.w = w
+	f.w, f.pvcs = w, pvcs
 	f.pod("web-1", v1.PodRunning, "data", "unbound")
 	f.pod("web-2", v1.PodRunning, "data", "data") // the claim twice: one Event
 	f.pod("other", v1.PodRunning, "other")
@@ -221,4 +222,109 @@ func TestUnknownAndUnusedVolumesTellNothing(t *testing.T) {
 func sortByWhom(es []event) []event {
 	slices.SortFunc(es, func(a, b event) int { return strings.Compare(a.on, b.on) })
 	return es
+}
+
+// InlineHandle is kubelet's ID of an inline volume: csi- and the sha256
+// of the pod's UID followed by the volume's name (sha256sum of the two).
+func TestInlineHandleIsKubelets(t *testing.T) {
+	const want = "csi-afcd84de6f64c12fd3d2b579bd8d3bd02563544f2e173a6417ae19668054653e"
+	if got := InlineHandle("0d4f9c1e-7b1a-4a55-9f8e-2c3b5d6e7f80", "scratch"); got != want {
+		t.Errorf("InlineHandle = %s, want %s", got, want)
+	}
+}
+
+// A CSI inline volume of the driver has no claim: its pod gets the Events,
+// which name the pod's volume; another driver's inline volume is never
+// asked about.
+func TestInlineVolumeEventsOnItsPod(t *testing.T) {
+	f := newFixture(t)
+	p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "scratchy", UID: "uid-scratchy"},
+		Spec: v1.PodSpec{NodeName: node, Volumes: []v1.Volume{
+			{Name: "scratch", VolumeSource: v1.VolumeSource{CSI: &v1.CSIVolumeSource{Driver: driver}}},
+			{Name: "theirs", VolumeSource: v1.VolumeSource{CSI: &v1.CSIVolumeSource{Driver: "other.csi.io"}}},
+		}}, Status: v1.PodStatus{Phase: v1.PodRunning}}
+	must(t, f.w.informer.GetIndexer().Add(p))
+	mine, theirs := InlineHandle("uid-scratchy", "scratch"), InlineHandle("uid-scratchy", "theirs")
+	f.plugin.health[mine], f.plugin.health[theirs] = nil, nil
+	ctx := context.Background()
+	f.w.Probe(ctx)
+	if got := f.rec.take(); len(got) != 0 {
+		t.Fatalf("a healthy inline volume made events: %+v", got)
+	}
+	f.abnormal(mine)
+	f.abnormal(theirs)
+	f.w.Probe(ctx)
+	wantOn(t, f.rec.take(), v1.EventTypeWarning, ReasonAbnormal,
+		"inline volume scratch ("+mine+") on node node-a is abnormal: INACCESSIBLE (DaemonDown)", "Pod/app/scratchy/uid-scratchy")
+	f.now = f.now.Add(3 * time.Second)
+	f.plugin.health[mine] = nil
+	f.w.Probe(ctx)
+	wantOn(t, f.rec.take(), v1.EventTypeNormal, ReasonNormal, "healthy again, 3s after", "Pod/app/scratchy/uid-scratchy")
+}
+
+// The claim's status.healthStatus says what the Events say: the plugin's
+// conditions, since when, while the volume is abnormal; nothing once it
+// heals, once no pod here uses it, or (written by an earlier run) when
+// the watcher finds it healthy.
+func TestClaimHealthStatus(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	claims := f.w.opts.Kube.PersistentVolumeClaims("app")
+	_, err := claims.Create(ctx, &v1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "data", UID: "uid-data"}}, metav1.CreateOptions{})
+	must(t, err)
+	health := func() *v1.VolumeHealthStatus {
+		t.Helper()
+		pvc, err := claims.Get(ctx, "data", metav1.GetOptions{})
+		must(t, err)
+		return pvc.Status.HealthStatus
+	}
+
+	f.abnormal("vol-data")
+	f.w.Probe(ctx)
+	want := &v1.VolumeHealthStatus{LastTransitionTime: metav1.NewTime(f.now),
+		HealthConditions: []v1.VolumeHealthCondition{{Status: v1.VolumeHealthInaccessible, Reason: "DaemonDown", Message: "squashfuse exited"}}}
+	if got := health(); got == nil || !got.LastTransitionTime.Equal(&want.LastTransitionTime) || !slices.Equal(got.HealthConditions, want.HealthConditions) {
+		t.Errorf("health status of the claim of an abnormal volume: %+v, want %+v", got, want)
+	}
+	f.plugin.health["vol-data"] = nil
+	f.w.Probe(ctx)
+	if got := health(); got != nil {
+		t.Errorf("health status of the claim of a healed volume: %+v, want none", got)
+	}
+
+	// Abnormal, then no pod here uses it: the claim says nothing.
+	f.abnormal("vol-data")
+	f.w.Probe(ctx)
+	if health() == nil {
+		t.Fatal("no health status on the claim of an abnormal volume")
+	}
+	for _, name := range []string{"web-1", "web-2", "done"} {
+		must(t, f.w.informer.GetIndexer().Delete(&v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: name}}))
+	}
+	f.w.Probe(ctx)
+	if got := health(); got != nil {
+		t.Errorf("health status of the claim no pod here uses: %+v, want none", got)
+	}
+}
+
+// What an earlier run wrote on a claim is cleared once the volume is
+// found healthy.
+func TestStaleClaimHealthStatusCleared(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	stale := &v1.VolumeHealthStatus{HealthConditions: []v1.VolumeHealthCondition{{Status: v1.VolumeHealthDegraded, Reason: "Old"}}}
+	pvc := &v1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "app", Name: "data", UID: "uid-data"},
+		Spec: v1.PersistentVolumeClaimSpec{VolumeName: "pv-data"}, Status: v1.PersistentVolumeClaimStatus{HealthStatus: stale}}
+	_, err := f.w.opts.Kube.PersistentVolumeClaims("app").Create(ctx, pvc, metav1.CreateOptions{})
+	must(t, err)
+	must(t, f.pvcs.Update(pvc)) // the watcher's cache sees it too
+	f.w.Probe(ctx)
+	got, err := f.w.opts.Kube.PersistentVolumeClaims("app").Get(ctx, "data", metav1.GetOptions{})
+	must(t, err)
+	if got.Status.HealthStatus != nil {
+		t.Errorf("a healthy volume's claim keeps an earlier run's health status: %+v", got.Status.HealthStatus)
+	}
+	if ev := f.rec.take(); len(ev) != 0 {
+		t.Errorf("clearing an earlier run's status made events: %+v", ev)
+	}
 }

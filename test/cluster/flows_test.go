@@ -16,7 +16,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/healthevents"
 	"github.com/mountplan/mountplan/internal/model"
+	"github.com/mountplan/mountplan/internal/source/loop"
 )
 
 // flow is one scenario of the issue, run in order against the same
@@ -179,6 +181,7 @@ func inlineEphemeral(t *testing.T, e *env) {
 	if n := e.ephemeralRecords(t); n != 1 {
 		t.Errorf("%d inline volumes' records with the pod running, want 1", n)
 	}
+	e.inlineHealthEvents(t, "eph", "scratch")
 	e.c.deleteAndWait(t, "pod", "eph")
 	waitFor(t, 30*time.Second, "the inline volume's record removed", func() error {
 		if n := e.ephemeralRecords(t); n != 0 {
@@ -186,6 +189,44 @@ func inlineEphemeral(t *testing.T, e *env) {
 		}
 		return nil
 	})
+}
+
+// inlineHealthEvents: an inline volume has no claim, so its health Events
+// (mountplan-resizer's) go to its pod. Its image is moved away (the
+// plugin's finding: ImageGone) and back (healthy again): the pod gets a
+// VolumeConditionAbnormal and then a VolumeConditionNormal Event naming
+// the pod's volume.
+func (e *env) inlineHealthEvents(t *testing.T, podName, volume string) {
+	uid := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", podName, "-o", "jsonpath={.metadata.uid}")))
+	img := loop.ImagePath(e.c.cfg.path("state"), model.KindEphemeral, healthevents.InlineHandle(uid, volume))
+	away := img + ".away"
+	if err := os.Rename(img, away); err != nil {
+		t.Fatal(err)
+	}
+	restored := false
+	restore := func() {
+		if !restored {
+			restored = true
+			if err := os.Rename(away, img); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	defer restore()
+	for _, w := range []struct{ reason, says string }{{"VolumeConditionAbnormal", "ImageGone"}, {"VolumeConditionNormal", "healthy again"}} {
+		waitFor(t, time.Minute, w.reason+" event on the inline volume's pod", func() error {
+			msg, err := e.eventsOn(w.reason, "Pod", podName, uid)
+			if err != nil {
+				return err
+			}
+			if !strings.Contains(msg, "inline volume "+volume) || !strings.Contains(msg, w.says) {
+				return fmt.Errorf("event %s on pod %s: %q, want the inline volume %s and %q", w.reason, podName, msg, volume, w.says)
+			}
+			t.Logf("event %s on pod %s: %s", w.reason, podName, msg)
+			return nil
+		})
+		restore()
+	}
 }
 
 // withInline mounts a CSI inline volume of the driver at path.

@@ -70,19 +70,26 @@ func volumeHealthInPodStatus(t *testing.T, e *env) {
 	podUID := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", name, "-o", "jsonpath={.metadata.uid}")))
 	healthEvents := func(reason string) error {
 		for _, on := range []struct{ kind, name, uid string }{{"PersistentVolumeClaim", "sqfuse", claimUID}, {"Pod", name, podUID}} {
-			msg, err := e.c.kubectl("-n", testNS, "get", "events", "-o", "jsonpath={.items[*].message}", "--field-selector",
-				"reason="+reason+",involvedObject.kind="+on.kind+",involvedObject.name="+on.name+",involvedObject.uid="+on.uid)
+			msg, err := e.eventsOn(reason, on.kind, on.name, on.uid)
 			if err != nil {
 				return err
-			}
-			if strings.TrimSpace(msg) == "" {
-				return fmt.Errorf("no %s event on %s %s yet", reason, on.kind, on.name)
 			}
 			t.Logf("event %s on %s %s: %s", reason, on.kind, on.name, msg)
 		}
 		return nil
 	}
 	waitFor(t, time.Minute, "VolumeConditionAbnormal events on the claim and the pod", func() error { return healthEvents("VolumeConditionAbnormal") })
+	// The claim's status.healthStatus says so too (the same resizer).
+	waitFor(t, time.Minute, "the claim's status.healthStatus", func() error {
+		c, err := e.claimHealth("sqfuse")
+		if err == nil && (len(c) == 0 || c[0].Status != "Inaccessible") {
+			err = fmt.Errorf("status.healthStatus of claim sqfuse: %+v, want an Inaccessible condition", c)
+		}
+		if err == nil {
+			t.Logf("claim sqfuse status.healthStatus: %+v", c)
+		}
+		return err
+	})
 	for _, c := range down {
 		if c.Status != "Inaccessible" || (c.Reason != "DaemonDown" && c.Reason != "RestartFailed") {
 			t.Errorf("condition %+v, want status Inaccessible with reason DaemonDown or RestartFailed", c)
@@ -106,6 +113,13 @@ func volumeHealthInPodStatus(t *testing.T, e *env) {
 	})
 	t.Logf("heal time: the pod reads the volume again and its status is clear %v after the image came back", time.Since(back).Round(100*time.Millisecond))
 	waitFor(t, time.Minute, "VolumeConditionNormal events on the claim and the pod", func() error { return healthEvents("VolumeConditionNormal") })
+	waitFor(t, time.Minute, "the claim's status.healthStatus cleared", func() error {
+		c, err := e.claimHealth("sqfuse")
+		if err == nil && len(c) != 0 {
+			err = fmt.Errorf("status.healthStatus of claim sqfuse still has %+v", c)
+		}
+		return err
+	})
 	e.c.deleteAndWait(t, "pod", name)
 	e.fuseTeardown(t, "sqfuse", "rclone")
 }
@@ -141,4 +155,33 @@ func (e *env) podVolumeHealth(pod, volume string) ([]volumeHealthCondition, erro
 		}
 	}
 	return nil, nil
+}
+
+// eventsOn returns the messages of the Events of a reason on one object
+// of the test namespace (by kind, name and UID); an error while there are
+// none.
+func (e *env) eventsOn(reason, kind, name, uid string) (string, error) {
+	msg, err := e.c.kubectl("-n", testNS, "get", "events", "-o", "jsonpath={.items[*].message}", "--field-selector",
+		"reason="+reason+",involvedObject.kind="+kind+",involvedObject.name="+name+",involvedObject.uid="+uid)
+	if err != nil {
+		return "", err
+	}
+	if strings.TrimSpace(msg) == "" {
+		return "", fmt.Errorf("no %s event on %s %s yet", reason, kind, name)
+	}
+	return msg, nil
+}
+
+// claimHealth returns the conditions of a claim's status.healthStatus
+// (none: healthy, or nothing written).
+func (e *env) claimHealth(claim string) ([]volumeHealthCondition, error) {
+	out, err := e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o", "jsonpath={.status.healthStatus.healthConditions}")
+	if err != nil || strings.TrimSpace(out) == "" {
+		return nil, err
+	}
+	var c []volumeHealthCondition
+	if err := json.Unmarshal([]byte(out), &c); err != nil {
+		return nil, fmt.Errorf("claim %s: %w", claim, err)
+	}
+	return c, nil
 }
