@@ -106,7 +106,9 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 		if err != nil {
 			return err
 		}
-		pub.Mounts = []plan.Mount{guard.Bind(src)}
+		// The target's own directory in the guard: a subPath kubelet binds
+		// from it leads the hook back to this target.
+		pub.Mounts = []plan.Mount{guard.Bind(guard.At(src, target))}
 	}
 	var created bool
 	var err error

@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
@@ -55,6 +56,27 @@ func build(mounts []plan.Mount, srcs []*os.File) (_ *attacher, err error) {
 		a.roots = append(a.roots, root{dev: uint64(st.Dev), ino: st.Ino, dir: st.Mode&unix.S_IFMT == unix.S_IFDIR}) //nolint:unconvert // Dev is uint32 on some architectures
 	}
 	return a, nil
+}
+
+// narrow replaces the plan's one built mount with a detached mount of its
+// directory sub: a consumer's subPath (mountns.SubTree).
+func (a *attacher) narrow(sub string) error {
+	if len(a.built) != 1 {
+		return fmt.Errorf("subPath %s of a plan of %d mounts: only a plan of one mount has one: %w", sub, len(a.built), errdefs.ErrFailedPrecondition)
+	}
+	f, err := mountns.SubTree(a.built[0], sub)
+	if err != nil {
+		return err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return fmt.Errorf("fstat subPath %s: %w", sub, err)
+	}
+	a.built[0].Close()
+	a.built[0] = f
+	a.roots[0] = root{dev: uint64(st.Dev), ino: st.Ino, dir: true} //nolint:unconvert // Dev is uint32 on some architectures
+	return nil
 }
 
 // close drops the detached mounts; attached ones stay where they are.

@@ -53,6 +53,11 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 		return err
 	}
 	defer a.close()
+	if c.SubPath != "" {
+		if err := a.narrow(c.SubPath); err != nil {
+			return err
+		}
+	}
 	a.ns, a.mountPoint, a.guard = ns, c.MountPoint, guard
 	if err := ns.Do(func() error {
 		return e.inRoot(c, func(root *mountns.Root) error {

@@ -291,3 +291,75 @@ func TestReadOnlyDevice(t *testing.T) {
 		t.Fatalf("read through the namespace: %q, %v", b, err)
 	}
 }
+
+// SubTree: a detached mount of a directory of a detached mount. An
+// existing directory is what it shows; a missing one is made with the
+// mode of the root; a symlink on the way, or a file, is refused.
+func TestSubTree(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	mnt, err := mountns.Build(plan.Mount{Type: "tmpfs", Source: "mp-subtree", Options: []string{"nosuid", "nodev", "size=1m", "mode=0751"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mnt.Close()
+	root := "/proc/self/fd/" + strconv.Itoa(int(mnt.Fd()))
+	for _, d := range []string{"app", "app/inner"} {
+		if err := os.Mkdir(filepath.Join(root, d), 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(root, "app", "token"), []byte("t"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/", filepath.Join(root, "escape")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("app", filepath.Join(root, "inside")); err != nil {
+		t.Fatal(err)
+	}
+	names := func(f *os.File) []string {
+		t.Helper()
+		entries, err := os.ReadDir("/proc/self/fd/" + strconv.Itoa(int(f.Fd())))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, e := range entries {
+			got = append(got, e.Name())
+		}
+		return got
+	}
+
+	app, err := mountns.SubTree(mnt, "app")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := names(app); strings.Join(got, ",") != "inner,token" {
+		t.Errorf("SubTree(app) shows %v, want inner,token", got)
+	}
+	app.Close()
+
+	made, err := mountns.SubTree(mnt, "new/deeper")
+	if err != nil {
+		t.Fatal(err)
+	}
+	made.Close()
+	for _, d := range []string{"new", "new/deeper"} {
+		fi, err := os.Stat(filepath.Join(root, d))
+		if err != nil || !fi.IsDir() || fi.Mode().Perm() != 0o751 {
+			t.Errorf("made %s: %v, %v; want a directory of mode 0751 (the root's)", d, fi, err)
+		}
+	}
+
+	for _, c := range []struct{ sub, why string }{{"escape", "symlink"}, {"inside/inner", "symlink"}, {"app/token", "not a directory"}} {
+		f, err := mountns.SubTree(mnt, c.sub)
+		if err == nil {
+			f.Close()
+			t.Errorf("SubTree(%s) succeeded, want refused (%s)", c.sub, c.why)
+			continue
+		}
+		if !strings.Contains(err.Error(), c.why) || (!errors.Is(err, errdefs.ErrPermissionDenied) && !errors.Is(err, errdefs.ErrFailedPrecondition)) {
+			t.Errorf("SubTree(%s) = %v, want refused: %s", c.sub, err, c.why)
+		}
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path"
 	"runtime"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -317,4 +318,65 @@ func readlinkat(dir *os.File, name string) (string, error) {
 		return "", &os.PathError{Op: "readlinkat", Path: name, Err: err}
 	}
 	return string(buf[:n]), nil
+}
+
+// SubTree returns a detached mount of the directory sub (relative, clean)
+// of the detached mount mnt: a subPath of a volume. sub is resolved below
+// mnt's root without following a symlink (the volume's files are its
+// users'); missing directories are made with the mode of mnt's root, as
+// kubelet makes a subPath. sub naming anything but a directory is
+// errdefs.ErrFailedPrecondition.
+func SubTree(mnt *os.File, sub string) (*os.File, error) {
+	fd, err := unix.Dup(int(mnt.Fd()))
+	runtime.KeepAlive(mnt)
+	if err != nil {
+		return nil, err
+	}
+	r := &Root{f: os.NewFile(uintptr(fd), mnt.Name()), path: "/"}
+	defer r.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(r.f.Fd()), &st); err != nil {
+		return nil, err
+	}
+	p := "/" + sub
+	created, err := r.MkdirAll(p, false)
+	for _, c := range created {
+		if err == nil {
+			err = r.chmod(c, st.Mode&0o7777)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("subPath %s: %w", sub, err)
+	}
+	dir, err := r.OpenFile(p, unix.O_PATH|unix.O_DIRECTORY)
+	if errors.Is(err, unix.ENOTDIR) {
+		return nil, fmt.Errorf("subPath %s is not a directory: %w", sub, errdefs.ErrFailedPrecondition)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("subPath %s: %w", sub, err)
+	}
+	defer dir.Close()
+	tree, err := unix.OpenTree(int(dir.Fd()), "", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_EMPTY_PATH)
+	runtime.KeepAlive(dir)
+	if errors.Is(err, unix.EINVAL) {
+		// Cloning from a detached mount came with Linux 6.15.
+		return nil, fmt.Errorf("subPath %s: open_tree of a detached mount: %w (Linux 6.15 or later is needed): %w", sub, err, errdefs.ErrFailedPrecondition)
+	}
+	if err != nil {
+		return nil, &OpError{Op: "open_tree", Path: sub, Err: err}
+	}
+	return os.NewFile(uintptr(tree), mnt.Name()+":"+sub), nil
+}
+
+// chmod sets the mode of p (below the root, never through a symlink).
+func (r *Root) chmod(p string, mode uint32) error {
+	f, err := r.Open(p)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := unix.Fchmodat(unix.AT_FDCWD, "/proc/self/fd/"+strconv.Itoa(int(f.Fd())), mode, 0); err != nil {
+		return &os.PathError{Op: "chmod", Path: p, Err: err}
+	}
+	return nil
 }

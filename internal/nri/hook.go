@@ -60,7 +60,10 @@ type Claim struct {
 	// Destination is where the container has the volume, as it sees it: a
 	// mount point, or a device path.
 	Destination string `json:"destination"`
-	ReadOnly    bool   `json:"readOnly,omitempty"`
+	// SubPath is the directory of the volume the container gets (a
+	// subPath volume mount), empty for the whole volume.
+	SubPath  string `json:"subPath,omitempty"`
+	ReadOnly bool   `json:"readOnly,omitempty"`
 	// AtStart: the mounter performs the plan at StartContainer, inside the
 	// container's namespace, over the guard the runtime bound there (see
 	// sharedReadOnly).
@@ -164,14 +167,14 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		if m.GetType() != "bind" && !hasOption(m, "bind") && !hasOption(m, "rbind") {
 			continue
 		}
-		ours, err := h.owns(pod, m.GetSource())
+		target, sub, ours, err := h.owns(pod, m.GetSource())
 		if err != nil {
 			return nil, nil, err
 		}
 		if !ours {
 			continue
 		}
-		c := Claim{Target: m.GetSource(), Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId(), Pod: podRef(pod, ctr)}
+		c := Claim{Target: target, SubPath: sub, Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId(), Pod: podRef(pod, ctr)}
 		if err := h.claimMount(ctx, adj, &c); err != nil {
 			return nil, nil, err
 		}
@@ -205,16 +208,20 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 }
 
 // owns says whether a container bind's source is a target published in NRI
-// mode for the container's own pod: below its pod's directory, bound to
-// the live guard. A bind of another pod's target (a hostPath volume naming
-// it) is not claimed: the container gets what the runtime binds, the
-// guard, never the other pod's volume.
-func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (bool, error) {
+// mode for the container's own pod (below its pod's directory, bound to
+// the live guard), or a subPath of one: kubelet's bind, under the pod's
+// volume-subpaths, of a directory below the target, which the guard names
+// after the target (guard.At). It returns the target and the subPath. A
+// bind of another pod's target (a hostPath volume naming it) is not
+// claimed: the container gets what the runtime binds, the guard, never
+// the other pod's volume.
+func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (target, sub string, ours bool, err error) {
 	// Only kubelet's directory is looked at: a container's other binds
 	// (hostPath volumes) may sit on file systems that hang a stat, and the
 	// runtime gives up on a plugin that takes more than 2 seconds.
-	if !h.ofPod(pod, source) {
-		return false, nil
+	podDir, ok := h.podDirOf(pod, source)
+	if !ok {
+		return "", "", false, nil
 	}
 	h.mu.Lock()
 	g := h.guard
@@ -222,9 +229,18 @@ func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (bool, error) {
 	if g == nil {
 		// Not registered (yet): whatever binds a guard must fail, and will,
 		// since no guard answers.
-		return false, nil
+		return "", "", false, nil
 	}
-	return g.Owns(source)
+	name, sub, ours, err := g.Locate(source)
+	if err != nil || !ours || sub == "" {
+		return source, "", ours, err
+	}
+	target = guard.TargetIn(podDir, name)
+	if tname, tsub, tours, err := g.Locate(target); err != nil || !tours || tname != name || tsub != "" {
+		return "", "", false, fmt.Errorf("%s is subPath %s of a volume named %s, which is not published in NRI mode at %s: %w",
+			source, sub, name, target, errors.Join(err, errdefs.ErrFailedPrecondition))
+	}
+	return target, sub, true, nil
 }
 
 // claimMount prepares the volume at c.Target and replaces the container's
@@ -235,6 +251,13 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 		return fmt.Errorf("volume at %s: %w", c.Destination, err)
 	}
 	c.VolumeID = id
+	if c.SubPath != "" {
+		// The runtime cannot mount a directory of a filesystem: it binds
+		// what kubelet bound (the guard's twin of the subPath), and
+		// StartContainer mounts the volume's own directory over it.
+		c.AtStart = true
+		return nil
+	}
 	if sharedReadOnly(mounts) {
 		c.AtStart = true // the runtime binds the guard; StartContainer mounts over it
 		return nil
@@ -372,7 +395,7 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 			continue
 		}
 		if err == nil {
-			err = h.mounter.Mount(ctx, mounts, plan.Consumer{PID: c.PID, MountPoint: c.Destination})
+			err = h.mounter.Mount(ctx, mounts, plan.Consumer{PID: c.PID, MountPoint: c.Destination, SubPath: c.SubPath})
 		}
 		if err != nil {
 			return fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
@@ -448,11 +471,23 @@ func recordedClaims(ctr *nriapi.Container) []Claim {
 // ofPod reports whether p lies below pod's own directory in kubelet's
 // pods directory (the runtime gives the pod's UID).
 func (h *Hook) ofPod(pod *nriapi.PodSandbox, p string) bool {
+	_, ok := h.podDirOf(pod, p)
+	return ok
+}
+
+// podDirOf returns pod's own directory in kubelet's pods directory, as
+// p names it (given or resolved), if p lies below it.
+func (h *Hook) podDirOf(pod *nriapi.PodSandbox, p string) (string, bool) {
 	uid := pod.GetUid()
 	if uid == "" || strings.ContainsAny(uid, "/\x00") || uid == "." || uid == ".." {
-		return false
+		return "", false
 	}
-	return slices.ContainsFunc(h.podsDirs, func(d string) bool { return plan.Within(filepath.Join(d, uid), p) })
+	for _, d := range h.podsDirs {
+		if dir := filepath.Join(d, uid); plan.Within(dir, p) {
+			return dir, true
+		}
+	}
+	return "", false
 }
 
 // hasDevice reports whether the runtime gives the container c's device at

@@ -2,6 +2,8 @@ package plan
 
 import (
 	"fmt"
+	"path"
+	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -54,6 +56,12 @@ type Consumer struct {
 	// that receives the plan through its runtime (the NRI hook): the
 	// runtime mounts it, and PID is 0 until its process exists.
 	ContainerID string `json:"containerID,omitempty"`
+	// SubPath, when set, is a directory of the volume (relative, clean,
+	// below its root) that the consumer gets at MountPoint instead of the
+	// whole volume: a container's subPath volume mount. Missing
+	// directories are made; a symlink on the way is refused. Plans of one
+	// mount only.
+	SubPath string `json:"subPath,omitempty"`
 }
 
 func (c Consumer) String() string {
@@ -77,6 +85,9 @@ func (c Consumer) Validate() error {
 	}
 	if !IsCleanAbs(c.MountPoint) || c.MountPoint == "/" {
 		return fmt.Errorf("consumer mount point %q must be a clean absolute path other than /: %w", c.MountPoint, errdefs.ErrInvalidArgument)
+	}
+	if c.SubPath != "" && (c.SubPath == "." || !filepath.IsLocal(c.SubPath) || path.Clean(c.SubPath) != c.SubPath || len(c.SubPath) > 4096) {
+		return fmt.Errorf("consumer subPath %q must be a clean relative path below the volume's root: %w", c.SubPath, errdefs.ErrInvalidArgument)
 	}
 	if len(c.ContainerID) > 128 || strings.ContainsFunc(c.ContainerID, func(r rune) bool { return !isIDRune(r) }) {
 		return fmt.Errorf("consumer container id %q: %w", c.ContainerID, errdefs.ErrInvalidArgument)

@@ -1,8 +1,11 @@
 package plan_test
 
 import (
+	"errors"
+	"strings"
 	"testing"
 
+	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -31,5 +34,19 @@ func TestNamespaceMatches(t *testing.T) {
 	// cannot prove that it is one recorded with an ID.
 	if (plan.Namespace{Inode: 1, ID: 7}).Matches(plan.Namespace{Inode: 1}) {
 		t.Error("a recorded ID matched a namespace of unknown ID")
+	}
+}
+
+// A consumer's subPath is a clean path below the volume's root, or none.
+func TestConsumerSubPath(t *testing.T) {
+	for _, sub := range []string{"", "app", "a/b/c", "..x", "a..b"} {
+		if err := (plan.Consumer{MountPoint: "/data", SubPath: sub}).Validate(); err != nil {
+			t.Errorf("subPath %q: %v", sub, err)
+		}
+	}
+	for _, sub := range []string{"/etc", "..", "../x", "a/../../x", "a/", "./a", "a//b", ".", strings.Repeat("a/", 2049) + "a"} {
+		if err := (plan.Consumer{MountPoint: "/data", SubPath: sub}).Validate(); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("subPath %.40q: %v, want InvalidArgument", sub, err)
+		}
 	}
 }

@@ -55,7 +55,7 @@ var flows = []flow{
 	{name: "NRIPVC", run: nriPVC},
 	{name: "NRIPodRecreated", run: nriPodRecreated},
 	{name: "NRITwoPodsRWO_RWOPRefused", run: nriTwoPodsRWO},
-	{name: "NRISubPathRefused", run: nriSubPath},
+	{name: "NRISubPath", run: nriSubPath},
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
 	{name: "NRISidecarsAndExpandOnline", run: nriSidecarsAndExpand},
 	{name: "ContainerdKilledNRI", run: containerdKilledNRI}, // runtime_restart_flows_test.go

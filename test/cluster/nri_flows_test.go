@@ -101,27 +101,37 @@ func nriTwoPodsRWO(t *testing.T, e *env) {
 	e.c.deleteAndWait(t, "pvc", "nonce")
 }
 
-// nriSubPath: kubelet prepares a subPath by making and binding a directory
-// of the target, which the guard refuses: the container is refused with
-// kubelet's reason, never given a directory of the node's disk.
+// nriSubPath: subPath volume mounts of an NRI claim. kubelet stats the
+// subPath below the target (the guard says every name there is a
+// directory) and binds it under the pod's volume-subpaths; the hook finds
+// the target and the subPath through the guard, and the mounter mounts
+// the volume's own directory at the container's start. An existing
+// directory, written by another pod of the claim, and a missing one (made,
+// as kubelet makes it) in one container; each shows that directory only,
+// and writes through it reach the claim.
 func nriSubPath(t *testing.T, e *env) {
-	e.apply(t, pod("nsub", func(spec, ctr obj) {
+	tok := token()
+	must(t)(e.c.podExec("n2", "sh", "-c", "mkdir -p /data/dir && echo "+tok+" > /data/dir/token"))
+	e.c.deleteAtEnd(t, "pod", "nsub") // a failure must not keep the claim from the flows after this one
+	e.run(t, pod("nsub", func(spec, ctr obj) {
 		addVolume(spec, obj{"name": "v", "persistentVolumeClaim": obj{"claimName": "ndata"}})
 		addMount(ctr, obj{"name": "v", "mountPath": "/sub", "subPath": "dir"})
+		addMount(ctr, obj{"name": "v", "mountPath": "/new", "subPath": "made/here"})
 	}))
-	waitFor(t, 90*time.Second, "nsub refused", func() error {
-		out, err := e.c.kubectl("-n", testNS, "get", "pod", "nsub", "-o",
-			`jsonpath={.status.phase} {.status.containerStatuses[0].state.waiting.reason}: {.status.containerStatuses[0].state.waiting.message}`)
-		if err != nil {
-			return err
-		}
-		if !strings.Contains(out, "CreateContainerConfigError") || !strings.Contains(strings.ToLower(out), "subpath") {
-			return fmt.Errorf("nsub: %s", out)
-		}
-		t.Logf("subPath in NRI mode: %s", out)
-		return nil
-	})
+	e.wantFSInPod(t, "nsub", "/sub", "ext4", "/dev/loop")
+	e.expect(t, "nsub", "/sub/token", tok)
+	if got := strings.TrimSpace(must(t)(e.c.podExec("nsub", "ls", "-A", "/sub"))); got != "token" {
+		t.Errorf("/sub of the subPath pod holds %q, want only token (the subPath, not the volume's root)", got)
+	}
+	back := e.write(t, "nsub", "/sub/back")
+	e.expect(t, "n2", "/data/dir/back", back)
+	made := e.write(t, "nsub", "/new/file")
+	e.expect(t, "n2", "/data/made/here/file", made)
+	// n2's container and each of nsub's two mounts (a consumer per mount
+	// point of a container).
+	e.wantContainerConsumers(t, "ndata", 3)
 	e.c.deleteAndWait(t, "pod", "nsub")
+	e.wantContainerConsumers(t, "ndata", 1)
 }
 
 // nriFSGroup: kubelet hands the pod's fsGroup to the driver

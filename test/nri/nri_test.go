@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
+	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/nri/guard"
 	"github.com/mountplan/mountplan/test/testutil"
 )
@@ -423,4 +424,98 @@ func (e *env) usedBytes(id, target string) int64 {
 	}
 	e.t.Fatalf("NodeGetVolumeStats: no bytes in %v", resp)
 	return 0
+}
+
+// TestNRISubPath: a subPath volume mount in NRI mode. kubelet stats the
+// subPath below the target (the guard says every name there is a
+// directory) and binds it under the pod's volume-subpaths, as this test
+// does; the hook finds the target and the subPath through the guard, and
+// the mounter mounts the volume's own directory (made when missing, with
+// the mode of the volume's root) over the container's bind at its start.
+// The container sees that directory and nothing else of the volume; a
+// subPath through a symlink is refused; the node's mount table never has
+// the volume (the poller).
+func TestNRISubPath(t *testing.T) {
+	e := newEnv(t, envOptions{})
+	id, pod, target := e.podWithVolume("nri-subpath", mountCap(), publishOptions{})
+	whole := pod.RunContainer(t, "whole", volumeMount("/data", target, false))
+	e.exec(whole, "mkdir -p /data/app && echo from-whole > /data/app/token && ln -s / /data/escape && chmod 0775 /data")
+
+	app := pod.RunContainer(t, "app", e.subPathMount(pod, "app", "/cfg", target, "app", false))
+	if got := e.exec(app, "cat /cfg/token"); got != "from-whole\n" {
+		t.Errorf("the subPath container reads %q from /cfg/token", got)
+	}
+	if got := e.exec(app, "ls -A /cfg"); got != "token\n" {
+		t.Errorf("the subPath container sees %q in /cfg, want only token (not the volume's root)", got)
+	}
+	if fsType, _ := e.fsAt(app, "/cfg"); fsType != "ext4" {
+		t.Errorf("/cfg in the subPath container is %q, want the volume's ext4", fsType)
+	}
+	e.exec(app, "echo from-app > /cfg/back")
+	if got := e.exec(whole, "cat /data/app/back"); got != "from-app\n" {
+		t.Errorf("the whole volume's container reads %q of what the subPath container wrote", got)
+	}
+
+	// A subPath that is not there yet is made, as kubelet makes it: with
+	// the mode of the volume's root.
+	deep := pod.RunContainer(t, "deep", e.subPathMount(pod, "app", "/x", target, "new/deeper", false))
+	e.exec(deep, "echo from-deep > /x/f")
+	if got := e.exec(whole, "cat /data/new/deeper/f; stat -c %a /data/new /data/new/deeper"); got != "from-deep\n775\n775\n" {
+		t.Errorf("the whole volume's container reads %q of the new subPath", got)
+	}
+
+	// A symlink on the way is never followed: the container fails to start.
+	esc, err := pod.CreateContainer("escape", e.subPathMount(pod, "escape", "/esc", target, "escape", false))
+	if err == nil {
+		err = e.cri.StartContainer(esc)
+	}
+	if err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Errorf("a subPath through a symlink: %v, want the start refused for the symlink", err)
+	}
+	if esc != "" {
+		if err := e.cri.RemoveContainer(esc); err != nil {
+			t.Error(err)
+		}
+	}
+	e.wantConsumers(id, whole, app, deep)
+	e.finish(id, []*testutil.Pod{pod}, target)
+}
+
+// subPathMount does what kubelet does for a container's subPath of the
+// volume at target (pkg/volume/util/subpath): stats target/sub, opens the
+// target (O_RDONLY|O_NOFOLLOW), walks sub from it one name at a time
+// (O_PATH|O_NOFOLLOW), binds what it reached at the pod's volume-subpaths
+// (for container ctr) through /proc/self/fd, and mounts that at dest.
+func (e *env) subPathMount(pod *testutil.Pod, ctr, dest, target, sub string, readOnly bool) testutil.ContainerSpec {
+	e.t.Helper()
+	src := filepath.Join(target, sub)
+	if fi, err := os.Stat(src); err != nil || !fi.IsDir() {
+		e.t.Fatalf("kubelet's stat of the subPath %s: %v, %v; want a directory", src, fi, err)
+	}
+	fd, err := unix.Open(target, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		e.t.Fatalf("kubelet's open of the target %s: %v", target, err)
+	}
+	for _, name := range strings.Split(sub, "/") {
+		next, err := unix.Openat(fd, name, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			e.t.Fatalf("kubelet's walk of the subPath %s: %s: %v", src, name, err)
+		}
+		fd = next
+	}
+	defer unix.Close(fd)
+	bound := filepath.Join(e.kubelet, "pods", pod.UID, "volume-subpaths", "v", ctr, "0")
+	if err := os.MkdirAll(bound, 0o750); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := unix.Mount(fmt.Sprintf("/proc/self/fd/%d", fd), bound, "", unix.MS_BIND, ""); err != nil {
+		e.t.Fatalf("binding the subPath %s at %s: %v", src, bound, err)
+	}
+	e.t.Cleanup(func() {
+		if err := mountns.Unmount(bound, true); err != nil {
+			e.t.Error(err)
+		}
+	})
+	return volumeMount(dest, bound, readOnly)
 }

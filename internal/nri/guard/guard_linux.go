@@ -55,12 +55,37 @@ func Source(stateDir string) (string, error) {
 }
 
 // IsSource reports whether p names a guard's mount point (Source's form:
-// <state-dir>/nri/g-...), live or long gone. A plan that binds one binds
-// whichever guard stands at its target: Rearm replaces a dead guard's bind
-// with the live one's, so a publish recorded while an earlier guard served
-// is undone by unmounting the guard that is there now.
+// <state-dir>/nri/g-...) or a target's directory in one (At's form), live
+// or long gone. A plan that binds one binds whichever guard stands at its
+// target: Rearm replaces a dead guard's bind with the live one's, so a
+// publish recorded while an earlier guard served is undone by unmounting
+// the guard that is there now.
 func IsSource(p string) bool {
-	return filepath.Base(filepath.Dir(p)) == "nri" && strings.HasPrefix(filepath.Base(p), mountPrefix)
+	isMount := func(p string) bool {
+		return filepath.Base(filepath.Dir(p)) == "nri" && strings.HasPrefix(filepath.Base(p), mountPrefix)
+	}
+	return isMount(p) || isMount(filepath.Dir(p)) && validName(filepath.Base(p))
+}
+
+// At is what a publish at kubelet's target binds there: the directory of
+// the guard at source named after the target (Dir). Every target so bound
+// is told apart by the guard: a subPath of it that kubelet binds for a
+// container leads the hook back to its target (Guard.Locate).
+func At(source, target string) string { return filepath.Join(source, Dir(target)) }
+
+// Dir is the name of target's directory in a guard: the name kubelet's
+// target path gives the volume in its pod
+// (<pods>/<uid>/volumes/kubernetes.io~csi/<name>/mount).
+func Dir(target string) string { return filepath.Base(filepath.Dir(target)) }
+
+// TargetIn is the target of the volume named name in the pod directory
+// podDir (<pods>/<uid>), as kubelet lays it out; Dir's inverse.
+func TargetIn(podDir, name string) string {
+	return filepath.Join(podDir, "volumes", "kubernetes.io~csi", name, "mount")
+}
+
+func validName(name string) bool {
+	return name != "" && name != "." && name != ".." && name != "/" && !strings.Contains(name, "/")
 }
 
 // Recorder is told of the guard's mount point, so that a bind of it
@@ -99,6 +124,7 @@ type Guard struct {
 	rec   Recorder
 	dev   *os.File
 	devno uint64 // its filesystem's device number
+	tree  *tree  // what the guard's filesystem has named
 	done  chan struct{}
 }
 
@@ -109,6 +135,7 @@ func Start(stateDir string, rec Recorder) (_ *Guard, err error) {
 		path: filepath.Dir(Path(stateDir)),
 		name: mountPrefix + strconv.FormatInt(time.Now().UnixNano(), 36),
 		rec:  rec,
+		tree: newTree(),
 		done: make(chan struct{}),
 	}
 	if g.dir, err = openDir(stateDir, g.path); err != nil {
@@ -232,7 +259,7 @@ func (g *Guard) mount() error {
 		return err
 	}
 	g.dev = os.NewFile(uintptr(fd), "/dev/fuse")
-	go func() { serveFuse(g.dev); close(g.done) }()
+	go func() { g.tree.serveFuse(g.dev); close(g.done) }()
 	return nil
 }
 
@@ -351,19 +378,25 @@ func (g *Guard) removeStale() error {
 	return errors.Join(errs...)
 }
 
-// Owns reports whether path (a container mount's source) is bound to this
-// guard: a target published in NRI mode. A target bound to a dead guard
-// is an error: Rearm has not reached it.
-func (g *Guard) Owns(path string) (bool, error) {
+// Locate says where in this guard path (a container mount's source) is:
+// the name of a target's directory and the subPath below it (both empty
+// for the guard's root, which publishes of an earlier version bound). ours
+// is false for anything not on this guard, and an error as in Owns.
+func (g *Guard) Locate(path string) (name, sub string, ours bool, err error) {
 	var st unix.Stat_t
-	err := unix.Stat(path, &st)
+	err = unix.Stat(path, &st)
 	if errors.Is(err, unix.ENOTCONN) || errors.Is(err, unix.ECONNABORTED) {
-		return false, fmt.Errorf("%s is bound to the guard of a mounter that is gone: %w", path, err)
+		return "", "", false, fmt.Errorf("%s is bound to the guard of a mounter that is gone: %w", path, err)
 	}
-	if err != nil {
-		return false, nil // not ours to judge: the runtime reports it
+	if err != nil || uint64(st.Dev) != g.devno { //nolint:unconvert // Dev is uint32 on some architectures
+		return "", "", false, nil // not ours to judge: the runtime reports it
 	}
-	return uint64(st.Dev) == g.devno, nil //nolint:unconvert // Dev is uint32 on some architectures
+	p, ok := g.tree.pathOf(st.Ino)
+	if !ok {
+		return "", "", false, fmt.Errorf("%s is on the guard, at a name it no longer holds: %w", path, errdefs.ErrFailedPrecondition)
+	}
+	name, sub, _ = strings.Cut(p, "/")
+	return name, sub, true, nil
 }
 
 // Rearm binds this guard at every mount point under root (kubelet's
@@ -426,12 +459,12 @@ func (g *Guard) arm(root *mountns.Root, i *mountinfo.Info) error {
 	if id, err := mountIDOf(t); err != nil || id != i.ID {
 		return fmt.Errorf("%s is no longer the dead guard's mount %d (it is %d, %v): %w", i.Mountpoint, i.ID, id, err, errdefs.ErrFailedPrecondition)
 	}
-	src, err := g.open(g.name)
+	src, err := g.openBelow(strings.TrimPrefix(i.Root, "/"))
 	if err != nil {
 		return err
 	}
 	defer src.Close()
-	fd, err := mountns.BuildFrom(Bind(g.mnt()), src)
+	fd, err := mountns.BuildFrom(Bind(filepath.Join(g.mnt(), i.Root)), src)
 	if err != nil {
 		return err
 	}
@@ -447,6 +480,26 @@ func (g *Guard) arm(root *mountns.Root, i *mountinfo.Info) error {
 		return &os.PathError{Op: "umount2", Path: i.Mountpoint, Err: err}
 	}
 	return nil
+}
+
+// openBelow opens rel (clean, relative; "" for the root) in this guard's
+// filesystem (O_PATH), never through a symlink: the directory the dead
+// guard's bind showed (a target's, a subPath's) has its twin here.
+func (g *Guard) openBelow(rel string) (*os.File, error) {
+	root, err := g.open(g.name)
+	if err != nil || rel == "" {
+		return root, err
+	}
+	defer root.Close()
+	if !filepath.IsLocal(rel) {
+		return nil, fmt.Errorf("%q is not a path below a guard's root: %w", rel, errdefs.ErrFailedPrecondition)
+	}
+	fd, err := mountns.Openat2(int(root.Fd()), rel, unix.O_PATH|unix.O_CLOEXEC, 0, mountns.ResolveBelow)
+	runtime.KeepAlive(root)
+	if err != nil {
+		return nil, &os.PathError{Op: "openat2", Path: filepath.Join(g.mnt(), rel), Err: err}
+	}
+	return os.NewFile(uintptr(fd), filepath.Join(g.mnt(), rel)), nil
 }
 
 // mountIDOf reads the ID of the mount f is on from /proc: a stat of a dead

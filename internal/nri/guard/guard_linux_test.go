@@ -27,7 +27,7 @@ func bindGuard(t *testing.T, stateDir, target string) error {
 	if err != nil {
 		return err
 	}
-	fd, err := mountns.Build(guard.Bind(src))
+	fd, err := mountns.Build(guard.Bind(guard.At(src, target)))
 	if err != nil {
 		return err
 	}
@@ -91,19 +91,35 @@ func TestGuardLifecycle(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(target, "f"), nil, 0o644); err == nil {
 		t.Error("a file could be created in the armed target")
 	}
-	// What kubelet does to prepare a subPath: make the subdirectory, then
-	// bind it. Neither works on the guard.
-	if err := os.Mkdir(filepath.Join(target, "sub"), 0o755); err == nil {
+	// What kubelet does to prepare a subPath: stat it (making it when it is
+	// missing, which the guard refuses), then bind it. Every name below a
+	// target is an empty directory, and the guard tells which target and
+	// subPath a bind of one is.
+	if err := os.Mkdir(filepath.Join(target, "new"), 0o755); err == nil {
 		t.Error("a subdirectory could be made in the armed target")
 	}
-	if _, err := os.Stat(filepath.Join(target, "sub")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("stat of a subPath in the armed target: %v, want ENOENT", err)
+	subPath := filepath.Join(target, "sub", "dir")
+	if fi, err := os.Stat(subPath); err != nil || !fi.IsDir() {
+		t.Fatalf("stat of a subPath in the armed target: %v, %v; want a directory", fi, err)
 	}
-	if ours, err := g.Owns(target); !ours || err != nil {
-		t.Errorf("Owns(target) = %v, %v; want true", ours, err)
+	if _, err := os.ReadDir(subPath); !errors.Is(err, unix.EACCES) {
+		t.Errorf("listing a subPath of the armed target: %v, want EACCES", err)
 	}
-	if ours, err := g.Owns(dir); ours || err != nil {
-		t.Errorf("Owns(a plain directory) = %v, %v; want false", ours, err)
+	bound := filepath.Join(dir, "kubelet", "pods", "uid", "volume-subpaths", "v", "c", "0")
+	if err := os.MkdirAll(bound, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(subPath, bound, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mountns.Unmount(bound, true) })
+	for _, c := range []struct{ path, name, sub string }{{target, "pv", ""}, {bound, "pv", "sub/dir"}, {subPath, "pv", "sub/dir"}} {
+		if name, sub, ours, err := g.Locate(c.path); name != c.name || sub != c.sub || !ours || err != nil {
+			t.Errorf("Locate(%s) = %q, %q, %v, %v; want %q, %q, true", c.path, name, sub, ours, err, c.name, c.sub)
+		}
+	}
+	if _, _, ours, err := g.Locate(dir); ours || err != nil {
+		t.Errorf("Locate(a plain directory) = %v, %v; want not ours", ours, err)
 	}
 
 	// Stopped: even stat fails, as a runtime's would; GuardPath is gone, so
@@ -136,15 +152,18 @@ func TestGuardLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = g2.Stop() })
-	if _, err := g2.Owns(target); err == nil {
-		t.Error("Owns of a target bound to a dead guard: no error")
+	if _, _, _, err := g2.Locate(target); err == nil {
+		t.Error("Locate of a target bound to a dead guard: no error")
 	}
 	n, err := g2.Rearm(kubelet)
-	if err != nil || n != 1 {
-		t.Fatalf("Rearm = %d, %v; want 1", n, err)
+	if err != nil || n != 2 {
+		t.Fatalf("Rearm = %d, %v; want 2 (the target and its subPath's bind)", n, err)
 	}
-	if ours, err := g2.Owns(target); !ours || err != nil {
-		t.Errorf("Owns(target) after Rearm = %v, %v; want true", ours, err)
+	// Each re-armed where it was: the target's directory, the subPath.
+	for _, c := range []struct{ path, sub string }{{target, ""}, {bound, "sub/dir"}} {
+		if name, sub, ours, err := g2.Locate(c.path); name != "pv" || sub != c.sub || !ours || err != nil {
+			t.Errorf("Locate(%s) after Rearm = %q, %q, %v, %v; want pv, %q", c.path, name, sub, ours, err, c.sub)
+		}
 	}
 	if n, err := g2.Rearm(kubelet); err != nil || n != 0 {
 		t.Errorf("second Rearm = %d, %v; want 0", n, err)
@@ -257,7 +276,7 @@ func testRearmUnderSharedParent(t *testing.T, rearm bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	publish := []plan.Mount{guard.Bind(src)}
+	publish := []plan.Mount{guard.Bind(guard.At(src, target))} // as the plugin publishes
 	c := plan.Consumer{MountPoint: target}
 	if err := n.Mount(context.Background(), publish, c); err != nil {
 		t.Fatalf("the publish's bind of the guard: %v", err)
@@ -277,8 +296,8 @@ func testRearmUnderSharedParent(t *testing.T, rearm bool) {
 	} else if err := bindGuard(t, state, target); err != nil {
 		t.Fatal(err)
 	}
-	if ours, err := g2.Owns(target); !ours || err != nil {
-		t.Fatalf("Owns(target) after the new guard came = %v, %v", ours, err)
+	if _, _, ours, err := g2.Locate(target); !ours || err != nil {
+		t.Fatalf("Locate(target) after the new guard came = %v, %v", ours, err)
 	}
 	if err := n.Unmount(context.Background(), publish, c); err != nil {
 		t.Fatalf("the unpublish: %v", err)
