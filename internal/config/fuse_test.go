@@ -88,6 +88,7 @@ func TestFuseProfilesInvalid(t *testing.T) {
 		"LD_LIBRARY_PATH in env":           {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {LD_LIBRARY_PATH: /tmp}"},
 		"GLIBC_TUNABLES in env":            {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {GLIBC_TUNABLES: x}"},
 		"GCONV_PATH in env":                {"readyTimeout: 15s", "readyTimeout: 15s\n  env: {GCONV_PATH: /tmp}"},
+		"other placeholder in group args":  {"readyTimeout: 15s", "readyTimeout: 15s\n  mountGroupArgs: [-o, \"gid={source}\"]"},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {

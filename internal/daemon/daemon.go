@@ -67,6 +67,9 @@ type Spec struct {
 	Params map[string]string `json:"params"`
 	// ReadOnly: the volume is staged read-only.
 	ReadOnly bool `json:"readOnly,omitempty"`
+	// MountGroup is the group the volume is staged for (a pod's fsGroup),
+	// nil for none.
+	MountGroup *uint32 `json:"mountGroup,omitempty"`
 	// Secrets names the secrets the volume was given, each a file in
 	// Paths.SecretsDir.
 	Secrets []string `json:"secrets,omitempty"`

@@ -124,7 +124,11 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	state, err := src.Stage(ctx, viewOf(v), source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.records, v}})
+	req := source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.records, v}}
+	if c.mountGroupSet {
+		req.MountGroup = &c.mountGroup
+	}
+	state, err := src.Stage(ctx, viewOf(v), req)
 	if err != nil {
 		v.Stage = nil
 		return errors.Join(err, d.saveOrForget(v))

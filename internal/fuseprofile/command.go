@@ -5,6 +5,7 @@ import (
 	"maps"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/mountplan/mountplan/internal/daemon"
@@ -101,6 +102,12 @@ func (p *Profile) render(params map[string]string, source string, spec daemon.Sp
 	}
 	if spec.ReadOnly {
 		opts = append(opts, p.ReadOnlyArgs...)
+	}
+	if spec.MountGroup != nil {
+		gid := strconv.FormatUint(uint64(*spec.MountGroup), 10)
+		for _, a := range p.MountGroupArgs {
+			opts = append(opts, strings.ReplaceAll(a, "{gid}", gid))
+		}
 	}
 	for _, s := range p.Secrets {
 		if !slices.Contains(spec.Secrets, s.Name) {

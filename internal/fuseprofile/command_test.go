@@ -72,6 +72,37 @@ func TestCommand(t *testing.T) {
 	}
 }
 
+// TestCommandMountGroup: a volume staged for a pod's fsGroup gets the
+// profile's mountGroupArgs with the group, after the read-only ones; none
+// without a group, or without mountGroupArgs.
+func TestCommandMountGroup(t *testing.T) {
+	p := testProfile()
+	p.MountGroupArgs = []string{"-o", "gid={gid},umask=0002"}
+	gid := uint32(2000)
+	spec := daemon.Spec{Profile: "t", Params: map[string]string{"profile": "t", "source": "u@h:/d"}, ReadOnly: true,
+		MountGroup: &gid, Secrets: []string{"key"}, Paths: testPaths}
+	c, err := p.Command(spec, "u@h:/d")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"-f", "u@h:/d", "/st/fuse/v/mnt", "--cache=/st/fuse/v/work/c", "-o", "key=/st/fuse/v/secrets/key",
+		"-p", "22", "-o", "ro", "-o", "gid=2000,umask=0002", "--last"}
+	if !slices.Equal(c.Args, want) {
+		t.Errorf("with a mount group:\n got %q\nwant %q", c.Args, want)
+	}
+	if again, err := p.Command(*c.Spec, "u@h:/d"); err != nil || !slices.Equal(again.Args, c.Args) {
+		t.Errorf("rendered again from its spec: %q, %v", again.Args, err)
+	}
+	spec.MountGroup = nil
+	if c, err := p.Command(spec, "u@h:/d"); err != nil || slices.Contains(c.Args, "gid=2000,umask=0002") {
+		t.Errorf("without a mount group: %q, %v", c.Args, err)
+	}
+	spec.MountGroup, p.MountGroupArgs = &gid, nil
+	if c, err := p.Command(spec, "u@h:/d"); err != nil || len(c.Args) != len(want)-2 {
+		t.Errorf("a profile without mountGroupArgs: %q, %v", c.Args, err)
+	}
+}
+
 // TestCommandRefuses: what a compromised plugin could send to the mounter
 // in a spec never makes an argument or an environment variable of its own.
 func TestCommandRefuses(t *testing.T) {

@@ -46,8 +46,9 @@ type Profile struct {
 	//   {secret:NAME}  the path of the file holding a required secret
 	//   {options}      alone in its element: the arguments of the chosen
 	//                  options, then ReadOnlyArgs when the volume is
-	//                  read-only, then the arguments of the optional
-	//                  secrets given (appended at the end when absent)
+	//                  read-only, then MountGroupArgs when it has a mount
+	//                  group, then the arguments of the optional secrets
+	//                  given (appended at the end when absent)
 	Args []string `json:"args"`
 	// Source says what a volume's source may be.
 	Source SourceRule `json:"source"`
@@ -57,6 +58,13 @@ type Profile struct {
 	// ReadOnlyArgs are added at {options} when the volume is staged
 	// read-only (the plan's bind is read-only in any case).
 	ReadOnlyArgs []string `json:"readOnlyArgs,omitempty"`
+	// MountGroupArgs are added at {options} when the volume is staged for
+	// a pod's fsGroup (kubelet's volume_mount_group), {gid} replaced by
+	// the group: the daemon gives the files to it (sshfs, squashfuse and
+	// other libfuse daemons: ["-o", "gid={gid},umask=0002"]; rclone:
+	// ["--gid", "{gid}", "--umask", "0002"]). Without them the group is
+	// left to the daemon's own options.
+	MountGroupArgs []string `json:"mountGroupArgs,omitempty"`
 	// Secrets are the node-stage secrets the daemon takes. Each reaches it
 	// as a file (mode 0600 in a tmpfs private to the volume) or as its
 	// standard input; never on a command line or in an environment.

@@ -102,6 +102,16 @@ func (p *Profile) validate() error {
 			return err
 		}
 	}
+	for _, a := range p.MountGroupArgs {
+		if err := checkTemplate("mountGroupArgs", a, func(ph string) error {
+			if ph != "{gid}" {
+				return invalidf("mountGroupArgs: placeholder %s is not allowed (only {gid})", ph)
+			}
+			return nil
+		}); err != nil {
+			return err
+		}
+	}
 	for k, v := range p.Env {
 		if k == "PATH" {
 			return invalidf("env: PATH is fixed")

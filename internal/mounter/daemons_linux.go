@@ -256,7 +256,7 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 	if err != nil {
 		return info, err
 	}
-	spec := daemon.Spec{Profile: req.Profile, Params: req.Params, ReadOnly: req.ReadOnly, Secrets: names,
+	spec := daemon.Spec{Profile: req.Profile, Params: req.Params, ReadOnly: req.ReadOnly, MountGroup: req.MountGroup, Secrets: names,
 		Paths: daemon.Paths{MountPoint: l.realMnt(), WorkDir: l.realWork(), SecretsDir: l.realSecrets(), Log: l.realLog()}}
 	cmd, err := n.profiles.Command(spec) // everything checked before anything is made
 	if err != nil {

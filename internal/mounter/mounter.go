@@ -179,6 +179,9 @@ type DaemonRequest struct {
 	Profile  string            `json:"profile"`
 	Params   map[string]string `json:"params"`
 	ReadOnly bool              `json:"readOnly,omitempty"`
+	// MountGroup is the group the volume is staged for (kubelet's
+	// volume_mount_group), nil for none: the profile's mountGroupArgs.
+	MountGroup *uint32 `json:"mountGroup,omitempty"`
 	// Secrets are the node-stage secrets the profile reads from files,
 	// by name; written once, on the first start, into a tmpfs. A later
 	// start (a restart) reuses them and takes none.

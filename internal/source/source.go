@@ -33,6 +33,10 @@ type StageRequest struct {
 	Secrets map[string]string
 	// FsType to create when the device holds no filesystem yet.
 	FsType string
+	// MountGroup is kubelet's volume_mount_group (a pod's fsGroup), nil
+	// when not given: a source whose files are its own (FileOwner) gives
+	// them to it at stage.
+	MountGroup *uint32
 	// Record persists the source's part of the record before the side
 	// effect it names.
 	Record Recorder
@@ -220,7 +224,8 @@ type Forgetter interface {
 
 // FileOwner is a Source whose volumes' files have owners of the source's
 // own (a FUSE daemon serves them as its remote or profile says): kubelet's
-// fsGroup (volume_mount_group) is not applied to them.
+// fsGroup (volume_mount_group) is not applied to them at publish; the
+// source gets it at stage (StageRequest.MountGroup) instead.
 type FileOwner interface {
 	OwnsFiles()
 }

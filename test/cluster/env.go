@@ -75,6 +75,7 @@ config:
     binary: /usr/bin/squashfuse
     args: [-f, "{source}", "{mountpoint}", -o, allow_other]
     source: {roots: [%[6]s]}
+    mountGroupArgs: [-o, "gid={gid},umask=0002"]
     readyTimeout: 10s
   # rclone's remote comes from a configuration file that is a node-stage
   # secret (a Kubernetes Secret): here an alias of a local directory.

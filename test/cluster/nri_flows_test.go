@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -135,10 +136,24 @@ func nriSubPath(t *testing.T, e *env) {
 }
 
 // nriFSGroup: kubelet hands the pod's fsGroup to the driver
-// (VOLUME_MOUNT_GROUP); a non-root pod writes.
+// (VOLUME_MOUNT_GROUP); a non-root pod writes to its loop volume, and the
+// files of its squashfuse volume (NRI too) are the group's: the daemon was
+// started with the profile's mountGroupArgs.
 func nriFSGroup(t *testing.T, e *env) {
-	e.apply(t, pvc("nfsg", nriClass, "32Mi"))
-	e.run(t, pod("nfsg", withClaim("nfsg", "/data", false), func(spec, _ obj) {
+	dir := t.TempDir()
+	tok := token()
+	if err := os.WriteFile(filepath.Join(dir, "file"), []byte(tok+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	img := e.c.cfg.path("srv", "fuse", "fsgroup.sqfs")
+	hostRun(t, "mksquashfs", dir, img, "-quiet", "-noappend", "-all-root")
+	e.apply(t, pvc("nfsg", nriClass, "32Mi"),
+		staticVolume("nfsg-fuse", "16Mi", obj{"type": "fuse", "profile": "squashfuse", "source": img, "nri": "true"}, "ReadWriteOnce"),
+		boundClaim("nfsg-fuse", "16Mi", "ReadWriteOnce"))
+	e.c.deleteAtEnd(t, "pv", "nfsg-fuse")
+	e.c.deleteAtEnd(t, "pvc", "nfsg", "nfsg-fuse")
+	e.c.deleteAtEnd(t, "pod", "nfsg") // (cleanups run last first: the pod, then the claims)
+	e.run(t, pod("nfsg", withClaim("nfsg", "/data", false), withClaim("nfsg-fuse", "/fuse", true), func(spec, _ obj) {
 		spec["securityContext"] = obj{"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000, "runAsNonRoot": true}
 	}))
 	e.nriPV(t, "nfsg")
@@ -146,8 +161,15 @@ func nriFSGroup(t *testing.T, e *env) {
 	if out := strings.TrimSpace(must(t)(e.c.podExec("nfsg", "stat", "-c", "%g", "/data", "/data/token"))); out != "2000\n2000" {
 		t.Errorf("groups of /data and the new file: %q, want 2000 for both", out)
 	}
+	// The image's file is root's, mode 0600: the pod (uid 1000) reads it
+	// only as the group's, through the daemon's gid and umask (libfuse's
+	// umask sets every mode: 0777 less 0002).
+	if out := strings.TrimSpace(must(t)(e.c.podExec("nfsg", "stat", "-c", "%g %a", "/fuse", "/fuse/file"))); out != "2000 775\n2000 775" {
+		t.Errorf("group and mode of the FUSE volume's root and file: %q, want 2000 775 for both", out)
+	}
+	e.expect(t, "nfsg", "/fuse/file", tok)
 	e.c.deleteAndWait(t, "pod", "nfsg")
-	e.c.deleteAndWait(t, "pvc", "nfsg")
+	e.c.deleteAndWait(t, "pvc", "nfsg", "nfsg-fuse")
 }
 
 // nriRollout: a pod writes every 100 ms through a rolling update of the

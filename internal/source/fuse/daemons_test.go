@@ -112,16 +112,23 @@ func TestStageAsksTheMounter(t *testing.T) {
 	}
 
 	f.startErr = nil
-	raw, err := s.Stage(ctx, source.Volume{ID: "v", Parameters: ssh}, source.StageRequest{Secrets: secrets, ReadOnly: true})
+	// A pod's fsGroup (kubelet's volume_mount_group at stage) goes to the
+	// mounter, which renders the profile's mountGroupArgs, and is recorded
+	// for the restarts.
+	gid := uint32(2000)
+	raw, err := s.Stage(ctx, source.Volume{ID: "v", Parameters: ssh}, source.StageRequest{Secrets: secrets, ReadOnly: true, MountGroup: &gid})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got := f.starts[len(f.starts)-1].MountGroup; got == nil || *got != gid {
+		t.Errorf("StartDaemon's mount group: %v, want %d", got, gid)
 	}
 	var st State
 	if err := json.Unmarshal(raw, &st); err != nil {
 		t.Fatal(err)
 	}
 	if st.Daemon.PID != 1<<30 || st.Daemon.Generation != 1 || st.Daemon.Conn != 77 || !st.Secrets || !st.ReadOnly ||
-		st.BindSource != "/st/fuse/v/mnt" || st.MountPoint != filepath.Join(state, "fuse", "v", "mnt") {
+		st.BindSource != "/st/fuse/v/mnt" || st.MountGroup == nil || *st.MountGroup != 2000 || st.MountPoint != filepath.Join(state, "fuse", "v", "mnt") {
 		t.Errorf("state %+v", st)
 	}
 	if err := s.Unstage(ctx, source.Volume{ID: "v", State: raw}); err != nil {

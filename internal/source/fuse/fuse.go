@@ -62,7 +62,8 @@ type State struct {
 	MountPoint   string        `json:"mountPoint"`
 	BindSource   string        `json:"bindSource"`
 	ReadOnly     bool          `json:"readOnly,omitempty"`
-	Secrets      bool          `json:"secrets,omitempty"` // the mounter keeps a secrets tmpfs
+	MountGroup   *uint32       `json:"mountGroup,omitempty"` // the pod's fsGroup at stage (mountGroupArgs)
+	Secrets      bool          `json:"secrets,omitempty"`    // the mounter keeps a secrets tmpfs
 	ReadyTimeout time.Duration `json:"readyTimeout"`
 	Daemon       Daemon        `json:"daemon"`
 	// Stale are the connections of earlier daemons whose mounts may still
@@ -262,7 +263,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 		}
 	}
 	st := State{Profile: p.Name, MountPoint: l.mnt(), BindSource: filepath.Join(s.stateDir, "fuse", v.ID, "mnt"),
-		ReadOnly: req.ReadOnly, Secrets: len(req.Secrets) > 0, ReadyTimeout: p.ReadyTimeout.Duration}
+		ReadOnly: req.ReadOnly, MountGroup: req.MountGroup, Secrets: len(req.Secrets) > 0, ReadyTimeout: p.ReadyTimeout.Duration}
 	if st.ReadyTimeout == 0 {
 		st.ReadyTimeout = 30 * time.Second
 	}
@@ -279,7 +280,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}()
 	started := time.Now()
 	info, err := m.StartDaemon(ctx, mounter.DaemonRequest{VolumeID: v.ID, Profile: p.Name, Params: params, ReadOnly: req.ReadOnly,
-		Secrets: req.Secrets, Generation: 1, ReadyTimeout: st.ReadyTimeout})
+		MountGroup: req.MountGroup, Secrets: req.Secrets, Generation: 1, ReadyTimeout: st.ReadyTimeout})
 	if err != nil {
 		return nil, fmt.Errorf("volume %s: %w", v.ID, err)
 	}

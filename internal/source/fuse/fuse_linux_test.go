@@ -20,10 +20,11 @@ import (
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
-// TestSupervisorWithTheMounter stages a squashfuse volume through a
-// mounter in process and has the supervisor replace its daemon when it is
-// killed (WaitDaemon) and when it hangs (its statfs probe unanswered while
-// DaemonStatus shows requests waiting); the unstage leaves nothing.
+// TestSupervisorWithTheMounter stages a squashfuse volume for a pod's
+// fsGroup through a mounter in process and has the supervisor replace its
+// daemon when it is killed (WaitDaemon) and when it hangs (its statfs
+// probe unanswered while DaemonStatus shows requests waiting), each new
+// daemon giving the files to the group again; the unstage leaves nothing.
 func TestSupervisorWithTheMounter(t *testing.T) {
 	mountnstest.RequireRoot(t)
 	mountnstest.RequireTool(t, "squashfuse", "mksquashfs")
@@ -43,7 +44,8 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 	img := filepath.Join(images, "img.sqfs")
 	mountnstest.Squashfs(t, content, img)
 	cfg := &config.Config{FuseProfiles: []fuseprofile.Profile{{Name: "squashfuse", Binary: "/usr/bin/squashfuse",
-		Args: []string{"-f", "{source}", "{mountpoint}"}, Source: fuseprofile.SourceRule{Roots: []string{images}}}}}
+		Args: []string{"-f", "{source}", "{mountpoint}"}, Source: fuseprofile.SourceRule{Roots: []string{images}},
+		MountGroupArgs: []string{"-o", "gid={gid},umask=0002"}}}}
 	ctx := context.Background()
 	node, err := mounter.NewNode(ctx, mounter.Options{StateDir: state, KubeletDir: state, RecordsDir: filepath.Join(dir, "records"), Config: cfg})
 	if err != nil {
@@ -56,7 +58,8 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 	}
 	defer s.stop()
 	v := source.Volume{ID: "vol", Parameters: map[string]string{"profile": "squashfuse", "source": img}}
-	raw, err := s.Stage(ctx, v, source.StageRequest{})
+	gid := uint32(2000)
+	raw, err := s.Stage(ctx, v, source.StageRequest{MountGroup: &gid})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,10 +70,11 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 	}
 	read := func() bool {
 		b, err := os.ReadFile(filepath.Join(st.MountPoint, "hello.txt"))
-		return err == nil && string(b) == "from squashfs\n"
+		fi, serr := os.Stat(filepath.Join(st.MountPoint, "hello.txt"))
+		return err == nil && string(b) == "from squashfs\n" && serr == nil && fi.Sys().(*syscall.Stat_t).Gid == gid
 	}
 	if !read() {
-		t.Fatal("the staged volume does not read")
+		t.Fatal("the staged volume does not read, or its file is not the mount group's")
 	}
 	if h := s.Health(ctx, v); h.Abnormal {
 		t.Errorf("health of a serving volume: %+v", h)
@@ -95,7 +99,7 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 	}
 	second := replaced(2)
 	if !read() {
-		t.Error("the volume does not read after the restart")
+		t.Error("the volume does not read after the restart, or its file is not the mount group's")
 	}
 	if err := syscall.Kill(second.PID, syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
