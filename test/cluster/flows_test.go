@@ -199,19 +199,7 @@ func inlineEphemeral(t *testing.T, e *env) {
 func (e *env) inlineHealthEvents(t *testing.T, podName, volume string) {
 	uid := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", podName, "-o", "jsonpath={.metadata.uid}")))
 	img := loop.ImagePath(e.c.cfg.path("state"), model.KindEphemeral, healthevents.InlineHandle(uid, volume))
-	away := img + ".away"
-	if err := os.Rename(img, away); err != nil {
-		t.Fatal(err)
-	}
-	restored := false
-	restore := func() {
-		if !restored {
-			restored = true
-			if err := os.Rename(away, img); err != nil {
-				t.Error(err)
-			}
-		}
-	}
+	restore := moveAway(t, img)
 	defer restore()
 	for _, w := range []struct{ reason, says string }{{"VolumeConditionAbnormal", "ImageGone"}, {"VolumeConditionNormal", "healthy again"}} {
 		waitFor(t, time.Minute, w.reason+" event on the inline volume's pod", func() error {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -29,23 +30,11 @@ func volumeHealthInPodStatus(t *testing.T, e *env) {
 		t.Fatal(err)
 	}
 	img := e.c.cfg.path("srv", "fuse", "tree.sqfs")
-	away := img + ".away"
 	daemon := e.containerPID(t, mounterComponent, mounterContainer, "squashfuse")
 
 	// The image goes away first: the supervisor's restarts fail until it
 	// is back.
-	if err := os.Rename(img, away); err != nil {
-		t.Fatal(err)
-	}
-	restored := false
-	restore := func() {
-		if !restored {
-			restored = true
-			if err := os.Rename(away, img); err != nil {
-				t.Error(err)
-			}
-		}
-	}
+	restore := moveAway(t, img)
 	defer restore()
 	killed := time.Now()
 	if err := unix.Kill(daemon, unix.SIGKILL); err != nil {
@@ -184,4 +173,22 @@ func (e *env) claimHealth(claim string) ([]volumeHealthCondition, error) {
 		return nil, fmt.Errorf("claim %s: %w", claim, err)
 	}
 	return c, nil
+}
+
+// moveAway renames path aside (path.away) and returns what moves it back,
+// once however often it is called.
+func moveAway(t *testing.T, path string) (restore func()) {
+	t.Helper()
+	away := path + ".away"
+	if err := os.Rename(path, away); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			if err := os.Rename(away, path); err != nil {
+				t.Error(err)
+			}
+		})
+	}
 }
