@@ -381,7 +381,8 @@ func (g *Guard) removeStale() error {
 // Locate says where in this guard path (a container mount's source) is:
 // the name of a target's directory and the subPath below it (both empty
 // for the guard's root, which publishes of an earlier version bound). ours
-// is false for anything not on this guard, and an error as in Owns.
+// is false for anything not on this guard; a path bound to a dead guard
+// (Rearm has not reached it) is an error.
 func (g *Guard) Locate(path string) (name, sub string, ours bool, err error) {
 	var st unix.Stat_t
 	err = unix.Stat(path, &st)
