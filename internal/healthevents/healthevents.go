@@ -175,14 +175,14 @@ func (w *Watcher) Probe(ctx context.Context) {
 			}
 			w.abnormal[handle] = finding{since: was.since, summary: summary, claim: u.claim}
 			w.record(u, v1.EventTypeWarning, ReasonAbnormal, "%s on node %s is abnormal: %s", u.what, w.opts.NodeID, summary)
-			w.setClaimHealth(ctx, u, conds)
+			w.setClaimHealth(ctx, u.claim, conds)
 		case summary == "" && found:
 			delete(w.abnormal, handle)
 			w.record(u, v1.EventTypeNormal, ReasonNormal, "%s on node %s is healthy again, %v after it was found abnormal (%s)",
 				u.what, w.opts.NodeID, w.opts.Now().Sub(was.since).Round(100*time.Millisecond), was.summary)
-			w.setClaimHealth(ctx, u, nil)
+			w.setClaimHealth(ctx, u.claim, nil)
 		case summary == "" && u.claimSaysAbnormal:
-			w.setClaimHealth(ctx, u, nil) // what an earlier run wrote
+			w.setClaimHealth(ctx, u.claim, nil) // what an earlier run wrote
 		}
 	}
 	// A volume no pod here uses any more: its next use starts afresh, and
@@ -190,7 +190,7 @@ func (w *Watcher) Probe(ctx context.Context) {
 	for handle, was := range w.abnormal {
 		if _, ok := uses[handle]; !ok {
 			delete(w.abnormal, handle)
-			w.setClaimHealth(ctx, &use{claim: was.claim}, nil)
+			w.setClaimHealth(ctx, was.claim, nil)
 		}
 	}
 }
@@ -223,11 +223,11 @@ func summarize(conds []*csi.VolumeHealth_VolumeHealthEntry) string {
 // maxConditions is the API server's bound on a claim's health conditions.
 const maxConditions = 16
 
-// setClaimHealth writes a use's claim's status.healthStatus: conds, since
-// now, or nothing (conds empty). A failure is logged: the Events carry
-// the news anyway.
-func (w *Watcher) setClaimHealth(ctx context.Context, u *use, conds []*csi.VolumeHealth_VolumeHealthEntry) {
-	if u.claim == nil {
+// setClaimHealth writes claim's status.healthStatus (none for an inline
+// volume's nil claim): conds, since now, or nothing (conds empty). A
+// failure is logged: the Events carry the news anyway.
+func (w *Watcher) setClaimHealth(ctx context.Context, claim *v1.ObjectReference, conds []*csi.VolumeHealth_VolumeHealthEntry) {
+	if claim == nil {
 		return
 	}
 	var hs *v1.VolumeHealthStatus
@@ -241,10 +241,10 @@ func (w *Watcher) setClaimHealth(ctx context.Context, u *use, conds []*csi.Volum
 	// A merge patch: null removes the field.
 	patch, err := json.Marshal(map[string]any{"status": map[string]any{"healthStatus": hs}})
 	if err == nil {
-		_, err = w.opts.Kube.PersistentVolumeClaims(u.claim.Namespace).Patch(ctx, u.claim.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+		_, err = w.opts.Kube.PersistentVolumeClaims(claim.Namespace).Patch(ctx, claim.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	}
 	if err != nil {
-		klog.FromContext(ctx).Error(err, "Writing a claim's health status", "claim", klog.KRef(u.claim.Namespace, u.claim.Name))
+		klog.FromContext(ctx).Error(err, "Writing a claim's health status", "claim", klog.KRef(claim.Namespace, claim.Name))
 	}
 }
 

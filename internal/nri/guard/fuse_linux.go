@@ -92,7 +92,7 @@ func (t *tree) lookup(parent uint64, name string) (uint64, unix.Errno) {
 		depth = p.depth
 	}
 	switch {
-	case name == "" || name == "." || name == ".." || len(name) > unix.NAME_MAX || bytes.IndexByte([]byte(name), '/') >= 0:
+	case !validName(name) || len(name) > unix.NAME_MAX:
 		return 0, unix.ENOENT
 	case depth >= maxDepth:
 		return 0, unix.ENAMETOOLONG
