@@ -58,6 +58,7 @@ var flows = []flow{
 	{name: "NRISubPath", run: nriSubPath},
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
 	{name: "NRISidecarsAndExpandOnline", run: nriSidecarsAndExpand},
+	{name: "NRIStatsAllStopped", run: nriStatsAllStopped},
 	{name: "ContainerdKilledNRI", run: containerdKilledNRI}, // runtime_restart_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},

@@ -3,6 +3,7 @@
 package cluster
 
 import (
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -150,4 +151,130 @@ func (e *env) sidecarGenerations(t *testing.T, n int) []string {
 		return nil
 	})
 	return gens
+}
+
+// nriStatsAllStopped: kubelet's volume stats of an NRI claim whose only
+// container has exited and waits out its CrashLoopBackOff. Nothing of the
+// volume is mounted in any container then (kubelet keeps the pod's volumes
+// between restarts), so the plugin measures it through the mounter's
+// private mount of its device. kubelet's stats summary must hold the
+// claim's bytes from a measurement taken while no container ran: after the
+// container's last exit and before its next start.
+func nriStatsAllStopped(t *testing.T, e *env) {
+	e.c.deleteAtEnd(t, "pod", "nstop")
+	e.c.deleteAtEnd(t, "pvc", "nstop")
+	e.apply(t, e.nriStorageClass(), pvc("nstop", nriClass, "64Mi"))
+	e.apply(t, pod("nstop", withClaim("nstop", "/data", false),
+		withScript("dd if=/dev/urandom of=/data/blob bs=1M count=16 && sync && sleep 2; exit 1")))
+	waitFor(t, 2*time.Minute, "pod nstop in CrashLoopBackOff", func() error {
+		st := e.crashStatus(t, "nstop")
+		if st.waiting != "CrashLoopBackOff" {
+			return fmt.Errorf("container c: waiting %q, %d restarts", st.waiting, st.restarts)
+		}
+		return nil
+	})
+	e.nriPV(t, "nstop")
+
+	var got volumeSummary
+	waitFor(t, 3*time.Minute, "kubelet's stats of claim nstop taken while its container was stopped", func() error {
+		v, err := e.summaryOf("nstop", "nstop")
+		if err != nil {
+			return err
+		}
+		// Read after the summary: the container must have exited before the
+		// measurement and not have started again until after it.
+		st := e.crashStatus(t, "nstop")
+		if st.finished.IsZero() || !v.Time.After(st.finished) {
+			return fmt.Errorf("stats taken at %v, container last exited at %v", v.Time, st.finished)
+		}
+		if st.waiting == "" && !st.started.After(v.Time) {
+			return fmt.Errorf("stats taken at %v, container running since %v", v.Time, st.started)
+		}
+		got = v
+		return nil
+	})
+	if got.UsedBytes < 16<<20 || got.CapacityBytes < 48<<20 || got.Inodes == 0 {
+		t.Errorf("stats of claim nstop with its container stopped: used %d, capacity %d, inodes %d; want at least 16 MiB used of about 64 MiB",
+			got.UsedBytes, got.CapacityBytes, got.Inodes)
+	}
+	t.Logf("kubelet's stats of nstop at %v, with no container running: %d bytes used of %d", got.Time, got.UsedBytes, got.CapacityBytes)
+	e.c.deleteAndWait(t, "pod", "nstop")
+	e.c.deleteAndWait(t, "pvc", "nstop")
+}
+
+// crashState is what the pod's status says of its container c.
+type crashState struct {
+	waiting           string // reason while waiting
+	restarts          int
+	finished, started time.Time // its last exit; its current run's start
+}
+
+func (e *env) crashStatus(t *testing.T, pod string) crashState {
+	t.Helper()
+	out := must(t)(e.c.kubectl("-n", testNS, "get", "pod", pod, "-o", "jsonpath={.status.containerStatuses[0]}"))
+	var s struct {
+		RestartCount int
+		State        struct {
+			Waiting *struct{ Reason string }
+			Running *struct{ StartedAt time.Time }
+		}
+		LastState struct {
+			Terminated *struct{ FinishedAt time.Time }
+		}
+	}
+	if out != "" {
+		if err := json.Unmarshal([]byte(out), &s); err != nil {
+			t.Fatalf("status of %s: %v: %s", pod, err, out)
+		}
+	}
+	st := crashState{restarts: s.RestartCount}
+	if s.State.Waiting != nil {
+		st.waiting = s.State.Waiting.Reason
+	}
+	if s.State.Running != nil {
+		st.started = s.State.Running.StartedAt
+	}
+	if s.LastState.Terminated != nil {
+		st.finished = s.LastState.Terminated.FinishedAt
+	}
+	return st
+}
+
+// volumeSummary is a volume's entry in kubelet's stats summary.
+type volumeSummary struct {
+	Time          time.Time
+	UsedBytes     int64
+	CapacityBytes int64
+	Inodes        int64
+	PVCRef        *struct{ Name, Namespace string }
+}
+
+// summaryOf reads kubelet's stats summary (through the API server) and
+// returns the entry of a pod's volume that is the claim.
+func (e *env) summaryOf(pod, claim string) (volumeSummary, error) {
+	out, err := e.c.kubectl("get", "--raw", "/api/v1/nodes/"+nodeName+"/proxy/stats/summary")
+	if err != nil {
+		return volumeSummary{}, err
+	}
+	var s struct {
+		Pods []struct {
+			PodRef struct{ Name, Namespace string }
+			Volume []volumeSummary
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &s); err != nil {
+		return volumeSummary{}, err
+	}
+	for _, p := range s.Pods {
+		if p.PodRef.Name != pod || p.PodRef.Namespace != testNS {
+			continue
+		}
+		for _, v := range p.Volume {
+			if v.PVCRef != nil && v.PVCRef.Name == claim && v.PVCRef.Namespace == testNS {
+				return v, nil
+			}
+		}
+		return volumeSummary{}, fmt.Errorf("pod %s: no stats of claim %s among %d volumes", pod, claim, len(p.Volume))
+	}
+	return volumeSummary{}, fmt.Errorf("no stats of pod %s", pod)
 }
