@@ -16,7 +16,7 @@ VMTAGS    := vmtest,vmguest
 # The cluster test builds only with its tag (make test-cluster).
 CLUSTERTAGS := clustertest
 
-.PHONY: all build test test-unit test-crash test-sanity test-vm test-cluster verify bench demo clean codegen deploy fuzz
+.PHONY: all build test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench demo clean codegen deploy fuzz
 
 all: build
 
@@ -63,6 +63,12 @@ test-vm:
 # installed with helm, and the flows of test/cluster; see hack/cluster/test.sh.
 test-cluster:
 	hack/cluster/test.sh
+
+# Pod start-up on the same cluster (not a timed test): rounds of 30 pods
+# started at once (emptyDir, a fresh claim each, a fresh NRI claim each)
+# and one pod with 20 claims; the table and a plot under bench-results/.
+bench-cluster:
+	MOUNTPLAN_CLUSTER_BENCH=1 hack/cluster/test.sh -test.run '^TestCluster$$'
 
 test-sanity: build
 	$(GO) test -count=1 -v ./test/sanity/...

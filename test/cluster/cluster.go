@@ -167,11 +167,7 @@ func (c *Cluster) nodePID() int { return c.node.Process.Pid }
 // inNode runs a program inside the node's network namespace (the API
 // server and kubelet listen there) and returns its output.
 func (c *Cluster) inNode(ctx context.Context, stdin []byte, prog string, args ...string) (string, error) {
-	full := append([]string{"--target", strconv.Itoa(c.nodePID()), "--net", "--", c.cfg.Bin[prog]}, args...)
-	cmd := exec.CommandContext(ctx, "nsenter", full...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.cfg.path("pki", "admin.kubeconfig"),
-		"HELM_CACHE_HOME="+c.cfg.path("helm", "cache"), "HELM_CONFIG_HOME="+c.cfg.path("helm", "config"),
-		"HELM_DATA_HOME="+c.cfg.path("helm", "data"))
+	cmd := c.nodeCommand(ctx, prog, args...)
 	if stdin != nil {
 		cmd.Stdin = bytes.NewReader(stdin)
 	}
@@ -182,6 +178,17 @@ func (c *Cluster) inNode(ctx context.Context, stdin []byte, prog string, args ..
 		return out.String(), fmt.Errorf("%s %s: %w: %s", prog, strings.Join(args, " "), err, strings.TrimSpace(errb.String()))
 	}
 	return out.String(), nil
+}
+
+// nodeCommand is a command of the cluster's programs in the node's network
+// namespace, with the admin's kubeconfig and helm's directories.
+func (c *Cluster) nodeCommand(ctx context.Context, prog string, args ...string) *exec.Cmd {
+	full := append([]string{"--target", strconv.Itoa(c.nodePID()), "--net", "--", c.cfg.Bin[prog]}, args...)
+	cmd := exec.CommandContext(ctx, "nsenter", full...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+c.cfg.path("pki", "admin.kubeconfig"),
+		"HELM_CACHE_HOME="+c.cfg.path("helm", "cache"), "HELM_CONFIG_HOME="+c.cfg.path("helm", "config"),
+		"HELM_DATA_HOME="+c.cfg.path("helm", "data"))
+	return cmd
 }
 
 // kubectl runs kubectl with a minute's timeout.

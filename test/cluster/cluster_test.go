@@ -87,6 +87,11 @@ func TestCluster(t *testing.T) {
 	t.Logf("helm install to DaemonSet ready: %v", time.Since(start).Round(time.Millisecond))
 	must(t)(c.kubectl("create", "namespace", testNS))
 
+	if os.Getenv(envBench) == "1" {
+		benchPodStartup(t, e)
+		e.deleteEverything(t)
+		return
+	}
 	var pending []string
 	for _, f := range flows {
 		if f.pending != "" && os.Getenv("MOUNTPLAN_CLUSTER_PENDING") != "1" {
