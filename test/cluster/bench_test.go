@@ -50,9 +50,10 @@ type benchResult struct {
 
 // rpcTime is the plugin's own account of one method's calls.
 type rpcTime struct {
-	method string
-	calls  uint64
-	total  time.Duration
+	method  string
+	calls   uint64
+	aborted uint64 // answered Aborted (an operation on the volume in flight): kubelet retries
+	total   time.Duration
 }
 
 // benchPodStartup starts each mode's pods at once and measures, from the
@@ -147,6 +148,14 @@ func (e *env) benchRound(t *testing.T, m benchMode) benchResult {
 		calls: rpcDelta(rpcBefore, e.pluginRPCs(t))}
 	if len(r.bound) != m.pods*m.claims {
 		t.Errorf("round %q: %d claims seen Bound, want %d", m.name, len(r.bound), m.pods*m.claims)
+	}
+	// The plugin answers Aborted while an operation on the same volume is
+	// in flight; under this load kubelet should never need to retry a
+	// volume's call more than once.
+	for _, c := range r.calls {
+		if c.aborted > uint64(m.pods*m.claims) {
+			t.Errorf("round %q: %s answered Aborted %d times for %d volumes", m.name, c.method, c.aborted, m.pods*m.claims)
+		}
 	}
 	t.Logf("round %q: created → Running p50 %v p99 %v; CPUs %.0f%% busy; warnings %v; the plugin's calls: %v",
 		m.name, pct(r.running, 50), pct(r.running, 99), 100*r.busy, r.warnings, r.calls)
@@ -408,15 +417,21 @@ func (e *env) pluginRPCs(t *testing.T) map[string]rpcTime {
 		t.Fatal("the plugin exports no mountplan_rpc_duration_seconds")
 	}
 	for _, m := range f.GetMetric() {
-		var method string
+		var method, code string
 		for _, l := range m.GetLabel() {
-			if l.GetName() == "method" {
+			switch l.GetName() {
+			case "method":
 				method = l.GetValue()[strings.LastIndex(l.GetValue(), "/")+1:]
+			case "code":
+				code = l.GetValue()
 			}
 		}
 		r := rpcs[method]
 		r.method = method
 		r.calls += m.GetHistogram().GetSampleCount()
+		if code == "Aborted" {
+			r.aborted += m.GetHistogram().GetSampleCount()
+		}
 		r.total += time.Duration(m.GetHistogram().GetSampleSum() * float64(time.Second))
 		rpcs[method] = r
 	}
@@ -430,7 +445,7 @@ func rpcDelta(before, after map[string]rpcTime) []rpcTime {
 	for method, a := range after {
 		b := before[method]
 		if a.calls > b.calls {
-			d = append(d, rpcTime{method: method, calls: a.calls - b.calls, total: a.total - b.total})
+			d = append(d, rpcTime{method: method, calls: a.calls - b.calls, aborted: a.aborted - b.aborted, total: a.total - b.total})
 		}
 	}
 	slices.SortFunc(d, func(x, y rpcTime) int { return int(y.total - x.total) })
@@ -438,7 +453,11 @@ func rpcDelta(before, after map[string]rpcTime) []rpcTime {
 }
 
 func (r rpcTime) String() string {
-	return fmt.Sprintf("%s %d× mean %v", r.method, r.calls, (r.total / time.Duration(r.calls)).Round(time.Millisecond))
+	s := fmt.Sprintf("%s %d× mean %v", r.method, r.calls, (r.total / time.Duration(r.calls)).Round(time.Millisecond))
+	if r.aborted > 0 {
+		s += fmt.Sprintf(" (%d Aborted)", r.aborted)
+	}
+	return s
 }
 
 // cpuTimes reads the machine's busy and total CPU time (clock ticks).
