@@ -196,7 +196,7 @@ func (e *env) volumesOnNode(t *testing.T) string {
 		return n
 	}
 	return fmt.Sprintf("%d journal records, %d mounter records, %d images, %d loop devices",
-		len(e.records(t)), count(e.c.cfg.path("state")+"-mounter"), count(e.c.cfg.path("state", "images")), len(loopsBackedUnder(e.c.cfg.Root)))
+		len(e.records(t)), count(e.c.cfg.path("state")+"-mounter"), count(e.c.cfg.path("state", "images")), len(e.c.firstNodeLoops()))
 }
 
 // watchObject is what the watches read of a pod or a claim.

@@ -26,7 +26,7 @@ const gib = int64(1) << 30
 // the scheduler's reason, and no CreateVolume is ever asked for its claim;
 // a claim that fits is provisioned and bound.
 func capacityTracking(t *testing.T, e *env) {
-	room := e.waitCapacityMatchesFree(t)
+	room := e.waitCapacityMatchesFree(t, e.c)
 
 	// More than the node's room, yet less than its filesystem's size where
 	// that is larger: the plugin would make such a sparse image if asked,
@@ -62,7 +62,7 @@ func capacityTracking(t *testing.T, e *env) {
 	// The fits claim was provisioned while the scheduler refused toobig
 	// over and over: if the provisioner were ever to try toobig, it would
 	// have had that long.
-	e.checkNeverProvisioned(t, "toobig", "fits")
+	e.checkNeverProvisioned(t, testNS, "toobig", "fits", nodeName)
 
 	e.c.deleteAndWait(t, "pod", "toobig", "fits")
 	e.c.deleteAndWait(t, "pvc", "toobig", "fits")
@@ -74,15 +74,15 @@ func capacityTracking(t *testing.T, e *env) {
 // minute and after each volume it makes or deletes, and other work on the
 // machine moves the free bytes meanwhile. It checks the object's owner and
 // returns its capacity.
-func (e *env) waitCapacityMatchesFree(t *testing.T) int64 {
+func (e *env) waitCapacityMatchesFree(t *testing.T, n *Cluster) int64 {
 	t.Helper()
 	var room int64
-	waitFor(t, 3*time.Minute, "a CSIStorageCapacity with the state dir's free bytes", func() error {
-		c, err := e.nodeCapacity()
+	waitFor(t, 3*time.Minute, "a CSIStorageCapacity with the state dir's free bytes on "+n.cfg.name(), func() error {
+		c, err := e.nodeCapacity(n.cfg.name())
 		if err != nil {
 			return err
 		}
-		free := e.stateFree(t)
+		free := e.stateFree(t, n)
 		room = c.Capacity.Value()
 		if d := room - free; d > gib || d < -gib {
 			return fmt.Errorf("%s holds %d bytes, the state dir's filesystem has %d free", c.Name, room, free)
@@ -94,15 +94,15 @@ func (e *env) waitCapacityMatchesFree(t *testing.T) int64 {
 		if len(owners) != 1 || owners[0].Kind != "DaemonSet" || owners[0].Name != "mountplan-node" || owners[0].Controller == nil || !*owners[0].Controller {
 			t.Errorf("%s is owned by %+v, want the DaemonSet mountplan-node alone", c.Name, owners)
 		}
-		t.Logf("%s: %d MiB for class %s on node %s; the state dir's filesystem has %d MiB free", c.Name, room>>20, c.StorageClassName, nodeName, free>>20)
+		t.Logf("%s: %d MiB for class %s on node %s; the state dir's filesystem has %d MiB free", c.Name, room>>20, c.StorageClassName, n.cfg.name(), free>>20)
 		return nil
 	})
 	return room
 }
 
 // nodeCapacity is the one CSIStorageCapacity of the driver for the chart's
-// StorageClass and the node's topology segment.
-func (e *env) nodeCapacity() (*storagev1.CSIStorageCapacity, error) {
+// StorageClass and a node's topology segment.
+func (e *env) nodeCapacity(node string) (*storagev1.CSIStorageCapacity, error) {
 	list, err := e.capacities()
 	if err != nil {
 		return nil, err
@@ -111,12 +111,12 @@ func (e *env) nodeCapacity() (*storagev1.CSIStorageCapacity, error) {
 	for i := range list {
 		c := &list[i]
 		if c.StorageClassName == storageClass && c.NodeTopology != nil &&
-			c.NodeTopology.MatchLabels[topology.Key] == nodeName && len(c.NodeTopology.MatchLabels) == 1 {
+			c.NodeTopology.MatchLabels[topology.Key] == node && len(c.NodeTopology.MatchLabels) == 1 {
 			mine = append(mine, c)
 		}
 	}
 	if len(mine) != 1 || mine[0].Capacity == nil {
-		return nil, fmt.Errorf("%d CSIStorageCapacity objects for class %s on node %s (of %d): %+v", len(mine), storageClass, nodeName, len(list), mine)
+		return nil, fmt.Errorf("%d CSIStorageCapacity objects for class %s on node %s (of %d): %+v", len(mine), storageClass, node, len(list), mine)
 	}
 	return mine[0], nil
 }
@@ -134,49 +134,58 @@ func (e *env) capacities() ([]storagev1.CSIStorageCapacity, error) {
 	return list.Items, nil
 }
 
-// stateFree is df's Avail of the state dir's filesystem.
-func (e *env) stateFree(t *testing.T) int64 {
+// stateFree is df's Avail of a node's state dir's filesystem.
+func (e *env) stateFree(t *testing.T, n *Cluster) int64 {
 	t.Helper()
 	var st unix.Statfs_t
-	if err := unix.Statfs(e.c.cfg.path("state"), &st); err != nil {
+	if err := unix.Statfs(n.seen(e.c.cfg.path("state")), &st); err != nil {
 		t.Fatal(err)
 	}
 	return int64(st.Bavail) * st.Bsize
 }
 
-// checkNeverProvisioned: no CreateVolume reached the plugin for claim (its
-// volume's name, pvc-<uid>, is in no request the plugin logged), no node
-// was selected for it, no provisioning event and no PV name it. The claim
-// provisioned, whose CreateVolume must be in the log, shows that the log
-// is the right one.
-func (e *env) checkNeverProvisioned(t *testing.T, claim, provisioned string) {
+// checkNeverProvisioned: no CreateVolume reached any node's plugin for
+// claim (its volume's name, pvc-<uid>, is in no request a plugin logged),
+// no node was selected for it, no provisioning event and no PV name it.
+// The claim provisioned (on node), whose CreateVolume must be in that
+// node's log, shows that the logs are the right ones.
+func (e *env) checkNeverProvisioned(t *testing.T, ns, claim, provisioned, node string) {
 	t.Helper()
 	uid := func(c string) string {
-		return strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", c, "-o", "jsonpath={.metadata.uid}")))
+		return strings.TrimSpace(must(t)(e.c.kubectl("-n", ns, "get", "pvc", c, "-o", "jsonpath={.metadata.uid}")))
 	}
-	log := must(t)(e.c.kubectl("-n", "kube-system", "logs", e.podOf(t, nodeComponent), "-c", pluginContainer))
-	if name := "pvc-" + uid(provisioned); !strings.Contains(log, name) {
-		t.Fatalf("the plugin's log has no request for %s (claim %s): it is not the log of the node's CreateVolume calls", name, provisioned)
+	for _, n := range e.c.nodes() {
+		log := must(t)(e.c.kubectl("-n", "kube-system", "logs", e.podOn(t, nodeComponent, n.cfg.name()), "-c", pluginContainer))
+		if name := "pvc-" + uid(provisioned); n.cfg.name() == node && !strings.Contains(log, name) {
+			t.Fatalf("the plugin's log on %s has no request for %s (claim %s): it is not the log of the node's CreateVolume calls", node, name, provisioned)
+		}
+		if name := "pvc-" + uid(claim); strings.Contains(log, name) {
+			t.Errorf("the plugin on %s got a request for %s (claim %s), which no node has room for", n.cfg.name(), name, claim)
+		}
 	}
-	if name := "pvc-" + uid(claim); strings.Contains(log, name) {
-		t.Errorf("the plugin got a request for %s (claim %s), which no node has room for", name, claim)
-	}
-	out := must(t)(e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o",
+	out := must(t)(e.c.kubectl("-n", ns, "get", "pvc", claim, "-o",
 		`jsonpath={.status.phase} {.metadata.annotations.volume\.kubernetes\.io/selected-node}`))
 	if strings.TrimSpace(out) != "Pending" {
 		t.Errorf("claim %s: phase and selected node %q, want Pending and none", claim, out)
 	}
-	reasons := strings.Fields(must(t)(e.c.kubectl("-n", testNS, "get", "events", "--field-selector",
-		"involvedObject.kind=PersistentVolumeClaim,involvedObject.name="+claim, "-o", "jsonpath={.items[*].reason}")))
-	for _, r := range reasons {
-		if slices.Contains([]string{"ExternalProvisioning", "Provisioning", "ProvisioningFailed", "ProvisioningSucceeded"}, r) {
-			t.Errorf("claim %s has a %s event: its provisioning was attempted (events: %v)", claim, r, reasons)
-		}
+	if r := provisioningEvents(t, e, ns, claim); len(r) > 0 {
+		t.Errorf("claim %s has provisioning events: its provisioning was attempted (%v)", claim, r)
 	}
-	pvs := must(t)(e.c.kubectl("get", "pv", "-o", `jsonpath={range .items[*]}{.spec.claimRef.name}{"\n"}{end}`))
-	if slices.Contains(strings.Fields(pvs), claim) {
+	pvs := must(t)(e.c.kubectl("get", "pv", "-o", `jsonpath={range .items[*]}{.spec.claimRef.namespace}/{.spec.claimRef.name}{"\n"}{end}`))
+	if slices.Contains(strings.Fields(pvs), ns+"/"+claim) {
 		t.Errorf("a PV is bound to claim %s", claim)
 	}
+}
+
+// provisioningEvents are the reasons of a claim's events that say its
+// provisioning was attempted.
+func provisioningEvents(t *testing.T, e *env, ns, claim string) []string {
+	t.Helper()
+	reasons := strings.Fields(must(t)(e.c.kubectl("-n", ns, "get", "events", "--field-selector",
+		"involvedObject.kind=PersistentVolumeClaim,involvedObject.name="+claim, "-o", "jsonpath={.items[*].reason}")))
+	return slices.DeleteFunc(reasons, func(r string) bool {
+		return !slices.Contains([]string{"ExternalProvisioning", "Provisioning", "ProvisioningFailed", "ProvisioningSucceeded"}, r)
+	})
 }
 
 // checkNoCapacityLeft: once the chart is uninstalled, the garbage collector
@@ -300,7 +309,7 @@ func nodeRemovedForGood(t *testing.T, e *env) {
 		t.Errorf("the live claim is %q after forget-node, want Bound", phase)
 	}
 	must(t)(e.c.kubectl("get", "pv", livePV))
-	if _, err := e.nodeCapacity(); err != nil {
+	if _, err := e.nodeCapacity(nodeName); err != nil {
 		t.Errorf("the live node's capacity after forget-node: %v", err)
 	}
 	e.expect(t, "live", "/data/token", tok)

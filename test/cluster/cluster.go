@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -20,14 +21,17 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Cluster is a running single-node cluster: its node process (PID 1 of the
-// node's namespaces, seen from the host) and its directory.
+// Cluster is a running cluster: its first node's process (PID 1 of the
+// node's namespaces, seen from the host), which runs the control plane,
+// its directory, and its other nodes (workers), each a Cluster of its own
+// directory whose process runs containerd and kubelet.
 type Cluster struct {
 	cfg     nodeConfig
 	node    *exec.Cmd
 	created []string      // fixed host paths created for covering, removed at the end
 	started time.Time     // when the node process last started
 	exited  chan struct{} // closed when the node process has exited
+	workers []*Cluster
 }
 
 // programs the node needs, by name; tools maps a name to a bin directory.
@@ -50,9 +54,9 @@ var fixedPaths = []string{
 	"/etc/cni/net.d",
 }
 
-// startCluster builds the root directory and starts the node; the node is
-// Ready when it returns.
-func startCluster(t *testing.T, root string, path []string) *Cluster {
+// startCluster builds the root directory and starts the nodes (the first,
+// then nodes-1 workers); the nodes' components run when it returns.
+func startCluster(t *testing.T, root string, path []string, nodes int) *Cluster {
 	t.Helper()
 	cfg := nodeConfig{Root: root, Bin: map[string]string{}, Fixed: fixedPaths}
 	for _, name := range programs {
@@ -79,14 +83,106 @@ func startCluster(t *testing.T, root string, path []string) *Cluster {
 	if err := os.WriteFile(cfg.path("created"), []byte(strings.Join(c.created, "\n")), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := writePKI(cfg.path("pki")); err != nil {
+	names := []string{nodeName}
+	for i := 2; i <= nodes; i++ {
+		name, _, _ := workerNode(i)
+		names = append(names, name)
+	}
+	if err := writePKI(cfg.path("pki"), names); err != nil {
 		t.Fatal(err)
 	}
 	if err := writeConfigs(cfg); err != nil {
 		t.Fatal(err)
 	}
 	c.startNode(t)
+	for i := 2; i <= nodes; i++ {
+		c.startWorker(t, i)
+	}
 	return c
+}
+
+// startWorker starts node i: its directory is <root>/nodes/<name>, and it
+// covers, besides the fixed paths, the first node's kubelet and state
+// directories (the chart's kubeletDir and stateDir, and the mounter's
+// records next to the state dir) with its own. Its state dir is an ext4
+// of its own, node i's of (i-1)×512 MiB, so that the capacity flows have
+// nodes with little and different room.
+func (c *Cluster) startWorker(t *testing.T, i int) {
+	t.Helper()
+	name, ip, pods := workerNode(i)
+	cfg := nodeConfig{Root: c.cfg.path("nodes", name), Bin: c.cfg.Bin, Name: name, IP: ip, PodNet: pods, Cluster: c.cfg.Root,
+		Fixed:      append(slices.Clone(fixedPaths), c.cfg.path("kubelet"), c.cfg.path("state"), c.cfg.path("state")+"-mounter"),
+		StateImage: c.cfg.path("nodes", name, "state.ext4")}
+	for _, d := range []string{c.cfg.path("kubelet"), c.cfg.path("state"), c.cfg.path("state") + "-mounter", cfg.path("logs")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := writeConfigs(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(cfg.StateImage, 0); err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", "-E", "nodiscard", cfg.StateImage, fmt.Sprintf("%dM", (i-1)*512)).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4 %s: %v: %s", cfg.StateImage, err, out)
+	}
+	w := &Cluster{cfg: cfg}
+	w.startNode(t)
+	c.workers = append(c.workers, w)
+	c.wire(t, w, i)
+}
+
+// wire joins a worker's network namespace to the first node's with a veth
+// pair (mpn<i> on the first node, eth0 on the worker), routes the worker's
+// address and pod network through it, and routes everything else of the
+// worker (the first node, the Service address, the other workers) to the
+// first node, which forwards. Called again after the first node's reboot,
+// whose network namespace took the pair with it.
+func (c *Cluster) wire(t *testing.T, w *Cluster, i int) {
+	t.Helper()
+	link := fmt.Sprintf("mpn%d", i)
+	first, worker := strconv.Itoa(c.nodePID()), strconv.Itoa(w.nodePID())
+	for _, argv := range [][]string{
+		{"ip", "link", "add", link, "netns", first, "type", "veth", "peer", "name", "eth0", "netns", worker},
+		{"nsenter", "-t", first, "-n", "ip", "link", "set", link, "up"},
+		{"nsenter", "-t", first, "-n", "ip", "route", "replace", w.cfg.ip() + "/32", "dev", link},
+		{"nsenter", "-t", first, "-n", "ip", "route", "replace", w.cfg.pods(), "via", w.cfg.ip(), "dev", link},
+		{"nsenter", "-t", first, "-n", "sysctl", "-qw", "net.ipv4.ip_forward=1"},
+		{"nsenter", "-t", worker, "-n", "ip", "link", "set", "eth0", "up"},
+		{"nsenter", "-t", worker, "-n", "ip", "route", "replace", nodeIP + "/32", "dev", "eth0"},
+		{"nsenter", "-t", worker, "-n", "ip", "route", "replace", "default", "via", nodeIP, "dev", "eth0"},
+	} {
+		if out, err := exec.Command(argv[0], argv[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("wire %s: %q: %v: %s", w.cfg.name(), argv, err, out)
+		}
+	}
+}
+
+// seen is the host path at which a path of the node's mount namespace is
+// seen: the same path on the first node, whose covered paths hold nothing
+// the tests look at, through /proc/<pid>/root on a worker, whose state and
+// kubelet directories are its own.
+func (c *Cluster) seen(p string) string {
+	if !c.cfg.worker() {
+		return p
+	}
+	return fmt.Sprintf("/proc/%d/root%s", c.nodePID(), p)
+}
+
+// nodes is the first node and the workers.
+func (c *Cluster) nodes() []*Cluster { return append([]*Cluster{c}, c.workers...) }
+
+// node is the node of that name.
+func (c *Cluster) nodeNamed(t *testing.T, name string) *Cluster {
+	t.Helper()
+	for _, n := range c.nodes() {
+		if n.cfg.name() == name {
+			return n
+		}
+	}
+	t.Fatalf("no node %s", name)
+	return nil
 }
 
 // startNode starts the node process on the cluster's root, with the PKI and
@@ -134,6 +230,10 @@ func (c *Cluster) startNode(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("node not up after 3 minutes\n%s", tail(cfg.path("logs", "node.log"), 30))
 		}
+	}
+	if cfg.worker() {
+		t.Logf("node %s: containerd and kubelet up in %v", cfg.name(), time.Since(c.started).Round(time.Millisecond))
+		return
 	}
 	t.Logf("control plane, containerd and kubelet up in %v", time.Since(c.started).Round(time.Millisecond))
 }
@@ -211,6 +311,18 @@ func (c *Cluster) apply(manifest string) error {
 // found still running (a leak).
 func (c *Cluster) stop() ([]string, error) {
 	var errs []error
+	var left []string
+	// Workers first: their kubelets delete their sandboxes without the
+	// control plane.
+	for _, w := range c.workers {
+		wl, err := w.stop()
+		for _, l := range wl {
+			left = append(left, w.cfg.name()+": "+l)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", w.cfg.name(), err))
+		}
+	}
 	if c.node.ProcessState == nil {
 		_ = c.node.Process.Signal(unix.SIGTERM)
 		done := make(chan struct{})
@@ -230,9 +342,8 @@ func (c *Cluster) stop() ([]string, error) {
 			errs = append(errs, errors.New("node did not stop in 3 minutes: killed"))
 		}
 	}
-	var left []string
 	if b, err := os.ReadFile(c.cfg.path("node", "leftover")); err == nil && len(bytes.TrimSpace(b)) > 0 {
-		left = strings.Split(strings.TrimSpace(string(b)), "\n")
+		left = append(left, strings.Split(strings.TrimSpace(string(b)), "\n")...)
 	}
 	for i := len(c.created) - 1; i >= 0; i-- {
 		if err := removeEmptyTree(c.created[i]); err != nil {

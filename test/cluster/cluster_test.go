@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
@@ -20,6 +21,7 @@ const (
 	envTag    = "MOUNTPLAN_CLUSTER_TAG"           // tag of the mountplan image in it
 	envCRDs   = "MOUNTPLAN_CLUSTER_SNAPSHOT_CRDS" // external-snapshotter's config/crd directory
 	envRoot   = "MOUNTPLAN_CLUSTER_ROOT"          // the cluster's directory (default below)
+	envNodes  = "MOUNTPLAN_CLUSTER_NODES"         // how many nodes (default 3)
 )
 
 const defaultRoot = "/var/lib/mountplan-cluster"
@@ -49,7 +51,13 @@ func TestCluster(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := startCluster(t, root, path)
+	nodes := 3
+	if v := os.Getenv(envNodes); v != "" {
+		if nodes, err = strconv.Atoi(v); err != nil || nodes < 1 || nodes > 9 {
+			t.Fatalf("%s=%q: want 1 to 9", envNodes, v)
+		}
+	}
+	c := startCluster(t, root, path, nodes)
 	logs := keepPodLogs(c)
 	defer func() {
 		logs.stop() // before the node's stop removes the pods' logs
@@ -85,7 +93,7 @@ func TestCluster(t *testing.T) {
 	start := time.Now()
 	e.install(t)
 	t.Logf("helm install to DaemonSet ready: %v", time.Since(start).Round(time.Millisecond))
-	must(t)(c.kubectl("create", "namespace", testNS))
+	createNamespace(t, c, testNS, nodeName)
 
 	if os.Getenv(envBench) == "1" {
 		benchPodStartup(t, e)

@@ -82,7 +82,7 @@ nodeStatusUpdateFrequency: 5s
 volumeStatsAggPeriod: 10s
 shutdownGracePeriod: 0s
 featureGates: {CSIVolumeHealth: true}
-`, c.path("run", "containerd.sock"), nodeIP, c.path("log", "pods")),
+`, c.path("run", "containerd.sock"), c.ip(), c.path("log", "pods")),
 
 		"cni/net.d/10-mountplan.conflist": fmt.Sprintf(`{
   "cniVersion": "1.0.0",
@@ -92,7 +92,7 @@ featureGates: {CSIVolumeHealth: true}
      "ipam": {"type": "host-local", "dataDir": %q, "ranges": [[{"subnet": %q}]], "routes": [{"dst": "0.0.0.0/0"}]}}
   ]
 }
-`, c.path("cni", "ipam"), podNet),
+`, c.path("cni", "ipam"), c.pods()),
 	}
 	for name, data := range files {
 		p := c.path(name)

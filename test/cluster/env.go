@@ -111,13 +111,21 @@ const (
 	mounterComm      = "mountplan-sidec"
 )
 
-// podOf is the name of the one pod of a component, waiting (a rollout)
-// until there is one that is not being deleted.
+// podOf is the name of the one pod of a component on the first node (where
+// the flows' pods run), waiting (a rollout) until there is one that is not
+// being deleted.
 func (e *env) podOf(t *testing.T, component string) string {
 	t.Helper()
+	return e.podOn(t, component, nodeName)
+}
+
+// podOn is podOf on a given node.
+func (e *env) podOn(t *testing.T, component, node string) string {
+	t.Helper()
 	var name string
-	waitFor(t, 90*time.Second, "one "+component+" pod", func() error {
-		out, err := e.c.kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=mountplan,app.kubernetes.io/component="+component,
+	waitFor(t, 90*time.Second, "one "+component+" pod on "+node, func() error {
+		out, err := e.c.kubectl("-n", "kube-system", "get", "pods", "--field-selector", "spec.nodeName="+node,
+			"-l", "app.kubernetes.io/name=mountplan,app.kubernetes.io/component="+component,
 			"-o", `go-template={{range .items}}{{if not .metadata.deletionTimestamp}}{{.metadata.name}}{{"\n"}}{{end}}{{end}}`)
 		if err != nil {
 			return err
@@ -280,7 +288,8 @@ func (e *env) run(t *testing.T, pods ...obj) {
 		e.apply(t, p)
 	}
 	for _, p := range pods {
-		e.c.waitPod(t, p["metadata"].(obj)["name"].(string))
+		meta := p["metadata"].(obj)
+		e.c.waitPod(t, meta["namespace"].(string)+"/"+meta["name"].(string))
 	}
 }
 

@@ -35,6 +35,8 @@ var flows = []flow{
 	{name: "CapacityTracking", run: capacityTracking},
 	{name: "NodeRemovedForGood", run: nodeRemovedForGood},
 	{name: "DrainNodeLocal", run: drainNodeLocal},
+	{name: "CapacityAcrossNodes", run: capacityAcrossNodes},           // nodes_flows_test.go
+	{name: "SnapshotsStayOnTheirNode", run: snapshotsStayOnTheirNode}, // nodes_flows_test.go
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},

@@ -5,6 +5,8 @@ package cluster
 import (
 	"context"
 	"fmt"
+
+	"golang.org/x/sync/errgroup"
 	"os"
 	"path/filepath"
 	"strings"
@@ -26,8 +28,8 @@ func must(t *testing.T) func(out string, err error) string {
 	}
 }
 
-// importImages loads every image archive of dir into the runtime's k8s.io
-// namespace.
+// importImages loads every image archive of dir into each node's runtime's
+// k8s.io namespace, the nodes at once.
 func (c *Cluster) importImages(t *testing.T, dir string) {
 	t.Helper()
 	archives, err := filepath.Glob(filepath.Join(dir, "*.tar"))
@@ -35,16 +37,39 @@ func (c *Cluster) importImages(t *testing.T, dir string) {
 		t.Fatalf("no image archives in %s (make test-cluster builds them with hack/cluster/images)", dir)
 	}
 	start := time.Now()
-	for _, a := range archives {
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-		_, err := c.inNode(ctx, nil, "ctr", "--address", c.cfg.path("run", "containerd.sock"), "-n", "k8s.io",
-			"images", "import", "--no-unpack=false", a)
-		cancel()
-		if err != nil {
-			t.Fatalf("import %s: %v", a, err)
-		}
+	var g errgroup.Group
+	for _, n := range c.nodes() {
+		g.Go(func() error {
+			for _, a := range archives {
+				ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+				_, err := n.inNode(ctx, nil, "ctr", "--address", n.cfg.path("run", "containerd.sock"), "-n", "k8s.io",
+					"images", "import", "--no-unpack=false", a)
+				cancel()
+				if err != nil {
+					return fmt.Errorf("import %s on %s: %w", a, n.cfg.name(), err)
+				}
+			}
+			return nil
+		})
 	}
-	t.Logf("%d images imported in %v", len(archives), time.Since(start).Round(time.Millisecond))
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d images imported on %d nodes in %v", len(archives), len(c.nodes()), time.Since(start).Round(time.Millisecond))
+}
+
+// createNamespace creates a namespace whose pods the scheduler puts only on
+// the given node (the PodNodeSelector admission plugin's annotation), or
+// anywhere when node is "".
+func createNamespace(t *testing.T, c *Cluster, name, node string) {
+	t.Helper()
+	ann := ""
+	if node != "" {
+		ann = fmt.Sprintf(`, "annotations": {"scheduler.alpha.kubernetes.io/node-selector": "kubernetes.io/hostname=%s"}`, node)
+	}
+	if err := c.apply(fmt.Sprintf(`{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": %q%s}}`, name, ann)); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // applySnapshotCRDs applies external-snapshotter's CRDs from dir and waits
@@ -84,19 +109,21 @@ func waitFor(t *testing.T, d time.Duration, what string, f func() error) {
 	}
 }
 
-// waitNodeReady waits for the node's Ready condition.
+// waitNodeReady waits for every node's Ready condition.
 func (c *Cluster) waitNodeReady(t *testing.T) {
 	t.Helper()
-	waitFor(t, 2*time.Minute, "node Ready", func() error {
-		out, err := c.kubectl("get", "node", nodeName, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
-		if err != nil {
-			return err
-		}
-		if strings.TrimSpace(out) != "True" {
-			return fmt.Errorf("Ready=%q", out)
-		}
-		return nil
-	})
+	for _, n := range c.nodes() {
+		waitFor(t, 2*time.Minute, "node "+n.cfg.name()+" Ready", func() error {
+			out, err := c.kubectl("get", "node", n.cfg.name(), "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
+			if err != nil {
+				return err
+			}
+			if strings.TrimSpace(out) != "True" {
+				return fmt.Errorf("Ready=%q", out)
+			}
+			return nil
+		})
+	}
 }
 
 // helm runs helm against the cluster.
@@ -117,16 +144,27 @@ func (c *Cluster) helmInstall(t *testing.T, chart, values string) {
 		"--wait", "--timeout", "4m"))
 }
 
+// qualified splits a pod's name as the helpers take it: "ns/name" for a
+// pod of another namespace than the flows', "name" for one of testNS.
+func qualified(pod string) (ns, name string) {
+	if ns, name, ok := strings.Cut(pod, "/"); ok {
+		return ns, name
+	}
+	return testNS, pod
+}
+
 // podExec runs a command in a pod's container.
 func (c *Cluster) podExec(pod string, cmd ...string) (string, error) {
-	return c.kubectl(append([]string{"-n", testNS, "exec", pod, "--"}, cmd...)...)
+	ns, name := qualified(pod)
+	return c.kubectl(append([]string{"-n", ns, "exec", name, "--"}, cmd...)...)
 }
 
 // waitPod waits until a pod is Ready.
 func (c *Cluster) waitPod(t *testing.T, pod string) {
 	t.Helper()
-	if _, err := c.kubectl("-n", testNS, "wait", "--for=condition=Ready", "pod/"+pod, "--timeout=120s"); err != nil {
-		desc, _ := c.kubectl("-n", testNS, "describe", "pod", pod)
+	ns, name := qualified(pod)
+	if _, err := c.kubectl("-n", ns, "wait", "--for=condition=Ready", "pod/"+name, "--timeout=120s"); err != nil {
+		desc, _ := c.kubectl("-n", ns, "describe", "pod", name)
 		t.Fatalf("pod %s not Ready: %v\n%s", pod, err, lastLines(desc, 25))
 	}
 }

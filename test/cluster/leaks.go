@@ -179,14 +179,25 @@ func cleanStale(t *testing.T, root string) {
 	}
 }
 
-// checkNodeClean checks inside the node, once every volume is deleted: no
+// checkNodeClean checks inside each node, once every volume is deleted: no
 // mount under the state dir or kubelet's volume directories in the node's
 // mount namespace, no volume image file, no record left in the mounter's
 // records dir (of a device or mount it set up), no loop device backed by a
-// file under the cluster's directory.
+// file of the node's (under the cluster's directory on the first node, in
+// its state filesystem on a worker).
 func (e *env) checkNodeClean(t *testing.T) {
 	t.Helper()
-	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", e.c.nodePID()))
+	for _, n := range e.c.nodes() {
+		e.checkCleanOn(t, n, false)
+	}
+}
+
+// checkCleanOn is checkNodeClean on one node. With mounterUp, the
+// mounter's NRI guard (a FUSE mount under the state dir, and its record),
+// which stands as long as the mounter runs, is not a leak.
+func (e *env) checkCleanOn(t *testing.T, n *Cluster, mounterUp bool) {
+	t.Helper()
+	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", n.nodePID()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,35 +208,59 @@ func (e *env) checkNodeClean(t *testing.T) {
 			continue
 		}
 		mp := f[4]
+		if mounterUp && strings.Contains(l, " - "+guardFSType+" ") {
+			continue
+		}
 		if strings.HasPrefix(mp, state+"/") ||
 			strings.HasPrefix(mp, kubelet+"/pods/") && strings.Contains(mp, "kubernetes.io~csi") ||
 			strings.HasPrefix(mp, kubelet+"/plugins/kubernetes.io/csi/") {
-			t.Errorf("leak: mount in the node: %s", l)
+			t.Errorf("leak: mount in node %s: %s", n.cfg.name(), l)
 		}
 	}
-	_ = filepath.WalkDir(e.c.cfg.path("state", "images"), func(p string, d os.DirEntry, err error) error {
+	_ = filepath.WalkDir(n.seen(e.c.cfg.path("state", "images")), func(p string, d os.DirEntry, err error) error {
 		if err == nil && d.Type().IsRegular() {
-			t.Errorf("leak: volume image left: %s", p)
+			t.Errorf("leak: volume image left on %s: %s", n.cfg.name(), p)
 		}
 		return nil
 	})
-	_ = filepath.WalkDir(e.c.cfg.path("state")+"-mounter", func(p string, d os.DirEntry, err error) error {
+	_ = filepath.WalkDir(n.seen(e.c.cfg.path("state")+"-mounter"), func(p string, d os.DirEntry, err error) error {
 		if err == nil && d.Type().IsRegular() {
 			b, _ := os.ReadFile(p)
-			t.Errorf("leak: the mounter's record %s left: %s", p, strings.TrimSpace(string(b)))
+			if mounterUp && strings.Contains(string(b), `"kind":"guard"`) {
+				return nil
+			}
+			t.Errorf("leak: the mounter's record %s left on %s: %s", p, n.cfg.name(), strings.TrimSpace(string(b)))
 		}
 		return nil
 	})
-	for dev, p := range loopsBackedUnder(e.c.cfg.Root) {
-		t.Errorf("leak: %s still backed by %s", dev, p)
+	loops := e.c.firstNodeLoops()
+	if n.cfg.worker() {
+		loops = loopsBackedUnder(n.seen(state))
+	}
+	for dev, p := range loops {
+		t.Errorf("leak: %s still backed by %s on %s", dev, p, n.cfg.name())
 	}
 }
 
+// guardFSType is the type of the mounter's NRI guard mount.
+const guardFSType = "fuse.mountplan-nri-guard"
+
+// firstNodeLoops are the loop devices backed by files of the first node:
+// under the cluster's root and not under the workers' directories (where
+// each worker's state filesystem lies, and its volumes' images).
+func (c *Cluster) firstNodeLoops() map[string]string {
+	return loopsBackedUnder(c.cfg.Root, c.cfg.path("nodes"))
+}
+
 // loopsBackedUnder returns the loop devices (loopN → file) backed by a
-// regular file below root, matched by the device and inode of the file.
-func loopsBackedUnder(root string) map[string]string {
+// regular file below root and not below skip (another node's directories),
+// matched by the device and inode of the file.
+func loopsBackedUnder(root string, skip ...string) map[string]string {
 	inodes := map[string]string{}
 	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() && slices.Contains(skip, p) {
+			return filepath.SkipDir
+		}
 		if err == nil && d.Type().IsRegular() {
 			var st unix.Stat_t
 			if unix.Lstat(p, &st) == nil {

@@ -3,6 +3,7 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -22,8 +23,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The node's fixed addresses, inside its own network namespace: nothing of
-// them is visible on the host.
+// The first node's fixed addresses, inside its own network namespace:
+// nothing of them is visible on the host. It runs the control plane; the
+// other nodes (workers) are numbered from 2, with addresses of the same
+// pattern (workerNode).
 const (
 	nodeName   = "mp-node"
 	nodeIP     = "10.200.0.1" // on lo: kubelet refuses a loopback node IP
@@ -31,6 +34,14 @@ const (
 	serviceNet = "10.96.0.0/16"
 	podNet     = "10.244.0.0/24"
 )
+
+// workerNode is the name, address and pod network of node i (2, 3, ...).
+// Its address is on its lo, as the first node's is; a veth pair joins its
+// network namespace to the first node's (Cluster.wire), which routes
+// between the nodes and holds the Service address.
+func workerNode(i int) (name, ip, pods string) {
+	return fmt.Sprintf("%s-%d", nodeName, i), fmt.Sprintf("10.200.0.%d", i), fmt.Sprintf("10.244.%d.0/24", i-1)
+}
 
 // nodeEnv carries the node's configuration (JSON) to the re-executed test
 // binary that becomes the node's first process.
@@ -46,9 +57,36 @@ type nodeConfig struct {
 	Bin map[string]string
 	// Fixed are the host paths covered by private directories.
 	Fixed []string
+	// Name, IP and PodNet are the node's (the first node's constants when empty).
+	Name, IP, PodNet string
+	// Cluster is the first node's root when this node is a worker: a worker
+	// runs only containerd and kubelet, with the first node's PKI, and its
+	// kubelet's directory at the same path as the first node's (covered, in
+	// Fixed) so that the chart's one kubeletDir and stateDir serve every node.
+	Cluster string
+	// StateImage, when set, is a filesystem image the node mounts on the
+	// first node's state dir path instead of covering it with a directory:
+	// a small filesystem of the node's own, whose free bytes are the room
+	// the node's plugin reports (the capacity flows).
+	StateImage string
 }
 
 func (c nodeConfig) path(p ...string) string { return filepath.Join(append([]string{c.Root}, p...)...) }
+
+func (c nodeConfig) worker() bool { return c.Cluster != "" }
+
+// clusterPath is a path under the first node's root, which holds the PKI
+// and the kubelet directory's path.
+func (c nodeConfig) clusterPath(p ...string) string {
+	if c.worker() {
+		return filepath.Join(append([]string{c.Cluster}, p...)...)
+	}
+	return c.path(p...)
+}
+
+func (c nodeConfig) name() string { return cmp.Or(c.Name, nodeName) }
+func (c nodeConfig) ip() string   { return cmp.Or(c.IP, nodeIP) }
+func (c nodeConfig) pods() string { return cmp.Or(c.PodNet, podNet) }
 
 // fixedSource is the private directory that covers a fixed host path.
 func (c nodeConfig) fixedSource(p string) string {
@@ -118,11 +156,14 @@ func (n *node) run() error {
 	if err := n.setupMounts(); err != nil {
 		return fmt.Errorf("mounts: %w", err)
 	}
-	for _, args := range [][]string{
+	addrs := [][]string{
 		{"ip", "link", "set", "lo", "up"},
-		{"ip", "addr", "add", nodeIP + "/32", "dev", "lo"},
-		{"ip", "addr", "add", serviceIP + "/32", "dev", "lo"},
-	} {
+		{"ip", "addr", "add", n.cfg.ip() + "/32", "dev", "lo"},
+	}
+	if !n.cfg.worker() {
+		addrs = append(addrs, []string{"ip", "addr", "add", serviceIP + "/32", "dev", "lo"})
+	}
+	for _, args := range addrs {
 		if err := n.runCmd(args...); err != nil {
 			return err
 		}
@@ -156,6 +197,14 @@ func (n *node) setupMounts() error {
 		return fmt.Errorf("mount /proc: %w", err)
 	}
 	for _, p := range n.cfg.Fixed {
+		if n.cfg.StateImage != "" && p == n.cfg.clusterPath("state") {
+			// mount(8) attaches the loop device with autoclear: it goes
+			// with the node's mount namespace.
+			if err := n.runCmd("mount", "-o", "loop", n.cfg.StateImage, p); err != nil {
+				return fmt.Errorf("state filesystem: %w", err)
+			}
+			continue
+		}
 		src := n.cfg.fixedSource(p)
 		if err := os.MkdirAll(src, 0o755); err != nil {
 			return err
@@ -178,9 +227,20 @@ type component struct {
 
 func (n *node) components() []component {
 	c := n.cfg
-	pki := func(f string) string { return c.path("pki", f) }
+	pki := func(f string) string { return c.clusterPath("pki", f) }
 	sock := c.path("run", "containerd.sock")
-	return []component{
+	runtime := []component{
+		{name: "containerd", argv: []string{c.Bin["containerd"], "--config=" + c.path("containerd.toml")},
+			ready: dialable("unix", sock)},
+		{name: "kubelet", argv: []string{c.Bin["kubelet"], "--config=" + c.path("kubelet.yaml"),
+			"--kubeconfig=" + pki("kubelet-"+c.name()+".kubeconfig"), "--root-dir=" + c.clusterPath("kubelet"),
+			"--node-ip=" + c.ip(), "--hostname-override=" + c.name(), "--cert-dir=" + c.path("kubelet-pki"),
+			"--v=2"}},
+	}
+	if c.worker() {
+		return runtime
+	}
+	return append([]component{
 		{name: "etcd", argv: []string{c.Bin["etcd"], "--name=mp", "--data-dir=" + c.path("etcd"),
 			"--listen-client-urls=http://127.0.0.1:2379", "--advertise-client-urls=http://127.0.0.1:2379",
 			"--listen-peer-urls=http://127.0.0.1:2380", "--initial-advertise-peer-urls=http://127.0.0.1:2380",
@@ -195,7 +255,10 @@ func (n *node) components() []component {
 			"--service-account-issuer=https://kubernetes.default.svc", "--service-account-key-file=" + pki("sa.pub"),
 			"--service-account-signing-key-file=" + pki("sa.key"),
 			"--kubelet-preferred-address-types=InternalIP,Hostname", "--profiling=false",
-			"--feature-gates=CSIVolumeHealth=true"},
+			"--feature-gates=CSIVolumeHealth=true",
+			// The flows' namespace keeps its pods on the first node (its
+			// annotation); the multi-node flows use namespaces of their own.
+			"--enable-admission-plugins=PodNodeSelector"},
 			ready: apiReady(pki("admin.kubeconfig"))},
 		{name: "kube-controller-manager", argv: []string{c.Bin["kube-controller-manager"],
 			"--kubeconfig=" + pki("controller-manager.kubeconfig"), "--leader-elect=false", "--secure-port=0",
@@ -209,13 +272,7 @@ func (n *node) components() []component {
 			"--kubeconfig=" + pki("admin.kubeconfig"), "--enable-distributed-snapshotting", "--retry-crd-interval-max=5m"}},
 		{name: "kube-scheduler", argv: []string{c.Bin["kube-scheduler"],
 			"--kubeconfig=" + pki("scheduler.kubeconfig"), "--leader-elect=false", "--secure-port=0", "--profiling=false"}},
-		{name: "containerd", argv: []string{c.Bin["containerd"], "--config=" + c.path("containerd.toml")},
-			ready: dialable("unix", sock)},
-		{name: "kubelet", argv: []string{c.Bin["kubelet"], "--config=" + c.path("kubelet.yaml"),
-			"--kubeconfig=" + pki("kubelet.kubeconfig"), "--root-dir=" + c.path("kubelet"),
-			"--node-ip=" + nodeIP, "--hostname-override=" + nodeName, "--cert-dir=" + c.path("kubelet-pki"),
-			"--v=2"}},
-	}
+	}, runtime...)
 }
 
 func dialable(network, addr string) func() error {

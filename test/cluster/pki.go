@@ -23,15 +23,15 @@ import (
 // test cluster, and no client certificates to sign.
 var identities = []struct{ name, user, groups string }{
 	{"admin", "admin", "system:masters"},
-	{"kubelet", "system:node:" + nodeName, "system:nodes"},
 	{"controller-manager", "system:kube-controller-manager", ""},
 	{"scheduler", "system:kube-scheduler", ""},
 }
 
 // writePKI writes under dir: a CA, the API server's serving certificate
 // (for the node address, the kubernetes Service address and localhost), the
-// service account key pair, the token file, and a kubeconfig per identity.
-func writePKI(dir string) error {
+// service account key pair, the token file, and a kubeconfig per identity
+// and per node's kubelet (kubelet-<node>.kubeconfig).
+func writePKI(dir string, nodes []string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
@@ -87,7 +87,11 @@ func writePKI(dir string) error {
 	}
 	files["sa.pub"] = pemBlock("PUBLIC KEY", pub)
 	var tokens []byte
-	for _, id := range identities {
+	ids := identities
+	for _, n := range nodes {
+		ids = append(ids, struct{ name, user, groups string }{"kubelet-" + n, "system:node:" + n, "system:nodes"})
+	}
+	for _, id := range ids {
 		b := make([]byte, 16)
 		if _, err := rand.Read(b); err != nil {
 			return err

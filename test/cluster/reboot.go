@@ -66,6 +66,9 @@ func (c *Cluster) rebootWith(t *testing.T, whileDown func()) {
 	t.Logf("reboot: node killed and its kernel state released in %v (%d processes, %d mount namespaces, %d FUSE connections, %d container cgroups)",
 		time.Since(start).Round(time.Millisecond), len(k.procs), len(k.mountNS), len(k.fuse), len(k.cgroups))
 	c.startNode(t)
+	for i, w := range c.workers {
+		c.wire(t, w, i+2)
+	}
 }
 
 // kernelState is what the node holds in the host's kernel, noted before
@@ -227,11 +230,11 @@ func (k kernelState) fuseLeft() error {
 // A device still in use by a mount the kernel drops lazily is left for the
 // next call; the error lists what is left.
 func (c *Cluster) detachLoops() error {
-	loops := loopsBackedUnder(c.cfg.Root)
+	loops := c.firstNodeLoops()
 	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
 	for _, f := range files {
 		b, err := os.ReadFile(f)
-		if err == nil && strings.HasPrefix(strings.TrimSpace(string(b)), c.cfg.Root+"/") {
+		if err == nil && strings.HasPrefix(strings.TrimSpace(string(b)), c.cfg.Root+"/") && !strings.HasPrefix(strings.TrimSpace(string(b)), c.cfg.path("nodes")+"/") {
 			loops[filepath.Base(filepath.Dir(filepath.Dir(f)))] = strings.TrimSpace(string(b))
 		}
 	}

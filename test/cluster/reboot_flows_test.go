@@ -383,7 +383,7 @@ func (e *env) strayLoops(t *testing.T) error {
 		}
 	}
 	var stray []string
-	for dev, p := range loopsBackedUnder(e.c.cfg.Root) {
+	for dev, p := range e.c.firstNodeLoops() {
 		if !used[p] {
 			stray = append(stray, dev+" "+p)
 		}

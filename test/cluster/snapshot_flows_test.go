@@ -67,10 +67,12 @@ func snapshotRestoreClone(t *testing.T, e *env) {
 }
 
 // waitSnapshotReady waits until a VolumeSnapshot is ready to use.
-func (e *env) waitSnapshotReady(t *testing.T, name string) {
+// (name as qualified takes it).
+func (e *env) waitSnapshotReady(t *testing.T, snapshot string) {
 	t.Helper()
-	waitFor(t, 2*time.Minute, name+" ready to use", func() error {
-		out, err := e.c.kubectl("-n", testNS, "get", "volumesnapshot", name, "-o",
+	ns, name := qualified(snapshot)
+	waitFor(t, 2*time.Minute, snapshot+" ready to use", func() error {
+		out, err := e.c.kubectl("-n", ns, "get", "volumesnapshot", name, "-o",
 			"jsonpath={.status.readyToUse}/{.status.restoreSize}/{.status.error.message}")
 		if err != nil {
 			return err
