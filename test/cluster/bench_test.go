@@ -22,7 +22,8 @@ import (
 )
 
 // envBench makes TestCluster run the pod start-up benchmark instead of the
-// flows (make bench-cluster); envBenchPods is its pods per mode (30).
+// flows (make bench-cluster); envBenchPods is its pods per mode (30 per
+// node: 90 on the three nodes).
 const (
 	envBench     = "MOUNTPLAN_CLUSTER_BENCH"
 	envBenchPods = "MOUNTPLAN_CLUSTER_BENCH_PODS"
@@ -63,7 +64,8 @@ type rpcTime struct {
 // records, images or loop devices than before it. It writes the table and a
 // plot under bench-results/; it asserts correctness only, never a time.
 func benchPodStartup(t *testing.T, e *env) {
-	n := 30
+	nodes := len(e.c.nodes())
+	n := 30 * nodes
 	if v := os.Getenv(envBenchPods); v != "" {
 		var err error
 		if n, err = strconv.Atoi(v); err != nil || n < 1 {
@@ -86,13 +88,13 @@ func benchPodStartup(t *testing.T, e *env) {
 		results = append(results, r)
 	}
 	table := benchTable(results)
-	t.Logf("pod start-up, %d pods per round on one node:\n%s", n, table)
+	t.Logf("pod start-up, %d pods per round on %d nodes:\n%s", n, nodes, table)
 	dir := filepath.Join(e.repo, "bench-results")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	header := fmt.Sprintf("# Pod start-up (make bench-cluster, %s)\n\n%d pods per round, started at once on one node; times from each object's creation as the API server's watch shows it.\n\n",
-		time.Now().UTC().Format("2006-01-02 15:04 MST"), n)
+	header := fmt.Sprintf("# Pod start-up (make bench-cluster, %s)\n\n%d pods per round, started at once on %d nodes (one machine's two CPUs); times from each object's creation as the API server's watch shows it.\n\n",
+		time.Now().UTC().Format("2006-01-02 15:04 MST"), n, nodes)
 	if err := os.WriteFile(filepath.Join(dir, "pod-startup.md"), []byte(header+table), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -144,6 +146,10 @@ func (e *env) benchRound(t *testing.T, m benchMode) benchResult {
 	})
 	busy := cpuBusy(cpuBefore, cpuTimes(t))
 	cancel()
+	perNode := map[string]int{}
+	for _, n := range strings.Fields(must(t)(e.c.kubectl("-n", benchNS, "get", "pods", "-o", `jsonpath={.items[*].spec.nodeName}`))) {
+		perNode[n]++
+	}
 	r := benchResult{mode: m, running: pods.durations(), bound: claims.durations(), warnings: e.warnings(t), busy: busy,
 		calls: rpcDelta(rpcBefore, e.pluginRPCs(t))}
 	if len(r.bound) != m.pods*m.claims {
@@ -158,8 +164,8 @@ func (e *env) benchRound(t *testing.T, m benchMode) benchResult {
 			t.Errorf("round %q: %s answered Aborted %d times for %d volumes", m.name, c.method, c.aborted, m.pods*m.claims)
 		}
 	}
-	t.Logf("round %q: created → Running p50 %v p99 %v; CPUs %.0f%% busy; warnings %v; the plugin's calls: %v",
-		m.name, pct(r.running, 50), pct(r.running, 99), 100*r.busy, r.warnings, r.calls)
+	t.Logf("round %q: created → Running p50 %v p99 %v; pods per node %v; CPUs %.0f%% busy; warnings %v; the plugins' calls: %v",
+		m.name, pct(r.running, 50), pct(r.running, 99), perNode, 100*r.busy, r.warnings, r.calls)
 
 	// Tear down: the namespace, then every volume of its claims.
 	must(t)(e.c.kubectl("delete", "namespace", benchNS, "--timeout=5m"))
@@ -179,9 +185,9 @@ func (e *env) benchRound(t *testing.T, m benchMode) benchResult {
 	return r
 }
 
-// volumesOnNode counts what the node holds of its volumes: the plugin's
+// volumesOnNode counts what each node holds of its volumes: the plugin's
 // journal records, the mounter's records, volume images and the loop
-// devices backed by a file of the cluster. (The NRI guard, the mounter's
+// devices backed by a file of the node. (The NRI guard, the mounter's
 // own, stays while the plugin runs.)
 func (e *env) volumesOnNode(t *testing.T) string {
 	t.Helper()
@@ -195,8 +201,17 @@ func (e *env) volumesOnNode(t *testing.T) string {
 		})
 		return n
 	}
-	return fmt.Sprintf("%d journal records, %d mounter records, %d images, %d loop devices",
-		len(e.records(t)), count(e.c.cfg.path("state")+"-mounter"), count(e.c.cfg.path("state", "images")), len(e.c.firstNodeLoops()))
+	var each []string
+	for _, n := range e.c.nodes() {
+		state := e.c.cfg.path("state")
+		loops := e.c.firstNodeLoops()
+		if n.cfg.worker() {
+			loops = loopsBackedUnder(n.seen(state))
+		}
+		each = append(each, fmt.Sprintf("%s: %d journal records, %d mounter records, %d images, %d loop devices", n.cfg.name(),
+			count(n.seen(filepath.Join(state, "volumes"))), count(n.seen(state+"-mounter")), count(n.seen(filepath.Join(state, "images"))), len(loops)))
+	}
+	return strings.Join(each, "; ")
 }
 
 // watchObject is what the watches read of a pod or a claim.
@@ -401,18 +416,27 @@ func benchPlot(rs []benchResult) string {
 	return b.String()
 }
 
-// pluginRPCs reads the plugin's mountplan_rpc_duration_seconds (count and
-// sum per method, every code) from its metrics port, through the API
-// server's proxy.
+// pluginRPCs reads every node's plugin's mountplan_rpc_duration_seconds
+// (count and sum per method, every code, summed over the nodes) from its
+// metrics port, through the API server's proxy.
 func (e *env) pluginRPCs(t *testing.T) map[string]rpcTime {
 	t.Helper()
-	out := must(t)(e.c.kubectl("get", "--raw", fmt.Sprintf("/api/v1/namespaces/kube-system/pods/%s:%d/proxy/metrics", e.podOf(t, nodeComponent), metricsPort)))
+	rpcs := map[string]rpcTime{}
+	for _, n := range e.c.nodes() {
+		out := must(t)(e.c.kubectl("get", "--raw", fmt.Sprintf("/api/v1/namespaces/kube-system/pods/%s:%d/proxy/metrics", e.podOn(t, nodeComponent, n.cfg.name()), metricsPort)))
+		addRPCs(t, rpcs, out)
+	}
+	return rpcs
+}
+
+// addRPCs adds the calls of one plugin's metrics to rpcs.
+func addRPCs(t *testing.T, rpcs map[string]rpcTime, metrics string) {
+	t.Helper()
 	p := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := p.TextToMetricFamilies(strings.NewReader(out))
+	families, err := p.TextToMetricFamilies(strings.NewReader(metrics))
 	if err != nil {
 		t.Fatalf("the plugin's metrics: %v", err)
 	}
-	rpcs := map[string]rpcTime{}
 	f := families["mountplan_rpc_duration_seconds"]
 	if f == nil {
 		t.Fatal("the plugin exports no mountplan_rpc_duration_seconds")
@@ -436,7 +460,6 @@ func (e *env) pluginRPCs(t *testing.T) map[string]rpcTime {
 		r.total += time.Duration(m.GetHistogram().GetSampleSum() * float64(time.Second))
 		rpcs[method] = r
 	}
-	return rpcs
 }
 
 // rpcDelta is what the plugin served between two readings, the methods

@@ -317,56 +317,61 @@ func nodeRemovedForGood(t *testing.T, e *env) {
 	e.c.deleteAndWait(t, "pvc", "live")
 }
 
-// drainNodeLocal: the node is drained while a StatefulSet's pod writes to
-// a node-local claim. The pod is evicted and its successor stays Pending
-// with the scheduler's reason (the one node that can hold the claim is
-// cordoned); the claim stays bound to its volume; once the node is
-// uncordoned the pod runs there again and reads what the evicted one
-// wrote.
+// drainNodeLocal: the node of a StatefulSet's pod, which writes to a
+// node-local claim, is drained. The pod is evicted and its successor stays
+// Pending with the scheduler's reason (the one node that can hold the
+// claim is cordoned, the others conflict with the volume's node affinity);
+// the claim stays bound to its volume; once the node is uncordoned the pod
+// runs there again and reads what the evicted one wrote. It runs in
+// nodesNS, where the scheduler may put the pod on any node.
 func drainNodeLocal(t *testing.T, e *env) {
 	const sts = "drained"
-	p := sts + "-0"
-	t.Cleanup(func() { _, _ = e.c.kubectl("uncordon", nodeName) })
-	e.c.deleteAtEnd(t, "pvc", "data-"+p)
-	e.c.deleteAtEnd(t, "statefulset", sts)
-	e.apply(t, statefulSet(sts, 1, "64Mi"))
-	must(t)(e.c.kubectl("-n", testNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
+	p := nodesNS + "/" + sts + "-0"
+	e.nodesNamespace(t)
+	e.apply(t, inNodesNS(statefulSet(sts, 1, "64Mi")))
+	must(t)(e.c.kubectl("-n", nodesNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
 	tok := e.write(t, p, "/data/token")
+	node := e.podNode(t, p)
+	t.Cleanup(func() { _, _ = e.c.kubectl("uncordon", node) })
 	uid := func() string {
-		return strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", p, "--ignore-not-found", "-o", "jsonpath={.metadata.uid}")))
+		return strings.TrimSpace(must(t)(e.c.kubectl("-n", nodesNS, "get", "pod", sts+"-0", "--ignore-not-found", "-o", "jsonpath={.metadata.uid}")))
 	}
 	before := uid()
-	pv := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "data-"+p, "-o", "jsonpath={.spec.volumeName}")))
+	pv := strings.TrimSpace(must(t)(e.c.kubectl("-n", nodesNS, "get", "pvc", "data-"+sts+"-0", "-o", "jsonpath={.spec.volumeName}")))
 
 	// Only this flow's pods: the cluster is shared with the other flows,
 	// whose bare pods drain would refuse to evict (no controller to make
 	// them again) and whose pods this flow has no business moving.
-	out := must(t)(e.c.kubectl("drain", nodeName, "--pod-selector", "app="+sts, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"))
-	t.Logf("kubectl drain %s:\n%s", nodeName, lastLines(out, 6))
+	out := must(t)(e.c.kubectl("drain", node, "--pod-selector", "app="+sts, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"))
+	t.Logf("kubectl drain %s:\n%s", node, lastLines(out, 6))
 	waitFor(t, 90*time.Second, "the evicted pod's successor Pending for want of a node", func() error {
 		now := uid()
 		if now == "" || now == before {
 			return fmt.Errorf("pod %s not made again yet (uid %q)", p, now)
 		}
-		st, err := e.c.kubectl("-n", testNS, "get", "pod", p, "-o",
+		st, err := e.c.kubectl("-n", nodesNS, "get", "pod", sts+"-0", "-o",
 			`jsonpath={.status.phase} {.status.conditions[?(@.type=="PodScheduled")].reason}: {.status.conditions[?(@.type=="PodScheduled")].message}`)
 		if err != nil {
 			return err
 		}
-		if !strings.HasPrefix(st, "Pending Unschedulable") || !strings.Contains(st, "unschedulable") {
+		if !strings.HasPrefix(st, "Pending Unschedulable") || !strings.Contains(st, "1 node(s) were unschedulable") {
 			return fmt.Errorf("pod %s: %s", p, st)
 		}
-		t.Logf("while the node is drained, pod %s: %s", p, st)
+		if others := len(e.c.nodes()) - 1; others > 0 && !strings.Contains(st, fmt.Sprintf("%d node(s) had volume node affinity conflict", others)) {
+			return fmt.Errorf("pod %s: %s", p, st)
+		}
+		t.Logf("while %s is drained, pod %s: %s", node, p, st)
 		return nil
 	})
-	if got := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", "data-"+p, "-o", "jsonpath={.status.phase} {.spec.volumeName}"))); got != "Bound "+pv {
-		t.Errorf("claim data-%s while the node is drained: %q, want Bound to %s", p, got, pv)
+	if got := strings.TrimSpace(must(t)(e.c.kubectl("-n", nodesNS, "get", "pvc", "data-"+sts+"-0", "-o", "jsonpath={.status.phase} {.spec.volumeName}"))); got != "Bound "+pv {
+		t.Errorf("claim data-%s-0 while its node is drained: %q, want Bound to %s", sts, got, pv)
 	}
 
-	must(t)(e.c.kubectl("uncordon", nodeName))
-	must(t)(e.c.kubectl("-n", testNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
+	must(t)(e.c.kubectl("uncordon", node))
+	must(t)(e.c.kubectl("-n", nodesNS, "rollout", "status", "statefulset/"+sts, "--timeout=180s"))
 	e.c.waitPod(t, p)
 	e.expect(t, p, "/data/token", tok)
-	e.c.deleteAndWait(t, "statefulset", sts)
-	e.c.deleteAndWait(t, "pvc", "data-"+p)
+	if again := e.podNode(t, p); again != node {
+		t.Errorf("pod %s runs on %s after the uncordon, want %s (its volume's node)", p, again, node)
+	}
 }

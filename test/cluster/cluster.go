@@ -143,6 +143,10 @@ func (c *Cluster) wire(t *testing.T, w *Cluster, i int) {
 	t.Helper()
 	link := fmt.Sprintf("mpn%d", i)
 	first, worker := strconv.Itoa(c.nodePID()), strconv.Itoa(w.nodePID())
+	// The pair of the first node's last boot: the kernel removes its end
+	// in the dead network namespace, and with it the worker's, only when
+	// it gets to that namespace's cleanup, which may be after this.
+	_ = exec.Command("nsenter", "-t", worker, "-n", "ip", "link", "del", "eth0").Run()
 	for _, argv := range [][]string{
 		{"ip", "link", "add", link, "netns", first, "type", "veth", "peer", "name", "eth0", "netns", worker},
 		{"nsenter", "-t", first, "-n", "ip", "link", "set", link, "up"},
