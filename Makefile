@@ -58,14 +58,14 @@ test-crash: build
 test-vm:
 	$(GO) test -tags vmtest -count=1 -v -timeout 20m ./test/vm/
 
-# A real single-node Kubernetes cluster (built from the module proxy into
-# /var/cache/mountplan-tools, started in namespaces of its own), the chart
+# A real Kubernetes cluster of three nodes (built from the module proxy into
+# /var/cache/mountplan-tools, each node started in namespaces of its own), the chart
 # installed with helm, and the flows of test/cluster; see hack/cluster/test.sh.
 test-cluster:
 	hack/cluster/test.sh
 
 # Pod start-up on the same cluster (not a timed test): rounds of 30 pods
-# started at once (emptyDir, a fresh claim each, a fresh NRI claim each)
+# per node started at once (emptyDir, a fresh claim each, a fresh NRI claim each)
 # and one pod with 20 claims; the table and a plot under bench-results/.
 bench-cluster:
 	MOUNTPLAN_CLUSTER_BENCH=1 hack/cluster/test.sh -test.run '^TestCluster$$'

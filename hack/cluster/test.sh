@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make test-cluster: a real single-node Kubernetes cluster on this machine,
+# make test-cluster: a real Kubernetes cluster of three nodes on this machine,
 # mountplan installed on it with helm, and the flows of test/cluster.
 #
 # 1. Builds (cached under $MOUNTPLAN_TOOLS_CACHE, default
@@ -10,6 +10,7 @@
 # 2. Runs test/cluster (build tag clustertest) holding the shared test lock:
 #    it starts etcd, the control plane, containerd and kubelet in PID, mount
 #    and network namespaces of their own under /var/lib/mountplan-cluster,
+#    and two more nodes (containerd and kubelet) in namespaces of theirs,
 #    installs charts/mountplan with chart values only, runs the flows, tears
 #    everything down and checks that nothing leaked.
 #

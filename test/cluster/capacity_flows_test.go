@@ -357,7 +357,7 @@ func drainNodeLocal(t *testing.T, e *env) {
 		if !strings.HasPrefix(st, "Pending Unschedulable") || !strings.Contains(st, "1 node(s) were unschedulable") {
 			return fmt.Errorf("pod %s: %s", p, st)
 		}
-		if others := len(e.c.nodes()) - 1; others > 0 && !strings.Contains(st, fmt.Sprintf("%d node(s) had volume node affinity conflict", others)) {
+		if others := len(e.c.nodes()) - 1; others > 0 && !strings.Contains(st, fmt.Sprintf("%d node(s) didn't match PersistentVolume's node affinity", others)) {
 			return fmt.Errorf("pod %s: %s", p, st)
 		}
 		t.Logf("while %s is drained, pod %s: %s", node, p, st)

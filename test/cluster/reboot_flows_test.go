@@ -194,7 +194,8 @@ func (e *env) waitRecovered(t *testing.T) {
 	t.Logf("reboot: control plane, containerd and kubelet up %v after the node's start", time.Since(boot).Round(time.Millisecond))
 	var mountplanAt time.Duration
 	waitFor(t, 5*time.Minute, "every pod running again after the reboot", func() error {
-		out, err := e.c.kubectl("get", "pods", "-A", "-o", `jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {range .status.containerStatuses[*]}{.name}={.state.running.startedAt},{end}{"\n"}{end}`)
+		// The pods of the node that rebooted: the other nodes' ran on.
+		out, err := e.c.kubectl("get", "pods", "-A", "--field-selector", "spec.nodeName="+nodeName, "-o", `jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {range .status.containerStatuses[*]}{.name}={.state.running.startedAt},{end}{"\n"}{end}`)
 		if err != nil {
 			return err
 		}
