@@ -204,12 +204,8 @@ func (e *env) volumesOnNode(t *testing.T) string {
 	var each []string
 	for _, n := range e.c.nodes() {
 		state := e.c.cfg.path("state")
-		loops := e.c.firstNodeLoops()
-		if n.cfg.worker() {
-			loops = loopsBackedUnder(n.seen(state))
-		}
 		each = append(each, fmt.Sprintf("%s: %d journal records, %d mounter records, %d images, %d loop devices", n.cfg.name(),
-			count(n.seen(filepath.Join(state, "volumes"))), count(n.seen(state+"-mounter")), count(n.seen(filepath.Join(state, "images"))), len(loops)))
+			count(n.seen(filepath.Join(state, "volumes"))), count(n.seen(state+"-mounter")), count(n.seen(filepath.Join(state, "images"))), len(e.c.loopsOf(n))))
 	}
 	return strings.Join(each, "; ")
 }

@@ -177,18 +177,6 @@ func (c *Cluster) seen(p string) string {
 // nodes is the first node and the workers.
 func (c *Cluster) nodes() []*Cluster { return append([]*Cluster{c}, c.workers...) }
 
-// node is the node of that name.
-func (c *Cluster) nodeNamed(t *testing.T, name string) *Cluster {
-	t.Helper()
-	for _, n := range c.nodes() {
-		if n.cfg.name() == name {
-			return n
-		}
-	}
-	t.Fatalf("no node %s", name)
-	return nil
-}
-
 // startNode starts the node process on the cluster's root, with the PKI and
 // configuration already there (a first start, or a boot after reboot), and
 // waits until its components run.

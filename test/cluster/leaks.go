@@ -233,13 +233,18 @@ func (e *env) checkCleanOn(t *testing.T, n *Cluster, mounterUp bool) {
 		}
 		return nil
 	})
-	loops := e.c.firstNodeLoops()
-	if n.cfg.worker() {
-		loops = loopsBackedUnder(n.seen(state))
-	}
-	for dev, p := range loops {
+	for dev, p := range e.c.loopsOf(n) {
 		t.Errorf("leak: %s still backed by %s on %s", dev, p, n.cfg.name())
 	}
+}
+
+// loopsOf are the loop devices backed by files of node n: the first node's
+// (firstNodeLoops), or those in a worker's state filesystem.
+func (c *Cluster) loopsOf(n *Cluster) map[string]string {
+	if n.cfg.worker() {
+		return loopsBackedUnder(n.seen(c.cfg.path("state")))
+	}
+	return c.firstNodeLoops()
 }
 
 // guardFSType is the type of the mounter's NRI guard mount.
