@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -102,6 +103,26 @@ func benchPodStartup(t *testing.T, e *env) {
 		t.Fatal(err)
 	}
 	t.Logf("written: %s/pod-startup.md, pod-startup.svg", dir)
+	e.keepBenchLogs(t, filepath.Join(dir, "logs"))
+}
+
+// keepBenchLogs copies each node's containerd log and the logs of
+// mountplan's pods there (what a round's Warning events need explaining
+// by) to dir/<node>: a passing run removes the cluster's directory.
+func (e *env) keepBenchLogs(t *testing.T, dir string) {
+	t.Helper()
+	_ = os.RemoveAll(dir)
+	for _, n := range e.c.nodes() {
+		to := filepath.Join(dir, n.cfg.name())
+		if err := os.MkdirAll(to, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		out, err := exec.Command("cp", "-r", n.cfg.path("logs", "containerd.log"), n.cfg.path("logs", "pods"), to).CombinedOutput()
+		if err != nil {
+			t.Errorf("keeping %s's logs: %v: %s", n.cfg.name(), err, out)
+		}
+	}
+	t.Logf("each node's containerd log and mountplan's pods' logs: %s", dir)
 }
 
 // benchRound runs one mode.
@@ -146,6 +167,11 @@ func (e *env) benchRound(t *testing.T, m benchMode) benchResult {
 	})
 	busy := cpuBusy(cpuBefore, cpuTimes(t))
 	cancel()
+	// mountplan's containers restarted during the round would explain
+	// Warning events of its volumes.
+	restarts := must(t)(e.c.kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=mountplan", "-o",
+		`jsonpath={range .items[*]}{.spec.nodeName}/{.metadata.name}:{range .status.containerStatuses[*]}{" "}{.name}={.restartCount}{end}{"\n"}{end}`))
+	t.Logf("round %q: mountplan's containers' restart counts after it:\n%s", m.name, restarts)
 	perNode := map[string]int{}
 	for _, n := range strings.Fields(must(t)(e.c.kubectl("-n", benchNS, "get", "pods", "-o", `jsonpath={.items[*].spec.nodeName}`))) {
 		perNode[n]++

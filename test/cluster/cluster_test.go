@@ -58,9 +58,14 @@ func TestCluster(t *testing.T) {
 		}
 	}
 	c := startCluster(t, root, path, nodes)
-	logs := keepPodLogs(c)
+	var logs []*podLogs
+	for _, n := range c.nodes() {
+		logs = append(logs, keepPodLogs(n))
+	}
 	defer func() {
-		logs.stop() // before the node's stop removes the pods' logs
+		for _, l := range logs {
+			l.stop() // before the node's stop removes the pods' logs
+		}
 		left, err := c.stop()
 		if err != nil {
 			t.Error(err)
