@@ -25,9 +25,10 @@ func addNRIFlags(fs *flag.FlagSet) *nriFlags {
 	fs.BoolVar(&f.enabled, "nri", false, "register with the container runtime as an NRI plugin, which gives containers the volumes published in NRI mode")
 	fs.StringVar(&f.socket, "nri-socket", "/var/run/nri/nri.sock", "the runtime's NRI socket")
 	fs.StringVar(&f.pluginEndpoint, "plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required with --nri)")
-	fs.DurationVar(&f.timeout, "nri-timeout", nri.DefaultTimeout,
-		"how long the hook may work on a container's creation or start before it fails it; keep it below the runtime's plugin timeout (containerd: 2s), "+
-			"after which the runtime would start the container without the volume")
+	fs.DurationVar(&f.timeout, "nri-timeout", 0,
+		"how long the hook may work on a container's creation or start before it fails it; 0: three quarters of the runtime's plugin request timeout "+
+			"(containerd's plugin_request_timeout, 2s by default), as the runtime says at registration. Keep it below the runtime's, "+
+			"after which the runtime would start the container without the volume and drop the hook")
 	return f
 }
 

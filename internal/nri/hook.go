@@ -31,6 +31,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	nriapi "github.com/containerd/nri/pkg/api"
@@ -116,8 +117,19 @@ type Hook struct {
 	// answers with an error (the container fails, kubelet retries) well
 	// before the runtime's own plugin timeout, after which the runtime
 	// would go on without the hook's adjustment, with the guard in place
-	// of the volume.
+	// of the volume, and would drop the hook's connection. Zero: three
+	// quarters of the request timeout the runtime gives at registration
+	// (containerd's plugin_request_timeout, 2s by default: 1.5s), so an
+	// operator who raises the runtime's gives the hook the room too.
 	Timeout time.Duration
+	// runtimeTimeout is the runtime's request timeout, in nanoseconds,
+	// as it said at the last registration; zero before.
+	runtimeTimeout atomic.Int64
+
+	// releases are the releases under way (releaseLater); bg is what they
+	// run under: Run's context, so that they end with it.
+	releases sync.WaitGroup
+	bg       atomic.Pointer[context.Context]
 
 	// Guards records the guard's mount point with the mounter, whose
 	// checks of bind sources then let NRI-mode publishes bind it. NewHook
@@ -129,9 +141,15 @@ type Hook struct {
 	guard *guard.Guard // while registered with the runtime
 }
 
-// DefaultTimeout leaves containerd's default plugin timeout (2s) room for
-// the answer to travel.
+// DefaultTimeout is the hook's bound when the runtime names no timeout of
+// its own: it leaves containerd's default plugin timeout (2s) room for the
+// answer to travel.
 const DefaultTimeout = 1500 * time.Millisecond
+
+// releaseBudget bounds a release done after the event that asked for it
+// (releaseLater), retries included: past it, the plugin's reconciler (a
+// container's namespace gone) or the next Synchronize releases the claim.
+const releaseBudget = time.Minute
 
 // NewHook returns a hook; Run registers it with the runtime.
 func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) *Hook {
@@ -140,7 +158,7 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 	if resolved, err := filepath.EvalSymlinks(pods); err == nil && resolved != pods {
 		dirs = append(dirs, resolved)
 	}
-	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, Timeout: DefaultTimeout}
+	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs}
 	h.Guards, _ = m.(guard.Recorder)
 	return h
 }
@@ -157,9 +175,9 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("mountplan: container %s of pod %s/%s: %w", ctr.GetName(), pod.GetNamespace(), pod.GetName(), err)
-			if rerr := h.release(context.WithoutCancel(ctx), ctr.GetId(), claims); rerr != nil {
-				klog.FromContext(ctx).Error(rerr, "Releasing the claims of a container that failed")
-			}
+			// Not here: the failure may be this event's deadline, and the
+			// runtime drops a hook that overruns its own.
+			h.releaseLater(ctx, ctr.GetId(), claims)
 		}
 	}()
 	adj := &nriapi.ContainerAdjustment{}
@@ -405,30 +423,77 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 }
 
 // StopContainer releases the container's claims: its namespace, and the
-// volume's mounts in it, are gone or about to be.
+// volume's mounts in it, are gone or about to be. The runtime does not
+// wait for it (releaseLater).
 func (h *Hook) StopContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
-	return nil, h.release(ctx, ctr.GetId(), recordedClaims(ctr))
+	h.releaseLater(ctx, ctr.GetId(), recordedClaims(ctr))
+	return nil, nil
 }
 
 // RemoveContainer releases what StopContainer did not: a container created
 // and removed without running, a creation the runtime undid.
 func (h *Hook) RemoveContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *nriapi.Container) error {
-	return h.release(ctx, ctr.GetId(), recordedClaims(ctr))
+	h.releaseLater(ctx, ctr.GetId(), recordedClaims(ctr))
+	return nil
 }
 
-func (h *Hook) release(ctx context.Context, containerID string, claims []Claim) error {
-	var errs []error
-	for _, c := range claims {
-		if c.VolumeID == "" {
-			continue
-		}
-		c.ContainerID = containerID
-		if err := h.volumes.Release(ctx, c); err != nil {
-			errs = append(errs, fmt.Errorf("releasing volume %s of container %s: %w", c.VolumeID, containerID, err))
-		}
+// releaseLater releases a container's claims after the event that asked
+// for it has been answered. A release changes nothing the runtime waits
+// for, and it holds the runtime's serialized section while it runs: under
+// load (a node starting and stopping dozens of pods at once) a release
+// waiting on a busy volume's lock overran the runtime's plugin timeout,
+// and the runtime then dropped the hook, failing every container it was
+// about to create with the guard in place of its volume. A volume busy
+// with other work (Aborted) or a plugin that does not answer is asked
+// again, within releaseBudget.
+func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Claim) {
+	if !slices.ContainsFunc(claims, func(c Claim) bool { return c.VolumeID != "" }) {
+		return
 	}
-	return errors.Join(errs...)
+	bg := context.WithoutCancel(ctx)
+	if p := h.bg.Load(); p != nil {
+		bg = klog.NewContext(*p, klog.FromContext(ctx))
+	}
+	h.releases.Add(1)
+	go func() {
+		defer h.releases.Done()
+		ctx, cancel := context.WithTimeout(bg, releaseBudget)
+		defer cancel()
+		for _, c := range claims {
+			if c.VolumeID == "" {
+				continue
+			}
+			c.ContainerID = containerID
+			try := func(ctx context.Context) error {
+				ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+				defer cancel()
+				return h.volumes.Release(ctx, c)
+			}
+			err := try(ctx)
+			if transient(err) {
+				periodic.Retry(ctx, 100*time.Millisecond, 10*time.Second, func(ctx context.Context) error {
+					if err = try(ctx); transient(err) {
+						return err
+					}
+					return nil // done, or an answer another try would not change
+				})
+			}
+			if err != nil {
+				klog.FromContext(ctx).Error(err, "Releasing a container's claim; the plugin's reconciler or the hook's next registration will",
+					"container", containerID, "volume", c.VolumeID)
+			}
+		}
+	}()
 }
+
+// transient: an answer another try may change (a volume busy with other
+// work, a plugin that does not answer).
+func transient(err error) bool {
+	return errors.Is(err, errdefs.ErrAborted) || errors.Is(err, errdefs.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// wait waits for the releases under way.
+func (h *Hook) wait() { h.releases.Wait() }
 
 // claimsOf reads the hook's annotation of a container and keeps only
 // what the runtime's view of the container backs: targets below its own
@@ -498,12 +563,27 @@ func hasDevice(ctr *nriapi.Container, c Claim) bool {
 	})
 }
 
-// bounded gives a container event's work its deadline (Timeout).
+// bounded gives a container event's work its deadline (timeout).
 func (h *Hook) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
-	if h.Timeout <= 0 {
-		return ctx, func() {}
+	return context.WithTimeout(ctx, h.timeout())
+}
+
+// timeout is Timeout, or when zero three quarters of the runtime's
+// request timeout (DefaultTimeout until the runtime has said).
+func (h *Hook) timeout() time.Duration {
+	if h.Timeout > 0 {
+		return h.Timeout
 	}
-	return context.WithTimeout(ctx, h.Timeout)
+	if rt := time.Duration(h.runtimeTimeout.Load()); rt > 0 {
+		return rt * 3 / 4
+	}
+	return DefaultTimeout
+}
+
+// runtimeSays records the request timeout the runtime gave at
+// registration.
+func (h *Hook) runtimeSays(requestTimeout time.Duration) {
+	h.runtimeTimeout.Store(int64(requestTimeout))
 }
 
 // Synchronize runs when the hook (re)registers: the guard starts (targets

@@ -38,18 +38,6 @@ func TestOCIMounts(t *testing.T) {
 	}
 }
 
-// fakeVolumes records releases.
-type fakeVolumes struct{ released []Claim }
-
-func (f *fakeVolumes) Prepare(context.Context, Claim) (string, []plan.Mount, error) {
-	return "", nil, nil
-}
-func (f *fakeVolumes) Release(_ context.Context, c Claim) error {
-	f.released = append(f.released, c)
-	return nil
-}
-func (f *fakeVolumes) Sync(context.Context, []string) error { return nil }
-
 // The hook's claims travel in the container's annotation: what
 // CreateContainer wrote is what StopContainer releases, for the container
 // the event names; a container without it, or with garbage, releases
@@ -64,13 +52,15 @@ func TestReleaseFromAnnotation(t *testing.T) {
 	if _, err := h.StopContainer(context.Background(), nil, ctr); err != nil {
 		t.Fatal(err)
 	}
-	if len(f.released) != 2 || f.released[0].ContainerID != "c1" || f.released[0].VolumeID != "v1" || f.released[1].Destination != "/dev/xvda" {
-		t.Errorf("released %+v", f.released)
+	h.wait()
+	if got := f.releases(); len(got) != 2 || got[0].ContainerID != "c1" || got[0].VolumeID != "v1" || got[1].Destination != "/dev/xvda" {
+		t.Errorf("released %+v", got)
 	}
-	f.released = nil
 	for _, a := range []map[string]string{nil, {Annotation: "not json"}} {
-		if err := h.RemoveContainer(context.Background(), nil, &nriapi.Container{Id: "c2", Annotations: a}); err != nil || len(f.released) > 0 {
-			t.Errorf("annotations %v: released %+v, %v", a, f.released, err)
+		err := h.RemoveContainer(context.Background(), nil, &nriapi.Container{Id: "c2", Annotations: a})
+		h.wait()
+		if got := f.releases(); err != nil || len(got) != 2 {
+			t.Errorf("annotations %v: released %+v, %v", a, got, err)
 		}
 	}
 }

@@ -27,6 +27,8 @@ const (
 func Run(ctx context.Context, socket string, h *Hook) error {
 	logger := klog.FromContext(ctx).WithValues("nriSocket", socket)
 	ctx = klog.NewContext(ctx, logger)
+	h.bg.Store(&ctx)
+	defer h.wait()
 	reconnect(ctx, periodic.Backoff(time.Second, 10*time.Second), func(ctx context.Context) bool {
 		registered, err := runOnce(ctx, socket, h)
 		h.stopGuard(ctx)
@@ -67,7 +69,9 @@ func runOnce(ctx context.Context, socket string, h *Hook) (registered bool, _ er
 	if err := s.Start(ctx); err != nil {
 		return false, fmt.Errorf("registering with the runtime: %w", err)
 	}
-	klog.FromContext(ctx).Info("Registered with the runtime", "plugin", PluginIndex+"-"+PluginName)
+	h.runtimeSays(s.RequestTimeout())
+	klog.FromContext(ctx).Info("Registered with the runtime", "plugin", PluginIndex+"-"+PluginName,
+		"runtimeRequestTimeout", s.RequestTimeout(), "hookTimeout", h.timeout())
 	done := make(chan struct{})
 	go func() { s.Wait(); close(done) }()
 	select {
