@@ -1028,6 +1028,7 @@ func TestProvisioner(t *testing.T) {
 			wantArg(t, c, f, "")
 		}
 		wantArg(t, c, "--immediate-topology", "false")
+		wantArg(t, c, "--timeout", fmt.Sprint(r.value(t, "provisioner.timeout")))
 		// Topology is GA: setting its gate only logs a removal warning.
 		if _, ok := args(t, c)["--feature-gates"]; ok {
 			t.Errorf("provisioner --feature-gates=%s", args(t, c)["--feature-gates"])
@@ -1245,6 +1246,9 @@ func TestInvalidValues(t *testing.T) {
 		{"socketDir in kubelet's pods dir", map[string]any{"mounter": map[string]any{"socketDir": "/var/lib/kubelet/pods/mounter"}}},
 		{"socketDir holds kubelet's dirs", map[string]any{"mounter": map[string]any{"socketDir": "/var/lib/kubelet"}}},
 		{"relative socketDir", map[string]any{"mounter": map[string]any{"socketDir": "run/mountplan"}}},
+		{"provisioner.timeout without a unit", map[string]any{"provisioner": map[string]any{"timeout": 60}}},
+		{"provisioner.timeout zero", map[string]any{"provisioner": map[string]any{"timeout": "0s"}}},
+		{"provisioner.timeout with a flag", map[string]any{"provisioner": map[string]any{"timeout": "60s --v=9"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if _, err := chartrender.Render(chartDir, tc.values); err == nil {

@@ -278,3 +278,15 @@ is, and every file config.nbd.tls names inside its mount.
 {{- end -}}
 {{- $r -}}
 {{- end -}}
+
+{{/*
+A Go duration of one unit ("60s", "2m", "1500ms"), greater than zero, as
+given: anything else fails the install with the value's name.
+*/}}
+{{- define "mountplan.duration" -}}
+{{- $v := toString .value -}}
+{{- if not (regexMatch "^[1-9][0-9]*(ms|s|m|h)$" $v) -}}
+{{- fail (printf "%s %q must be a duration such as 60s or 2m" .name $v) -}}
+{{- end -}}
+{{- $v -}}
+{{- end -}}
