@@ -35,6 +35,7 @@ import (
 	"time"
 
 	nriapi "github.com/containerd/nri/pkg/api"
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
@@ -126,10 +127,11 @@ type Hook struct {
 	// as it said at the last registration; zero before.
 	runtimeTimeout atomic.Int64
 
-	// releases are the releases under way (releaseLater); bg is what they
-	// run under: Run's context, so that they end with it.
-	releases sync.WaitGroup
-	bg       atomic.Pointer[context.Context]
+	// background is the work under way after its event was answered
+	// (releaseLater, Synchronize's re-prepares); bg is what it runs
+	// under: Run's context, so that it ends with it.
+	background sync.WaitGroup
+	bg         atomic.Pointer[context.Context]
 
 	// Guards records the guard's mount point with the mounter, whose
 	// checks of bind sources then let NRI-mode publishes bind it. NewHook
@@ -450,13 +452,7 @@ func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Cl
 	if !slices.ContainsFunc(claims, func(c Claim) bool { return c.VolumeID != "" }) {
 		return
 	}
-	bg := context.WithoutCancel(ctx)
-	if p := h.bg.Load(); p != nil {
-		bg = klog.NewContext(*p, klog.FromContext(ctx))
-	}
-	h.releases.Add(1)
-	go func() {
-		defer h.releases.Done()
+	h.later(ctx, func(bg context.Context) {
 		ctx, cancel := context.WithTimeout(bg, releaseBudget)
 		defer cancel()
 		for _, c := range claims {
@@ -483,6 +479,20 @@ func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Cl
 					"container", containerID, "volume", c.VolumeID)
 			}
 		}
+	})
+}
+
+// later runs fn after the event of ctx has been answered, under Run's
+// context (ctx's logger kept), or ctx's values alone outside Run.
+func (h *Hook) later(ctx context.Context, fn func(context.Context)) {
+	bg := context.WithoutCancel(ctx)
+	if p := h.bg.Load(); p != nil {
+		bg = klog.NewContext(*p, klog.FromContext(ctx))
+	}
+	h.background.Add(1)
+	go func() {
+		defer h.background.Done()
+		fn(bg)
 	}()
 }
 
@@ -492,8 +502,8 @@ func transient(err error) bool {
 	return errors.Is(err, errdefs.ErrAborted) || errors.Is(err, errdefs.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)
 }
 
-// wait waits for the releases under way.
-func (h *Hook) wait() { h.releases.Wait() }
+// wait waits for the work under way after its event (later).
+func (h *Hook) wait() { h.background.Wait() }
 
 // claimsOf reads the hook's annotation of a container and keeps only
 // what the runtime's view of the container backs: targets below its own
@@ -587,10 +597,17 @@ func (h *Hook) runtimeSays(requestTimeout time.Duration) {
 }
 
 // Synchronize runs when the hook (re)registers: the guard starts (targets
-// left bound to a dead one are re-armed), the plugin re-learns the claims
-// of every container the runtime has (with its namespace when it runs)
-// and forgets those of containers that are gone. Until it returns, the
-// runtime creates no container.
+// left bound to a dead one are re-armed), the plugin forgets the claims of
+// containers that are gone and re-learns those of every container the
+// runtime has (with its namespace when it runs). The runtime creates no
+// container until Synchronize returns, and drops the hook when it takes
+// longer than its request timeout, so only the guard and the forgetting
+// happen before the answer: the re-learning, a call per claim that may
+// wait on a busy volume, goes on after it, several at a time. A container
+// that stops meanwhile is released after its claim was re-learned, or its
+// claim is not re-learned (the plugin cannot name a dead process's
+// namespace), or it names a namespace that is gone, which the plugin's
+// reconciler drops.
 func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	if err := h.startGuard(ctx); err != nil {
 		return nil, err
@@ -600,29 +617,57 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 		podOf[p.GetId()] = p
 	}
 	ids := make([]string, 0, len(ctrs))
-	var errs []error
+	var claims []Claim
 	for _, ctr := range ctrs {
 		ids = append(ids, ctr.GetId())
 		for _, c := range h.claimsOf(ctx, podOf[ctr.GetPodSandboxId()], ctr) {
 			if ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
 				c.PID = int(ctr.GetPid())
 			}
-			if err := h.prepareAgain(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-				errs = append(errs, fmt.Errorf("container %s, volume %s: %w", ctr.GetId(), c.VolumeID, err))
-			}
+			claims = append(claims, c)
 		}
 	}
-	if err := h.volumes.Sync(ctx, ids); err != nil {
-		errs = append(errs, err)
+	bounded, cancel := h.bounded(ctx)
+	defer cancel()
+	if err := h.volumes.Sync(bounded, ids); err != nil {
+		// Not fatal: the next registration forgets them.
+		klog.FromContext(ctx).Error(err, "Having the plugin forget the claims of containers that are gone")
 	}
+	klog.FromContext(ctx).Info("Synchronized with the runtime", "pods", len(pods), "containers", len(ctrs), "claims", len(claims))
+	if len(claims) > 0 {
+		h.later(ctx, func(ctx context.Context) { h.relearn(ctx, claims) })
+	}
+	return nil, nil
+}
+
+// relearn has the plugin re-learn claims, syncWorkers at a time.
+func (h *Hook) relearn(ctx context.Context, claims []Claim) {
+	var g errgroup.Group
+	g.SetLimit(syncWorkers)
+	var mu sync.Mutex
+	var errs []error
+	for _, c := range claims {
+		g.Go(func() error {
+			if err := h.prepareAgain(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("container %s, volume %s: %w", c.ContainerID, c.VolumeID, err))
+				mu.Unlock()
+			}
+			return nil
+		})
+	}
+	_ = g.Wait()
 	if err := errors.Join(errs...); err != nil {
 		// Not fatal: the claims that were restored are; the rest are
 		// retried at the next registration.
-		klog.FromContext(ctx).Error(err, "Synchronizing container claims")
+		klog.FromContext(ctx).Error(err, "Re-learning container claims")
 	}
-	klog.FromContext(ctx).Info("Synchronized with the runtime", "pods", len(pods), "containers", len(ctrs))
-	return nil, nil
+	klog.FromContext(ctx).V(2).Info("Re-learned container claims", "claims", len(claims), "failed", len(errs))
 }
+
+// syncWorkers is how many claims relearn asks about at once: the plugin
+// serves calls concurrently (one lock per volume).
+const syncWorkers = 8
 
 // prepareAgain has the plugin re-learn a running container's claim. A
 // volume busy with other work (Aborted: the plugin's reconcile, which a

@@ -3,9 +3,11 @@ package nri
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 
@@ -64,8 +66,85 @@ func TestSynchronizeRetriesBusyVolumes(t *testing.T) {
 	if _, err := h.Synchronize(ctx, []*nriapi.PodSandbox{pod}, []*nriapi.Container{ctr}); err != nil {
 		t.Fatal(err)
 	}
+	h.wait()
 	got := vols.preparedFor(target)
 	if len(got) != 4 || got[3].PID != 4242 || got[3].ContainerID != "ctr" {
 		t.Errorf("Synchronize asked the plugin %d times (%+v), want 3 busy answers and then the claim with the container's PID", len(got), got)
+	}
+}
+
+// gatedVolumes holds every Prepare until gate closes, and records Sync.
+type gatedVolumes struct {
+	hostileVolumes
+	gate   chan struct{}
+	synced []string
+}
+
+func (g *gatedVolumes) Prepare(ctx context.Context, c Claim) (string, []plan.Mount, error) {
+	select {
+	case <-g.gate:
+	case <-ctx.Done():
+		return "", nil, ctx.Err()
+	}
+	return g.hostileVolumes.Prepare(ctx, c)
+}
+
+func (g *gatedVolumes) Sync(_ context.Context, ids []string) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.synced = ids
+	return nil
+}
+
+// TestSynchronizeAnswersBeforeRelearning: the runtime creates no
+// container until Synchronize returns and drops a hook that overruns its
+// timeout, so Synchronize answers once the guard runs and the plugin has
+// forgotten the containers that are gone, while the plugin has not yet
+// answered the re-learning of the running containers' claims, which then
+// completes, each claim with its container's PID.
+func TestSynchronizeAnswersBeforeRelearning(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
+	dir := mountnstest.Scratch(t)
+	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	pod := &nriapi.PodSandbox{Id: "sandbox", Uid: "uid-pod", Name: "p", Namespace: "ns"}
+	vols := &gatedVolumes{gate: make(chan struct{}), hostileVolumes: hostileVolumes{byTarget: map[string][]plan.Mount{}}}
+	var ctrs []*nriapi.Container
+	for i := range 20 {
+		target := podTarget(kubelet, "uid-pod", fmt.Sprintf("pv-%d", i))
+		if err := os.MkdirAll(target, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		vols.byTarget[target] = []plan.Mount{{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}}
+		claims, _ := json.Marshal([]Claim{{VolumeID: fmt.Sprint("vol-", i), Target: target, Destination: "/data"}})
+		ctrs = append(ctrs, &nriapi.Container{Id: fmt.Sprint("ctr-", i), PodSandboxId: pod.Id, State: nriapi.ContainerState_CONTAINER_RUNNING,
+			Pid: uint32(1000 + i), Annotations: map[string]string{Annotation: string(claims)}})
+	}
+	if err := os.MkdirAll(state, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	h := NewHook(vols, &hostileMounter{}, state, kubelet)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second) // the runtime's deadline
+	defer cancel()
+	t.Cleanup(func() { h.stopGuard(context.Background()) })
+	if _, err := h.Synchronize(ctx, []*nriapi.PodSandbox{pod}, ctrs); err != nil {
+		t.Fatal(err)
+	}
+	if ctx.Err() != nil {
+		t.Fatal("Synchronize waited for the re-learning past the runtime's deadline")
+	}
+	vols.mu.Lock()
+	synced, prepared := len(vols.synced), len(vols.prepared)
+	vols.mu.Unlock()
+	if synced != len(ctrs) || prepared != 0 {
+		t.Fatalf("at the answer: Sync of %d containers, %d claims re-learned; want %d and 0", synced, prepared, len(ctrs))
+	}
+	close(vols.gate)
+	h.wait()
+	for i, ctr := range ctrs {
+		got := vols.preparedFor(podTarget(kubelet, "uid-pod", fmt.Sprintf("pv-%d", i)))
+		if len(got) != 1 || got[0].PID != int(ctr.Pid) || got[0].ContainerID != ctr.Id {
+			t.Errorf("container %s: re-learned %+v, want its claim once with PID %d", ctr.Id, got, ctr.Pid)
+		}
 	}
 }
