@@ -106,9 +106,10 @@ func benchPodStartup(t *testing.T, e *env) {
 	e.keepBenchLogs(t, filepath.Join(dir, "logs"))
 }
 
-// keepBenchLogs copies each node's containerd log and the logs of
-// mountplan's pods there (what a round's Warning events need explaining
-// by) to dir/<node>: a passing run removes the cluster's directory.
+// keepBenchLogs copies each node's logs (containerd's and kubelet's, and
+// on the first node the control plane's) and the logs of mountplan's pods
+// there (what a round's Warning events and waits need explaining by) to
+// dir/<node>: a passing run removes the cluster's directory.
 func (e *env) keepBenchLogs(t *testing.T, dir string) {
 	t.Helper()
 	_ = os.RemoveAll(dir)
@@ -117,12 +118,16 @@ func (e *env) keepBenchLogs(t *testing.T, dir string) {
 		if err := os.MkdirAll(to, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		out, err := exec.Command("cp", "-r", n.cfg.path("logs", "containerd.log"), n.cfg.path("logs", "pods"), to).CombinedOutput()
+		logs, err := filepath.Glob(n.cfg.path("logs", "*.log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := exec.Command("cp", append(append([]string{"-r"}, logs...), n.cfg.path("logs", "pods"), to)...).CombinedOutput()
 		if err != nil {
 			t.Errorf("keeping %s's logs: %v: %s", n.cfg.name(), err, out)
 		}
 	}
-	t.Logf("each node's containerd log and mountplan's pods' logs: %s", dir)
+	t.Logf("each node's logs and mountplan's pods' logs: %s", dir)
 }
 
 // benchRound runs one mode.

@@ -263,7 +263,12 @@ func (n *node) components() []component {
 		{name: "kube-controller-manager", argv: []string{c.Bin["kube-controller-manager"],
 			"--kubeconfig=" + pki("controller-manager.kubeconfig"), "--leader-elect=false", "--secure-port=0",
 			"--service-account-private-key-file=" + pki("sa.key"), "--root-ca-file=" + pki("ca.crt"), "--use-service-account-credentials=true",
-			"--controllers=*,-nodeipam", "--profiling=false"}},
+			"--controllers=*,-nodeipam", "--profiling=false",
+			// Its client's default limits (20 requests a second, bursts of
+			// 30) made the volume controller bind 90 new claims at about
+			// four a second, in order: a claim waited up to 8.5 s between
+			// its volume's creation and its binding (bench-cluster).
+			"--kube-api-qps=200", "--kube-api-burst=400"}},
 		// external-snapshotter's common controller, with each node's
 		// csi-snapshotter (the chart's, --node-deployment) taking its own
 		// volumes' snapshots. It waits for the snapshot CRDs, which the test
@@ -271,7 +276,11 @@ func (n *node) components() []component {
 		{name: "snapshot-controller", argv: []string{c.Bin["snapshot-controller"],
 			"--kubeconfig=" + pki("admin.kubeconfig"), "--enable-distributed-snapshotting", "--retry-crd-interval-max=5m"}},
 		{name: "kube-scheduler", argv: []string{c.Bin["kube-scheduler"],
-			"--kubeconfig=" + pki("scheduler.kubeconfig"), "--leader-elect=false", "--secure-port=0", "--profiling=false"}},
+			// -v=2: each pod's binding, with its time, in the log
+			// bench-cluster keeps.
+			"--kubeconfig=" + pki("scheduler.kubeconfig"), "--leader-elect=false", "--secure-port=0", "--profiling=false", "--v=2",
+			// As the controller manager's: 90 pods bound at once.
+			"--kube-api-qps=200", "--kube-api-burst=400"}},
 	}, runtime...)
 }
 
