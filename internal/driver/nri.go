@@ -327,6 +327,12 @@ func (d *Driver) NodeSyncContainers(ctx context.Context, req *api.NodeSyncContai
 		if !slices.ContainsFunc(listed.Consumers, gone) {
 			continue
 		}
+		// The list is the runtime's as the hook sent it: once the hook
+		// has given up on this call (and registers again), a container
+		// created since would lose its claim to it.
+		if err := ctx.Err(); err != nil {
+			return &api.NodeSyncContainersResponse{Released: released}, errors.Join(append(errs, err)...)
+		}
 		n, err := d.releaseClaims(ctx, listed.ID, gone)
 		released += n
 		errs = append(errs, err)

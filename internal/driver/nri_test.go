@@ -9,8 +9,11 @@ import (
 	"google.golang.org/grpc/codes"
 
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
+	"github.com/mountplan/mountplan/pkg/plan"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/journal"
+	"github.com/mountplan/mountplan/internal/model"
 )
 
 func TestParseNRIAndMountGroup(t *testing.T) {
@@ -86,5 +89,49 @@ func TestNRIBadInput(t *testing.T) {
 		if got := errdefs.Code(tc.call()); got != tc.want {
 			t.Errorf("%s: got %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// NodeSyncContainers releases the claims of containers the runtime no
+// longer has, and stops once its caller gave up: the list it was given
+// may no longer hold every live container (the hook registers again and
+// sends a new one).
+func TestNodeSyncContainersStopsWhenTheCallerGivesUp(t *testing.T) {
+	d, _ := newTestDriver(t)
+	put := func() {
+		t.Helper()
+		if err := d.records.Put(&model.Volume{ID: "synced", Kind: model.KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
+			Consumers: []model.Claim{{Consumer: plan.Consumer{ContainerID: "live", MountPoint: "/a"}},
+				{Consumer: plan.Consumer{ContainerID: "gone", MountPoint: "/b"}}}}, journal.Runtime); err != nil {
+			t.Fatal(err)
+		}
+	}
+	containers := func() []string {
+		t.Helper()
+		v, err := d.records.Get("synced")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, c := range v.Consumers {
+			ids = append(ids, c.ContainerID)
+		}
+		return ids
+	}
+	put()
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := d.NodeSyncContainers(cancelled, &api.NodeSyncContainersRequest{ContainerIds: []string{"live"}}); err == nil {
+		t.Error("a sync whose caller gave up answered no error")
+	}
+	if got := containers(); len(got) != 2 {
+		t.Errorf("a sync whose caller gave up released claims: consumers now %v", got)
+	}
+	resp, err := d.NodeSyncContainers(context.Background(), &api.NodeSyncContainersRequest{ContainerIds: []string{"live"}})
+	if err != nil || resp.GetReleased() != 1 {
+		t.Fatalf("sync = %v, %v; want 1 released", resp, err)
+	}
+	if got := containers(); len(got) != 1 || got[0] != "live" {
+		t.Errorf("consumers after the sync %v, want [live]", got)
 	}
 }

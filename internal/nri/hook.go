@@ -132,6 +132,10 @@ type Hook struct {
 	// under: Run's context, so that it ends with it.
 	background sync.WaitGroup
 	bg         atomic.Pointer[context.Context]
+	// closed: Run has ended, and no more background work starts (an
+	// event the runtime still had in flight may come after).
+	closedMu sync.Mutex
+	closed   bool
 
 	// Guards records the guard's mount point with the mounter, whose
 	// checks of bind sources then let NRI-mode publishes bind it. NewHook
@@ -195,10 +199,13 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 			continue
 		}
 		c := Claim{Target: target, SubPath: sub, Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId(), Pod: podRef(pod, ctr)}
-		if err := h.claimMount(ctx, adj, &c); err != nil {
+		err = h.claimMount(ctx, adj, &c)
+		if c.VolumeID != "" {
+			claims = append(claims, c) // prepared: released if the creation fails
+		}
+		if err != nil {
 			return nil, nil, err
 		}
-		claims = append(claims, c)
 	}
 	for _, d := range ctr.GetLinux().GetDevices() {
 		if d.GetType() != "b" || hostDevice(d) {
@@ -207,11 +214,11 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId(),
 			ReadOnly: !writable(ctr, d), Pod: podRef(pod, ctr)}
 		ours, err := h.claimDevice(ctx, adj, &c, d)
+		if ours && c.VolumeID != "" {
+			claims = append(claims, c)
+		}
 		if err != nil {
 			return nil, nil, err
-		}
-		if ours {
-			claims = append(claims, c)
 		}
 	}
 	if len(claims) == 0 {
@@ -447,7 +454,8 @@ func (h *Hook) RemoveContainer(ctx context.Context, _ *nriapi.PodSandbox, ctr *n
 // and the runtime then dropped the hook, failing every container it was
 // about to create with the guard in place of its volume. A volume busy
 // with other work (Aborted) or a plugin that does not answer is asked
-// again, within releaseBudget.
+// again, for about 13 s (periodic.Retry's doubling pauses up to 10 s),
+// within releaseBudget.
 func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Claim) {
 	if !slices.ContainsFunc(claims, func(c Claim) bool { return c.VolumeID != "" }) {
 		return
@@ -489,11 +497,24 @@ func (h *Hook) later(ctx context.Context, fn func(context.Context)) {
 	if p := h.bg.Load(); p != nil {
 		bg = klog.NewContext(*p, klog.FromContext(ctx))
 	}
+	h.closedMu.Lock()
+	defer h.closedMu.Unlock()
+	if h.closed {
+		return
+	}
 	h.background.Add(1)
 	go func() {
 		defer h.background.Done()
 		fn(bg)
 	}()
+}
+
+// close waits for the background work and starts no more.
+func (h *Hook) close() {
+	h.closedMu.Lock()
+	h.closed = true
+	h.closedMu.Unlock()
+	h.background.Wait()
 }
 
 // transient: an answer another try may change (a volume busy with other
@@ -502,7 +523,7 @@ func transient(err error) bool {
 	return errors.Is(err, errdefs.ErrAborted) || errors.Is(err, errdefs.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)
 }
 
-// wait waits for the work under way after its event (later).
+// wait waits for the work under way after its event (later); tests.
 func (h *Hook) wait() { h.background.Wait() }
 
 // claimsOf reads the hook's annotation of a container and keeps only
@@ -598,16 +619,18 @@ func (h *Hook) runtimeSays(requestTimeout time.Duration) {
 
 // Synchronize runs when the hook (re)registers: the guard starts (targets
 // left bound to a dead one are re-armed), the plugin forgets the claims of
-// containers that are gone and re-learns those of every container the
-// runtime has (with its namespace when it runs). The runtime creates no
-// container until Synchronize returns, and drops the hook when it takes
-// longer than its request timeout, so only the guard and the forgetting
-// happen before the answer: the re-learning, a call per claim that may
-// wait on a busy volume, goes on after it, several at a time. A container
-// that stops meanwhile is released after its claim was re-learned, or its
-// claim is not re-learned (the plugin cannot name a dead process's
-// namespace), or it names a namespace that is gone, which the plugin's
-// reconciler drops.
+// containers that are gone and re-learns those of every running container
+// with its namespace. The runtime creates no container until Synchronize
+// returns, and drops the hook when it takes longer than its request
+// timeout, so only the guard and the forgetting happen before the answer;
+// a forgetting that overruns the hook's bound fails the registration (the
+// plugin may still be at it with this list). The re-learning, a call per
+// claim that may wait on a busy volume, goes on after the answer, several
+// at a time. A container that stops meanwhile is released after its claim
+// was re-learned, or its claim is not re-learned (the plugin cannot name a
+// dead process's namespace), or it names a namespace that is gone, which
+// the plugin's reconciler drops. A container not started is not
+// re-learned: it tells its claims, with its namespace, at StartContainer.
 func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs []*nriapi.Container) ([]*nriapi.ContainerUpdate, error) {
 	if err := h.startGuard(ctx); err != nil {
 		return nil, err
@@ -620,17 +643,29 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 	var claims []Claim
 	for _, ctr := range ctrs {
 		ids = append(ids, ctr.GetId())
+		if ctr.GetState() != nriapi.ContainerState_CONTAINER_RUNNING || ctr.GetPid() == 0 {
+			// Not re-learned: a container that has not started tells the
+			// plugin its claims, with its namespace, at StartContainer;
+			// re-learned without one after its removal's release, a claim
+			// would hold the volume until the next registration.
+			continue
+		}
 		for _, c := range h.claimsOf(ctx, podOf[ctr.GetPodSandboxId()], ctr) {
-			if ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
-				c.PID = int(ctr.GetPid())
-			}
+			c.PID = int(ctr.GetPid())
 			claims = append(claims, c)
 		}
 	}
 	bounded, cancel := h.bounded(ctx)
 	defer cancel()
-	if err := h.volumes.Sync(bounded, ids); err != nil {
-		// Not fatal: the next registration forgets them.
+	if err := h.volumes.Sync(bounded, ids); bounded.Err() != nil {
+		// The plugin may still be at it, with this list: a container
+		// created once this returns would lose its claim to it. Failing
+		// the registration keeps the runtime from creating any (it drops
+		// the hook, which registers again after a pause).
+		return nil, fmt.Errorf("having the plugin forget the claims of containers that are gone: %w", errors.Join(err, bounded.Err()))
+	} else if err != nil {
+		// Not fatal (a volume busy with other work): the next
+		// registration forgets them.
 		klog.FromContext(ctx).Error(err, "Having the plugin forget the claims of containers that are gone")
 	}
 	klog.FromContext(ctx).Info("Synchronized with the runtime", "pods", len(pods), "containers", len(ctrs), "claims", len(claims))
@@ -648,6 +683,8 @@ func (h *Hook) relearn(ctx context.Context, claims []Claim) {
 	var errs []error
 	for _, c := range claims {
 		g.Go(func() error {
+			ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
 			if err := h.prepareAgain(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 				mu.Lock()
 				errs = append(errs, fmt.Errorf("container %s, volume %s: %w", c.ContainerID, c.VolumeID, err))

@@ -162,3 +162,18 @@ func TestTimeoutFollowsTheRuntime(t *testing.T) {
 		t.Errorf("set to %v: %v", h.Timeout, got)
 	}
 }
+
+// Once Run has ended (close), an event the runtime still had in flight
+// starts no background work.
+func TestNoBackgroundWorkAfterClose(t *testing.T) {
+	f := &fakeVolumes{}
+	h := NewHook(f, nil, "", "")
+	h.close()
+	if _, err := h.StopContainer(context.Background(), nil, annotated(t, "c1", Claim{VolumeID: "v1"})); err != nil {
+		t.Fatal(err)
+	}
+	h.wait()
+	if got := f.releases(); len(got) != 0 {
+		t.Errorf("released %+v after close", got)
+	}
+}

@@ -28,7 +28,7 @@ func Run(ctx context.Context, socket string, h *Hook) error {
 	logger := klog.FromContext(ctx).WithValues("nriSocket", socket)
 	ctx = klog.NewContext(ctx, logger)
 	h.bg.Store(&ctx)
-	defer h.wait()
+	defer h.close()
 	reconnect(ctx, periodic.Backoff(time.Second, 10*time.Second), func(ctx context.Context) bool {
 		registered, err := runOnce(ctx, socket, h)
 		h.stopGuard(ctx)

@@ -3,6 +3,7 @@ package nri
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -120,6 +121,16 @@ func TestSynchronizeAnswersBeforeRelearning(t *testing.T) {
 		ctrs = append(ctrs, &nriapi.Container{Id: fmt.Sprint("ctr-", i), PodSandboxId: pod.Id, State: nriapi.ContainerState_CONTAINER_RUNNING,
 			Pid: uint32(1000 + i), Annotations: map[string]string{Annotation: string(claims)}})
 	}
+	// A container created and not started: its claims are told at its
+	// StartContainer, never re-learned without a namespace.
+	created := podTarget(kubelet, "uid-pod", "pv-created")
+	if err := os.MkdirAll(created, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	vols.byTarget[created] = []plan.Mount{{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}}
+	claims, _ := json.Marshal([]Claim{{VolumeID: "vol-created", Target: created, Destination: "/data"}})
+	allCtrs := append(ctrs, &nriapi.Container{Id: "ctr-created", PodSandboxId: pod.Id, State: nriapi.ContainerState_CONTAINER_CREATED,
+		Annotations: map[string]string{Annotation: string(claims)}})
 	if err := os.MkdirAll(state, 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -127,7 +138,7 @@ func TestSynchronizeAnswersBeforeRelearning(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second) // the runtime's deadline
 	defer cancel()
 	t.Cleanup(func() { h.stopGuard(context.Background()) })
-	if _, err := h.Synchronize(ctx, []*nriapi.PodSandbox{pod}, ctrs); err != nil {
+	if _, err := h.Synchronize(ctx, []*nriapi.PodSandbox{pod}, allCtrs); err != nil {
 		t.Fatal(err)
 	}
 	if ctx.Err() != nil {
@@ -136,15 +147,103 @@ func TestSynchronizeAnswersBeforeRelearning(t *testing.T) {
 	vols.mu.Lock()
 	synced, prepared := len(vols.synced), len(vols.prepared)
 	vols.mu.Unlock()
-	if synced != len(ctrs) || prepared != 0 {
-		t.Fatalf("at the answer: Sync of %d containers, %d claims re-learned; want %d and 0", synced, prepared, len(ctrs))
+	if synced != len(allCtrs) || prepared != 0 {
+		t.Fatalf("at the answer: Sync of %d containers, %d claims re-learned; want %d and 0", synced, prepared, len(allCtrs))
 	}
+	<-ctx.Done() // the event's context ends: the re-learning goes on
 	close(vols.gate)
 	h.wait()
+	if got := vols.preparedFor(created); len(got) != 0 {
+		t.Errorf("the claim of a container not started was re-learned: %+v", got)
+	}
 	for i, ctr := range ctrs {
 		got := vols.preparedFor(podTarget(kubelet, "uid-pod", fmt.Sprintf("pv-%d", i)))
 		if len(got) != 1 || got[0].PID != int(ctr.Pid) || got[0].ContainerID != ctr.Id {
 			t.Errorf("container %s: re-learned %+v, want its claim once with PID %d", ctr.Id, got, ctr.Pid)
 		}
+	}
+}
+
+// slowSync answers Sync only when its caller gives up.
+type slowSync struct{ hostileVolumes }
+
+func (s *slowSync) Sync(ctx context.Context, _ []string) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestSynchronizeFailsWhenSyncOverruns: a Sync the plugin has not
+// finished when the hook's bound runs out may still be releasing claims
+// with the runtime's old list, so Synchronize fails the registration
+// rather than let the runtime create containers meanwhile.
+func TestSynchronizeFailsWhenSyncOverruns(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
+	dir := mountnstest.Scratch(t)
+	state := filepath.Join(dir, "state")
+	if err := os.MkdirAll(state, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	h := NewHook(&slowSync{}, &hostileMounter{}, state, filepath.Join(dir, "kubelet"))
+	h.Timeout = 100 * time.Millisecond
+	t.Cleanup(func() { h.stopGuard(context.Background()) })
+	if _, err := h.Synchronize(context.Background(), nil, nil); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Synchronize with a Sync that overran = %v, want DeadlineExceeded", err)
+	}
+}
+
+// releasingVolumes records releases as well as prepares.
+type releasingVolumes struct {
+	hostileVolumes
+	released []Claim
+}
+
+func (r *releasingVolumes) Release(_ context.Context, c Claim) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.released = append(r.released, c)
+	return nil
+}
+
+// TestFailedCreationReleasesWhatItPrepared: a container's creation that
+// fails after the plugin prepared one of its volumes (a plan the runtime
+// cannot perform at that destination) releases that claim: left behind,
+// it would keep the volume from being unstaged.
+func TestFailedCreationReleasesWhatItPrepared(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
+	dir := mountnstest.Scratch(t)
+	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	target := podTarget(kubelet, "uid-pod", "pv")
+	for _, d := range []string{state, target} {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A device bind is no plan for a mount destination: ociMounts refuses.
+	vols := &releasingVolumes{hostileVolumes: hostileVolumes{byTarget: map[string][]plan.Mount{
+		target: {{Type: plan.TypeBind, Source: "/dev/loop7", Options: []string{"nosuid"}}},
+	}}}
+	h := NewHook(vols, &hostileMounter{}, state, kubelet)
+	ctx := context.Background()
+	if _, err := h.Synchronize(ctx, nil, nil); err != nil { // starts the guard
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.stopGuard(ctx) })
+	bindGuard(t, state, target)
+	pod := &nriapi.PodSandbox{Id: "sandbox", Uid: "uid-pod", Name: "p", Namespace: "ns"}
+	ctr := &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",
+		Mounts: []*nriapi.Mount{{Source: target, Destination: "/data", Type: "bind", Options: []string{"rbind", "rw"}}}}
+	if _, _, err := h.CreateContainer(ctx, pod, ctr); err == nil {
+		t.Fatal("CreateContainer with a plan the runtime cannot perform succeeded")
+	}
+	if got := vols.preparedFor(target); len(got) != 1 {
+		t.Fatalf("prepared %+v, want the claim once", got)
+	}
+	h.wait()
+	vols.mu.Lock()
+	defer vols.mu.Unlock()
+	if len(vols.released) != 1 || vols.released[0].ContainerID != "ctr" || vols.released[0].VolumeID != "vol:"+target {
+		t.Errorf("released %+v, want the prepared claim of ctr", vols.released)
 	}
 }
