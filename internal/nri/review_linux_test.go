@@ -24,7 +24,6 @@ import (
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/mountns/mountnstest"
 	"github.com/mountplan/mountplan/internal/nri/guard"
-	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -178,26 +177,16 @@ func bindGuard(t *testing.T, stateDir, target string) {
 // guard. Secure: the hook refuses (PermissionDenied) or leaves the bind as
 // it is, and pod B's volume is not prepared for it.
 func TestReview2CreateContainerOtherPodsTarget(t *testing.T) {
-	mountnstest.RequireRoot(t)
-	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
-	dir := mountnstest.Scratch(t)
-	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	state, kubelet := hookDirs(t)
 	targetA, targetB := podTarget(kubelet, "uid-pod-a", "pv-a"), podTarget(kubelet, "uid-pod-b", "pv-b")
-	for _, d := range []string{state, targetA, targetB} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
+	mkdirs(t, targetA, targetB)
 	vols := &hostileVolumes{byTarget: map[string][]plan.Mount{
 		targetA: {{Type: "tmpfs", Source: "vol-a", Options: []string{"nosuid", "nodev"}}},
 		targetB: {{Type: "tmpfs", Source: "vol-b", Options: []string{"nosuid", "nodev"}}},
 	}}
 	h := NewHook(vols, &hostileMounter{}, state, kubelet)
 	ctx := context.Background()
-	if _, err := h.Synchronize(ctx, nil, nil); err != nil { // starts the guard
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.stopGuard(ctx) })
+	startGuard(t, h)
 	bindGuard(t, state, targetA)
 	bindGuard(t, state, targetB)
 
@@ -338,23 +327,13 @@ func (s *slowVolumes) Prepare(ctx context.Context, _ Claim) (string, []plan.Moun
 // adjustment, on the guard. The hook now gives up first, with an error
 // that fails the container's creation.
 func TestReviewHookTimeout(t *testing.T) {
-	mountnstest.RequireRoot(t)
-	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
-	dir := mountnstest.Scratch(t)
-	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	state, kubelet := hookDirs(t)
 	target := podTarget(kubelet, "uid-pod-a", "pv-a")
-	for _, d := range []string{state, target} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
+	mkdirs(t, target)
 	h := NewHook(&slowVolumes{}, &hostileMounter{}, state, kubelet)
 	h.Timeout = 100 * time.Millisecond
 	ctx := context.Background()
-	if _, err := h.Synchronize(ctx, nil, nil); err != nil { // starts the guard
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.stopGuard(ctx) })
+	startGuard(t, h)
 	bindGuard(t, state, target)
 	pod := &nriapi.PodSandbox{Id: "sandbox-a", Uid: "uid-pod-a", Name: "a", Namespace: "tenant-a"}
 	ctr := &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",

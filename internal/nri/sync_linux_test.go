@@ -44,16 +44,9 @@ func (b *busyVolumes) Prepare(ctx context.Context, c Claim) (string, []plan.Moun
 // else would tell the plugin its namespace (TestNRIMounterKilled saw the
 // claim left without one).
 func TestSynchronizeRetriesBusyVolumes(t *testing.T) {
-	mountnstest.RequireRoot(t)
-	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
-	dir := mountnstest.Scratch(t)
-	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	state, kubelet := hookDirs(t)
 	target := podTarget(kubelet, "uid-pod", "pv")
-	for _, d := range []string{state, target} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
+	mkdirs(t, target)
 	vols := &busyVolumes{busy: 3, hostileVolumes: hostileVolumes{byTarget: map[string][]plan.Mount{
 		target: {{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}},
 	}}}
@@ -104,18 +97,13 @@ func (g *gatedVolumes) Sync(_ context.Context, ids []string) error {
 // answered the re-learning of the running containers' claims, which then
 // completes, each claim with its container's PID.
 func TestSynchronizeAnswersBeforeRelearning(t *testing.T) {
-	mountnstest.RequireRoot(t)
-	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
-	dir := mountnstest.Scratch(t)
-	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	state, kubelet := hookDirs(t)
 	pod := &nriapi.PodSandbox{Id: "sandbox", Uid: "uid-pod", Name: "p", Namespace: "ns"}
 	vols := &gatedVolumes{gate: make(chan struct{}), hostileVolumes: hostileVolumes{byTarget: map[string][]plan.Mount{}}}
 	var ctrs []*nriapi.Container
 	for i := range 20 {
 		target := podTarget(kubelet, "uid-pod", fmt.Sprintf("pv-%d", i))
-		if err := os.MkdirAll(target, 0o750); err != nil {
-			t.Fatal(err)
-		}
+		mkdirs(t, target)
 		vols.byTarget[target] = []plan.Mount{{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}}
 		claims, _ := json.Marshal([]Claim{{VolumeID: fmt.Sprint("vol-", i), Target: target, Destination: "/data"}})
 		ctrs = append(ctrs, &nriapi.Container{Id: fmt.Sprint("ctr-", i), PodSandboxId: pod.Id, State: nriapi.ContainerState_CONTAINER_RUNNING,
@@ -124,16 +112,11 @@ func TestSynchronizeAnswersBeforeRelearning(t *testing.T) {
 	// A container created and not started: its claims are told at its
 	// StartContainer, never re-learned without a namespace.
 	created := podTarget(kubelet, "uid-pod", "pv-created")
-	if err := os.MkdirAll(created, 0o750); err != nil {
-		t.Fatal(err)
-	}
+	mkdirs(t, created)
 	vols.byTarget[created] = []plan.Mount{{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}}
 	claims, _ := json.Marshal([]Claim{{VolumeID: "vol-created", Target: created, Destination: "/data"}})
 	allCtrs := append(ctrs, &nriapi.Container{Id: "ctr-created", PodSandboxId: pod.Id, State: nriapi.ContainerState_CONTAINER_CREATED,
 		Annotations: map[string]string{Annotation: string(claims)}})
-	if err := os.MkdirAll(state, 0o750); err != nil {
-		t.Fatal(err)
-	}
 	h := NewHook(vols, &hostileMounter{}, state, kubelet)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second) // the runtime's deadline
 	defer cancel()
@@ -177,14 +160,8 @@ func (s *slowSync) Sync(ctx context.Context, _ []string) error {
 // with the runtime's old list, so Synchronize fails the registration
 // rather than let the runtime create containers meanwhile.
 func TestSynchronizeFailsWhenSyncOverruns(t *testing.T) {
-	mountnstest.RequireRoot(t)
-	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
-	dir := mountnstest.Scratch(t)
-	state := filepath.Join(dir, "state")
-	if err := os.MkdirAll(state, 0o750); err != nil {
-		t.Fatal(err)
-	}
-	h := NewHook(&slowSync{}, &hostileMounter{}, state, filepath.Join(dir, "kubelet"))
+	state, kubelet := hookDirs(t)
+	h := NewHook(&slowSync{}, &hostileMounter{}, state, kubelet)
 	h.Timeout = 100 * time.Millisecond
 	t.Cleanup(func() { h.stopGuard(context.Background()) })
 	if _, err := h.Synchronize(context.Background(), nil, nil); !errors.Is(err, context.DeadlineExceeded) {
@@ -210,26 +187,16 @@ func (r *releasingVolumes) Release(_ context.Context, c Claim) error {
 // cannot perform at that destination) releases that claim: left behind,
 // it would keep the volume from being unstaged.
 func TestFailedCreationReleasesWhatItPrepared(t *testing.T) {
-	mountnstest.RequireRoot(t)
-	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
-	dir := mountnstest.Scratch(t)
-	state, kubelet := filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	state, kubelet := hookDirs(t)
 	target := podTarget(kubelet, "uid-pod", "pv")
-	for _, d := range []string{state, target} {
-		if err := os.MkdirAll(d, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
+	mkdirs(t, target)
 	// A device bind is no plan for a mount destination: ociMounts refuses.
 	vols := &releasingVolumes{hostileVolumes: hostileVolumes{byTarget: map[string][]plan.Mount{
 		target: {{Type: plan.TypeBind, Source: "/dev/loop7", Options: []string{"nosuid"}}},
 	}}}
 	h := NewHook(vols, &hostileMounter{}, state, kubelet)
 	ctx := context.Background()
-	if _, err := h.Synchronize(ctx, nil, nil); err != nil { // starts the guard
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.stopGuard(ctx) })
+	startGuard(t, h)
 	bindGuard(t, state, target)
 	pod := &nriapi.PodSandbox{Id: "sandbox", Uid: "uid-pod", Name: "p", Namespace: "ns"}
 	ctr := &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",
@@ -246,4 +213,35 @@ func TestFailedCreationReleasesWhatItPrepared(t *testing.T) {
 	if len(vols.released) != 1 || vols.released[0].ContainerID != "ctr" || vols.released[0].VolumeID != "vol:"+target {
 		t.Errorf("released %+v, want the prepared claim of ctr", vols.released)
 	}
+}
+
+// hookDirs makes a scratch state dir (where the guard lives) and names a
+// kubelet dir beside it, for tests that start the guard (root, FUSE).
+func hookDirs(t *testing.T) (state, kubelet string) {
+	t.Helper()
+	mountnstest.RequireRoot(t)
+	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
+	dir := mountnstest.Scratch(t)
+	state, kubelet = filepath.Join(dir, "state"), filepath.Join(dir, "kubelet")
+	mkdirs(t, state)
+	return state, kubelet
+}
+
+func mkdirs(t *testing.T, dirs ...string) {
+	t.Helper()
+	for _, d := range dirs {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// startGuard starts h's guard, as a registration does (Synchronize), and
+// stops it when the test ends.
+func startGuard(t *testing.T, h *Hook) {
+	t.Helper()
+	if _, err := h.Synchronize(context.Background(), nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.stopGuard(context.Background()) })
 }
