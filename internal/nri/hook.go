@@ -468,20 +468,11 @@ func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Cl
 				continue
 			}
 			c.ContainerID = containerID
-			try := func(ctx context.Context) error {
+			err := askAgain(ctx, 100*time.Millisecond, 10*time.Second, transient, func(ctx context.Context) error {
 				ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 				defer cancel()
 				return h.volumes.Release(ctx, c)
-			}
-			err := try(ctx)
-			if transient(err) {
-				periodic.Retry(ctx, 100*time.Millisecond, 10*time.Second, func(ctx context.Context) error {
-					if err = try(ctx); transient(err) {
-						return err
-					}
-					return nil // done, or an answer another try would not change
-				})
-			}
+			})
 			if err != nil {
 				klog.FromContext(ctx).Error(err, "Releasing a container's claim; the plugin's reconciler or the hook's next registration will",
 					"container", containerID, "volume", c.VolumeID)
@@ -712,13 +703,23 @@ const syncWorkers = 8
 // is asked again, for a few seconds: nothing else would tell the plugin
 // this container's namespace.
 func (h *Hook) prepareAgain(ctx context.Context, c Claim) error {
-	_, _, err := h.volumes.Prepare(ctx, c)
-	if !errors.Is(err, errdefs.ErrAborted) {
+	return askAgain(ctx, 10*time.Millisecond, 2*time.Second, func(err error) bool { return errors.Is(err, errdefs.ErrAborted) },
+		func(ctx context.Context) error {
+			_, _, err := h.volumes.Prepare(ctx, c)
+			return err
+		})
+}
+
+// askAgain calls call, and again while its answer is one another try may
+// change (again), first after first and then twice as long each time up
+// to limit (periodic.Retry). It returns the last answer.
+func askAgain(ctx context.Context, first, limit time.Duration, again func(error) bool, call func(context.Context) error) error {
+	err := call(ctx)
+	if !again(err) {
 		return err
 	}
-	_ = periodic.Retry(ctx, 10*time.Millisecond, 2*time.Second, func(ctx context.Context) error {
-		_, _, err = h.volumes.Prepare(ctx, c)
-		if errors.Is(err, errdefs.ErrAborted) {
+	periodic.Retry(ctx, first, limit, func(ctx context.Context) error {
+		if err = call(ctx); again(err) {
 			return err
 		}
 		return nil // done, or an answer another try would not change
