@@ -98,13 +98,10 @@ func TestNRIBadInput(t *testing.T) {
 // sends a new one).
 func TestNodeSyncContainersStopsWhenTheCallerGivesUp(t *testing.T) {
 	d, _ := newTestDriver(t)
-	put := func() {
-		t.Helper()
-		if err := d.records.Put(&model.Volume{ID: "synced", Kind: model.KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
-			Consumers: []model.Claim{{Consumer: plan.Consumer{ContainerID: "live", MountPoint: "/a"}},
-				{Consumer: plan.Consumer{ContainerID: "gone", MountPoint: "/b"}}}}, journal.Runtime); err != nil {
-			t.Fatal(err)
-		}
+	if err := d.records.Put(&model.Volume{ID: "synced", Kind: model.KindProvisioned, Type: "loop", CapacityBytes: 1 << 20,
+		Consumers: []model.Claim{{Consumer: plan.Consumer{ContainerID: "live", MountPoint: "/a"}},
+			{Consumer: plan.Consumer{ContainerID: "gone", MountPoint: "/b"}}}}, journal.Runtime); err != nil {
+		t.Fatal(err)
 	}
 	containers := func() []string {
 		t.Helper()
@@ -118,7 +115,6 @@ func TestNodeSyncContainersStopsWhenTheCallerGivesUp(t *testing.T) {
 		}
 		return ids
 	}
-	put()
 	cancelled, cancel := context.WithCancel(context.Background())
 	cancel()
 	if _, err := d.NodeSyncContainers(cancelled, &api.NodeSyncContainersRequest{ContainerIds: []string{"live"}}); err == nil {

@@ -157,6 +157,11 @@ const DefaultTimeout = 1500 * time.Millisecond
 // container's namespace gone) or the next Synchronize releases the claim.
 const releaseBudget = time.Minute
 
+// callTimeout bounds one call to the plugin made after its event was
+// answered (a release, a re-learning): one that hangs must not hold the
+// work behind it until Run ends.
+const callTimeout = 10 * time.Second
+
 // NewHook returns a hook; Run registers it with the runtime.
 func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) *Hook {
 	pods := filepath.Join(kubeletDir, "pods")
@@ -469,7 +474,7 @@ func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Cl
 			}
 			c.ContainerID = containerID
 			err := askAgain(ctx, 100*time.Millisecond, 10*time.Second, transient, func(ctx context.Context) error {
-				ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+				ctx, cancel := context.WithTimeout(ctx, callTimeout)
 				defer cancel()
 				return h.volumes.Release(ctx, c)
 			})
@@ -674,7 +679,7 @@ func (h *Hook) relearn(ctx context.Context, claims []Claim) {
 	var errs []error
 	for _, c := range claims {
 		g.Go(func() error {
-			ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			ctx, cancel := context.WithTimeout(ctx, callTimeout)
 			defer cancel()
 			if err := h.prepareAgain(ctx, c); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 				mu.Lock()

@@ -336,8 +336,7 @@ func TestReviewHookTimeout(t *testing.T) {
 	startGuard(t, h)
 	bindGuard(t, state, target)
 	pod := &nriapi.PodSandbox{Id: "sandbox-a", Uid: "uid-pod-a", Name: "a", Namespace: "tenant-a"}
-	ctr := &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",
-		Mounts: []*nriapi.Mount{{Source: target, Destination: "/data", Type: "bind", Options: []string{"rbind", "rw"}}}}
+	ctr := binding(pod, target)
 	adj, _, err := h.CreateContainer(ctx, pod, ctr)
 	if !errors.Is(err, context.DeadlineExceeded) || adj != nil {
 		t.Fatalf("CreateContainer with a plugin that does not answer = %v, %v; want DeadlineExceeded and no adjustment", adj, err)

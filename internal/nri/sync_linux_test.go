@@ -199,8 +199,7 @@ func TestFailedCreationReleasesWhatItPrepared(t *testing.T) {
 	startGuard(t, h)
 	bindGuard(t, state, target)
 	pod := &nriapi.PodSandbox{Id: "sandbox", Uid: "uid-pod", Name: "p", Namespace: "ns"}
-	ctr := &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",
-		Mounts: []*nriapi.Mount{{Source: target, Destination: "/data", Type: "bind", Options: []string{"rbind", "rw"}}}}
+	ctr := binding(pod, target)
 	if _, _, err := h.CreateContainer(ctx, pod, ctr); err == nil {
 		t.Fatal("CreateContainer with a plan the runtime cannot perform succeeded")
 	}
@@ -244,4 +243,11 @@ func startGuard(t *testing.T, h *Hook) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { h.stopGuard(context.Background()) })
+}
+
+// binding is a container "ctr" of pod that binds target at /data, as the
+// runtime hands kubelet's bind of a volume's publish over.
+func binding(pod *nriapi.PodSandbox, target string) *nriapi.Container {
+	return &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",
+		Mounts: []*nriapi.Mount{{Source: target, Destination: "/data", Type: "bind", Options: []string{"rbind", "rw"}}}}
 }
