@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 
 	"github.com/mountplan/mountplan/internal/testenv"
@@ -38,6 +39,7 @@ type report struct {
 	skipped                []string // "pkg Test: reason"
 	shortSkips             int      // skips that -short mode asked for
 	failedPkgs, buildFails int
+	failures               []string // "pkg Test" and the test's own messages, for the recap
 }
 
 func main() {
@@ -82,6 +84,7 @@ func (r *report) add(e event) {
 		case "fail":
 			r.failed++
 			fmt.Fprint(r.out, strings.Join(lines, ""))
+			r.failures = append(r.failures, recap(e.Package, e.Test, lines))
 		case "skip":
 			reason := skipReason(lines)
 			if strings.Contains(reason, testenv.ShortSkip) {
@@ -121,6 +124,42 @@ func skipReason(lines []string) string {
 	return "(no reason given)"
 }
 
+// recapLines and recapWidth bound a failed test's recap: its first
+// messages, each cut short.
+const (
+	recapLines = 12
+	recapWidth = 300
+)
+
+// fileLine starts what t.Error, t.Fatal and t.Log print: "x_test.go:12: ".
+var fileLine = regexp.MustCompile(`^\s+[\w.-]+\.go:\d+: `)
+
+// recap is a failed test's name and the first lines its t.Error, t.Fatal
+// and t.Log calls printed, without what they printed on the lines after
+// (the logs a failing test dumps). The summary repeats it after the counts:
+// a reader of a long run's last lines (a CI log cut short) sees why a test
+// failed, not only the end of the last log it dumped.
+func recap(pkg, test string, lines []string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "failed: %s %s", pkg, test)
+	n := 0
+	for _, l := range lines {
+		if !fileLine.MatchString(l) {
+			continue
+		}
+		if n++; n > recapLines {
+			b.WriteString("\n\t...")
+			break
+		}
+		l = strings.TrimSpace(l)
+		if len(l) > recapWidth {
+			l = l[:recapWidth] + " ..."
+		}
+		b.WriteString("\n\t" + l)
+	}
+	return b.String()
+}
+
 // summary prints the counts and the skips and returns the exit code.
 func (r *report) summary(ci bool) int {
 	fmt.Fprintf(r.out, "\ntests: %d passed, %d failed, %d skipped", r.passed, r.failed, len(r.skipped))
@@ -133,6 +172,9 @@ func (r *report) summary(ci bool) int {
 	fmt.Fprintln(r.out)
 	for _, s := range r.skipped {
 		fmt.Fprintln(r.out, "skipped:", s)
+	}
+	for _, f := range r.failures {
+		fmt.Fprintln(r.out, f)
 	}
 	switch {
 	case r.failed > 0 || r.failedPkgs > 0 || r.buildFails > 0:

@@ -42,7 +42,8 @@ func TestReport(t *testing.T) {
 		out("q", "TestC", "    c_test.go:1: skipping in -short mode (make test-unit): needs root\n"), {Action: "skip", Package: "q", Test: "TestC"},
 	}
 	failing := []event{
-		out("r", "TestD", "    d_test.go:5: the volume was reformatted\n"), out("r", "TestD", "--- FAIL: TestD (0.00s)\n"), {Action: "fail", Package: "r", Test: "TestD"},
+		out("r", "TestD", "    d_test.go:5: the volume was reformatted\n"), out("r", "TestD", "    env_test.go:9: containerd log, last lines:\n"),
+		out("r", "TestD", "        time=x level=info msg=\"Stop CRI service\"\n"), out("r", "TestD", "--- FAIL: TestD (0.00s)\n"), {Action: "fail", Package: "r", Test: "TestD"},
 		out("r", "", "FAIL\n"), out("r", "", "FAIL\tr\t0.2s\n"), {Action: "fail", Package: "r"},
 	}
 	for _, c := range []struct {
@@ -57,7 +58,9 @@ func TestReport(t *testing.T) {
 		{"skip outside CI", false, [][]event{passing, skip}, 0, []string{"1 skipped", "skipped: q TestB: b_test.go:9: skipping: missing prerequisite: /dev/fuse"}, nil},
 		{"skip in CI", true, [][]event{passing, skip}, 1, []string{"CI=true: 1 tests skipped"}, nil},
 		{"short skip in CI", true, [][]event{passing, shortSkip}, 0, []string{"0 skipped, 1 left out by -short"}, []string{"skipped: q TestC"}},
-		{"fail", false, [][]event{passing, failing}, 1, []string{"the volume was reformatted", "FAIL\tr\t0.2s", "1 failed", "1 packages failed"}, nil},
+		{"fail", false, [][]event{passing, failing}, 1, []string{"the volume was reformatted", "FAIL\tr\t0.2s", "1 failed", "1 packages failed",
+			// After the counts: the test's messages again, not the logs it dumped.
+			"1 packages failed (0 did not build)\nfailed: r TestD\n\td_test.go:5: the volume was reformatted\n\tenv_test.go:9: containerd log, last lines:\n"}, nil},
 		{"build fail", false, [][]event{{{Action: "build-output", ImportPath: "s", Output: "s/x.go:1: syntax error\n"}, {Action: "build-fail", ImportPath: "s"}}}, 1, []string{"syntax error", "1 did not build"}, nil},
 	} {
 		var all []event

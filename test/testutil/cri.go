@@ -97,7 +97,11 @@ disabled_plugins = [
   plugin_path = '%[5]s/nri-plugins'
   plugin_config_path = '%[5]s/nri-plugins'
   plugin_registration_timeout = '5s'
-  plugin_request_timeout = '2s'
+  # Not containerd's 2s: the hook's bound follows it (three quarters), and
+  # these tests check what the hook does, not how fast it is on a loaded
+  # CI machine (the hook's speed is make bench-cluster's and the
+  # benchmarks' to measure).
+  plugin_request_timeout = '10s'
 `
 
 // CRITools returns the directory holding containerd, containerd-shim-runc-v2
