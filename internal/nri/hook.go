@@ -113,6 +113,10 @@ type Hook struct {
 	// resolved (the runtime hands over resolved mount sources): only
 	// binds from below it can be targets.
 	podsDirs []string
+	// proc is the host's /proc (the mounter runs in the host's PID
+	// namespace): where a container's process is found when the runtime
+	// gives no PID (pidsOf).
+	proc string
 
 	// Timeout bounds the work of CreateContainer and StartContainer: it
 	// answers with an error (the container fails, kubelet retries) well
@@ -169,7 +173,7 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 	if resolved, err := filepath.EvalSymlinks(pods); err == nil && resolved != pods {
 		dirs = append(dirs, resolved)
 	}
-	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs}
+	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, proc: "/proc"}
 	h.Guards, _ = m.(guard.Recorder)
 	return h
 }
@@ -412,13 +416,22 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 	ctx, cancel := h.bounded(ctx)
 	defer cancel()
 	claims := h.claimsOf(ctx, pod, ctr)
+	if len(claims) == 0 {
+		return nil
+	}
+	pid, pidErr := pidOf(h.proc, ctr)
 	defer func() {
-		if len(claims) > 0 {
-			klog.FromContext(ctx).V(4).Info("Container starts", "container", ctr.GetId(), "pid", ctr.GetPid(), "took", time.Since(start))
-		}
+		klog.FromContext(ctx).V(4).Info("Container starts", "container", ctr.GetId(), "pid", pid, "took", time.Since(start))
 	}()
 	for _, c := range claims {
-		c.PID = int(ctr.GetPid())
+		if pidErr != nil {
+			if c.AtStart {
+				return fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), pidErr)
+			}
+			klog.FromContext(ctx).Error(pidErr, "Recording a started container's namespace", "container", ctr.GetId(), "volume", c.VolumeID)
+			continue
+		}
+		c.PID = pid
 		_, mounts, err := h.volumes.Prepare(ctx, c)
 		if !c.AtStart {
 			if err != nil {
@@ -637,9 +650,16 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 	}
 	ids := make([]string, 0, len(ctrs))
 	var claims []Claim
+	pids, err := pidsOf(h.proc, runningClaimants(ctrs))
+	if err != nil {
+		// Not fatal: the containers without a PID are not re-learned
+		// (their claims stay as the plugin recorded them).
+		klog.FromContext(ctx).Error(err, "Finding the processes of containers the runtime gave no PID")
+	}
 	for _, ctr := range ctrs {
 		ids = append(ids, ctr.GetId())
-		if ctr.GetState() != nriapi.ContainerState_CONTAINER_RUNNING || ctr.GetPid() == 0 {
+		pid := pids[ctr.GetId()]
+		if ctr.GetState() != nriapi.ContainerState_CONTAINER_RUNNING || pid == 0 {
 			// Not re-learned: a container that has not started tells the
 			// plugin its claims, with its namespace, at StartContainer;
 			// re-learned without one after its removal's release, a claim
@@ -647,7 +667,7 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 			continue
 		}
 		for _, c := range h.claimsOf(ctx, podOf[ctr.GetPodSandboxId()], ctr) {
-			c.PID = int(ctr.GetPid())
+			c.PID = pid
 			claims = append(claims, c)
 		}
 	}
@@ -669,6 +689,18 @@ func (h *Hook) Synchronize(ctx context.Context, pods []*nriapi.PodSandbox, ctrs 
 		h.later(ctx, func(ctx context.Context) { h.relearn(ctx, claims) })
 	}
 	return nil, nil
+}
+
+// runningClaimants are the running containers with a claim of the hook's:
+// the ones whose process Synchronize needs.
+func runningClaimants(ctrs []*nriapi.Container) []*nriapi.Container {
+	var out []*nriapi.Container
+	for _, ctr := range ctrs {
+		if _, ok := ctr.GetAnnotations()[Annotation]; ok && ctr.GetState() == nriapi.ContainerState_CONTAINER_RUNNING {
+			out = append(out, ctr)
+		}
+	}
+	return out
 }
 
 // relearn has the plugin re-learn claims, syncWorkers at a time.
