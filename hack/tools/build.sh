@@ -23,7 +23,9 @@ export GOCACHE="$cache/go-build" GOFLAGS="-trimpath" CGO_ENABLED=0 GOWORK=off
 #                the published module) are dropped and those modules required at
 #                local=VERSION instead; every other directive stays.
 #   HOW local:   a module of ours under hack/tools/ (module is its directory name)
-#   KEYS tags=a,b (build tags), local=VERSION, version=PKG.VAR (-X PKG.VAR=version)
+#   KEYS tags=a,b (build tags), local=VERSION, version=PKG.VAR (-X PKG.VAR=version),
+#        cgo=1 (a copy built with cgo: needs gcc and the C libraries it links),
+#        c=DIR:NAME (a C program of the module besides, gcc -static DIR/*.c -o NAME)
 k8sversion=k8s.io/component-base/version
 declare -A tools=(
   # containerd 2 with CRI and NRI; no snapshotters that need cgo or kernel modules.
@@ -36,6 +38,9 @@ declare -A tools=(
   # etcd's own main module has replace directives; ours calls etcdmain.
   [etcd]="local etcd@v3.7.3 ."
   [external-provisioner]="copy github.com/kubernetes-csi/external-provisioner/v6@v6.4.0 cmd/csi-provisioner"
+  # CRI-O for the NRI tests on a second runtime: cgo for seccomp (libseccomp-dev),
+  # no btrfs, ostree or gpgme; pinns is its C helper. conmon and runc are Debian's.
+  [crio]="copy github.com/cri-o/cri-o@v1.34.0 cmd/crio -- cgo=1 c=pinns/src:pinns tags=containers_image_ostree_stub,exclude_graphdriver_btrfs,btrfs_noversion,containers_image_openpgp,seccomp"
   [external-snapshotter]="copy github.com/kubernetes-csi/external-snapshotter/v8@v8.7.0 cmd/csi-snapshotter cmd/snapshot-controller -- local=v8.7.0"
 )
 
@@ -96,7 +101,11 @@ build() {
     copy)
       writable_copy "$modver" "$dir/src" "$(opt local "$opts")"
       for p in $pkgs; do args+=("./$p"); done
-      (cd "$dir/src" && GOFLAGS="$GOFLAGS -mod=mod" go build ${tags:+-tags "$tags"} -ldflags "-s -w $ldflags" -o "$dir/bin/" "${args[@]}") >&2
+      (cd "$dir/src" && CGO_ENABLED=$(opt cgo "$opts" | sed 's/^$/0/') GOFLAGS="$GOFLAGS -mod=mod" \
+        go build ${tags:+-tags "$tags"} -ldflags "-s -w $ldflags" -o "$dir/bin/" "${args[@]}") >&2
+      local c
+      c=$(opt c "$opts")
+      [ -z "$c" ] || (cd "$dir/src/${c%%:*}" && gcc -std=c99 -O2 -static -o "$dir/bin/${c#*:}" ./*.c && strip -s "$dir/bin/${c#*:}") >&2
       rm -rf "$dir/src" ;;
     local)
       for p in $pkgs; do args+=("./$p"); done

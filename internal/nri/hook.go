@@ -130,6 +130,11 @@ type Hook struct {
 	// runtimeTimeout is the runtime's request timeout, in nanoseconds,
 	// as it said at the last registration; zero before.
 	runtimeTimeout atomic.Int64
+	// startErrorsIgnored: the runtime starts a container whatever the
+	// hook answers at StartContainer (CRI-O logs the error and goes on),
+	// so a container whose plan at start failed is killed before it runs
+	// (StartContainer). Set at registration (Configure).
+	startErrorsIgnored atomic.Bool
 
 	// background is the work under way after its event was answered
 	// (releaseLater, Synchronize's re-prepares); bg is what it runs
@@ -443,10 +448,27 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 			err = h.mounter.Mount(ctx, mounts, plan.Consumer{PID: c.PID, MountPoint: c.Destination, SubPath: c.SubPath})
 		}
 		if err != nil {
-			return fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
+			err = fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
+			h.neverRun(ctx, ctr, pid, err)
+			return err
 		}
 	}
 	return nil
+}
+
+// neverRun kills a container whose start the hook refuses, when the
+// runtime would start it anyway (startErrorsIgnored): its process has not
+// run the container's program yet (it waits for the runtime's start), so
+// the start fails and kubelet retries, as with a runtime that heeds the
+// hook. Without it the program would run with the guard where its volume
+// belongs.
+func (h *Hook) neverRun(ctx context.Context, ctr *nriapi.Container, pid int, why error) {
+	if !h.startErrorsIgnored.Load() || pid <= 0 {
+		return
+	}
+	err := unix.Kill(pid, unix.SIGKILL)
+	klog.FromContext(ctx).Error(why, "Killed the container before it ran: the runtime starts it whatever the hook answers",
+		"container", ctr.GetId(), "pid", pid, "killError", err)
 }
 
 // StopContainer releases the container's claims: its namespace, and the
@@ -624,6 +646,15 @@ func (h *Hook) timeout() time.Duration {
 // registration.
 func (h *Hook) runtimeSays(requestTimeout time.Duration) {
 	h.runtimeTimeout.Store(int64(requestTimeout))
+}
+
+// Configure learns which runtime the hook serves: CRI-O does not fail a
+// container's start on a plugin's error (startErrorsIgnored). The events
+// the hook takes are the ones it implements (no mask).
+func (h *Hook) Configure(ctx context.Context, _, runtime, version string) (nriapi.EventMask, error) {
+	h.startErrorsIgnored.Store(runtime == "cri-o")
+	klog.FromContext(ctx).V(2).Info("Runtime", "name", runtime, "version", version)
+	return 0, nil
 }
 
 // Synchronize runs when the hook (re)registers: the guard starts (targets

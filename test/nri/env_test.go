@@ -63,7 +63,7 @@ func newEnv(t testing.TB, o envOptions) *env {
 	testutil.RequireRoot(t)
 	testutil.NoLeaks(t)
 	pluginBin, sidecarBin := testutil.BuildBinaries(t)
-	e := &env{t: t, cri: testutil.StartCRI(t), kubelet: filepath.Join(t.TempDir(), "kubelet")}
+	e := &env{t: t, cri: startRuntime(t), kubelet: filepath.Join(t.TempDir(), "kubelet")}
 	if !o.noPoller {
 		e.poller = startHostPoller(t, e.kubelet)
 	}
@@ -94,6 +94,21 @@ func newEnv(t testing.TB, o envOptions) *env {
 	e.waitHook()
 	return e
 }
+
+// crioTests is the prefix of the tests that run under CRI-O: TestCRIO's
+// subtests, each one of this package's tests (runtime_test.go).
+const crioTests = "TestCRIO/"
+
+// startRuntime starts the test's container runtime: containerd, or CRI-O
+// for TestCRIO's subtests.
+func startRuntime(t testing.TB) *testutil.CRI {
+	if strings.HasPrefix(t.Name(), crioTests) {
+		return testutil.StartCRIO(t)
+	}
+	return testutil.StartCRI(t)
+}
+
+func (e *env) crio() bool { return e.cri.Runtime == "CRI-O" }
 
 func (e *env) ctx() context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), rpcTimeout)

@@ -45,8 +45,11 @@ type CRI struct {
 	NRISocket    string // where NRI plugins connect
 	CgroupParent string // cgroup parent of every pod
 	LogPath      string // containerd's stdout and stderr
+	// Runtime is "containerd", or "CRI-O" (StartCRIO).
+	Runtime string
 
 	bin, crictl string // containerd's bin dir, crictl's path
+	crio        bool   // CRI-O's differences (crio.go)
 	cmd         *exec.Cmd
 	done        chan struct{}
 	stopOnce    sync.Once
@@ -149,43 +152,19 @@ func StartCRI(t testing.TB) *CRI {
 	RequireRoot(t)
 	RequireCommands(t, "runc", "busybox")
 	bin, crictl := CRITools(t)
-	dir := MarkedTempDir(t, "mpcri-")
-	c := &CRI{
-		Dir:          dir,
-		Address:      filepath.Join(dir, "c.sock"),
-		NRISocket:    filepath.Join(dir, "nri.sock"),
-		CgroupParent: "/" + filepath.Base(dir),
-		LogPath:      filepath.Join(dir, "containerd.log"),
-		bin:          bin,
-		crictl:       crictl,
-		done:         make(chan struct{}),
-	}
-	for _, d := range []string{"cni", "nri-plugins", "pods"} {
-		if err := os.Mkdir(filepath.Join(dir, d), 0o700); err != nil {
+	c := newCRI(t, "mpcri-", "containerd", bin, crictl)
+	for _, d := range []string{"cni", "nri-plugins"} {
+		if err := os.Mkdir(filepath.Join(c.Dir, d), 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
-	cfg := filepath.Join(dir, "config.toml")
-	conf := fmt.Sprintf(criConfig, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.Address, CRIImage, dir, c.NRISocket)
+	cfg := filepath.Join(c.Dir, "config.toml")
+	conf := fmt.Sprintf(criConfig, filepath.Join(c.Dir, "root"), filepath.Join(c.Dir, "state"), c.Address, CRIImage, c.Dir, c.NRISocket)
 	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.start(cfg); err != nil {
-		os.RemoveAll(dir)
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Stop(); err != nil {
-			t.Errorf("stopping containerd (CRI): %v", err)
-		}
-		if t.Failed() {
-			t.Logf("containerd log, last lines:\n%s", c.logTail)
-		}
-	})
-	if err := c.waitReady(); err != nil {
-		t.Fatal(err)
-	}
-	img, err := busyboxImage(filepath.Join(dir, "image.tar"))
+	c.launch(t, nil, filepath.Join(bin, "containerd"), "--config", cfg)
+	img, err := busyboxImage(filepath.Join(c.Dir, "image.tar"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,18 +174,61 @@ func StartCRI(t testing.TB) *CRI {
 	return c
 }
 
-func (c *CRI) start(cfg string) error {
+// newCRI is a CRI of runtime with its directory (named after prefix)
+// and the paths in it, not started yet.
+func newCRI(t testing.TB, prefix, runtime, bin, crictl string) *CRI {
+	t.Helper()
+	dir := MarkedTempDir(t, prefix)
+	if err := os.Mkdir(filepath.Join(dir, "pods"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return &CRI{
+		Dir:          dir,
+		Address:      filepath.Join(dir, "c.sock"),
+		NRISocket:    filepath.Join(dir, "nri.sock"),
+		CgroupParent: "/" + filepath.Base(dir),
+		LogPath:      filepath.Join(dir, "runtime.log"),
+		Runtime:      runtime,
+		bin:          bin,
+		crictl:       crictl,
+		done:         make(chan struct{}),
+	}
+}
+
+// launch starts the runtime (argv, with env added to the test's
+// environment), registers the cleanup that stops it (Stop) and waits until
+// CRI answers.
+func (c *CRI) launch(t testing.TB, env []string, argv ...string) {
+	t.Helper()
+	if err := c.start(env, argv); err != nil {
+		os.RemoveAll(c.Dir)
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := c.Stop(); err != nil {
+			t.Errorf("stopping %s (CRI): %v", c.Runtime, err)
+		}
+		if t.Failed() {
+			t.Logf("%s log, last lines:\n%s", c.Runtime, c.logTail)
+		}
+	})
+	if err := c.waitReady(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (c *CRI) start(env, argv []string) error {
 	logf, err := os.Create(c.LogPath)
 	if err != nil {
 		return err
 	}
 	defer logf.Close()
-	c.cmd = exec.Command(filepath.Join(c.bin, "containerd"), "--config", cfg)
-	c.cmd.Env = append(os.Environ(), "PATH="+c.bin+":"+os.Getenv("PATH"))
+	c.cmd = exec.Command(argv[0], argv[1:]...)
+	c.cmd.Env = append(os.Environ(), append(env, "PATH="+c.bin+":"+os.Getenv("PATH"))...)
 	c.cmd.Stdout, c.cmd.Stderr = logf, logf
 	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := c.cmd.Start(); err != nil {
-		return fmt.Errorf("starting containerd: %w", err)
+		return fmt.Errorf("starting %s: %w", c.Runtime, err)
 	}
 	go func() { _ = c.cmd.Wait(); close(c.done) }()
 	return nil
@@ -227,11 +249,11 @@ func (c *CRI) waitReady() error {
 	})
 	select {
 	case <-c.done:
-		return fmt.Errorf("containerd exited at start (%v); log:\n%s", c.cmd.ProcessState, tailFile(c.LogPath, 40))
+		return fmt.Errorf("%s exited at start (%v); log:\n%s", c.Runtime, c.cmd.ProcessState, tailFile(c.LogPath, 40))
 	default:
 	}
 	if !up {
-		return fmt.Errorf("containerd (CRI) not ready within 30s: %v; log:\n%s", lastErr, tailFile(c.LogPath, 40))
+		return fmt.Errorf("%s (CRI) not ready within 30s: %v; log:\n%s", c.Runtime, lastErr, tailFile(c.LogPath, 40))
 	}
 	return nil
 }
@@ -308,7 +330,7 @@ func (c *CRI) runPod(name string) (*Pod, error) {
 		"log_directory": logDir,
 		"linux": map[string]any{
 			"cgroup_parent":    c.CgroupParent,
-			"security_context": map[string]any{"namespace_options": map[string]any{"network": 2}},
+			"security_context": map[string]any{"namespace_options": c.namespaces()},
 		},
 	}
 	path := filepath.Join(c.Dir, "pods", uid+".json")
@@ -336,14 +358,19 @@ func (p *Pod) CreateContainer(name string, spec ContainerSpec) (string, error) {
 	if len(spec.SupplementalGroups) > 0 {
 		sc["supplemental_groups"] = spec.SupplementalGroups
 	}
+	if p.c.crio {
+		sc["namespace_options"] = p.c.namespaces()
+	}
 	cfg := map[string]any{
 		"metadata": map[string]any{"name": name},
-		"image":    map[string]any{"image": CRIImage},
-		"command":  cmd,
-		"log_path": name + ".log",
-		"mounts":   spec.Mounts,
-		"devices":  spec.Devices,
-		"linux":    map[string]any{"security_context": sc},
+		// kubelet's: CRI-O names the container to NRI plugins after it.
+		"annotations": map[string]string{"io.kubernetes.container.name": name},
+		"image":       map[string]any{"image": CRIImage},
+		"command":     cmd,
+		"log_path":    name + ".log",
+		"mounts":      spec.Mounts,
+		"devices":     spec.Devices,
+		"linux":       map[string]any{"security_context": sc},
 	}
 	path := filepath.Join(p.c.Dir, "pods", fmt.Sprintf("%s-%s-%d.json", p.UID, name, time.Now().UnixNano()))
 	if err := writeJSON(path, cfg); err != nil {
@@ -440,6 +467,9 @@ func (p *Pod) Remove() error {
 	if err != nil || strings.TrimSpace(out) == "" {
 		return err
 	}
+	if err := p.c.killContainers("--pod", p.ID); err != nil {
+		return err
+	}
 	if _, err := p.c.Crictl("stopp", p.ID); err != nil {
 		return err
 	}
@@ -460,15 +490,22 @@ func (c *CRI) stop() error {
 	var errs []error
 	select {
 	case <-c.done:
-		errs = append(errs, fmt.Errorf("containerd exited by itself (%v)", c.cmd.ProcessState))
+		errs = append(errs, fmt.Errorf("%s exited by itself (%v)", c.Runtime, c.cmd.ProcessState))
 	default:
+		errs = append(errs, c.killContainers())
 		if _, err := c.Crictl("rmp", "--all", "--force"); err != nil {
 			errs = append(errs, err)
 		}
-		errs = append(errs, terminate(c.cmd.Process, c.done, "containerd"))
+		errs = append(errs, terminate(c.cmd.Process, c.done, c.Runtime))
+	}
+	removeCgroups := func() error { return RemoveCgroupTree(c.CgroupParent) }
+	if c.crio {
+		errs = append(errs, c.killConmons(), unmountUnder(c.Dir), removeCgroups())
+		c.logTail = tailFile(c.LogPath, 60)
+		return errors.Join(append(errs, removeAllNoMounts(c.Dir))...)
 	}
 	var more []error
-	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, func() error { return RemoveCgroupTree(c.CgroupParent) })
+	c.logTail, more = cleanUpAfter(c.Address, c.Dir, c.LogPath, removeCgroups)
 	return errors.Join(append(errs, more...)...)
 }
 
@@ -489,10 +526,19 @@ func terminate(p *os.Process, done <-chan struct{}, name string) error {
 // killShims waits briefly for the shims of the containerd at address to
 // exit, then kills those left with everything below them.
 func killShims(address string) error {
+	return killMonitors("shim", func(p ProcInfo) bool {
+		return strings.Contains(p.Cmdline, "containerd-shim") && strings.Contains(p.Cmdline, address)
+	})
+}
+
+// killMonitors waits briefly for the runtime's container monitors (what
+// matches: containerd's shims, CRI-O's conmons) to exit, then kills those
+// left with everything below them.
+func killMonitors(what string, match func(ProcInfo) bool) error {
 	shims := func() map[int]ProcInfo {
 		out := map[int]ProcInfo{}
 		for pid, p := range readProcs() {
-			if strings.Contains(p.Cmdline, "containerd-shim") && strings.Contains(p.Cmdline, address) && p.State != 'Z' {
+			if match(p) && p.State != 'Z' {
 				out[pid] = p
 			}
 		}
@@ -504,14 +550,14 @@ func killShims(address string) error {
 	var errs []error
 	procs := readProcs()
 	for pid, p := range shims() {
-		errs = append(errs, fmt.Errorf("stray shim killed: %s", p))
+		errs = append(errs, fmt.Errorf("stray %s killed: %s", what, p))
 		for _, d := range descendants(procs, pid) {
 			_ = unix.Kill(d, unix.SIGKILL)
 		}
 		_ = unix.Kill(pid, unix.SIGKILL)
 	}
 	if !Poll(5*time.Second, 20*time.Millisecond, func() bool { return len(shims()) == 0 }) {
-		errs = append(errs, errors.New("shims survived SIGKILL"))
+		errs = append(errs, fmt.Errorf("%ss survived SIGKILL", what))
 	}
 	return errors.Join(errs...)
 }
