@@ -10,6 +10,7 @@ require (
 	github.com/kubernetes-csi/csi-test/v5 v5.6.0
 	github.com/mdlayher/genetlink v1.3.2
 	github.com/mdlayher/netlink v1.7.2
+	github.com/moby/sys/capability v0.5.0
 	github.com/moby/sys/mountinfo v0.7.3
 	github.com/onsi/ginkgo/v2 v2.34.0
 	github.com/onsi/gomega v1.44.0

@@ -22,7 +22,7 @@ export PATH="/usr/local/go/bin:$PATH"
 cache=${MOUNTPLAN_TOOLS_CACHE:-/var/cache/mountplan-tools}
 start=$SECONDS
 
-dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner external-snapshotter)
+dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner external-snapshotter crio)
 path=$(tr '\n' ':' <<<"$dirs")
 provisioner=$(grep external-provisioner <<<"$dirs")/csi-provisioner
 snapshotter=$(grep external-snapshotter <<<"$dirs")/csi-snapshotter

@@ -37,7 +37,7 @@ type Cluster struct {
 // programs the node needs, by name; tools maps a name to a bin directory.
 var programs = []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl",
 	"containerd", "containerd-shim-runc-v2", "ctr", "crictl", "helm", "snapshot-controller",
-	"kubectl-mountplan"}
+	"kubectl-mountplan", "crio"}
 
 // fixedPaths are written by kubelet, containerd or CNI whatever their
 // configured directories: each is covered inside the node by a directory
@@ -52,6 +52,10 @@ var fixedPaths = []string{
 	"/var/lib/containerd",
 	"/run/nri",
 	"/etc/cni/net.d",
+	"/var/lib/containers", // CRI-O's node: containers-storage's defaults
+	"/run/containers",
+	"/run/crio",
+	"/var/lib/crio",
 }
 
 // startCluster builds the root directory and starts the nodes (the first,
@@ -113,6 +117,9 @@ func (c *Cluster) startWorker(t *testing.T, i int) {
 	cfg := nodeConfig{Root: c.cfg.path("nodes", name), Bin: c.cfg.Bin, Name: name, IP: ip, PodNet: pods, Cluster: c.cfg.Root,
 		Fixed:      append(slices.Clone(fixedPaths), c.cfg.path("kubelet"), c.cfg.path("state"), c.cfg.path("state")+"-mounter"),
 		StateImage: c.cfg.path("nodes", name, "state.ext4")}
+	if i == crioNode {
+		cfg.Runtime = runtimeCRIO
+	}
 	for _, d := range []string{c.cfg.path("kubelet"), c.cfg.path("state"), c.cfg.path("state") + "-mounter", cfg.path("logs")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)

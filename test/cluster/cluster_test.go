@@ -4,6 +4,7 @@ package cluster
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -51,6 +52,7 @@ func TestCluster(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	hostCRIOCgroups := crioCgroups(t, nil)
 	nodes := 3
 	if v := os.Getenv(envNodes); v != "" {
 		if nodes, err = strconv.Atoi(v); err != nil || nodes < 1 || nodes > 9 {
@@ -75,6 +77,7 @@ func TestCluster(t *testing.T) {
 		if err := testutil.RemoveCgroupTreeExcept(criNamespace, hostCgroups); err != nil {
 			t.Errorf("leak: %v", err)
 		}
+		crioCgroups(t, hostCRIOCgroups)
 		for _, l := range left {
 			t.Errorf("leak: process still running in the node at its stop: %s", l)
 		}
@@ -136,4 +139,32 @@ func holdOnFailure(t *testing.T, c *Cluster) {
 			return
 		}
 	}
+}
+
+// crioCgroups lists the cgroups of CRI-O's node: without QoS cgroups its
+// pods have no parent, and CRI-O makes crio/ and crio-<id>/ and
+// crio-conmon-<id>/ at the top of every hierarchy; runc removes a
+// container's own, not its conmon's. With keep (the list before the
+// cluster started: a CRI-O of the host's own) it removes the others.
+func crioCgroups(t *testing.T, keep map[string]bool) map[string]bool {
+	t.Helper()
+	names, err := testutil.CgroupNames("crio*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	all := map[string]bool{}
+	for _, name := range names {
+		if keep != nil {
+			if err := testutil.RemoveCgroupTreeExcept(name, keep); err != nil {
+				t.Errorf("leak: %v", err)
+			}
+			continue
+		}
+		tree, err := testutil.CgroupTree(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		maps.Copy(all, tree)
+	}
+	return all
 }

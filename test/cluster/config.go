@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+
+	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // Images the runtime must never pull (there is no registry): the sandbox
@@ -19,6 +21,20 @@ const pauseImage = "registry.k8s.io/pause:3.10.2"
 // container's cgroup under /<namespace>/<id> in every hierarchy; runc
 // removes the container's own, never the namespace's.
 const criNamespace = "k8s.io"
+
+// crioOptions is the configuration of a CRI-O node's runtime: its files
+// under the node's root, the NRI socket where the chart's mounter looks
+// (as containerd's), the cluster's CNI, and runc through runcOOM.
+func (c nodeConfig) crioOptions() testutil.CRIOOptions {
+	return testutil.CRIOOptions{Dir: c.path("crio"), Socket: c.runtimeSocket(),
+		Pinns: filepath.Join(filepath.Dir(c.Bin["crio"]), "pinns"), PauseImage: pauseImage,
+		NRISocket: "/var/run/nri/nri.sock", CNIConfDir: c.path("cni", "net.d"), CNIBinDir: "/usr/lib/cni",
+		RuntimePath: c.path(runcOOM), NRIRequestTimeout: "2s"}
+}
+
+// runcOOM is the runc a CRI-O node runs (runcMain): this test binary
+// under that name.
+const runcOOM = "runc-oom"
 
 func writeConfigs(c nodeConfig) error {
 	files := map[string]string{
@@ -82,7 +98,7 @@ nodeStatusUpdateFrequency: 5s
 volumeStatsAggPeriod: 10s
 shutdownGracePeriod: 0s
 featureGates: {CSIVolumeHealth: true}
-`, c.path("run", "containerd.sock"), c.ip(), c.path("log", "pods")),
+`, c.runtimeSocket(), c.ip(), c.path("log", "pods")),
 
 		"cni/net.d/10-mountplan.conflist": fmt.Sprintf(`{
   "cniVersion": "1.0.0",
@@ -93,6 +109,18 @@ featureGates: {CSIVolumeHealth: true}
   ]
 }
 `, c.path("cni", "ipam"), c.pods()),
+	}
+	if c.crio() {
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		if err := os.Symlink(self, c.path(runcOOM)); err != nil && !os.IsExist(err) {
+			return err
+		}
+		if _, err := testutil.WriteCRIOConfig(c.crioOptions()); err != nil {
+			return err
+		}
 	}
 	for name, data := range files {
 		p := c.path(name)

@@ -3,15 +3,19 @@
 package cluster
 
 import (
+	"archive/tar"
 	"context"
+	"encoding/json"
 	"fmt"
-
-	"golang.org/x/sync/errgroup"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // testNS is the namespace of the flows' objects.
@@ -41,11 +45,7 @@ func (c *Cluster) importImages(t *testing.T, dir string) {
 	for _, n := range c.nodes() {
 		g.Go(func() error {
 			for _, a := range archives {
-				ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-				_, err := n.inNode(ctx, nil, "ctr", "--address", n.cfg.path("run", "containerd.sock"), "-n", "k8s.io",
-					"images", "import", "--no-unpack=false", a)
-				cancel()
-				if err != nil {
+				if err := n.importImage(a); err != nil {
 					return fmt.Errorf("import %s on %s: %w", a, n.cfg.name(), err)
 				}
 			}
@@ -56,6 +56,53 @@ func (c *Cluster) importImages(t *testing.T, dir string) {
 		t.Fatal(err)
 	}
 	t.Logf("%d images imported on %d nodes in %v", len(archives), len(c.nodes()), time.Since(start).Round(time.Millisecond))
+}
+
+// importImage imports an image archive (docker-archive, as
+// hack/cluster/images writes them) into the node's runtime: containerd's
+// k8s.io namespace, or CRI-O's storage (skopeo, under the name the
+// archive's manifest gives).
+func (c *Cluster) importImage(archive string) error {
+	if c.cfg.crio() {
+		name, err := archiveName(archive)
+		if err != nil {
+			return err
+		}
+		o := c.cfg.crioOptions()
+		return testutil.ImportIntoCRIO(o, testutil.CRIOEnv(o.Dir), "docker-archive:"+archive, name)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	_, err := c.inNode(ctx, nil, "ctr", "--address", c.cfg.runtimeSocket(), "-n", "k8s.io",
+		"images", "import", "--no-unpack=false", archive)
+	return err
+}
+
+// archiveName is the one name (RepoTags) of a docker-archive's image.
+func archiveName(archive string) (string, error) {
+	f, err := os.Open(archive)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if err != nil {
+			return "", fmt.Errorf("%s: no manifest.json: %w", archive, err)
+		}
+		if h.Name != "manifest.json" {
+			continue
+		}
+		var m []struct{ RepoTags []string }
+		if err := json.NewDecoder(tr).Decode(&m); err != nil {
+			return "", fmt.Errorf("%s: manifest.json: %w", archive, err)
+		}
+		if len(m) != 1 || len(m[0].RepoTags) != 1 {
+			return "", fmt.Errorf("%s: manifest.json names %v, want one image with one name", archive, m)
+		}
+		return m[0].RepoTags[0], nil
+	}
 }
 
 // createNamespace creates a namespace whose pods the scheduler puts only on

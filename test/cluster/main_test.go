@@ -4,10 +4,14 @@ package cluster
 
 import (
 	"os"
+	"path/filepath"
 	"testing"
 )
 
 func TestMain(m *testing.M) {
+	if filepath.Base(os.Args[0]) == runcOOM {
+		os.Exit(runcMain())
+	}
 	if os.Getenv(nodeEnv) != "" {
 		os.Exit(nodeMain())
 	}

@@ -21,6 +21,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/test/testutil"
 )
 
 // The first node's fixed addresses, inside its own network namespace:
@@ -69,6 +71,34 @@ type nodeConfig struct {
 	// a small filesystem of the node's own, whose free bytes are the room
 	// the node's plugin reports (the capacity flows).
 	StateImage string
+	// Runtime is the node's container runtime: containerd when empty, or
+	// runtimeCRIO.
+	Runtime string
+}
+
+// runtimeCRIO names CRI-O as a node's runtime; crioNode is the worker
+// that runs it (the others run containerd).
+const (
+	runtimeCRIO = "cri-o"
+	crioNode    = 3
+)
+
+func (c nodeConfig) crio() bool { return c.Runtime == runtimeCRIO }
+
+// runtimeSocket is the node's CRI endpoint (a path).
+func (c nodeConfig) runtimeSocket() string {
+	if c.crio() {
+		return c.path("run", "crio.sock")
+	}
+	return c.path("run", "containerd.sock")
+}
+
+// runtimeName is the runtime's component name.
+func (c nodeConfig) runtimeName() string {
+	if c.crio() {
+		return "crio"
+	}
+	return "containerd"
 }
 
 func (c nodeConfig) path(p ...string) string { return filepath.Join(append([]string{c.Root}, p...)...) }
@@ -125,6 +155,7 @@ type node struct {
 type proc struct {
 	name    string
 	argv    []string
+	env     []string // besides the node's
 	restart bool
 	pid     int
 	exited  chan struct{}
@@ -169,7 +200,7 @@ func (n *node) run() error {
 		}
 	}
 	for _, c := range n.components() {
-		if err := n.start(c.name, true, c.argv...); err != nil {
+		if _, err := n.spawn(&proc{name: c.name, argv: c.argv, env: c.env, restart: true}); err != nil {
 			return err
 		}
 		if c.ready != nil {
@@ -222,16 +253,20 @@ func (n *node) setupMounts() error {
 type component struct {
 	name  string
 	argv  []string
+	env   []string // besides the node's (environ)
 	ready func() error
 }
 
 func (n *node) components() []component {
 	c := n.cfg
 	pki := func(f string) string { return c.clusterPath("pki", f) }
-	sock := c.path("run", "containerd.sock")
+	rt := component{name: "containerd", argv: []string{c.Bin["containerd"], "--config=" + c.path("containerd.toml")}}
+	if c.crio() {
+		rt = component{name: "crio", argv: testutil.CRIOArgs(c.Bin["crio"], c.crioOptions().Dir), env: testutil.CRIOEnv(c.crioOptions().Dir)}
+	}
+	rt.ready = dialable("unix", c.runtimeSocket())
 	runtime := []component{
-		{name: "containerd", argv: []string{c.Bin["containerd"], "--config=" + c.path("containerd.toml")},
-			ready: dialable("unix", sock)},
+		rt,
 		{name: "kubelet", argv: []string{c.Bin["kubelet"], "--config=" + c.path("kubelet.yaml"),
 			"--kubeconfig=" + pki("kubelet-"+c.name()+".kubeconfig"), "--root-dir=" + c.clusterPath("kubelet"),
 			"--node-ip=" + c.ip(), "--hostname-override=" + c.name(), "--cert-dir=" + c.path("kubelet-pki"),
@@ -335,12 +370,7 @@ func waitUntil(d time.Duration, f func() error) error {
 	}
 }
 
-// start starts a component whose output goes to logs/<name>.log.
-func (n *node) start(name string, restart bool, argv ...string) error {
-	_, err := n.spawn(&proc{name: name, argv: argv, restart: restart})
-	return err
-}
-
+// spawn starts a process whose output goes to logs/<name>.log.
 func (n *node) spawn(p *proc) (*proc, error) {
 	if err := os.MkdirAll(n.cfg.path("logs"), 0o755); err != nil {
 		return nil, err
@@ -356,7 +386,7 @@ func (n *node) spawn(p *proc) (*proc, error) {
 		return nil, errors.New("stopping")
 	}
 	pr, err := os.StartProcess(p.argv[0], p.argv, &os.ProcAttr{
-		Env:   n.environ(),
+		Env:   append(n.environ(), p.env...),
 		Files: []*os.File{nil, log, log},
 		Sys:   &syscall.SysProcAttr{Setsid: true},
 	})
@@ -431,7 +461,7 @@ func (n *node) reap() {
 			go func() {
 				time.Sleep(time.Second)
 				n.whileHeld(p.name)
-				if _, err := n.spawn(&proc{name: p.name, argv: p.argv, restart: true}); err != nil {
+				if _, err := n.spawn(&proc{name: p.name, argv: p.argv, env: p.env, restart: true}); err != nil {
 					n.logf("restart %s: %v", p.name, err)
 				}
 			}()
@@ -448,12 +478,12 @@ func (n *node) stopAll() {
 	n.mu.Unlock()
 	n.terminate("kubelet", 30*time.Second)
 	if crictl := n.cfg.Bin["crictl"]; crictl != "" {
-		sock := "unix://" + n.cfg.path("run", "containerd.sock")
+		sock := "unix://" + n.cfg.runtimeSocket()
 		if err := n.runCmd(crictl, "--runtime-endpoint", sock, "--timeout", "60s", "rmp", "--all", "--force"); err != nil {
 			n.logf("crictl rmp: %v", err)
 		}
 	}
-	for _, name := range []string{"containerd", "snapshot-controller", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"} {
+	for _, name := range []string{n.cfg.runtimeName(), "snapshot-controller", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"} {
 		n.terminate(name, 20*time.Second)
 	}
 	// Whatever is left (shims, daemons of pods that were not deleted):

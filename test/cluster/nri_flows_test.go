@@ -254,7 +254,12 @@ func (e *env) wantContainerConsumers(t *testing.T, claim string, n int) {
 // names as consumers; a consumer that is not a started container (no ID or
 // no namespace) is an error.
 func (e *env) containerConsumers(vol string) ([]string, error) {
-	b, err := os.ReadFile(e.c.cfg.path("state", "volumes", vol+".json"))
+	return e.containerConsumersOn(e.c, vol)
+}
+
+// containerConsumersOn is containerConsumers of node n's journal.
+func (e *env) containerConsumersOn(n *Cluster, vol string) ([]string, error) {
+	b, err := os.ReadFile(n.seen(e.c.cfg.path("state", "volumes", vol+".json")))
 	if err != nil {
 		return nil, err
 	}

@@ -55,6 +55,30 @@ func RemoveCgroupTreeExcept(name string, keep map[string]bool) error {
 	return errors.Join(errs...)
 }
 
+// CgroupNames lists the names of the cgroup directories at the top of any
+// mounted hierarchy that match pattern (filepath.Match), each once.
+func CgroupNames(pattern string) ([]string, error) {
+	tops, err := cgroupMounts()
+	if err != nil {
+		return nil, err
+	}
+	seen := map[string]bool{}
+	var names []string
+	for _, top := range tops {
+		matches, err := filepath.Glob(filepath.Join(top, pattern))
+		if err != nil {
+			return nil, err
+		}
+		for _, m := range matches {
+			if name := filepath.Base(m); !seen[name] {
+				seen[name] = true
+				names = append(names, name)
+			}
+		}
+	}
+	return names, nil
+}
+
 // cgroupMounts lists the mount points of every cgroup hierarchy.
 func cgroupMounts() ([]string, error) { return mountsOfType("cgroup", "cgroup2") }
 

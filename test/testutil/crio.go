@@ -43,39 +43,95 @@ func StartCRIO(t testing.TB) *CRI {
 	_, crictl := CRITools(t)
 	c := newCRI(t, "mpcrio-", "CRI-O", crioBin, crictl)
 	c.crio = true
-	for _, d := range []string{"root", "runroot", "logs", "exits", "attach", "ns", "cni/net.d", "cni/bin",
-		"nri/plugins", "nri/conf.d", "crio.conf.d", "hooks.d", "cdi", "runc-root", "crun-root", "policies"} {
+	for _, d := range []string{"cni/net.d", "cni/bin"} {
 		if err := os.MkdirAll(filepath.Join(c.Dir, d), 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
-	files := map[string]string{
-		"crio.conf":       fmt.Sprintf(crioConfig, c.Dir, c.Address, filepath.Join(crioBin, "pinns"), CRIImage, c.NRISocket),
-		"policy.json":     `{"default":[{"type":"insecureAcceptAnything"}]}`,
-		"storage.conf":    fmt.Sprintf("[storage]\ndriver = \"overlay\"\ngraphroot = %q\nrunroot = %q\n", filepath.Join(c.Dir, "root"), filepath.Join(c.Dir, "runroot")),
-		"registries.conf": "",
-	}
-	for name, content := range files {
-		if err := os.WriteFile(filepath.Join(c.Dir, name), []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	env := []string{"CONTAINERS_STORAGE_CONF=" + filepath.Join(c.Dir, "storage.conf"),
-		"CONTAINERS_REGISTRIES_CONF=" + filepath.Join(c.Dir, "registries.conf")}
-	// Into its storage before it starts: CRI-O pulls a pause image it
-	// does not find, and no registry is reachable.
-	if err := c.importImage(env); err != nil {
+	o := CRIOOptions{Dir: c.Dir, Socket: c.Address, Pinns: filepath.Join(crioBin, "pinns"), PauseImage: CRIImage,
+		NRISocket: c.NRISocket, CNIConfDir: filepath.Join(c.Dir, "cni/net.d"), CNIBinDir: filepath.Join(c.Dir, "cni/bin"),
+		// Not CRI-O's 2s, for the reason the containerd config gives.
+		NRIRequestTimeout: "10s"}
+	env, err := WriteCRIOConfig(o)
+	if err != nil {
 		t.Fatal(err)
 	}
-	c.launch(t, env, filepath.Join(crioBin, "crio"), "--config", filepath.Join(c.Dir, "crio.conf"),
-		"--config-dir", filepath.Join(c.Dir, "crio.conf.d"))
+	// Into its storage before it starts: CRI-O pulls a pause image it
+	// does not find, and no registry is reachable.
+	img, err := busyboxImage(filepath.Join(c.Dir, "image.tar"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ImportIntoCRIO(o, env, "oci-archive:"+img, CRIImage); err != nil {
+		t.Fatal(err)
+	}
+	c.launch(t, env, CRIOArgs(filepath.Join(crioBin, "crio"), c.Dir)...)
 	return c
 }
 
-// crioConfig: %[1]s the CRI's directory, %[2]s its socket, %[3]s pinns,
-// %[4]s the pause image, %[5]s the NRI socket. Everything CRI-O writes lies
-// under the directory. The NRI request timeout is not CRI-O's 2s, for the
-// reason the containerd config gives.
+// CRIOOptions are what a CRI-O's configuration names (WriteCRIOConfig).
+type CRIOOptions struct {
+	Dir               string // everything CRI-O writes lies below it
+	Socket            string // CRI
+	Pinns             string // its helper's path
+	PauseImage        string // already in its storage: nothing is pulled
+	NRISocket         string
+	CNIConfDir        string
+	CNIBinDir         string
+	RuntimePath       string // the OCI runtime; empty: /usr/sbin/runc
+	NRIRequestTimeout string // how long a plugin may take (CRI-O's default: 2s)
+}
+
+// Storage is its containers-storage reference prefix (skopeo's form).
+func (o CRIOOptions) Storage() string {
+	return fmt.Sprintf("containers-storage:[overlay@%s+%s]", filepath.Join(o.Dir, "root"), filepath.Join(o.Dir, "runroot"))
+}
+
+// WriteCRIOConfig writes o.Dir/crio.conf, the files it names and the
+// directories it needs, and returns the environment crio and skopeo need
+// to find them. Debian's crun (1.8.1) refuses CRI-O 1.34's specs: CRI-O's
+// built-in crun handler is pointed at the runtime too.
+func WriteCRIOConfig(o CRIOOptions) (env []string, _ error) {
+	runtime := o.RuntimePath
+	if runtime == "" {
+		runtime = "/usr/sbin/runc"
+	}
+	for _, d := range []string{"root", "runroot", "logs", "exits", "attach", "ns", "nri/plugins", "nri/conf.d",
+		"crio.conf.d", "hooks.d", "cdi", "runc-root", "crun-root", "policies"} {
+		if err := os.MkdirAll(filepath.Join(o.Dir, d), 0o700); err != nil {
+			return nil, err
+		}
+	}
+	files := map[string]string{
+		"crio.conf": fmt.Sprintf(crioConfig, o.Dir, o.Socket, o.Pinns, o.PauseImage, o.NRISocket, o.CNIConfDir, o.CNIBinDir,
+			runtime, o.NRIRequestTimeout),
+		"policy.json":     `{"default":[{"type":"insecureAcceptAnything"}]}`,
+		"storage.conf":    fmt.Sprintf("[storage]\ndriver = \"overlay\"\ngraphroot = %q\nrunroot = %q\n", filepath.Join(o.Dir, "root"), filepath.Join(o.Dir, "runroot")),
+		"registries.conf": "",
+	}
+	for name, content := range files {
+		if err := os.WriteFile(filepath.Join(o.Dir, name), []byte(content), 0o600); err != nil {
+			return nil, err
+		}
+	}
+	return CRIOEnv(o.Dir), nil
+}
+
+// CRIOEnv is the environment crio and skopeo need to find the files
+// WriteCRIOConfig wrote in dir.
+func CRIOEnv(dir string) []string {
+	return []string{"CONTAINERS_STORAGE_CONF=" + filepath.Join(dir, "storage.conf"),
+		"CONTAINERS_REGISTRIES_CONF=" + filepath.Join(dir, "registries.conf")}
+}
+
+// CRIOArgs is crio's command line for the configuration in dir.
+func CRIOArgs(crio, dir string) []string {
+	return []string{crio, "--config", filepath.Join(dir, "crio.conf"), "--config-dir", filepath.Join(dir, "crio.conf.d")}
+}
+
+// crioConfig: %[1]s the directory, %[2]s the socket, %[3]s pinns, %[4]s the
+// pause image, %[5]s the NRI socket, %[6]s and %[7]s CNI's configuration
+// and plugins, %[8]s the OCI runtime, %[9]s the NRI request timeout.
 const crioConfig = `[crio]
 root = "%[1]s/root"
 runroot = "%[1]s/runroot"
@@ -110,14 +166,14 @@ drop_infra_ctr = true
 enable_criu_support = false
 
 [crio.runtime.runtimes.runc]
-runtime_path = "/usr/sbin/runc"
+runtime_path = "%[8]s"
 runtime_type = "oci"
 runtime_root = "%[1]s/runc-root"
 monitor_path = "/usr/bin/conmon"
 monitor_cgroup = "pod"
 
 [crio.runtime.runtimes.crun]
-runtime_path = "/usr/sbin/runc"
+runtime_path = "%[8]s"
 runtime_type = "oci"
 runtime_root = "%[1]s/crun-root"
 monitor_path = "/usr/bin/conmon"
@@ -131,8 +187,8 @@ signature_policy_dir = "%[1]s/policies"
 global_auth_file = ""
 
 [crio.network]
-network_dir = "%[1]s/cni/net.d"
-plugin_dirs = ["%[1]s/cni/bin"]
+network_dir = "%[6]s"
+plugin_dirs = ["%[7]s"]
 
 [crio.metrics]
 enable_metrics = false
@@ -143,27 +199,26 @@ nri_listen = "%[5]s"
 nri_plugin_dir = "%[1]s/nri/plugins"
 nri_plugin_config_dir = "%[1]s/nri/conf.d"
 nri_plugin_registration_timeout = "5s"
-nri_plugin_request_timeout = "10s"
+nri_plugin_request_timeout = "%[9]s"
 `
 
-// importImage copies CRIImage's archive into the CRI-O storage with
-// skopeo. skopeo writes a cache under /var/lib/containers whatever it is
-// told: it runs in a mount namespace of its own with a tmpfs there, so
-// that nothing of the host's is written.
-func (c *CRI) importImage(env []string) error {
-	img, err := busyboxImage(filepath.Join(c.Dir, "image.tar"))
-	if err != nil {
-		return err
-	}
-	dest := fmt.Sprintf("containers-storage:[overlay@%s+%s]%s", filepath.Join(c.Dir, "root"), filepath.Join(c.Dir, "runroot"), CRIImage)
-	script := `mount -t tmpfs tmpfs /var/lib && exec skopeo --policy "$1" copy --quiet "oci-archive:$2" "$3"`
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+// ImportIntoCRIO copies an image (a skopeo source: oci-archive:FILE,
+// docker-archive:FILE) into the storage of the CRI-O of o as name. skopeo
+// writes a cache under /var/lib/containers whatever it is told: it runs in
+// a mount namespace of its own with a tmpfs on /var/lib, so that nothing
+// of the host's is written: on /var/lib/containers when it exists (the
+// test cluster covers it), else on /var/lib, where the image and the
+// storage must then not lie.
+func ImportIntoCRIO(o CRIOOptions, env []string, src, name string) error {
+	script := `if [ -d /var/lib/containers ]; then cache=/var/lib/containers; else cache=/var/lib; fi
+mount -t tmpfs tmpfs "$cache" && exec skopeo --policy "$1" copy --quiet "$2" "$3"`
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-		filepath.Join(c.Dir, "policy.json"), img, dest)
+		filepath.Join(o.Dir, "policy.json"), src, o.Storage()+name)
 	cmd.Env = append(os.Environ(), env...)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("importing %s into CRI-O's storage: %v: %s", CRIImage, err, out)
+		return fmt.Errorf("importing %s into CRI-O's storage as %s: %v: %s", src, name, err, out)
 	}
 	return nil
 }
