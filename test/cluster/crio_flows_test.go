@@ -29,8 +29,9 @@ func (e *env) crioWorker(t *testing.T) *Cluster {
 // volume in the container, the guard at kubelet's target in the node's
 // mount table and nothing of the volume mounted beside it; the container
 // recorded with its namespace (CRI-O gives NRI plugins no PID: the hook
-// finds the container's process in its cgroup). The pod deleted, its claim
-// is released; the next pod finds the data. The chart is the same on every
+// finds the container's process in its cgroup); subPaths mounted in the
+// container at its start, which needs that process too. A pod deleted, its
+// claims are released; the next pod finds the data. The chart is the same on every
 // node: only the runtime differs.
 func nriOnCRIO(t *testing.T, e *env) {
 	n := e.crioWorker(t)
@@ -76,10 +77,26 @@ func nriOnCRIO(t *testing.T, e *env) {
 	}
 	consumers(1)
 
+	// subPaths: the mounter mounts them in the container at its start,
+	// which needs the container's process (found in its cgroup).
+	sub := token()
+	must(t)(e.c.podExec(nodesNS+"/crio1", "sh", "-c", "mkdir -p /data/dir && echo "+sub+" > /data/dir/token"))
+	e.run(t, inNodesNS(pod("crio-sub", onNode(n.cfg.name()), func(spec, ctr obj) {
+		addVolume(spec, obj{"name": "v", "persistentVolumeClaim": obj{"claimName": "crio"}})
+		addMount(ctr, obj{"name": "v", "mountPath": "/sub", "subPath": "dir"})
+		addMount(ctr, obj{"name": "v", "mountPath": "/new", "subPath": "made/here"})
+	})))
+	e.expect(t, nodesNS+"/crio-sub", "/sub/token", sub)
+	made := e.write(t, nodesNS+"/crio-sub", "/new/file")
+	e.expect(t, nodesNS+"/crio1", "/data/made/here/file", made)
+	consumers(3) // crio1's container, and one per mount point of crio-sub's
+
 	deletePod := func(name string) {
 		t.Helper()
 		must(t)(e.c.kubectl("-n", nodesNS, "delete", "pod", name, "--wait=true", "--timeout=120s"))
 	}
+	deletePod("crio-sub")
+	consumers(1)
 	deletePod("crio1")
 	consumers(0)
 	e.run(t, inNodesNS(pod("crio2", withClaim("crio", "/data", false), onNode(n.cfg.name()))))

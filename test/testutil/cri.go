@@ -113,22 +113,9 @@ disabled_plugins = [
 func CRITools(t testing.TB) (bin, crictl string) {
 	t.Helper()
 	criTools.once.Do(func() {
-		root, err := ModuleRoot()
+		dirs, err := toolDirs("containerd", "crictl")
 		if err != nil {
 			criTools.err = err
-			return
-		}
-		cmd := exec.Command(filepath.Join(root, "hack/tools/build.sh"), "containerd", "crictl")
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		if err != nil {
-			criTools.err = fmt.Errorf("hack/tools/build.sh containerd crictl: %v\n%s", err, stderr.String())
-			return
-		}
-		dirs := strings.Fields(string(out))
-		if len(dirs) != 2 {
-			criTools.err = fmt.Errorf("hack/tools/build.sh printed %q, want two directories", out)
 			return
 		}
 		criTools.bin, criTools.crictl = dirs[0], filepath.Join(dirs[1], "crictl")
@@ -137,6 +124,27 @@ func CRITools(t testing.TB) (bin, crictl string) {
 		t.Fatal(criTools.err)
 	}
 	return criTools.bin, criTools.crictl
+}
+
+// toolDirs builds tools with hack/tools/build.sh when its cache lacks
+// them and returns their bin directories, in order.
+func toolDirs(tools ...string) ([]string, error) {
+	root, err := ModuleRoot()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(filepath.Join(root, "hack/tools/build.sh"), tools...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("hack/tools/build.sh %s: %v\n%s", strings.Join(tools, " "), err, stderr.String())
+	}
+	dirs := strings.Fields(string(out))
+	if len(dirs) != len(tools) {
+		return nil, fmt.Errorf("hack/tools/build.sh printed %q, want %d directories", out, len(tools))
+	}
+	return dirs, nil
 }
 
 var criTools struct {

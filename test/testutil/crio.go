@@ -1,7 +1,6 @@
 package testutil
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -266,20 +265,12 @@ func (c *CRI) killConmons() error {
 func crioTools(t testing.TB) string {
 	t.Helper()
 	crioBuild.once.Do(func() {
-		root, err := ModuleRoot()
+		dirs, err := toolDirs("crio")
 		if err != nil {
 			crioBuild.err = err
 			return
 		}
-		cmd := exec.Command(filepath.Join(root, "hack/tools/build.sh"), "crio")
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		out, err := cmd.Output()
-		if err != nil {
-			crioBuild.err = fmt.Errorf("hack/tools/build.sh crio: %v\n%s", err, stderr.String())
-			return
-		}
-		crioBuild.bin = strings.TrimSpace(string(out))
+		crioBuild.bin = dirs[0]
 	})
 	if crioBuild.err != nil {
 		t.Fatal(crioBuild.err)
