@@ -37,7 +37,7 @@ type Cluster struct {
 // programs the node needs, by name; tools maps a name to a bin directory.
 var programs = []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl",
 	"containerd", "containerd-shim-runc-v2", "ctr", "crictl", "helm", "snapshot-controller",
-	"kubectl-mountplan", "crio"}
+	"kubectl-mountplan"}
 
 // fixedPaths are written by kubelet, containerd or CNI whatever their
 // configured directories: each is covered inside the node by a directory
@@ -63,7 +63,11 @@ var fixedPaths = []string{
 func startCluster(t *testing.T, root string, path []string, nodes int) *Cluster {
 	t.Helper()
 	cfg := nodeConfig{Root: root, Bin: map[string]string{}, Fixed: fixedPaths}
-	for _, name := range programs {
+	wanted := programs
+	if crioWanted() {
+		wanted = append(slices.Clone(programs), "crio")
+	}
+	for _, name := range wanted {
 		p, err := lookPath(name, path)
 		if err != nil {
 			t.Fatalf("%v (make test-cluster builds them with hack/tools/build.sh)", err)
@@ -117,7 +121,7 @@ func (c *Cluster) startWorker(t *testing.T, i int) {
 	cfg := nodeConfig{Root: c.cfg.path("nodes", name), Bin: c.cfg.Bin, Name: name, IP: ip, PodNet: pods, Cluster: c.cfg.Root,
 		Fixed:      append(slices.Clone(fixedPaths), c.cfg.path("kubelet"), c.cfg.path("state"), c.cfg.path("state")+"-mounter"),
 		StateImage: c.cfg.path("nodes", name, "state.ext4")}
-	if i == crioNode {
+	if i == crioNode && crioWanted() {
 		cfg.Runtime = runtimeCRIO
 	}
 	for _, d := range []string{c.cfg.path("kubelet"), c.cfg.path("state"), c.cfg.path("state") + "-mounter", cfg.path("logs")} {

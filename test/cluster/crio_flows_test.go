@@ -12,6 +12,14 @@ import (
 	"github.com/mountplan/mountplan/internal/nri/guard"
 )
 
+// crioPending keeps NRIOnCRIO from running when no node runs CRI-O.
+func crioPending() string {
+	if crioWanted() {
+		return ""
+	}
+	return "no node runs CRI-O unless " + envCRIO + "=1 (see crioWanted)"
+}
+
 // crioWorker is the worker that runs CRI-O.
 func (e *env) crioWorker(t *testing.T) *Cluster {
 	t.Helper()

@@ -187,8 +187,14 @@ func (c *Cluster) helmInstall(t *testing.T, chart, values string) {
 	if err := os.WriteFile(f, []byte(values), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	must(t)(c.helm("upgrade", "--install", "mountplan", chart, "--namespace", "kube-system", "-f", f,
-		"--wait", "--timeout", "4m"))
+	if _, err := c.helm("upgrade", "--install", "mountplan", chart, "--namespace", "kube-system", "-f", f,
+		"--wait", "--timeout", "4m"); err != nil {
+		// What kept the pods from Ready, in the test's own output (a CI
+		// log keeps nothing of the cluster's files).
+		pods, _ := c.kubectl("get", "pods", "-A", "-o", "wide")
+		events, _ := c.kubectl("get", "events", "-A", "--field-selector", "type=Warning")
+		t.Fatalf("%v\npods:\n%s\nwarning events:\n%s", err, pods, events)
+	}
 }
 
 // qualified splits a pod's name as the helpers take it: "ns/name" for a
