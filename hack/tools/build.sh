@@ -101,7 +101,10 @@ build() {
     copy)
       writable_copy "$modver" "$dir/src" "$(opt local "$opts")"
       for p in $pkgs; do args+=("./$p"); done
-      (cd "$dir/src" && CGO_ENABLED=$(opt cgo "$opts" | sed 's/^$/0/') GOFLAGS="$GOFLAGS -mod=mod" \
+      local cgo
+      cgo=$(opt cgo "$opts")
+      # cgo only when asked: the images' single binaries have no libc.
+      (cd "$dir/src" && CGO_ENABLED=${cgo:-0} GOFLAGS="$GOFLAGS -mod=mod" \
         go build ${tags:+-tags "$tags"} -ldflags "-s -w $ldflags" -o "$dir/bin/" "${args[@]}") >&2
       local c
       c=$(opt c "$opts")
