@@ -77,17 +77,16 @@ type nodeConfig struct {
 }
 
 // runtimeCRIO names CRI-O as a node's runtime; crioNode is the worker
-// that runs it when envCRIO is "1" (the others run containerd).
+// that runs it unless envCRIO is "0" (the others run containerd).
 const (
 	runtimeCRIO = "cri-o"
 	crioNode    = 3
 	envCRIO     = "MOUNTPLAN_CLUSTER_CRIO"
 )
 
-// crioWanted: a worker runs CRI-O (envCRIO=1). Off by default until a
-// run on a fresh CI machine confirms it: the cluster with CRI-O on its
-// third node passed here (every flow, the bench).
-func crioWanted() bool { return os.Getenv(envCRIO) == "1" }
+// crioWanted: a worker runs CRI-O unless envCRIO=0, which keeps every
+// node on containerd (to tell a CRI-O failure from one of the flow).
+func crioWanted() bool { return os.Getenv(envCRIO) != "0" }
 
 func (c nodeConfig) crio() bool { return c.Runtime == runtimeCRIO }
 
