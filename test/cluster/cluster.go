@@ -235,7 +235,7 @@ func (c *Cluster) startNode(t *testing.T) {
 		}
 	}
 	if cfg.worker() {
-		t.Logf("node %s: containerd and kubelet up in %v", cfg.name(), time.Since(c.started).Round(time.Millisecond))
+		t.Logf("node %s: %s and kubelet up in %v", cfg.name(), cfg.runtimeName(), time.Since(c.started).Round(time.Millisecond))
 		return
 	}
 	t.Logf("control plane, containerd and kubelet up in %v", time.Since(c.started).Round(time.Millisecond))
