@@ -54,7 +54,7 @@ func nriOnCRIO(t *testing.T, e *env) {
 	e.wantFSInPod(t, nodesNS+"/crio1", "/data", "ext4", "/dev/loop")
 	tok := e.write(t, nodesNS+"/crio1", "/data/token")
 
-	pv := strings.TrimSpace(must(t)(e.c.kubectl("-n", nodesNS, "get", "pvc", "crio", "-o", "jsonpath={.spec.volumeName}")))
+	pv := e.pvOf(t, nodesNS+"/crio")
 	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", n.nodePID()))
 	if err != nil {
 		t.Fatal(err)

@@ -311,12 +311,15 @@ func hostRun(t *testing.T, name string, args ...string) {
 	}
 }
 
-// nodeProcs maps host PIDs of the node's processes (those of its PID
+// nodeProcs is the first node's procs.
+func (e *env) nodeProcs() map[int]string { return e.c.procs() }
+
+// procs maps host PIDs of the node's processes (those of its PID
 // namespace and of the namespaces below it: the containers') to their
 // command names.
-func (e *env) nodeProcs() map[int]string {
+func (c *Cluster) procs() map[int]string {
 	var st unix.Stat_t
-	if err := unix.Stat(fmt.Sprintf("/proc/%d/ns/pid", e.c.nodePID()), &st); err != nil {
+	if err := unix.Stat(fmt.Sprintf("/proc/%d/ns/pid", c.nodePID()), &st); err != nil {
 		return nil
 	}
 	procs := map[int]string{}
@@ -358,17 +361,23 @@ func pidNSBelow(pid int, ns uint64) bool {
 	}
 }
 
-// pidOf finds the host PID of a node process by command name.
+// pidOf finds the host PID of a first node's process by command name.
 func (e *env) pidOf(t *testing.T, comm string) int {
 	t.Helper()
+	return e.c.pidOf(t, comm)
+}
+
+// pidOf finds the host PID of a node process by command name.
+func (c *Cluster) pidOf(t *testing.T, comm string) int {
+	t.Helper()
 	var pids []int
-	for pid, c := range e.nodeProcs() {
-		if c == comm {
+	for pid, name := range c.procs() {
+		if name == comm {
 			pids = append(pids, pid)
 		}
 	}
 	if len(pids) != 1 {
-		t.Fatalf("%d processes named %s in the node, want 1", len(pids), comm)
+		t.Fatalf("%d processes named %s in node %s, want 1", len(pids), comm, c.cfg.name())
 	}
 	return pids[0]
 }

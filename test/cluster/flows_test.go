@@ -61,8 +61,9 @@ var flows = []flow{
 	{name: "NRIFSGroupNonRoot", run: nriFSGroup},
 	{name: "NRISidecarsAndExpandOnline", run: nriSidecarsAndExpand},
 	{name: "NRIStatsAllStopped", run: nriStatsAllStopped},
-	{name: "NRIOnCRIO", run: nriOnCRIO, pending: crioPending()}, // crio_flows_test.go
-	{name: "ContainerdKilledNRI", run: containerdKilledNRI},     // runtime_restart_flows_test.go
+	{name: "NRIOnCRIO", run: nriOnCRIO, pending: crioPending()},         // crio_flows_test.go
+	{name: "ContainerdKilledNRI", run: containerdKilledNRI},             // runtime_restart_flows_test.go
+	{name: "CRIOKilledNRI", run: crioKilledNRI, pending: crioPending()}, // runtime_restart_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},

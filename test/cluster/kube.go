@@ -222,16 +222,23 @@ func (c *Cluster) waitPod(t *testing.T, pod string) {
 	}
 }
 
-// deleteAndWait deletes objects and waits until they are gone.
+// deleteAndWait deletes objects of the test namespace and waits until
+// they are gone.
 func (c *Cluster) deleteAndWait(t *testing.T, kind string, names ...string) {
 	t.Helper()
-	must(t)(c.kubectl(deleteArgs(kind, names)...))
+	c.deleteInAndWait(t, testNS, kind, names...)
 }
 
-// deleteArgs deletes objects of the test namespace and waits until they
-// are gone.
-func deleteArgs(kind string, names []string) []string {
-	return append([]string{"-n", testNS, "delete", kind, "--wait=true", "--timeout=120s", "--ignore-not-found"}, names...)
+// deleteInAndWait is deleteAndWait in namespace ns.
+func (c *Cluster) deleteInAndWait(t *testing.T, ns, kind string, names ...string) {
+	t.Helper()
+	must(t)(c.kubectl(deleteArgs(ns, kind, names)...))
+}
+
+// deleteArgs deletes objects of namespace ns and waits until they are
+// gone.
+func deleteArgs(ns, kind string, names []string) []string {
+	return append([]string{"-n", ns, "delete", kind, "--wait=true", "--timeout=120s", "--ignore-not-found"}, names...)
 }
 
 // deleteAtEnd deletes objects of the test namespace when the flow ends,
@@ -239,7 +246,7 @@ func deleteArgs(kind string, names []string) []string {
 // the shared cluster and fail the flows after it.
 func (c *Cluster) deleteAtEnd(t *testing.T, kind string, names ...string) {
 	t.Cleanup(func() {
-		if out, err := c.kubectl(deleteArgs(kind, names)...); err != nil {
+		if out, err := c.kubectl(deleteArgs(testNS, kind, names)...); err != nil {
 			t.Errorf("cleaning up %s %v: %v\n%s", kind, names, err, out)
 		}
 	})

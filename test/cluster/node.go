@@ -106,6 +106,16 @@ func (c nodeConfig) runtimeName() string {
 	return "containerd"
 }
 
+// containerCgroup is what the cgroup path of a container's processes
+// contains: containerd puts it at /<namespace>/<id>, CRI-O at crio-<id>
+// (and its conmon at crio-conmon-<id>, which this does not match).
+func (c nodeConfig) containerCgroup(id string) string {
+	if c.crio() {
+		return "/crio-" + id
+	}
+	return "/" + criNamespace + "/" + id
+}
+
 func (c nodeConfig) path(p ...string) string { return filepath.Join(append([]string{c.Root}, p...)...) }
 
 func (c nodeConfig) worker() bool { return c.Cluster != "" }

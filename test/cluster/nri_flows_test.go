@@ -206,9 +206,12 @@ func (e *env) nriPV(t *testing.T, claim string) {
 	nriPVs = append(nriPVs, e.pvOf(t, claim))
 }
 
+// pvOf is the volume of a claim (of the test namespace unless qualified:
+// "namespace/claim").
 func (e *env) pvOf(t *testing.T, claim string) string {
 	t.Helper()
-	return strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pvc", claim, "-o", "jsonpath={.spec.volumeName}")))
+	ns, name := qualified(claim)
+	return strings.TrimSpace(must(t)(e.c.kubectl("-n", ns, "get", "pvc", name, "-o", "jsonpath={.spec.volumeName}")))
 }
 
 // wantFSInPod checks the filesystem type and source of the top mount at

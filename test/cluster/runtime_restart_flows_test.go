@@ -3,9 +3,10 @@
 package cluster
 
 // The container runtime restarts while NRI pods write (issue 24): containerd
-// is killed (SIGKILL) and held down by the node (nodeConfig.holdPath) while
-// a pod is created, then released; then killed once more and let come back
-// at once. Running containers and their shims outlive containerd, so their
+// (on the first node; CRI-O on the node that runs it) is killed (SIGKILL)
+// and held down by the node (nodeConfig.holdPath) while a pod is created,
+// then released; then killed once more and let come back at once. Running
+// containers and their shims (conmon under CRI-O) outlive the runtime, so their
 // volumes (mounted in their own namespaces) and their writes must go on;
 // the mounter's hook loses its NRI connection (and stops the guard) and
 // must register again, re-learn its claims at Synchronize and give the pod
@@ -28,91 +29,138 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// runtimeHold is how long containerd is held down.
+// runtimeHold is how long the runtime is held down.
 const runtimeHold = 15 * time.Second
 
-// containerdKilledNRI: see the top of the file.
+// containerdKilledNRI: see the top of the file; on the first node.
 func containerdKilledNRI(t *testing.T, e *env) {
-	// The class as NRIPVC makes it (the flow may run without it).
-	e.apply(t, obj{"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": obj{"name": nriClass},
-		"provisioner": e.driverName, "parameters": obj{"nri": "true"}, "volumeBindingMode": "WaitForFirstConsumer", "reclaimPolicy": "Delete"})
-	e.apply(t, pvc("rk1", nriClass, "64Mi"), pvc("rk2", nriClass, "64Mi"))
-	e.run(t, syncWriter("rkw1", "rk1"), syncWriter("rkw2", "rk2"))
-	e.nriPV(t, "rk1")
-	e.nriPV(t, "rk2")
+	restartFlow{e: e, n: e.c, ns: testNS}.run(t)
+}
+
+// crioKilledNRI is containerdKilledNRI on the node whose runtime is CRI-O,
+// which gives NRI plugins no PID at Synchronize either: the hook finds
+// each running container's process in its cgroup to re-learn its claims.
+func crioKilledNRI(t *testing.T, e *env) {
+	n := e.crioWorker(t)
+	e.nodesNamespace(t)
+	restartFlow{e: e, n: n, ns: nodesNS}.run(t)
+}
+
+// restartFlow is the flow on one node: its runtime is killed, the
+// flow's pods and claims are in namespace ns, its pods pinned to the node.
+type restartFlow struct {
+	e  *env
+	n  *Cluster
+	ns string
+}
+
+// q qualifies a pod's name with the flow's namespace.
+func (f restartFlow) q(name string) string { return f.ns + "/" + name }
+
+// in moves an object built by pvc or pod to the flow's namespace.
+func (f restartFlow) in(o obj) obj {
+	o["metadata"].(obj)["namespace"] = f.ns
+	return o
+}
+
+// pod is a pod of the flow, on its node.
+func (f restartFlow) pod(name string, opts ...podOpt) obj {
+	return f.in(pod(name, append(opts, onNode(f.n.cfg.name()))...))
+}
+
+// pvc is a claim of the NRI class in the flow's namespace.
+func (f restartFlow) pvc(name string) obj { return f.in(pvc(name, nriClass, "64Mi")) }
+
+// pvOf is the volume of a claim of the flow.
+func (f restartFlow) pvOf(t *testing.T, claim string) string {
+	t.Helper()
+	return f.e.pvOf(t, f.q(claim))
+}
+
+func (f restartFlow) run(t *testing.T) {
+	e, rt := f.e, f.n.cfg.runtimeName()
+	e.apply(t, e.nriStorageClass()) // the class as NRIPVC makes it (the flow may run without it)
+	e.apply(t, f.pvc("rk1"), f.pvc("rk2"))
+	e.run(t, f.syncWriter("rkw1", "rk1"), f.syncWriter("rkw2", "rk2"))
+	if f.ns == testNS {
+		e.nriPV(t, "rk1") // the first node's poller watches their targets
+		e.nriPV(t, "rk2")
+	}
 	writers := map[string]*runningWriter{}
 	sleep(time.Second) // a few writes
 	for _, w := range []string{"rkw1", "rkw2"} {
 		rw := &runningWriter{}
-		rw.pid, rw.id = e.podInit(t, w)
-		e.checkWrites(t, w, &rw.last)
+		rw.pid, rw.id = f.podInit(t, w)
+		e.checkWrites(t, f.q(w), &rw.last)
 		writers[w] = rw
 	}
-	e.wantClaimConsumers(t, "rk1", "rkw1")
-	e.wantClaimConsumers(t, "rk2", "rkw2")
+	f.wantClaimConsumers(t, "rk1", "rkw1")
+	f.wantClaimConsumers(t, "rk2", "rkw2")
 
 	// Down for a while; a pod of an existing claim (the writer's) and of a
 	// new one is created meanwhile.
-	o := e.containerdOutage(t, runtimeHold, writers, func() {
-		e.apply(t, pvc("rk3", nriClass, "64Mi"),
-			pod("rknew", withClaim("rk1", "/shared", false), withClaim("rk3", "/data", false)))
+	o := f.outage(t, runtimeHold, writers, func() {
+		e.apply(t, f.pvc("rk3"),
+			f.pod("rknew", withClaim("rk1", "/shared", false), withClaim("rk3", "/data", false)))
 	})
-	if phase := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", "rknew", "-o", "jsonpath={.status.phase}"))); phase == "Running" {
-		t.Errorf("rknew is Running while containerd is down")
+	if phase := strings.TrimSpace(must(t)(e.c.kubectl("-n", f.ns, "get", "pod", "rknew", "-o", "jsonpath={.status.phase}"))); phase == "Running" {
+		t.Errorf("rknew is Running while %s is down", rt)
 	}
-	e.waitPodLong(t, "rknew", 4*time.Minute)
+	f.waitPodLong(t, "rknew", 4*time.Minute)
 	ready := time.Now()
-	o.log(t, "held down")
-	t.Logf("containerd restart: the pod created during the outage Ready %v after the release (%v after containerd serves again, %v after the hook registered)",
-		ready.Sub(o.released).Round(10*time.Millisecond), ready.Sub(o.serving).Round(10*time.Millisecond), ready.Sub(o.registered).Round(10*time.Millisecond))
-	if ev, err := e.c.kubectl("-n", testNS, "get", "events", "--field-selector", "involvedObject.name=rknew",
+	o.log(t, rt, "held down")
+	t.Logf("%s restart: the pod created during the outage Ready %v after the release (%v after %s serves again, %v after the hook registered)",
+		rt, ready.Sub(o.released).Round(10*time.Millisecond), ready.Sub(o.serving).Round(10*time.Millisecond), rt, ready.Sub(o.registered).Round(10*time.Millisecond))
+	if ev, err := e.c.kubectl("-n", f.ns, "get", "events", "--field-selector", "involvedObject.name=rknew",
 		"-o", `go-template={{range .items}}{{.lastTimestamp}} {{.reason}} x{{.count}}: {{.message}}{{"\n"}}{{end}}`); err == nil {
 		t.Logf("rknew's events (the release at %s):\n%s", o.released.UTC().Format(time.TimeOnly), ev)
 	}
-	e.wantSynchronized(t, o)
-	e.wantWritersKept(t, writers, o)
+	f.wantSynchronized(t, o)
+	f.wantWritersKept(t, writers, o)
 
 	// The new pod has its volumes: the writer's (its log) and the new
 	// claim's filesystem (lost+found), each a file system of a loop device,
 	// and what it writes is seen by other pods of the same claims.
-	e.wantFSInPod(t, "rknew", "/data", "ext4", "/dev/loop")
-	e.wantFSInPod(t, "rknew", "/shared", "ext4", "/dev/loop")
-	must(t)(e.c.podExec("rknew", "test", "-d", "/data/lost+found"))
-	if n, err := strconv.Atoi(strings.TrimSpace(must(t)(e.c.podExec("rknew", "sh", "-c", "wc -l < /shared/log")))); err != nil || n < o.atRelease["rkw1"] {
+	e.wantFSInPod(t, f.q("rknew"), "/data", "ext4", "/dev/loop")
+	e.wantFSInPod(t, f.q("rknew"), "/shared", "ext4", "/dev/loop")
+	must(t)(e.c.podExec(f.q("rknew"), "test", "-d", "/data/lost+found"))
+	if n, err := strconv.Atoi(strings.TrimSpace(must(t)(e.c.podExec(f.q("rknew"), "sh", "-c", "wc -l < /shared/log")))); err != nil || n < o.atRelease["rkw1"] {
 		t.Errorf("rknew's /shared/log has %d lines (%v), rkw1 had written %d by the release", n, err, o.atRelease["rkw1"])
 	}
-	e.expect(t, "rkw1", "/data/marker", e.write(t, "rknew", "/shared/marker"))
-	tok := e.write(t, "rknew", "/data/token")
-	e.run(t, pod("rkcheck", withClaim("rk3", "/data", false)))
-	e.expect(t, "rkcheck", "/data/token", tok)
-	e.nriPV(t, "rk3")
-	e.wantClaimConsumers(t, "rk1", "rkw1", "rknew")
-	e.wantClaimConsumers(t, "rk2", "rkw2")
-	e.wantClaimConsumers(t, "rk3", "rknew", "rkcheck")
+	e.expect(t, f.q("rkw1"), "/data/marker", e.write(t, f.q("rknew"), "/shared/marker"))
+	tok := e.write(t, f.q("rknew"), "/data/token")
+	e.run(t, f.pod("rkcheck", withClaim("rk3", "/data", false)))
+	e.expect(t, f.q("rkcheck"), "/data/token", tok)
+	if f.ns == testNS {
+		e.nriPV(t, "rk3")
+	}
+	f.wantClaimConsumers(t, "rk1", "rkw1", "rknew")
+	f.wantClaimConsumers(t, "rk2", "rkw2")
+	f.wantClaimConsumers(t, "rk3", "rknew", "rkcheck")
 
 	// Killed again and back at once. How soon the hook registers again
 	// is logged, not asserted (a timing on a loaded machine; the reset of
 	// its reconnect backoff after a registration, which keeps it short, is
 	// internal/nri's TestReconnectStartsOverAfterARegistration).
-	o2 := e.containerdOutage(t, 0, writers, func() {})
-	o2.log(t, "not held")
-	e.wantSynchronized(t, o2)
-	e.wantWritersKept(t, writers, o2)
-	e.wantClaimConsumers(t, "rk1", "rkw1", "rknew")
-	e.wantClaimConsumers(t, "rk2", "rkw2")
-	e.wantClaimConsumers(t, "rk3", "rknew", "rkcheck")
-	e.write(t, "rkcheck", "/data/token") // the runtime creates exec processes again
+	o2 := f.outage(t, 0, writers, func() {})
+	o2.log(t, rt, "not held")
+	f.wantSynchronized(t, o2)
+	f.wantWritersKept(t, writers, o2)
+	f.wantClaimConsumers(t, "rk1", "rkw1", "rknew")
+	f.wantClaimConsumers(t, "rk2", "rkw2")
+	f.wantClaimConsumers(t, "rk3", "rknew", "rkcheck")
+	e.write(t, f.q("rkcheck"), "/data/token") // the runtime creates exec processes again
 
 	// Gone with their pods: no consumer, then no record.
-	vols := []string{e.pvOf(t, "rk1"), e.pvOf(t, "rk2"), e.pvOf(t, "rk3")}
-	e.c.deleteAndWait(t, "pod", "rknew", "rkcheck", "rkw1", "rkw2")
+	vols := []string{f.pvOf(t, "rk1"), f.pvOf(t, "rk2"), f.pvOf(t, "rk3")}
+	e.c.deleteInAndWait(t, f.ns, "pod", "rknew", "rkcheck", "rkw1", "rkw2")
 	for _, c := range []string{"rk1", "rk2", "rk3"} {
-		e.wantClaimConsumers(t, c)
+		f.wantClaimConsumers(t, c)
 	}
-	e.c.deleteAndWait(t, "pvc", "rk1", "rk2", "rk3")
+	e.c.deleteInAndWait(t, f.ns, "pvc", "rk1", "rk2", "rk3")
 	waitFor(t, 90*time.Second, "the records of the flow's volumes removed", func() error {
 		for _, v := range vols {
-			if _, err := os.Stat(e.c.cfg.path("state", "volumes", v+".json")); err == nil {
+			if _, err := os.Stat(f.n.seen(e.c.cfg.path("state", "volumes", v+".json"))); err == nil {
 				return fmt.Errorf("record of %s left", v)
 			}
 		}
@@ -121,8 +169,8 @@ func containerdKilledNRI(t *testing.T, e *env) {
 }
 
 // syncWriter is writer with an fsync of the file after each line.
-func syncWriter(name, claim string) obj {
-	return pod(name, withClaim(claim, "/data", false), withScript(
+func (f restartFlow) syncWriter(name, claim string) obj {
+	return f.pod(name, withClaim(claim, "/data", false), withScript(
 		"trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); { echo $i >> /data/log && sync /data/log; } || echo $i >> /tmp/failed; sleep 0.1; done"))
 }
 
@@ -134,17 +182,17 @@ type runningWriter struct {
 	last int
 }
 
-// outage is what containerdOutage measured.
+// outage is what restartFlow.outage measured.
 type outage struct {
 	killed, released, serving, registered time.Time
 	hold                                  time.Duration
 	atKill, atRelease                     map[string]int // lines in each writer's log
 }
 
-func (o outage) log(t *testing.T, how string) {
+func (o outage) log(t *testing.T, runtime, how string) {
 	t.Helper()
-	t.Logf("containerd killed (%s %v): serving again %v after the kill (%v after the release); the hook registered %v after the kill, %v after containerd served; lines written during the outage: %v (at the kill: %v)",
-		how, o.hold, o.serving.Sub(o.killed).Round(10*time.Millisecond), o.serving.Sub(o.released).Round(10*time.Millisecond),
+	t.Logf("%s killed (%s %v): serving again %v after the kill (%v after the release); the hook registered %v after the kill, %v after it served; lines written during the outage: %v (at the kill: %v)",
+		runtime, how, o.hold, o.serving.Sub(o.killed).Round(10*time.Millisecond), o.serving.Sub(o.released).Round(10*time.Millisecond),
 		o.registered.Sub(o.killed).Round(10*time.Millisecond), o.registered.Sub(o.serving).Round(10*time.Millisecond), o.duringOutage(), o.atKill)
 }
 
@@ -156,16 +204,17 @@ func (o outage) duringOutage() map[string]int {
 	return d
 }
 
-// containerdOutage kills containerd (SIGKILL), keeps the node from
-// restarting it for hold, runs during meanwhile, and waits until
-// containerd serves again and the mounter's hook has registered with it.
+// outage kills the node's runtime (SIGKILL), keeps the node from
+// restarting it for hold, runs during meanwhile, and waits until the
+// runtime serves again and the mounter's hook has registered with it.
 // The writers' logs are counted through their containers' roots, which
 // needs no runtime.
-func (e *env) containerdOutage(t *testing.T, hold time.Duration, writers map[string]*runningWriter, during func()) outage {
+func (f restartFlow) outage(t *testing.T, hold time.Duration, writers map[string]*runningWriter, during func()) outage {
 	t.Helper()
 	o := outage{hold: hold}
-	pid := e.pidOf(t, "containerd")
-	held := e.c.cfg.holdPath("containerd")
+	rt := f.n.cfg.runtimeName()
+	pid := f.n.pidOf(t, rt)
+	held := f.n.cfg.holdPath(rt)
 	if hold > 0 {
 		if err := os.WriteFile(held, nil, 0o644); err != nil {
 			t.Fatal(err)
@@ -177,17 +226,17 @@ func (e *env) containerdOutage(t *testing.T, hold time.Duration, writers map[str
 		t.Fatal(err)
 	}
 	o.killed = time.Now()
-	waitFor(t, 10*time.Second, "containerd gone", func() error {
+	waitFor(t, 10*time.Second, rt+" gone", func() error {
 		if unix.Kill(pid, 0) == nil {
-			return fmt.Errorf("containerd %d still there", pid)
+			return fmt.Errorf("%s %d still there", rt, pid)
 		}
 		return nil
 	})
 	during()
 	if hold > 0 {
 		time.Sleep(time.Until(o.killed.Add(hold)))
-		if slices.Contains(slices.Collect(maps.Values(e.nodeProcs())), "containerd") {
-			t.Fatalf("containerd restarted while held down")
+		if slices.Contains(slices.Collect(maps.Values(f.n.procs())), rt) {
+			t.Fatalf("%s restarted while held down", rt)
 		}
 		o.atRelease = writtenLines(t, writers)
 		if err := os.Remove(held); err != nil {
@@ -195,8 +244,8 @@ func (e *env) containerdOutage(t *testing.T, hold time.Duration, writers map[str
 		}
 	}
 	o.released = time.Now()
-	waitFor(t, 60*time.Second, "containerd serving again", func() error {
-		c, err := net.DialTimeout("unix", e.c.cfg.path("run", "containerd.sock"), time.Second)
+	waitFor(t, 60*time.Second, rt+" serving again", func() error {
+		c, err := net.DialTimeout("unix", f.n.cfg.runtimeSocket(), time.Second)
 		if err == nil {
 			c.Close()
 		}
@@ -206,8 +255,8 @@ func (e *env) containerdOutage(t *testing.T, hold time.Duration, writers map[str
 	if hold == 0 {
 		o.atRelease = writtenLines(t, writers)
 	}
-	waitFor(t, 90*time.Second, "the mounter's hook registered with the new containerd", func() error {
-		at, _, err := e.mounterLogAfter(o.killed, "Registered with the runtime")
+	waitFor(t, 90*time.Second, "the mounter's hook registered with the new "+rt, func() error {
+		at, _, err := f.mounterLogAfter(o.killed, "Registered with the runtime")
 		o.registered = at
 		return err
 	})
@@ -232,30 +281,30 @@ func writtenLines(t *testing.T, writers map[string]*runningWriter) map[string]in
 // wantWritersKept: each writer's container is the one from before (same
 // process, no restart), its volume still ext4 of a loop device, it wrote
 // during the outage, and no write failed or went missing.
-func (e *env) wantWritersKept(t *testing.T, writers map[string]*runningWriter, o outage) {
+func (f restartFlow) wantWritersKept(t *testing.T, writers map[string]*runningWriter, o outage) {
 	t.Helper()
 	for name, w := range writers {
-		if pid, id := e.podInit(t, name); pid != w.pid || id != w.id {
+		if pid, id := f.podInit(t, name); pid != w.pid || id != w.id {
 			t.Errorf("%s runs container %s (pid %d), was %s (pid %d)", name, id, pid, w.id, w.pid)
 		}
-		if n := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].restartCount}"))); n != "0" {
+		if n := strings.TrimSpace(must(t)(f.e.c.kubectl("-n", f.ns, "get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].restartCount}"))); n != "0" {
 			t.Errorf("%s restarted %s times", name, n)
 		}
 		if d := o.atRelease[name] - o.atKill[name]; d <= 0 && o.hold > 0 {
 			t.Errorf("%s wrote nothing during the %v outage (%d lines at the kill, %d at the release)", name, o.hold, o.atKill[name], o.atRelease[name])
 		}
-		e.wantFSInPod(t, name, "/data", "ext4", "/dev/loop")
-		e.checkWrites(t, name, &w.last)
+		f.e.wantFSInPod(t, f.q(name), "/data", "ext4", "/dev/loop")
+		f.e.checkWrites(t, f.q(name), &w.last)
 	}
 }
 
 // wantSynchronized: after registering, the hook synchronized with the
 // runtime (the log line comes at Synchronize's end, after the claims of
 // every container were re-learned).
-func (e *env) wantSynchronized(t *testing.T, o outage) {
+func (f restartFlow) wantSynchronized(t *testing.T, o outage) {
 	t.Helper()
 	waitFor(t, 30*time.Second, "the hook's Synchronize after its registration", func() error {
-		_, line, err := e.mounterLogAfter(o.registered.Add(-time.Millisecond), "Synchronized with the runtime")
+		_, line, err := f.mounterLogAfter(o.registered.Add(-time.Millisecond), "Synchronized with the runtime")
 		if err == nil {
 			t.Logf("after the restart: %s", line)
 		}
@@ -263,13 +312,13 @@ func (e *env) wantSynchronized(t *testing.T, o outage) {
 	})
 }
 
-// podInit finds a test pod's container (its ID from the pod's status) and
-// the host PID of its first process (by its cgroup, see containerPID, and
+// podInit finds a pod's container (its ID from the pod's status) and the
+// host PID of its first process (by its cgroup, see containerCgroup, and
 // PID 1 in its namespace).
-func (e *env) podInit(t *testing.T, pod string) (pid int, id string) {
+func (f restartFlow) podInit(t *testing.T, pod string) (pid int, id string) {
 	t.Helper()
 	waitFor(t, 30*time.Second, "the first process of pod "+pod, func() error {
-		out, err := e.c.kubectl("-n", testNS, "get", "pod", pod, "-o", "jsonpath={.status.containerStatuses[0].containerID}")
+		out, err := f.e.c.kubectl("-n", f.ns, "get", "pod", pod, "-o", "jsonpath={.status.containerStatuses[0].containerID}")
 		if err != nil {
 			return err
 		}
@@ -277,10 +326,10 @@ func (e *env) podInit(t *testing.T, pod string) (pid int, id string) {
 			return fmt.Errorf("no container ID in %q", out)
 		}
 		var pids []int
-		for p := range e.nodeProcs() {
+		for p := range f.n.procs() {
 			cg, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", p))
 			st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p))
-			if strings.Contains(string(cg), "/"+criNamespace+"/"+id) && nsPID(string(st)) == 1 {
+			if strings.Contains(string(cg), f.n.cfg.containerCgroup(id)) && nsPID(string(st)) == 1 {
 				pids = append(pids, p)
 			}
 		}
@@ -310,17 +359,17 @@ func nsPID(status string) int {
 // wantClaimConsumers waits until the plugin's record of a claim's volume
 // names exactly the containers of pods as its consumers: a claim of a
 // container that is gone is leaked, one of a running container dropped.
-func (e *env) wantClaimConsumers(t *testing.T, claim string, pods ...string) {
+func (f restartFlow) wantClaimConsumers(t *testing.T, claim string, pods ...string) {
 	t.Helper()
 	var want []string
 	for _, p := range pods {
-		_, id := e.podInit(t, p)
+		_, id := f.podInit(t, p)
 		want = append(want, id)
 	}
 	slices.Sort(want)
-	vol := e.pvOf(t, claim)
+	vol := f.pvOf(t, claim)
 	waitFor(t, 30*time.Second, fmt.Sprintf("the consumers of %s: the containers of %v", claim, pods), func() error {
-		got, err := e.containerConsumers(vol)
+		got, err := f.e.containerConsumersOn(f.n, vol)
 		if err != nil {
 			return err
 		}
@@ -333,15 +382,15 @@ func (e *env) wantClaimConsumers(t *testing.T, claim string, pods ...string) {
 }
 
 // waitPodLong waits for a pod's Ready condition for up to d.
-func (e *env) waitPodLong(t *testing.T, pod string, d time.Duration) {
+func (f restartFlow) waitPodLong(t *testing.T, pod string, d time.Duration) {
 	t.Helper()
 	waitFor(t, d, "pod "+pod+" Ready", func() error {
-		out, err := e.c.kubectl("-n", testNS, "get", "pod", pod, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
+		out, err := f.e.c.kubectl("-n", f.ns, "get", "pod", pod, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
 		if err != nil {
 			return err
 		}
 		if strings.TrimSpace(out) != "True" {
-			desc, _ := e.c.kubectl("-n", testNS, "describe", "pod", pod)
+			desc, _ := f.e.c.kubectl("-n", f.ns, "describe", "pod", pod)
 			return fmt.Errorf("Ready=%q\n%s", out, lastLines(desc, 12))
 		}
 		return nil
@@ -352,11 +401,11 @@ func (e *env) waitPodLong(t *testing.T, pod string, d time.Duration) {
 // time, stream, full or partial, the line.
 var criLogLine = regexp.MustCompile(`^(\S+) (?:stdout|stderr) [FP] (.*)$`)
 
-// mounterLogAfter finds the first line of the mounter containers' logs
-// (kubelet's log directory, as the runtime writes them) stamped after
+// mounterLogAfter finds the first line of the node's mounter containers'
+// logs (kubelet's log directory, as the runtime writes them) stamped after
 // since that contains what; it returns the line's time.
-func (e *env) mounterLogAfter(since time.Time, what string) (time.Time, string, error) {
-	files, _ := filepath.Glob(e.c.cfg.path("log", "pods", "kube-system_mountplan-mounter-*", mounterContainer, "*.log"))
+func (f restartFlow) mounterLogAfter(since time.Time, what string) (time.Time, string, error) {
+	files, _ := filepath.Glob(f.n.cfg.path("log", "pods", "kube-system_mountplan-mounter-*", mounterContainer, "*.log"))
 	first, line := time.Time{}, ""
 	for _, f := range files {
 		fh, err := os.Open(f)
