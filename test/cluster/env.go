@@ -167,7 +167,7 @@ func (e *env) containerPID(t *testing.T, component, container, comm string) int 
 			return fmt.Errorf("container %s of the %s pod has no ID yet", container, component)
 		}
 		var pids []int
-		for p, c := range e.nodeProcs() {
+		for p, c := range e.c.procs() {
 			if c != comm {
 				continue
 			}
@@ -311,9 +311,6 @@ func hostRun(t *testing.T, name string, args ...string) {
 	}
 }
 
-// nodeProcs is the first node's procs.
-func (e *env) nodeProcs() map[int]string { return e.c.procs() }
-
 // procs maps host PIDs of the node's processes (those of its PID
 // namespace and of the namespaces below it: the containers') to their
 // command names.
@@ -361,12 +358,6 @@ func pidNSBelow(pid int, ns uint64) bool {
 	}
 }
 
-// pidOf finds the host PID of a first node's process by command name.
-func (e *env) pidOf(t *testing.T, comm string) int {
-	t.Helper()
-	return e.c.pidOf(t, comm)
-}
-
 // pidOf finds the host PID of a node process by command name.
 func (c *Cluster) pidOf(t *testing.T, comm string) int {
 	t.Helper()
@@ -386,7 +377,7 @@ func (c *Cluster) pidOf(t *testing.T, comm string) int {
 func (e *env) memory(t *testing.T) {
 	sum := map[string]int{}
 	total := 0
-	for pid, comm := range e.nodeProcs() {
+	for pid, comm := range e.c.procs() {
 		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 		if err != nil {
 			continue

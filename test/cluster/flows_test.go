@@ -790,7 +790,7 @@ func writesSurviveRestarts(t *testing.T, e *env) {
 	e.checkWrites(t, "w", &last)
 
 	// kubelet restarted (the node restarts it).
-	kubelet := e.pidOf(t, "kubelet")
+	kubelet := e.c.pidOf(t, "kubelet")
 	if err := unix.Kill(kubelet, unix.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
@@ -798,7 +798,7 @@ func writesSurviveRestarts(t *testing.T, e *env) {
 		if unix.Kill(kubelet, 0) == nil {
 			return fmt.Errorf("kubelet %d still running", kubelet)
 		}
-		for _, c := range e.nodeProcs() {
+		for _, c := range e.c.procs() {
 			if c == "kubelet" {
 				return nil
 			}

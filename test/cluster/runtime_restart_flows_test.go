@@ -77,15 +77,25 @@ func (f restartFlow) pvOf(t *testing.T, claim string) string {
 	return f.e.pvOf(t, f.q(claim))
 }
 
+// polled hands the claims' volumes to the poller of the NRI flows, which
+// watches the first node's mount table: on another node it has nothing to
+// see.
+func (f restartFlow) polled(t *testing.T, claims ...string) {
+	t.Helper()
+	if f.n != f.e.c {
+		return
+	}
+	for _, c := range claims {
+		f.e.nriPV(t, f.q(c))
+	}
+}
+
 func (f restartFlow) run(t *testing.T) {
 	e, rt := f.e, f.n.cfg.runtimeName()
 	e.apply(t, e.nriStorageClass()) // the class as NRIPVC makes it (the flow may run without it)
 	e.apply(t, f.pvc("rk1"), f.pvc("rk2"))
 	e.run(t, f.syncWriter("rkw1", "rk1"), f.syncWriter("rkw2", "rk2"))
-	if f.ns == testNS {
-		e.nriPV(t, "rk1") // the first node's poller watches their targets
-		e.nriPV(t, "rk2")
-	}
+	f.polled(t, "rk1", "rk2")
 	writers := map[string]*runningWriter{}
 	sleep(time.Second) // a few writes
 	for _, w := range []string{"rkw1", "rkw2"} {
@@ -132,9 +142,7 @@ func (f restartFlow) run(t *testing.T) {
 	tok := e.write(t, f.q("rknew"), "/data/token")
 	e.run(t, f.pod("rkcheck", withClaim("rk3", "/data", false)))
 	e.expect(t, f.q("rkcheck"), "/data/token", tok)
-	if f.ns == testNS {
-		e.nriPV(t, "rk3")
-	}
+	f.polled(t, "rk3")
 	f.wantClaimConsumers(t, "rk1", "rkw1", "rknew")
 	f.wantClaimConsumers(t, "rk2", "rkw2")
 	f.wantClaimConsumers(t, "rk3", "rknew", "rkcheck")
