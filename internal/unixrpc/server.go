@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -41,6 +42,19 @@ type Server struct {
 	// when the socket sits somewhere less guarded.
 	allowUID uint32
 
+	// MaxConns bounds the connections served at once (each holds a
+	// goroutine, a descriptor and up to a message's buffer); past it the
+	// server accepts no more until one closes, and new ones wait in the
+	// listen backlog. A connection carries one call at a time, so this
+	// bounds the calls in flight too. Set before Serve.
+	MaxConns int
+	// FrameTimeout bounds how long a connection's first request may take
+	// to arrive after it is accepted, and any request to arrive once its
+	// first bytes have; past it the connection is closed. An idle
+	// connection between calls has no deadline: it is the client's pool.
+	// Set before Serve.
+	FrameTimeout time.Duration
+
 	deadlines deadlines
 	wg        sync.WaitGroup
 }
@@ -55,8 +69,20 @@ func NewServer(logger klog.Logger) *Server {
 		instance: fmt.Sprintf("%d-%s", os.Getpid(), hex.EncodeToString(b[:])),
 		log:      logger,
 		allowUID: uint32(os.Geteuid()),
+
+		MaxConns:     DefaultMaxConns,
+		FrameTimeout: DefaultFrameTimeout,
 	}
 }
+
+// The bounds NewServer sets. The plugin's client keeps at most maxIdle
+// connections and opens more only for calls in flight at once: 64 leaves
+// room for a burst, and a burst past it waits rather than fails. A
+// client writes its request as soon as it connects: 10s is ample.
+const (
+	DefaultMaxConns     = 64
+	DefaultFrameTimeout = 10 * time.Second
+)
 
 // Instance names this server process; every answer carries it, so a
 // client can tell that the server restarted.
@@ -109,7 +135,12 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 		h.closeConns()
 	})
 	defer stop()
+	slots := make(chan struct{}, max(s.MaxConns, 1))
 	for {
+		if !s.takeSlot(ctx, slots) {
+			s.wg.Wait()
+			return nil
+		}
 		c, err := ul.AcceptUnix()
 		if err != nil {
 			cancel()
@@ -123,6 +154,7 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 		if err != nil {
 			s.log.Error(err, "Refusing a connection")
 			c.Close()
+			<-slots
 			continue
 		}
 		if ctx.Err() != nil {
@@ -130,9 +162,29 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 		}
 		s.wg.Add(1)
 		go func() {
-			defer s.wg.Done()
+			defer func() {
+				<-slots
+				s.wg.Done()
+			}()
 			s.serveConn(ctx, cn)
 		}()
+	}
+}
+
+// takeSlot waits until fewer than MaxConns connections are open and
+// takes a slot for the next one; false: ctx ended meanwhile.
+func (s *Server) takeSlot(ctx context.Context, slots chan struct{}) bool {
+	select {
+	case slots <- struct{}{}:
+		return true
+	default:
+	}
+	s.log.Info("At the limit of open connections; new ones wait until one closes", "limit", cap(slots))
+	select {
+	case slots <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 
@@ -147,10 +199,24 @@ func (s *Server) serveConn(ctx context.Context, cn *conn) {
 		return
 	}
 	r := newReader()
+	r.frameTimeout = s.FrameTimeout
+	// The first request must come soon: a peer that connects and sends
+	// nothing would hold a slot of MaxConns for good.
+	first := s.FrameTimeout > 0
+	if first {
+		_ = c.SetReadDeadline(time.Now().Add(s.FrameTimeout))
+	}
 	for ctx.Err() == nil {
 		b, files, err := r.read(c)
 		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				s.log.Info("Closing a connection whose request did not arrive in time", "timeout", s.FrameTimeout)
+			}
 			return // the client closed the connection, or broke the protocol
+		}
+		if first {
+			_ = c.SetReadDeadline(time.Time{})
+			first = false
 		}
 		resp, hungUp := s.dispatch(ctx, cn, b, files)
 		closeFiles(files)
@@ -189,6 +255,11 @@ func (s *Server) dispatch(ctx context.Context, cn *conn, b []byte, files []*os.F
 		var done func()
 		callCtx, done = s.deadlines.start(callCtx, time.Unix(0, req.Deadline))
 		defer done()
+	}
+	// A call whose deadline passed before it was read (it waited for a
+	// slot of MaxConns, its client gave up) is not run at all.
+	if err := callCtx.Err(); err != nil {
+		return s.fail(resp, req.Method, fmt.Errorf("unixrpc: %s not run, its deadline passed first: %w", req.Method, err)), false
 	}
 	callCtx = klog.NewContext(callCtx, m.log)
 	watch := cn.watch(cancel)

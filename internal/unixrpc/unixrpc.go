@@ -20,6 +20,11 @@
 // the server. Errors travel as a gRPC code and a message and come back as
 // errors that wrap the matching errdefs sentinel, so errors.Is works across
 // the socket as it does in process.
+//
+// A peer costs the server what it sends and no more: the server serves
+// at most MaxConns connections at once (the rest wait to be accepted), a
+// request must arrive within FrameTimeout, and a message's buffer grows
+// with the bytes that arrive rather than to the length its header claims.
 package unixrpc
 
 import (
@@ -30,7 +35,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -38,7 +45,8 @@ import (
 )
 
 // MaxMessage bounds one message either way; a longer one is refused
-// before it is read (ResourceExhausted). Requests and answers are small:
+// before it is read (ResourceExhausted), and one within it is held only
+// as far as it has arrived. Requests and answers are small:
 // a plan, a device, a list of namespaces.
 const MaxMessage = 4 << 20
 
@@ -104,6 +112,11 @@ func writeMessage(c *net.UnixConn, b []byte, files []*os.File) error {
 type reader struct {
 	buf []byte
 	oob []byte
+	// frameTimeout, when set (a server's reader), bounds how long a
+	// message may take to arrive once its first bytes have: a peer that
+	// starts one and stalls holds its connection no longer. A client's
+	// reader leaves deadlines to the client, whose context sets them.
+	frameTimeout time.Duration
 }
 
 // readBuffer fits every message but the rare large one (a plan of many
@@ -117,8 +130,16 @@ func newReader() *reader {
 // read reads one message from c and the descriptors sent with it. The
 // descriptors come back as files the caller owns, close-on-exec; the
 // message is valid until the next read.
+//
+// A large message's buffer grows with the bytes that arrive, never to
+// the size its header claims before the peer sent that much: a header
+// costs the peer four bytes, and must not cost the server MaxMessage.
 func (r *reader) read(c *net.UnixConn) (_ []byte, files []*os.File, err error) {
+	timed := false
 	defer func() {
+		if timed {
+			_ = c.SetReadDeadline(time.Time{})
+		}
 		if err != nil {
 			closeFiles(files)
 			files = nil
@@ -126,35 +147,55 @@ func (r *reader) read(c *net.UnixConn) (_ []byte, files []*os.File, err error) {
 	}()
 	n := 0
 	for n < 4 {
+		if n > 0 {
+			timed = r.bound(c, timed)
+		}
 		m, fs, err := r.recv(c, r.buf[n:], files)
 		files, n = fs, n+m
 		if err != nil {
 			return nil, files, err
 		}
 	}
-	size := binary.BigEndian.Uint32(r.buf)
+	size := int(binary.BigEndian.Uint32(r.buf))
 	if size > MaxMessage {
 		return nil, files, fmt.Errorf("unixrpc: peer sent a message of %d bytes, more than %d: %w", size, MaxMessage, errdefs.ErrResourceExhausted)
 	}
-	end := 4 + int(size)
+	end := 4 + size
 	if n > end {
 		return nil, files, fmt.Errorf("unixrpc: peer sent %d bytes past a message of %d: %w", n-end, size, errdefs.ErrInvalidArgument)
 	}
 	var msg []byte
 	if end <= len(r.buf) {
-		msg = r.buf[4:end]
+		msg = r.buf[4:n:end]
 	} else {
-		msg = make([]byte, size)
+		msg = make([]byte, n-4, min(size, 2*readBuffer))
 		copy(msg, r.buf[4:n])
 	}
-	for off := n - 4; off < len(msg); {
-		m, fs, err := r.recv(c, msg[off:], files)
-		files, off = fs, off+m
+	for len(msg) < size {
+		timed = r.bound(c, timed)
+		if len(msg) == cap(msg) {
+			// Doubling: what is held stays within twice what arrived.
+			msg = slices.Grow(msg, min(size-len(msg), cap(msg)))
+		}
+		m, fs, err := r.recv(c, msg[len(msg):min(cap(msg), size)], files)
+		files, msg = fs, msg[:len(msg)+m]
 		if err != nil {
 			return nil, files, err
 		}
 	}
 	return msg, files, nil
+}
+
+// bound sets the deadline of a message whose first bytes came (once per
+// message: timed says it is set already) when the reader has a frame
+// timeout. A message takes one recvmsg almost always, so this costs the
+// common call nothing.
+func (r *reader) bound(c *net.UnixConn, timed bool) bool {
+	if timed || r.frameTimeout <= 0 {
+		return timed
+	}
+	_ = c.SetReadDeadline(time.Now().Add(r.frameTimeout))
+	return true
 }
 
 // recv reads some bytes into b, collecting the descriptors that arrive
