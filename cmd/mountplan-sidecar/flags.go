@@ -29,6 +29,8 @@ type nodeFlags struct {
 	removeMountPoint                 bool
 	kubeletDir                       string // serve only: the mount command serves containers
 	daemonCgroup                     string // serve only: the one-shot commands run no daemons
+	maxLoops, maxNBD                 int
+	chainTmpfsSize                   int64
 }
 
 func addNodeFlags(fs *flag.FlagSet) *nodeFlags {
@@ -41,6 +43,10 @@ func addNodeFlags(fs *flag.FlagSet) *nodeFlags {
 	fs.BoolVar(&f.allowSuidDev, "allow-suid-dev", false, "accept plans whose mounts lack nosuid,nodev")
 	fs.BoolVar(&f.allowPropagation, "allow-propagation", false,
 		"attach under a shared mount even if its mount events reach the mounter's or the host's namespace")
+	fs.IntVar(&f.maxLoops, "max-loop-devices", mounter.DefaultMaxLoops, "the most loop devices the mounter holds at once; an attach past it is refused")
+	fs.IntVar(&f.maxNBD, "max-nbd-devices", 0, "the most NBD devices the mounter has connected at once; a connect past it is refused (0: the nbd module's nbds_max)")
+	fs.Int64Var(&f.chainTmpfsSize, "chain-tmpfs-size", mounter.DefaultChainTmpfsSize,
+		"the size in bytes of an overlay chain's tmpfs upper layer (a volume that needs more asks for a scratch device with upperSize)")
 	return f
 }
 
@@ -71,7 +77,8 @@ func (f *nodeFlags) options() (mounter.Options, error) {
 		return mounter.Options{}, fmt.Errorf("--records-dir %q must be an absolute path outside --state-dir %s (and not holding it): %w", f.recordsDir, state, errUsage)
 	}
 	return mounter.Options{StateDir: state, KubeletDir: f.kubeletDir, RecordsDir: records, Config: cfg,
-		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation, DaemonCgroup: f.daemonCgroup}, nil
+		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation, DaemonCgroup: f.daemonCgroup,
+		MaxLoops: f.maxLoops, MaxNBD: f.maxNBD, ChainTmpfsSize: f.chainTmpfsSize}, nil
 }
 
 type consumerFlag struct {

@@ -31,7 +31,8 @@ func (n *Local) chainAt(id string) (Chain, error) {
 // BuildChain mounts a volume's overlay chain below the state dir: the
 // read-only image's filesystem at lower, the writable upper layer (tmpfs,
 // or the scratch device's ext4) at upper, and at merged the overlay of
-// both, which a plan then binds. The overlay's layers are handed to the
+// both, which a plan then binds; a tmpfs upper is bounded by
+// Options.ChainTmpfsSize. The overlay's layers are handed to the
 // kernel as descriptors opened without following a symlink (the plugin
 // writes in the upper layer and could plant one there). On error it
 // undoes what it did.
@@ -57,7 +58,7 @@ func (n *Local) BuildChain(ctx context.Context, req ChainRequest) (c Chain, err 
 	if err := n.mountLayer(c.Lower, req.Lower, plan.Mount{Type: req.LowerType, Source: req.Lower.Path, Options: []string{"ro", "nosuid", "nodev"}}); err != nil {
 		return c, err
 	}
-	upper := plan.Mount{Type: "tmpfs", Source: "mountplan-upper", Options: []string{"nosuid", "nodev", "mode=0700"}}
+	upper := plan.Mount{Type: "tmpfs", Source: "mountplan-upper", Options: []string{"nosuid", "nodev", "mode=0700", fmt.Sprintf("size=%d", n.chainTmpfsSize())}}
 	if req.Upper != nil {
 		upper = plan.Mount{Type: "ext4", Source: req.Upper.Path, Options: []string{"nosuid", "nodev"}}
 	}
@@ -65,6 +66,16 @@ func (n *Local) BuildChain(ctx context.Context, req ChainRequest) (c Chain, err 
 		return c, err
 	}
 	return c, n.mountOverlay(c)
+}
+
+// chainTmpfsSize is the bound of a tmpfs upper layer: without one, each
+// chain could take half the node's memory (tmpfs's default), and the
+// plugin asks for as many chains as it likes.
+func (n *Local) chainTmpfsSize() int64 {
+	if n.opts.ChainTmpfsSize > 0 {
+		return n.opts.ChainTmpfsSize
+	}
+	return DefaultChainTmpfsSize
 }
 
 func ptrOr(d *Device) Device {

@@ -19,8 +19,12 @@ import (
 
 // AttachLoop attaches req.Image, a regular file below an image root
 // reached without a symlink, with autoclear, and holds the device until
-// DetachLoop.
+// DetachLoop. Past the bound of devices held at once (Options.MaxLoops)
+// it is ResourceExhausted, before anything is attached.
 func (n *Local) AttachLoop(ctx context.Context, req LoopRequest) (Loop, error) {
+	if err := n.loopRoom(1); err != nil {
+		return Loop{}, err
+	}
 	opts := loopdev.Options{ReadOnly: req.ReadOnly, DirectIO: req.DirectIO, Autoclear: true, BlockSize: req.BlockSize}
 	dev, err := n.attach(ctx, req.Image, opts)
 	if err != nil {
@@ -31,7 +35,26 @@ func (n *Local) AttachLoop(ctx context.Context, req LoopRequest) (Loop, error) {
 	if err := n.records.addLoop(rec, dev); err != nil {
 		return Loop{}, errors.Join(err, dev.Detach())
 	}
+	// Attaches in flight at once all passed the check above: one that
+	// finds the bound exceeded now lets go of its device.
+	if err := n.loopRoom(0); err != nil {
+		return Loop{}, errors.Join(err, dev.Detach(), n.records.dropLoop(dev.Identity))
+	}
 	return loopOf(dev), nil
+}
+
+// loopRoom is ResourceExhausted when holding more loop devices than now
+// would exceed the bound.
+func (n *Local) loopRoom(more int) error {
+	limit := n.opts.MaxLoops
+	if limit <= 0 {
+		limit = DefaultMaxLoops
+	}
+	if held := len(n.records.heldLoops()); held+more > limit {
+		return fmt.Errorf("the mounter holds %d loop devices, its limit of %d (mountplan-sidecar serve --max-loop-devices raises it): %w",
+			held, limit, errdefs.ErrResourceExhausted)
+	}
+	return nil
 }
 
 func (n *Local) attach(ctx context.Context, image string, opts loopdev.Options) (*loopdev.Device, error) {

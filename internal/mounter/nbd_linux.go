@@ -18,6 +18,7 @@ import (
 	"math/bits"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -349,6 +350,9 @@ func (n *Local) ConnectNBD(ctx context.Context, req NBDRequest, sock *os.File) (
 	if i := s.kernel.FindBackend(req.Backend); i >= 0 {
 		return Device{}, fmt.Errorf("nbd%d shows backend %s, which the mounter did not connect: %w", i, req.Backend, errdefs.ErrAlreadyExists)
 	}
+	if err := n.nbdRoom(); err != nil {
+		return Device{}, err
+	}
 	rec := nbdRecord{Backend: req.Backend, Index: -1, SizeBytes: req.SizeBytes, ReadOnly: req.ServerFlags&nbdnl.FlagReadOnly != 0,
 		DeadConnTimeout: req.DeadConnTimeout, Connected: time.Now(), Boot: n.records.boot}
 	// The intent: a mounter that dies during the connect finds the device
@@ -374,6 +378,33 @@ func (n *Local) ConnectNBD(ctx context.Context, req NBDRequest, sock *os.File) (
 	}
 	klog.FromContext(ctx).V(2).Info("NBD device connected", "device", rec.device().Path, "backend", rec.Backend, "size", rec.SizeBytes)
 	return rec.device(), nil
+}
+
+// defaultNBDs is the nbd module's own default of nbds_max.
+const defaultNBDs = 16
+
+// nbdRoom is ResourceExhausted when the mounter has as many NBD devices
+// connected as it may: Options.MaxNBD, else the devices the nbd module
+// was loaded to offer (nbds_max: a connect over netlink would add devices
+// past them on demand, so the kernel bounds nothing), else the module's
+// default. The caller holds s.op, so no connect is under way meanwhile.
+func (n *Local) nbdRoom() error {
+	limit := n.opts.MaxNBD
+	if limit <= 0 {
+		limit = defaultNBDs
+		b, err := os.ReadFile("/sys/module/nbd/parameters/nbds_max")
+		if v, perr := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && perr == nil && v > 0 {
+			limit = v
+		}
+	}
+	n.nbd.mu.Lock()
+	held := len(n.nbd.devs)
+	n.nbd.mu.Unlock()
+	if held >= limit {
+		return fmt.Errorf("the mounter has %d NBD devices connected, its limit of %d (mountplan-sidecar serve --max-nbd-devices raises it): %w",
+			held, limit, errdefs.ErrResourceExhausted)
+	}
+	return nil
 }
 
 // connected returns the record of backend if the kernel still shows its

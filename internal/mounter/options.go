@@ -42,7 +42,24 @@ type Options struct {
 	// that set the devices up (the one-shot mount command beside it): it
 	// holds no device, takes nothing back and writes nothing.
 	Observe bool
+	// MaxLoops bounds the loop devices the mounter holds at once (AttachLoop
+	// past it is ResourceExhausted); 0: DefaultMaxLoops.
+	MaxLoops int
+	// MaxNBD bounds the NBD devices the mounter has connected at once
+	// (ConnectNBD past it is ResourceExhausted); 0: the nbd module's
+	// nbds_max, which over netlink is no bound of the kernel's own.
+	MaxNBD int
+	// ChainTmpfsSize is the size= of a chain's tmpfs upper layer in bytes
+	// (a chain request carries no size; a volume that wants more asks for a
+	// scratch device with upperSize); 0: DefaultChainTmpfsSize.
+	ChainTmpfsSize int64
 }
+
+// Defaults of the mounter's bounds (Options).
+const (
+	DefaultMaxLoops       = 1024
+	DefaultChainTmpfsSize = 1 << 30
+)
 
 // DefaultRecordsDir is where a mounter keeps its records when not told:
 // beside the state dir (<state-dir>-mounter), out of the plugin's reach,
