@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -59,14 +60,23 @@ func (n *Local) LiveNamespaces(_ context.Context, cs []plan.Consumer) ([]bool, e
 
 // StatFS measures the filesystem at c's mount point as c's namespace sees
 // it, never leaving the namespace's root whatever symlinks are in it; the
-// namespace must still be the one c names.
-func (n *Local) StatFS(_ context.Context, c plan.Consumer) (fsutil.Usage, error) {
+// namespace must still be the one c names. A filesystem that does not
+// answer (a hung FUSE daemon) ends it at ctx's deadline, or statFSTimeout.
+func (n *Local) StatFS(ctx context.Context, c plan.Consumer) (fsutil.Usage, error) {
 	if err := c.Validate(); err != nil {
 		return fsutil.Usage{}, err
 	}
 	if c.PID <= 0 {
 		return fsutil.Usage{}, fmt.Errorf("statfs in a namespace needs a consumer pid: %w", errdefs.ErrInvalidArgument)
 	}
+	ctx, cancel := context.WithTimeout(ctx, statFSTimeout)
+	defer cancel()
+	return untilDone(ctx, fmt.Sprintf("statfs of %s in pid %d's namespace", c.MountPoint, c.PID), func() (fsutil.Usage, error) {
+		return statFSIn(c)
+	})
+}
+
+func statFSIn(c plan.Consumer) (fsutil.Usage, error) {
 	root, err := unix.Open(filepath.Join("/proc", strconv.Itoa(c.PID), "root"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return fsutil.Usage{}, mountns.Classify(&os.PathError{Op: "open", Path: fmt.Sprintf("/proc/%d/root", c.PID), Err: err})
@@ -81,6 +91,44 @@ func (n *Local) StatFS(_ context.Context, c plan.Consumer) (fsutil.Usage, error)
 	}
 	defer unix.Close(fd)
 	return fsutil.Stats(fmt.Sprintf("/proc/self/fd/%d", fd))
+}
+
+// statFSTimeout bounds a StatFS whose caller set no earlier deadline.
+const statFSTimeout = 30 * time.Second
+
+// blockingCalls bounds the goroutines of untilDone, which may be left in
+// a syscall on a filesystem that never answers: each holds an OS thread
+// until the kernel returns (the FUSE connection is aborted), and Go dies
+// past 10,000 threads. It is the process's, as its threads are.
+var blockingCalls = make(chan struct{}, 64)
+
+// untilDone runs fn, which may block in the kernel on a filesystem that
+// does not answer, and returns its result or, when ctx ends first, ctx's
+// error: fn is then left to finish on its own. Past cap(blockingCalls)
+// such calls at once it is ResourceExhausted.
+func untilDone[T any](ctx context.Context, what string, fn func() (T, error)) (T, error) {
+	var zero T
+	select {
+	case blockingCalls <- struct{}{}:
+	default:
+		return zero, fmt.Errorf("%s: %d calls wait on filesystems already, the limit: %w", what, cap(blockingCalls), errdefs.ErrResourceExhausted)
+	}
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		defer func() { <-blockingCalls }()
+		v, err := fn()
+		done <- result{v, err}
+	}()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-ctx.Done():
+		return zero, fmt.Errorf("%s: the filesystem did not answer: %w", what, ctx.Err())
+	}
 }
 
 // MakeDeviceNode creates at target, below kubelet's directory without
