@@ -141,12 +141,11 @@ func buildFS(m plan.Mount, o options, src *os.File) (*os.File, error) {
 }
 
 func buildBind(m plan.Mount, o options, src *os.File) (_ *os.File, err error) {
+	// Never AT_RECURSIVE: the clone is the source's own mount alone, so a
+	// mount someone put below the source (another volume's secrets, a host
+	// directory) stays behind; parseOptions refuses "rec".
 	flags := uint(unix.OPEN_TREE_CLONE | unix.OPEN_TREE_CLOEXEC)
 	setFlags := uint(unix.AT_EMPTY_PATH)
-	if o.recursive {
-		flags |= unix.AT_RECURSIVE
-		setFlags |= unix.AT_RECURSIVE
-	}
 	dirfd, name := unix.AT_FDCWD, m.Source
 	if src != nil {
 		dirfd, name = int(src.Fd()), ""

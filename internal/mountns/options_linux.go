@@ -10,11 +10,10 @@ import (
 
 // options is a descriptor's option list sorted into what each syscall takes.
 type options struct {
-	attr      uint64   // MOUNT_ATTR_* for fsmount or mount_setattr
-	atimeSet  bool     // an atime mode was chosen (it must be cleared first)
-	sbFlags   []string // superblock flags for fsconfig (ro, sync, dirsync, lazytime)
-	data      []string // filesystem data options, "key" or "key=value"
-	recursive bool     // bind: the whole subtree ("rec")
+	attr     uint64   // MOUNT_ATTR_* for fsmount or mount_setattr
+	atimeSet bool     // an atime mode was chosen (it must be cleared first)
+	sbFlags  []string // superblock flags for fsconfig (ro, sync, dirsync, lazytime)
+	data     []string // filesystem data options, "key" or "key=value"
 }
 
 func parseOptions(m plan.Mount) (options, error) {
@@ -62,7 +61,9 @@ func (o *options) addFlag(m plan.Mount, opt string, bind bool) error {
 		}
 		o.sbFlags = append(o.sbFlags, opt)
 	case "rec":
-		o.recursive = bind
+		// A recursive clone takes every mount below the source along,
+		// mounts nobody checked (plan.Policy refuses it as well).
+		return errOption(m, opt, "(a recursive bind) is never performed")
 	}
 	// rw, suid, dev, exec, atime, diratime, async: the defaults of a new mount.
 	return nil

@@ -67,8 +67,11 @@ const MaxMounts = 16
 
 // refusedOptions are never allowed: errors=panic makes one bad block of a
 // volume panic the node; noload and norecovery mount a filesystem without
-// replaying its journal or log, inconsistent by design.
-var refusedOptions = map[string]bool{"errors=panic": true, "noload": true, "norecovery": true}
+// replaying its journal or log, inconsistent by design; rec (a recursive
+// bind) would carry along every mount below its source, which the mounter
+// neither made nor checked (another volume's secrets, a host directory
+// bound there), and no plan mountplan makes needs it.
+var refusedOptions = map[string]bool{"errors=panic": true, "noload": true, "norecovery": true, "rec": true}
 
 // HasPathOptions reports whether m has an option whose value is a host
 // path (overlay's lowerdir=...).

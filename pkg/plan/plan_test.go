@@ -48,6 +48,9 @@ func TestPolicyValidate(t *testing.T) {
 		{"duplicate targets", []Mount{{Type: "tmpfs", Source: "tmpfs", Options: safe}, {Type: "tmpfs", Source: "tmpfs", Options: safe}}, false},
 		{"bind with a data option", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan/fuse/v1", Options: []string{"nosuid", "nodev", "uid=0"}}}, false},
 		{"overlay source is a path", []Mount{{Type: "overlay", Source: "/x", Options: safe}}, false},
+		// F3: a recursive bind takes along mounts below its source that
+		// nobody checked (another volume's secrets, a host directory).
+		{"recursive bind", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan/p", Options: []string{"nosuid", "nodev", "rec"}}}, false},
 	}
 	if err := (Policy{Roots: p.Roots}).Validate([]Mount{{Type: "overlay", Source: "o", Options: safe}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("overlay with the default types = %v, want InvalidArgument", err)
