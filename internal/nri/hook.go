@@ -151,6 +151,11 @@ type Hook struct {
 	// takes the mounter when it is one (mounter.Local, in the mounter's
 	// process).
 	Guards guard.Recorder
+	// Plans checks every plan before the runtime gets any of it, as the
+	// mounter checks the plans it performs: the runtime mounts as root
+	// whatever it is handed. NewHook takes the mounter when it can
+	// (mounter.Local); without, every plan is refused.
+	Plans PlanChecker
 
 	mu    sync.Mutex
 	guard *guard.Guard // while registered with the runtime
@@ -180,6 +185,7 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 	}
 	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, proc: "/proc"}
 	h.Guards, _ = m.(guard.Recorder)
+	h.Plans, _ = m.(PlanChecker)
 	return h
 }
 
@@ -285,13 +291,19 @@ func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (target, sub string, 
 }
 
 // claimMount prepares the volume at c.Target and replaces the container's
-// bind of it with the plan's mounts.
+// bind of it with the plan's mounts, once the mounter has checked them.
 func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim) error {
 	id, mounts, err := h.volumes.Prepare(ctx, *c)
 	if err != nil {
 		return fmt.Errorf("volume at %s: %w", c.Destination, err)
 	}
 	c.VolumeID = id
+	// Before anything else looks at the plan: sharedReadOnly opens its
+	// devices, ociMounts hands it to the runtime.
+	p, err := h.checked(ctx, mounts)
+	if err != nil {
+		return fmt.Errorf("volume %s at %s: %w", id, c.Destination, err)
+	}
 	if c.SubPath != "" {
 		// The runtime cannot mount a directory of a filesystem: it binds
 		// what kubelet bound (the guard's twin of the subPath), and
@@ -299,11 +311,11 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 		c.AtStart = true
 		return nil
 	}
-	if sharedReadOnly(mounts) {
+	if sharedReadOnly(p) {
 		c.AtStart = true // the runtime binds the guard; StartContainer mounts over it
 		return nil
 	}
-	oci, err := ociMounts(c.Destination, mounts)
+	oci, err := ociMounts(c.Destination, p)
 	if err != nil {
 		return fmt.Errorf("volume %s at %s: %w", id, c.Destination, err)
 	}
@@ -325,6 +337,10 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 // the plugin cannot be asked (the plugin's own container being created,
 // with the host's devices) the device is left as it is and only its
 // consumer record is missing.
+//
+// The plan is not checked as a mount plan is (checked): nothing of it
+// reaches the runtime, and its device, only stat'ed, must be the very one
+// the runtime gives the container; all a plan can do is deny writes.
 func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, d *nriapi.LinuxDevice) (bool, error) {
 	id, mounts, err := h.volumes.Prepare(ctx, *c)
 	if errors.Is(err, errdefs.ErrNotFound) {

@@ -3,20 +3,24 @@ package nri
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"slices"
 	"testing"
 
 	nriapi "github.com/containerd/nri/pkg/api"
 
+	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 func TestOCIMounts(t *testing.T) {
-	got, err := ociMounts("/data", []plan.Mount{
+	got, err := ociMounts("/data", checkedPlan{[]plan.Mount{
 		{Type: "ext4", Source: "/dev/loop7", Options: []string{"nosuid", "nodev"}},
 		{Type: plan.TypeBind, Source: "/var/lib/mountplan/fuse/v/mnt", Target: "sub", Options: []string{"nosuid", "nodev", "ro"}},
 		{Type: plan.TypeBind, Source: "/var/lib/mountplan/x", Target: "rec", Options: []string{"rec", "nosuid"}},
-	})
+	}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -33,7 +37,7 @@ func TestOCIMounts(t *testing.T) {
 			t.Errorf("mount %d: got %+v, want %+v", i, got[i], want[i])
 		}
 	}
-	if _, err := ociMounts("/dev/xvda", []plan.Mount{{Type: plan.TypeBind, Source: "/dev/loop7", Options: []string{"nosuid"}}}); err == nil {
+	if _, err := ociMounts("/dev/xvda", checkedPlan{[]plan.Mount{{Type: plan.TypeBind, Source: "/dev/loop7", Options: []string{"nosuid"}}}}); err == nil {
 		t.Error("a device bind was turned into a mount")
 	}
 }
@@ -62,5 +66,51 @@ func TestReleaseFromAnnotation(t *testing.T) {
 		if got := f.releases(); err != nil || len(got) != 2 {
 			t.Errorf("annotations %v: released %+v, %v", a, got, err)
 		}
+	}
+}
+
+// plainMounter performs plans but cannot check one for the runtime.
+type plainMounter struct{}
+
+func (plainMounter) Mount(context.Context, []plan.Mount, plan.Consumer) error   { return nil }
+func (plainMounter) Unmount(context.Context, []plan.Mount, plan.Consumer) error { return nil }
+
+// checkingMounter answers every CheckPlan with err.
+type checkingMounter struct {
+	plainMounter
+	err error
+}
+
+func (c checkingMounter) CheckPlan(context.Context, []plan.Mount) error { return c.err }
+
+// TestRuntimePlansAreChecked: a plan reaches the runtime only as the
+// mounter checked it, and a hook whose mounter cannot check (none, or one
+// without CheckPlan) refuses every plan rather than pass it on.
+func TestRuntimePlansAreChecked(t *testing.T) {
+	mounts := []plan.Mount{{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}}
+	refused := fmt.Errorf("mount 0: %w", errdefs.ErrInvalidArgument)
+	for _, tt := range []struct {
+		name string
+		m    mounter.Interface
+		want error
+	}{
+		{"no mounter", nil, errdefs.ErrPermissionDenied},
+		{"a mounter that cannot check", plainMounter{}, errdefs.ErrPermissionDenied},
+		{"a mounter that refuses the plan", checkingMounter{err: refused}, errdefs.ErrInvalidArgument},
+		{"(control) a mounter that accepts it", checkingMounter{}, nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := NewHook(&fakeVolumes{}, tt.m, "", "")
+			p, err := h.checked(context.Background(), mounts)
+			if tt.want == nil {
+				if err != nil || !slices.EqualFunc(p.mounts, mounts, func(a, b plan.Mount) bool { return a.String() == b.String() }) {
+					t.Fatalf("checked = %v, %v; want the plan", p.mounts, err)
+				}
+				return
+			}
+			if !errors.Is(err, tt.want) || p.mounts != nil {
+				t.Errorf("checked = %v, %v; want no plan and %v", p.mounts, err, tt.want)
+			}
+		})
 	}
 }

@@ -81,6 +81,11 @@ func (m *hostileMounter) Mount(_ context.Context, _ []plan.Mount, c plan.Consume
 
 func (m *hostileMounter) Unmount(context.Context, []plan.Mount, plan.Consumer) error { return nil }
 
+// CheckPlan accepts every plan: the tests that use this mounter are about
+// the hook's own checks; TestHostilePlansNeverReachTheRuntime runs the
+// mounter's.
+func (m *hostileMounter) CheckPlan(context.Context, []plan.Mount) error { return nil }
+
 // podTarget is kubelet's target path of a CSI volume of a pod.
 func podTarget(kubelet, podUID, pv string) string {
 	return filepath.Join(kubelet, "pods", podUID, "volumes", "kubernetes.io~csi", pv, "mount")
