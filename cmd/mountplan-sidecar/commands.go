@@ -57,6 +57,12 @@ func runMount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer node.Close()
+	// The admin names the consumer: the mounter beside this command then
+	// accepts it too (a FUSE heal re-attaches there on the plugin's
+	// request), as it accepts the runtime's containers.
+	if _, err := node.Attribute(ctx, r.Consumer.PID, mounter.ByAdmin, ""); err != nil {
+		return err
+	}
 	c, err := prepareAndMount(ctx, np, node, r)
 	if err != nil {
 		return err
@@ -113,6 +119,9 @@ func runServe(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	// The socket's caller is the plugin, whose word names no consumer the
+	// mounter enters and no mount it removes (mounter.Options.Attributed).
+	opts.Attributed = true
 	if err := mountns.Supported(); err != nil {
 		return err
 	}

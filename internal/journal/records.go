@@ -36,6 +36,18 @@ func (r *Records[T]) Put(key string, v T) error {
 	return err
 }
 
+// Get reads key's record from disk, for an owner whose records another
+// process may add to (an admin's one-shot command beside the mounter); an
+// error wraps errdefs.ErrNotFound when there is none.
+func (r *Records[T]) Get(key string) (T, error) {
+	v, err := r.store.Get(key)
+	if err != nil {
+		var zero T
+		return zero, err
+	}
+	return *v, nil
+}
+
 // Delete removes key's record; none is no error.
 func (r *Records[T]) Delete(key string) error { return r.store.Delete(key, r.d) }
 

@@ -43,6 +43,11 @@ type Executor struct {
 	// sources opens and checks a plan's devices and bind sources; Local
 	// sets it. Without it every device and bind is refused.
 	sources sourceChecker
+	// attrib records the namespaces the mounter may enter and what it
+	// mounted where, and with Options.Attributed refuses the rest
+	// (attribution_linux.go); Local sets it. Nil: nothing is recorded and
+	// no namespace or mount is refused for want of a record.
+	attrib *attribution
 }
 
 var _ Interface = (*Executor)(nil)

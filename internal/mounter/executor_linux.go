@@ -43,6 +43,9 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 	if err := admitNamespace(ctx, c, ns); err != nil {
 		return err
 	}
+	if err := e.attrib.admit(c, ns); err != nil {
+		return err
+	}
 	guard, err := e.newGuard(ns)
 	if err != nil {
 		return err
@@ -59,12 +62,17 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 		}
 	}
 	a.ns, a.mountPoint, a.guard = ns, c.MountPoint, guard
-	if err := ns.Do(func() error {
+	done, err := e.recordMount(ctx, c, ns, a)
+	if err != nil {
+		return err
+	}
+	err = ns.Do(func() error {
 		return e.inRoot(c, func(root *mountns.Root) error {
 			a.root = root
 			return a.attachAll()
 		})
-	}); err != nil {
+	})
+	if err := done(err); err != nil {
 		return err
 	}
 	if logger := klog.FromContext(ctx).V(2); logger.Enabled() {
@@ -88,16 +96,24 @@ func (e *Executor) Unmount(ctx context.Context, mounts []plan.Mount, c plan.Cons
 	}
 	defer ns.Close()
 	ids := identify(mounts)
-	return ns.Do(func() error {
+	v, err := e.voucherFor(c, ns, mounts)
+	if err != nil {
+		return err
+	}
+	err = ns.Do(func() error {
 		return e.inRoot(c, func(root *mountns.Root) error {
 			for i := len(mounts) - 1; i >= 0; i-- {
-				if err := unmountIfOurs(ns, root, targetPath(c.MountPoint, mounts[i].Target), mounts[i], ids[i]); err != nil {
+				if err := unmountIfOurs(ns, root, targetPath(c.MountPoint, mounts[i].Target), mounts[i], ids[i], v.of(i)); err != nil {
 					return fmt.Errorf("mount %d: %w", i, err)
 				}
 			}
 			return e.removeMountPoint(root, c.MountPoint)
 		})
 	})
+	if err != nil {
+		return err
+	}
+	return v.forget()
 }
 
 // UnmountAll removes every mount at or below the consumer's mount point,
@@ -138,6 +154,10 @@ func (e *Executor) enterForUnmount(ctx context.Context, c plan.Consumer) (*mount
 		return nil, err
 	}
 	if err := admitNamespace(ctx, c, ns); err != nil {
+		ns.Close()
+		return nil, err
+	}
+	if err := e.attrib.admit(c, ns); err != nil {
 		ns.Close()
 		return nil, err
 	}

@@ -44,13 +44,17 @@ func identify(mounts []plan.Mount) []hostID {
 // A plan's bind of the NRI guard removes every guard stacked there: a new
 // guard is put on top of a dead one where it cannot go beneath it
 // (guard.Guard.Rearm).
-func unmountIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID) error {
+//
+// vouch, when not nil, must also vouch for the mount found (see
+// voucher.of): a mount that is m but that the mounter cannot tie to its
+// own work is refused with errdefs.ErrPermissionDenied and left in place.
+func unmountIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID, vouch func(*os.File) bool) error {
 	if m.Type != plan.TypeBind || !nriguard.IsSource(m.Source) {
-		_, err := unmountOnceIfOurs(ns, root, target, m, id)
+		_, err := unmountOnceIfOurs(ns, root, target, m, id, vouch)
 		return err
 	}
 	for range maxGuards {
-		if ours, err := unmountOnceIfOurs(ns, root, target, m, id); err != nil || !ours {
+		if ours, err := unmountOnceIfOurs(ns, root, target, m, id, vouch); err != nil || !ours {
 			return err
 		}
 	}
@@ -61,7 +65,7 @@ func unmountIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m p
 // the mounter while the target was published.
 const maxGuards = 64
 
-func unmountOnceIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID) (bool, error) {
+func unmountOnceIfOurs(ns *mountns.Namespace, root *mountns.Root, target string, m plan.Mount, id hostID, vouch func(*os.File) bool) (bool, error) {
 	t, err := root.Open(target)
 	if errors.Is(err, fs.ErrNotExist) {
 		return false, nil
@@ -70,10 +74,15 @@ func unmountOnceIfOurs(ns *mountns.Namespace, root *mountns.Root, target string,
 		return false, err
 	}
 	ours, lazy, p, err := isOurs(ns, t, m, id)
+	vouched := err == nil && ours && (vouch == nil || vouch(t))
 	// The descriptor would keep the mount busy.
 	t.Close()
 	if err != nil || !ours {
 		return false, err
+	}
+	if !vouched {
+		return false, fmt.Errorf("the %s mount at %s is not one the mounter made, nor of a source it set up: "+
+			"it unmounts only what it mounted: %w", m.Type, p, errdefs.ErrPermissionDenied)
 	}
 	return true, mountns.Unmount(p, lazy)
 }

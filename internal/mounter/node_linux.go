@@ -93,6 +93,13 @@ func NewNode(ctx context.Context, o Options) (*Local, error) {
 		state.Close()
 		return nil, err
 	}
+	if n.exec.attrib, err = openAttribution(o.RecordsDir, n.records.boot, o.Observe, o.Attributed); err != nil {
+		state.Close()
+		return nil, err
+	}
+	if n.exec.attrib != nil && !o.Observe {
+		n.exec.attrib.prune(ctx)
+	}
 	if err := n.records.load(ctx, n); err != nil {
 		klog.FromContext(ctx).Error(err, "Some of the mounter's records could not be taken back")
 	}

@@ -69,6 +69,18 @@ func (n *Local) StatFS(ctx context.Context, c plan.Consumer) (fsutil.Usage, erro
 	if c.PID <= 0 {
 		return fsutil.Usage{}, fmt.Errorf("statfs in a namespace needs a consumer pid: %w", errdefs.ErrInvalidArgument)
 	}
+	// What a namespace nobody vouched for holds is none of the plugin's
+	// business (issue 33, F1 and F12): the host's files are not to be
+	// probed through it.
+	if n.exec.attrib != nil && n.exec.attrib.enforce {
+		ns, err := mountns.IdentityOf(c.PID)
+		if err != nil {
+			return fsutil.Usage{}, err
+		}
+		if err := n.exec.attrib.admitIdentity(c, ns); err != nil {
+			return fsutil.Usage{}, err
+		}
+	}
 	ctx, cancel := context.WithTimeout(ctx, statFSTimeout)
 	defer cancel()
 	return untilDone(ctx, fmt.Sprintf("statfs of %s in pid %d's namespace", c.MountPoint, c.PID), func() (fsutil.Usage, error) {

@@ -38,6 +38,13 @@ type Options struct {
 	RemoveMountPoint bool
 	// AllowPropagation: see Executor.
 	AllowPropagation bool
+	// Attributed makes the node act only on what it can attribute
+	// (attribution_linux.go): it enters a consumer's namespace only when
+	// the container runtime or an admin named it (Local.Attribute), and
+	// unmounts only what it recorded mounting or what is of a source it
+	// set up. mountplan-sidecar serve sets it: its socket's caller is the
+	// plugin, whose word is not enough. Records are kept either way.
+	Attributed bool
 	// Observe makes a node that only reads the records of the mounter
 	// that set the devices up (the one-shot mount command beside it): it
 	// holds no device, takes nothing back and writes nothing.
