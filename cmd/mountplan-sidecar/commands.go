@@ -57,15 +57,15 @@ func runMount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer node.Close()
-	// The admin names the consumer: the mounter beside this command then
-	// accepts it too (a FUSE heal re-attaches there on the plugin's
-	// request), as it accepts the runtime's containers.
-	if _, err := node.Attribute(ctx, r.Consumer.PID, mounter.ByAdmin, ""); err != nil {
-		return err
-	}
 	c, err := prepareAndMount(ctx, np, node, r)
 	if err != nil {
 		return err
+	}
+	// The admin named the consumer: the mounter beside this command then
+	// accepts it too (a FUSE heal re-attaches there on the plugin's
+	// request), as it accepts the runtime's containers.
+	if _, err := node.Attribute(ctx, c.PID, mounter.ByAdmin, ""); err != nil {
+		return fmt.Errorf("volume %s is mounted, but the mounter will not re-attach it there: %w", r.VolumeID, err)
 	}
 	fmt.Printf("mounted volume %s at %s for pid %d\n", r.VolumeID, c.MountPoint, c.PID)
 	switch {

@@ -17,6 +17,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/mountns/mountnstest"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
@@ -116,10 +117,11 @@ func TestServeCommand(t *testing.T) {
 	dir := mountnstest.Scratch(t)
 	pid := mountnstest.Namespace(t, "private")
 	sock := filepath.Join(dir, "mounter.sock")
+	records := t.TempDir()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, "serve", []string{"--endpoint", "unix://" + sock, "--state-dir", dir, "--records-dir", t.TempDir()})
+		done <- run(ctx, "serve", []string{"--endpoint", "unix://" + sock, "--state-dir", dir, "--records-dir", records})
 	}()
 	// Serving starts asynchronously: wait until the socket accepts (the
 	// file exists from bind(2) on, before listen(2): a connection in
@@ -136,6 +138,19 @@ func TestServeCommand(t *testing.T) {
 	mounts := []plan.Mount{{Type: "tmpfs", Source: "served", Options: []string{"nosuid", "nodev"}}}
 	callCtx, callCancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer callCancel()
+	// serve acts only on what it can attribute: a namespace nobody named
+	// is refused, one an admin's mount command named is served.
+	if err := m.Mount(callCtx, mounts, c); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Fatalf("Mount into a namespace nobody named = %v, want PermissionDenied", err)
+	}
+	admin, err := mounter.NewNode(callCtx, mounter.Options{StateDir: dir, RecordsDir: records, Observe: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Attribute(callCtx, pid, mounter.ByAdmin, ""); err != nil {
+		t.Fatal(err)
+	}
+	admin.Close()
 	if err := m.Mount(callCtx, mounts, c); err != nil {
 		t.Fatal(err)
 	}
