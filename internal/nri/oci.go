@@ -45,9 +45,9 @@ func (h *Hook) checked(ctx context.Context, mounts []plan.Mount) (checkedPlan, e
 // depth, and a plan's targets only ever nest below its mount point).
 //
 // A bind descriptor becomes an OCI "bind" mount: runtimes need the "bind"
-// (or "rbind" when the plan asks for "rec", which mounter.Local.CheckPlan
-// refuses: an rbind takes submounts the mounter cannot vouch for) option
-// to know it is one.
+// (or "rbind" when the plan asks for "rec", which the mounter's policy
+// refuses: an rbind takes submounts nobody checked) option to know it is
+// one.
 // Propagation is always private: the volume must not leak out of the
 // container, nor anything into it.
 func ociMounts(dest string, p checkedPlan) ([]*nriapi.Mount, error) {

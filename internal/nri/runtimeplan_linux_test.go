@@ -116,7 +116,7 @@ var planRows = []planRow{
 	}, errdefs.ErrInvalidArgument},
 	{"a rec bind of a directory of the state dir", func(t *testing.T, e *planEnv) ([]plan.Mount, string) {
 		return []plan.Mount{{Type: plan.TypeBind, Source: e.stateDirectory(t, "vol"), Options: []string{"rec", "nosuid", "nodev"}}}, ""
-	}, errdefs.ErrPermissionDenied},
+	}, errdefs.ErrInvalidArgument},
 	{"ext4 on a block device the mounter did not set up", func(t *testing.T, e *planEnv) ([]plan.Mount, string) {
 		return []plan.Mount{{Type: "ext4", Source: mountnstest.LoopDevice(t, e.scratch, "", 8), Options: secure}}, ""
 	}, errdefs.ErrPermissionDenied},
@@ -146,8 +146,8 @@ var planRows = []planRow{
 // TestHostilePlansNeverReachTheRuntime (issue 33, F2): every plan the
 // hook turns into the container's OCI mounts passes the mounter's checks
 // of a socket mount first (policy, targets, devices and bind sources the
-// mounter set up, nosuid/nodev), and no recursive bind, before any
-// adjustment and before any device of it is opened.
+// mounter set up, nosuid/nodev, no recursive bind) before any adjustment
+// and before any device of it is opened.
 func TestHostilePlansNeverReachTheRuntime(t *testing.T) {
 	for _, row := range planRows {
 		t.Run(row.name, func(t *testing.T) { testRuntimePlan(t, row) })
