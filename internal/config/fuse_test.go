@@ -20,6 +20,7 @@ const fuseBase = `fuseProfiles:
   secrets:
   - {name: key}
   - {name: password, optional: true, stdin: true, args: [-o, password_stdin]}
+  runAs: {uid: 65534, gid: 65534}
   readyTimeout: 15s
 `
 

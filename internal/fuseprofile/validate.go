@@ -59,6 +59,9 @@ func (p *Profile) validate() error {
 	if err != nil {
 		return err
 	}
+	if err := p.validateSecretsOwner(); err != nil {
+		return err
+	}
 	if err := p.validateOptions(); err != nil {
 		return err
 	}
@@ -193,6 +196,22 @@ func (p *Profile) validateSecrets() (map[string]Secret, error) {
 		return nil, invalidf("at most one secret may be the daemon's standard input")
 	}
 	return byName, nil
+}
+
+// validateSecretsOwner refuses a profile that takes secrets and runs its
+// daemon as root (no runAs, or uid or gid 0): the secrets' files then
+// belong to root, and the plugin, root in its container, could read them
+// wherever it reaches them (issue 33, F3). A daemon of its own user owns
+// its secrets (mode 0600 in a 0700 tmpfs), which root without
+// CAP_DAC_OVERRIDE cannot read.
+func (p *Profile) validateSecretsOwner() error {
+	if len(p.Secrets) == 0 {
+		return nil
+	}
+	if p.RunAs == nil || p.RunAs.UID == 0 || p.RunAs.GID == 0 {
+		return invalidf("a profile that takes secrets must run its daemon as a user other than root: set runAs to a uid and gid other than 0 (e.g. runAs: {uid: 65534, gid: 65534}), and give that user access to the profile's sources")
+	}
+	return nil
 }
 
 func (p *Profile) validateOptions() error {

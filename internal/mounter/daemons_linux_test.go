@@ -89,7 +89,7 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 		{Name: "squashfuse-nocaps", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, Capabilities: []string{}},
 		{Name: "squashfuse-user", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, RunAs: &daemon.User{UID: nobody, GID: nobody}},
 		{Name: "secretful", Binary: "/usr/bin/squashfuse", Args: append(squash, "-o", "fsname={secret:token}"), Source: src,
-			Secrets: []fuseprofile.Secret{{Name: "token"}}},
+			Secrets: []fuseprofile.Secret{{Name: "token"}}, RunAs: &daemon.User{UID: nobody, GID: nobody}},
 		{Name: "squashfuse-limited", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, Resources: limited},
 		// hog mounts (through squashfuse, its child) and, once told to
 		// by a file in its work dir, reads 256 MiB into a variable of
@@ -98,7 +98,7 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 			Resources: fuseprofile.Resources{Memory: "32Mi"}},
 		{Name: "sleeper", Binary: "/bin/sh", Args: []string{"-c", "exec sleep 30", "{mountpoint}"}, Source: fuseprofile.SourceRule{Pattern: "x"}},
 		{Name: "leaky", Binary: "/bin/sh", Args: []string{"-c", `cat "$1"; echo; echo giving up >&2; exit 3`, "{mountpoint}", "{secret:token}"},
-			Source: fuseprofile.SourceRule{Pattern: "x"}, Secrets: []fuseprofile.Secret{{Name: "token"}}},
+			Source: fuseprofile.SourceRule{Pattern: "x"}, Secrets: []fuseprofile.Secret{{Name: "token"}}, RunAs: &daemon.User{UID: nobody, GID: nobody}},
 	}}
 	if err := fuseprofile.Validate(f.cfg.FuseProfiles); err != nil {
 		t.Fatal(err)

@@ -27,6 +27,7 @@ const fuseLeakyProfile = `- name: leaky
   source: {pattern: 'anything'}
   secrets:
   - {name: token}
+  runAs: {uid: 65534, gid: 65534}
   readyTimeout: 5s
 `
 
