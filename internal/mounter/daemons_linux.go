@@ -461,51 +461,7 @@ func (n *Local) mountSecrets(l fuseLayout, runAs *daemon.User, names []string, v
 			return fmt.Errorf("secret file %s: %w", filepath.Join(l.secrets(), name), err)
 		}
 	}
-	if err := n.attachHolder(l.secrets()); err != nil {
-		return fmt.Errorf("the secrets' holder: %w", err)
-	}
-	if err := n.attachBelowState(l.secrets(), mnt, kindSecrets); err != nil {
-		return err
-	}
-	top, err := n.state.Open(l.secrets())
-	if err != nil {
-		return err
-	}
-	defer top.Close()
-	// No clone of the mounter's (a bind, however made) takes the secrets.
-	return mountns.SetPropagation(top, unix.MS_UNBINDABLE)
-}
-
-// attachHolder attaches at dir, below the state dir (which the chart
-// mounts Bidirectional, shared with the host and, through it, the
-// plugin's container), an empty tmpfs and makes the mounter's copy of it
-// private: the holder itself reaches the host and the plugin, empty, but
-// the secrets' tmpfs stacked on it then stays in the mounter's namespace
-// (issue 33, F3). The holder is not recorded: it is never a bind source
-// (it lies on no mount of the state dir's own nor a bindable one), and
-// unmountBelowState takes the whole stack at dir.
-func (n *Local) attachHolder(dir string) error {
-	opts := []string{"nosuid", "nodev", "noexec", "size=4k", "nr_inodes=2", "mode=0700"}
-	h, err := mountns.BuildFrom(plan.Mount{Type: "tmpfs", Source: "mountplan-secrets-holder", Options: opts}, nil)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	t, err := n.state.Open(dir)
-	if err != nil {
-		return err
-	}
-	err = mountns.AttachAt(h, t)
-	t.Close()
-	if err != nil {
-		return err
-	}
-	top, err := n.state.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer top.Close()
-	return mountns.SetPropagation(top, unix.MS_PRIVATE)
+	return n.attachBelowState(l.secrets(), mnt, kindSecrets)
 }
 
 func writeSecret(dir *os.File, name, value string, runAs *daemon.User) error {

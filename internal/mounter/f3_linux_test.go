@@ -7,7 +7,6 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"strconv"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -68,59 +67,5 @@ func TestF3RecursiveBind(t *testing.T) {
 	}
 	if err := unix.Stat(filepath.Join(p, "own"), &st); err != nil || st.Gid != 2000 {
 		t.Errorf("ApplyGroup left the volume's own file at gid %d (%v), want 2000", st.Gid, err)
-	}
-}
-
-// TestF3SecretsStayInTheMounter (issue 33, F3): a volume's secrets' tmpfs
-// used to be attached below the state dir, which the chart mounts
-// Bidirectional: it reached the host's mount table and, through it, the
-// plugin's container (HostToContainer), and a rec bind of the volume's
-// directory carried it to a consumer. Here the state dir is shared with
-// a peer namespace standing for the host: the secret is not readable
-// there, nor through any bind of the volume's directory.
-func TestF3SecretsStayInTheMounter(t *testing.T) {
-	f := newDaemonFixture(t)
-	ctx := context.Background()
-	// The state dir a shared mount, as the chart's Bidirectional makes it,
-	// with a peer in the "host's" namespace; the node opens it again.
-	bindMount(t, f.state, f.state)
-	if err := unix.Mount("", f.state, "", unix.MS_SHARED, ""); err != nil {
-		t.Fatal(err)
-	}
-	host := mountnstest.Namespace(t, "unchanged")
-	f.n = f.node()
-	const id, token = "f3secrets", "CANARY-f3-5e7a9b1c"
-	req := f.request(id, "secretful")
-	req.Secrets = map[string]string{"token": token}
-	f.start(req)
-	secrets := filepath.Join(f.volDir(id), "secrets")
-	if b, err := os.ReadFile(filepath.Join(secrets, "token")); err != nil || string(b) != token {
-		t.Fatalf("the mounter's own view of the secret: %d bytes, %v", len(b), err)
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(secrets, &st); err != nil {
-		t.Fatal(err)
-	}
-	for _, m := range mountnstest.MountsUnder(t, host, f.state) {
-		if unix.Mkdev(uint32(m.Major), uint32(m.Minor)) == st.Dev {
-			t.Errorf("the secrets' tmpfs is in the host's mount table at %s", m.Mountpoint)
-		}
-	}
-	hostView := "/proc/" + strconv.Itoa(host) + "/root" + filepath.Join(secrets, "token")
-	if b, err := os.ReadFile(hostView); err == nil {
-		t.Errorf("the host's namespace reads the secret at %s (%d bytes)", secrets, len(b))
-	}
-	// Binds of the volume's directory: rec refused, a plain one shows an
-	// empty secrets/ at most.
-	target := filepath.Join(f.state, "target")
-	c := plan.Consumer{MountPoint: target}
-	for _, o := range [][]string{opts("rec"), opts()} {
-		err := f.n.Mount(ctx, []plan.Mount{{Type: plan.TypeBind, Source: f.volDir(id), Options: o}}, c)
-		if b, rerr := os.ReadFile(filepath.Join(target, "secrets", "token")); rerr == nil {
-			t.Errorf("a bind of the volume's directory (options %v) reads the secret (%d bytes)", o, len(b))
-		}
-		if err == nil {
-			undo(t, f.n, c)
-		}
 	}
 }

@@ -380,17 +380,3 @@ func (r *Root) chmod(p string, mode uint32) error {
 	}
 	return nil
 }
-
-// SetPropagation sets the propagation of the mount whose root f is (the
-// mount alone, not its submounts) to prop: unix.MS_PRIVATE,
-// unix.MS_UNBINDABLE, ... A mount attached below a shared mount becomes
-// shared itself; making it private stops what is mounted on it later from
-// reaching the peers, and unbindable keeps it out of every clone.
-func SetPropagation(f *os.File, prop uint64) error {
-	err := unix.MountSetattr(int(f.Fd()), "", unix.AT_EMPTY_PATH, &unix.MountAttr{Propagation: prop})
-	runtime.KeepAlive(f)
-	if err != nil {
-		return &OpError{Op: "mount_setattr", Path: f.Name(), Err: err}
-	}
-	return nil
-}
