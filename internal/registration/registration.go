@@ -1,9 +1,15 @@
-// Package registration registers the plugin with kubelet by itself, as
+// Package registration registers the plugin with kubelet, as
 // node-driver-registrar would from a container of its own: kubelet's plugin
 // watcher finds a unix socket in <kubelet-dir>/plugins_registry/, asks it
 // (GetInfo) for the driver's name and the path of its CSI socket, dials that
 // socket, and tells the registration socket (NotifyRegistrationStatus)
 // whether it took the plugin. Removing the socket deregisters the plugin.
+//
+// The mounter serves it (mountplan-sidecar serve --registration-socket),
+// not the plugin: whoever writes plugins_registry can claim any driver's
+// name and have kubelet send that driver's calls, with their secrets, to a
+// socket of its choosing (docs/threat-model.md). Everything it answers
+// comes from its Options, never from the plugin.
 package registration
 
 import (
@@ -28,6 +34,12 @@ var csiVersions = []string{"1.0.0"}
 
 // ErrNotRegistered says kubelet has not (yet) confirmed the registration.
 var ErrNotRegistered = errors.New("kubelet has not confirmed the plugin's registration")
+
+// ErrSocketGone says the registration socket was removed or replaced:
+// kubelet no longer knows the plugin through it, and serving again (a new
+// socket) registers it again. A refusal by kubelet is not this: kubelet
+// retries a socket it refused by itself.
+var ErrSocketGone = errors.New("registration socket removed or replaced")
 
 // Options says what to register and where.
 type Options struct {
@@ -66,8 +78,9 @@ func New(opts Options) (*Server, error) {
 
 // Serve creates the registration socket (kubelet notices it at once, or when
 // it starts) and serves on it until ctx ends, then removes it, which
-// deregisters the plugin. Call it once the CSI socket serves: kubelet dials
-// that socket while registering.
+// deregisters the plugin: the socket it made, not one that replaced it.
+// Call it once the CSI socket serves: kubelet dials that socket while
+// registering.
 func (s *Server) Serve(ctx context.Context) error {
 	lis, err := endpoint.Listen("unix://" + s.opts.Socket)
 	if err != nil {
@@ -78,6 +91,11 @@ func (s *Server) Serve(ctx context.Context) error {
 		lis.Close()
 		return err
 	}
+	// Closing a listener unlinks its path, whatever is there by then.
+	if ul, ok := lis.(*net.UnixListener); ok {
+		ul.SetUnlinkOnClose(false)
+	}
+	defer s.removeOwn(fi)
 	s.mu.Lock()
 	s.sock = fi
 	s.mu.Unlock()
@@ -92,6 +110,16 @@ func (s *Server) Serve(ctx context.Context) error {
 		return err
 	}
 	return nil
+}
+
+// removeOwn removes the registration socket if it is still the one Serve
+// created (fi): a socket that replaced it is another process's.
+func (s *Server) removeOwn(fi os.FileInfo) {
+	if now, err := os.Lstat(s.opts.Socket); err == nil && os.SameFile(now, fi) {
+		if err := os.Remove(s.opts.Socket); err != nil {
+			klog.ErrorS(err, "Cannot remove the registration socket", "socket", s.opts.Socket)
+		}
+	}
 }
 
 // GetInfo answers kubelet's plugin watcher.
@@ -118,10 +146,11 @@ func (s *Server) NotifyRegistrationStatus(_ context.Context, st *registerapi.Reg
 	return &registerapi.RegistrationStatusResponse{}, nil
 }
 
-// Check is for the liveness endpoint: an error when kubelet refused the
-// plugin, or when the registration socket is gone or replaced (kubelet then
-// no longer knows the plugin; a restart registers it again). Waiting for
-// kubelet's first answer is no failure: kubelet may be starting.
+// Check says whether the registration stands: an error when kubelet
+// refused the plugin, or ErrSocketGone when the registration socket is gone
+// or replaced (kubelet then no longer knows the plugin; serving again
+// registers it again). Waiting for kubelet's first answer is no failure:
+// kubelet may be starting.
 func (s *Server) Check(context.Context) error {
 	s.mu.Lock()
 	status, sock := s.status, s.sock
@@ -131,7 +160,7 @@ func (s *Server) Check(context.Context) error {
 	}
 	fi, err := os.Lstat(s.opts.Socket)
 	if err != nil || !os.SameFile(fi, sock) {
-		return fmt.Errorf("registration socket %s was removed or replaced", s.opts.Socket)
+		return fmt.Errorf("%s: %w", s.opts.Socket, ErrSocketGone)
 	}
 	if errors.Is(status, ErrNotRegistered) {
 		return nil

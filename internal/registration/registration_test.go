@@ -116,11 +116,36 @@ func TestRegistration(t *testing.T) {
 	if err := os.Remove(opts.Socket); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Check(ctx); err == nil {
-		t.Fatal("Check passes with the registration socket removed")
+	if err := s.Check(ctx); !errors.Is(err, ErrSocketGone) {
+		t.Fatalf("Check with the registration socket removed = %v, want ErrSocketGone", err)
 	}
 	if err := stop(); err != nil {
 		t.Fatalf("Serve: %v", err)
+	}
+}
+
+// A socket that replaced the registration socket is another process's:
+// Check says the registration is gone, and stopping leaves that socket.
+func TestReplacedSocketIsNotOurs(t *testing.T) {
+	dir := t.TempDir()
+	opts := Options{DriverName: "d", Socket: filepath.Join(dir, "d-reg.sock"), CSIEndpoint: "/k/csi.sock"}
+	s, stop := start(t, opts)
+	if err := os.Remove(opts.Socket); err != nil {
+		t.Fatal(err)
+	}
+	other, err := net.Listen("unix", opts.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if err := s.Check(context.Background()); !errors.Is(err, ErrSocketGone) {
+		t.Fatalf("Check with the socket replaced = %v, want ErrSocketGone", err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Lstat(opts.Socket); err != nil || fi.Mode().Type() != os.ModeSocket {
+		t.Fatalf("the replacing socket after stop: %v %v", fi, err)
 	}
 }
 
