@@ -156,6 +156,12 @@ type Hook struct {
 	// whatever it is handed. NewHook takes the mounter when it can
 	// (mounter.Local); without, every plan is refused.
 	Plans PlanChecker
+	// Attributor records each container the runtime starts with a claim
+	// of the hook's as one the mounter may enter: the mounter serves the
+	// plugin's requests (a FUSE re-attach, a volume's stats) only in
+	// namespaces it can attribute (mounter.Options.Attributed). NewHook
+	// takes the mounter when it is one.
+	Attributor Attributor
 
 	mu    sync.Mutex
 	guard *guard.Guard // while registered with the runtime
@@ -186,7 +192,23 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 	h := &Hook{volumes: volumes, mounter: m, stateDir: stateDir, kubeletDir: kubeletDir, podsDirs: dirs, proc: "/proc"}
 	h.Guards, _ = m.(guard.Recorder)
 	h.Plans, _ = m.(PlanChecker)
+	h.Attributor, _ = m.(Attributor)
 	return h
+}
+
+// Attributor records a process's mount namespace as a container's, by the
+// runtime's word (mounter.Local.Attribute).
+type Attributor interface {
+	Attribute(ctx context.Context, pid int, by, container string) (plan.Namespace, error)
+}
+
+// attribute tells the mounter that c's process is the runtime's container.
+func (h *Hook) attribute(ctx context.Context, c Claim) error {
+	if h.Attributor == nil || c.PID <= 0 {
+		return nil
+	}
+	_, err := h.Attributor.Attribute(ctx, c.PID, mounter.ByRuntime, c.ContainerID)
+	return err
 }
 
 // CreateContainer claims every NRI-mode volume among the container's
@@ -453,6 +475,14 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 			continue
 		}
 		c.PID = pid
+		if err := h.attribute(ctx, c); err != nil {
+			err = fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
+			if c.AtStart {
+				h.neverRun(ctx, ctr, pid, err)
+				return err
+			}
+			klog.FromContext(ctx).Error(err, "Naming a started container to the mounter", "container", ctr.GetId())
+		}
 		_, mounts, err := h.volumes.Prepare(ctx, c)
 		if !c.AtStart {
 			if err != nil {
@@ -789,6 +819,10 @@ const syncWorkers = 8
 func (h *Hook) prepareAgain(ctx context.Context, c Claim) error {
 	return askAgain(ctx, 10*time.Millisecond, 2*time.Second, func(err error) bool { return errors.Is(err, errdefs.ErrAborted) },
 		func(ctx context.Context) error {
+			// A restarted mounter learns the running containers again here.
+			if err := h.attribute(ctx, c); err != nil {
+				return err
+			}
 			_, _, err := h.volumes.Prepare(ctx, c)
 			return err
 		})

@@ -111,6 +111,12 @@ func newEnv(t *testing.T, config string) *env {
 	}
 	short := testutil.MarkedTempDir(t, "mpenv-")
 	t.Cleanup(func() { os.RemoveAll(short) })
+	// As /var/lib is on a node: a FUSE daemon of a profile's runAs user
+	// (every profile that takes secrets has one) reaches its mount point
+	// in the state dir through it.
+	if err := os.Chmod(short, 0o711); err != nil {
+		t.Fatal(err)
+	}
 	e.short = short
 	return e
 }

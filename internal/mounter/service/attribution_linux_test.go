@@ -222,3 +222,30 @@ func TestUnmountOnlyWhatItMade(t *testing.T) {
 	inNS(t, container, "umount", mask)
 	inNS(t, container, "umount", procSys)
 }
+
+// TestAttributedContainer: a real container's namespace (pivot_root-ed,
+// not rooted at the host's "/") is refused too until it is named, then
+// served, with the mount seen inside it only.
+func TestAttributedContainer(t *testing.T) {
+	f := newAttributedFixture(t)
+	ctx := context.Background()
+	ctr := mountnstest.Container(t)
+	tmpfs := []plan.Mount{{Type: "tmpfs", Source: "mp-ctr", Options: []string{"nosuid", "nodev"}}}
+	c := plan.Consumer{PID: ctr, MountPoint: "/tmp/vol"}
+	if err := f.c.Mount(ctx, tmpfs, c); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Fatalf("Mount into a container nobody named = %v, want PermissionDenied", err)
+	}
+	f.attribute(t, ctr)
+	if err := f.c.Mount(ctx, tmpfs, c); err != nil {
+		t.Fatalf("Mount into a named container: %v", err)
+	}
+	if !mountedAt(t, ctr, "/tmp/vol") {
+		t.Fatalf("nothing mounted at /tmp/vol inside the container")
+	}
+	if err := f.c.Unmount(ctx, tmpfs, c); err != nil {
+		t.Fatal(err)
+	}
+	if mountedAt(t, ctr, "/tmp/vol") {
+		t.Errorf("/tmp/vol still mounted in the container")
+	}
+}
