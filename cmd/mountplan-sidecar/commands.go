@@ -112,11 +112,15 @@ func runServe(ctx context.Context, args []string) error {
 	fs.StringVar(&nf.daemonCgroup, "daemon-cgroup", mounter.CgroupSelf,
 		`where each FUSE daemon gets a cgroup v2 of its own with its profile's resources: "self" (below the mounter's own cgroup, which it then leaves for <own>/mounter), a cgroup directory, or "" (none: daemons run in the mounter's cgroup, limits not enforced)`)
 	hf := addNRIFlags(fs)
+	rf := addRegistrationFlags(fs)
 	if err := parse(fs, args, "endpoint"); err != nil {
 		return err
 	}
 	opts, err := nf.options()
 	if err != nil {
+		return err
+	}
+	if _, _, _, err := rf.options(hf.pluginEndpoint); err != nil {
 		return err
 	}
 	// The socket's caller is the plugin, whose word names no consumer the
@@ -149,6 +153,14 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	defer waitNRI()
+	// kubelet's calls reach the plugin, whose work needs the mounter's
+	// socket: it listens before the registration starts.
+	stopRegistration, err := rf.start(ctx, hf.pluginEndpoint)
+	if err != nil {
+		l.Close()
+		return err
+	}
+	defer stopRegistration()
 	err = service.Serve(ctx, l, node)
 	logger.Info("Stopped", "err", err)
 	return err
