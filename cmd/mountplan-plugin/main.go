@@ -170,7 +170,7 @@ func (f flags) check() (*config.Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	return cfg, f.kubelet.check()
+	return cfg, nil
 }
 
 // serveMetrics serves the metrics (and the debug endpoints) on address when

@@ -890,13 +890,14 @@ func TestRegistrar(t *testing.T) {
 		if sv.HostPath == nil || sv.HostPath.Path != pluginDir {
 			t.Errorf("socket volume %+v, want hostPath %s", sv.VolumeSource, pluginDir)
 		}
-		c := plugin // who registers
+		var c *corev1.Container // who registers: never the plugin (TestRegistrationDirOnlyInTheRegistrar)
 		if r.builtin(t) {
 			// The registration socket lies in kubelet's plugins_registry and
 			// is named after the driver (kubelet watches the directory).
-			reg := args(t, plugin)["--registration-socket"]
+			c = r.container(t, "mounter")
+			reg := args(t, c)["--registration-socket"]
 			if reg != "/registration/"+r.str(t, "driverName")+"-reg.sock" {
-				t.Errorf("plugin --registration-socket=%q, want /registration/<driverName>-reg.sock", reg)
+				t.Errorf("mounter --registration-socket=%q, want /registration/<driverName>-reg.sock", reg)
 			}
 		} else {
 			c = r.container(t, "node-driver-registrar")

@@ -35,11 +35,16 @@ func TestNRIWiring(t *testing.T) {
 	if v.HostPath == nil || pv.HostPath == nil || v.HostPath.Path != pv.HostPath.Path {
 		t.Errorf("the mounter reaches the plugin's socket dir through %+v, the plugin serves it from %+v", v.VolumeSource, pv.VolumeSource)
 	}
-	// Without NRI the mounter has no business with the plugin's socket.
-	d := render(t, nil)
+	// Without NRI, and without registration: builtin (which waits for the
+	// plugin's socket, TestRegistrationDirOnlyInTheRegistrar), the mounter
+	// has no business with the plugin's socket.
+	d := render(t, map[string]any{"registration": "sidecar"})
 	for _, m := range d.container(t, "mounter").VolumeMounts {
 		if m.MountPath == filepath.Dir(socketPath(t, pluginEP)) {
-			t.Errorf("the mounter mounts the plugin's socket dir without nri.enabled")
+			t.Errorf("the mounter mounts the plugin's socket dir without nri.enabled, with registration: sidecar")
 		}
+	}
+	if _, ok := args(t, d.container(t, "mounter"))["--plugin-endpoint"]; ok {
+		t.Errorf("the mounter has --plugin-endpoint without nri.enabled, with registration: sidecar")
 	}
 }

@@ -77,7 +77,7 @@ app.kubernetes.io/part-of: mountplan
 {{- printf "%s/plugins/%s" (include "mountplan.kubeletDir" .) (include "mountplan.driverName" .) -}}
 {{- end -}}
 
-{{/* kubelet's plugin registration directory (the plugin or node-driver-registrar). */}}
+{{/* kubelet's plugin registration directory (the mounter or node-driver-registrar; never the plugin). */}}
 {{- define "mountplan.registrationDir" -}}
 {{- printf "%s/plugins_registry" (include "mountplan.kubeletDir" .) -}}
 {{- end -}}
