@@ -171,6 +171,48 @@ type Namespaces interface {
 	MakeDeviceNode(ctx context.Context, target string, dev Device) (created bool, err error)
 }
 
+// Target is what the mounter sees at a target path below kubelet's
+// directory, a symlink there not followed.
+type Target struct {
+	// Parent: the directory the path lies in exists (kubelet makes a
+	// publish's and keeps it while the pod has the volume).
+	Parent bool `json:"parent,omitempty"`
+	// Exists: something is at the path.
+	Exists bool `json:"exists,omitempty"`
+	// Device is the number of the block device node at the path (an NRI
+	// block publish), nil when something else or nothing is there.
+	Device *Device `json:"device,omitempty"`
+	// Mounted: something is mounted at the path, or whether it is could
+	// not be told (a dead FUSE mount answers ENOTCONN): unmounting is
+	// safer than believing it gone.
+	Mounted bool `json:"mounted,omitempty"`
+}
+
+// Targets makes, inspects, measures and removes the plugin's target paths
+// in kubelet's directory, which the plugin does not see: another pod's
+// Secrets and tokens lie in that tree. Every call refuses a path that is
+// not strictly below the mounter's own kubelet dir (ErrPermissionDenied)
+// and one whose directories, below it, include a symlink or something
+// not a directory (ErrInvalidArgument, as a CO's malformed path is); none
+// follows a symlink.
+type Targets interface {
+	// MakeTarget makes sure target p exists (missing parents made 0750,
+	// as kubelet does): a directory, or for block an empty file (a device
+	// is bound onto it). It reports whether it created it; an existing p
+	// of the other kind, or a symlink, is ErrInvalidArgument.
+	MakeTarget(ctx context.Context, p string, block bool) (created bool, err error)
+	// TargetState reports what is at p; a missing kubelet dir, parent or
+	// p is no error.
+	TargetState(ctx context.Context, p string) (Target, error)
+	// RemoveTarget removes p only while it holds nothing: an empty
+	// directory or regular file, or a device node. Anything else stays,
+	// and p gone is no error.
+	RemoveTarget(ctx context.Context, p string) error
+	// StatTarget measures the filesystem mounted at p; nothing mounted
+	// there is ErrNotFound.
+	StatTarget(ctx context.Context, p string) (fsutil.Usage, error)
+}
+
 // DaemonRequest starts one incarnation of a volume's FUSE daemon. It names
 // an admin profile and the volume's parameters, never a command or a path:
 // the mounter renders the command from its own copy of the profile.
@@ -389,6 +431,7 @@ type Node interface {
 	Filesystems
 	Chains
 	Namespaces
+	Targets
 	Daemons
 	NBD
 	ISCSI

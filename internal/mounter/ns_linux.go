@@ -144,8 +144,9 @@ func untilDone[T any](ctx context.Context, what string, fn func() (T, error)) (T
 }
 
 // MakeDeviceNode creates at target, below kubelet's directory without
-// following a symlink, a block device node of dev, a device the mounter
-// set up: kubelet and the runtime see a device there, nothing is mounted.
+// following a symlink (missing parents made as MakeTarget makes them), a
+// block device node of dev, a device the mounter set up: kubelet and the
+// runtime see a device there, nothing is mounted.
 // An empty regular file (which kubelet or an earlier publish may have
 // left) is replaced; anything else is ErrAlreadyExists.
 func (n *Local) MakeDeviceNode(_ context.Context, target string, d Device) (bool, error) {
@@ -154,18 +155,19 @@ func (n *Local) MakeDeviceNode(_ context.Context, target string, d Device) (bool
 		return false, err
 	}
 	f.Close()
-	root := n.exec.kubeletRoot(target)
-	if root == "" {
-		return false, fmt.Errorf("device node target %s is not below the kubelet dir: %w", target, errdefs.ErrPermissionDenied)
-	}
-	kr, err := mountns.OpenRoot(root)
+	kr, err := n.kubeletTree(target)
 	if err != nil {
 		return false, err
 	}
 	defer kr.Close()
+	// Its parents are made here, as MakeTarget makes a target's: the
+	// plugin sees no kubelet dir to make them in.
+	if _, err := kr.MkdirAll(filepath.Dir(target), false); err != nil {
+		return false, targetError(target, err)
+	}
 	parent, err := kr.Open(filepath.Dir(target))
 	if err != nil {
-		return false, err
+		return false, targetError(target, err)
 	}
 	defer parent.Close()
 	dirfd, name, rdev := int(parent.Fd()), filepath.Base(target), unix.Mkdev(d.Major, d.Minor)

@@ -26,9 +26,30 @@ func IsMountPoint(path string) (bool, error) {
 		return false, &os.PathError{Op: "openat2", Path: dir, Err: err}
 	}
 	defer unix.Close(dirfd)
+	return mountedAt(dirfd, last, path)
+}
+
+// IsMountPoint reports whether something is mounted at p (absolute,
+// strictly below the root), its parent found below the root as Open finds
+// it (no symlink followed on the way) and p itself not followed either.
+// A p that does not exist fails with an error that wraps fs.ErrNotExist
+// and errdefs.ErrNotFound, as the Root's other lookups do.
+func (r *Root) IsMountPoint(p string) (bool, error) {
+	parent, name, err := r.parentOf(p)
+	if err != nil {
+		return false, err
+	}
+	defer parent.Close()
+	mounted, err := mountedAt(int(parent.Fd()), name, p)
+	return mounted, Classify(err)
+}
+
+// mountedAt reports whether name in directory dirfd is a mount point;
+// path names it in errors.
+func mountedAt(dirfd int, name, path string) (bool, error) {
 	// RESOLVE_NO_XDEV fails the lookup with EXDEV exactly when it would
 	// step onto another mount: the last component is a mount point.
-	fd, err := Openat2(dirfd, last, unix.O_PATH|unix.O_NOFOLLOW, 0, unix.RESOLVE_NO_XDEV)
+	fd, err := Openat2(dirfd, name, unix.O_PATH|unix.O_NOFOLLOW, 0, unix.RESOLVE_NO_XDEV)
 	switch err {
 	case nil:
 		unix.Close(fd)

@@ -153,6 +153,23 @@ func (c *Client) MakeDeviceNode(ctx context.Context, target string, d mounter.De
 	return r.Created, err
 }
 
+func (c *Client) MakeTarget(ctx context.Context, p string, block bool) (bool, error) {
+	r, err := call[targetReq, createdResp](ctx, c, "MakeTarget", targetReq{Path: p, Block: block})
+	return r.Created, err
+}
+
+func (c *Client) TargetState(ctx context.Context, p string) (mounter.Target, error) {
+	return call[targetReq, mounter.Target](ctx, c, "TargetState", targetReq{Path: p})
+}
+
+func (c *Client) RemoveTarget(ctx context.Context, p string) error {
+	return do(ctx, c, "RemoveTarget", targetReq{Path: p})
+}
+
+func (c *Client) StatTarget(ctx context.Context, p string) (fsutil.Usage, error) {
+	return call[targetReq, fsutil.Usage](ctx, c, "StatTarget", targetReq{Path: p})
+}
+
 func (c *Client) StartDaemon(ctx context.Context, req mounter.DaemonRequest) (mounter.DaemonInfo, error) {
 	return call[mounter.DaemonRequest, mounter.DaemonInfo](ctx, c, "StartDaemon", req)
 }

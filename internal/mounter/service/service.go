@@ -64,6 +64,10 @@ type (
 		Device   mounter.Device `json:"device,omitempty"`
 		Target   string         `json:"target,omitempty"`
 	}
+	targetReq struct {
+		Path  string `json:"path"`
+		Block bool   `json:"block,omitempty"`
+	}
 	pidReq struct {
 		PID int `json:"pid"`
 	}
@@ -200,6 +204,7 @@ func registerNode(s *unixrpc.Server, n mounter.Node) {
 		created, err := n.MakeDeviceNode(ctx, r.Target, r.Device)
 		return createdResp{created}, err
 	})
+	registerTargets(s, n)
 	unixrpc.Handle(s, "StartDaemon", func(ctx context.Context, r mounter.DaemonRequest, _ []*os.File) (mounter.DaemonInfo, error) {
 		return n.StartDaemon(ctx, r)
 	})
@@ -218,6 +223,24 @@ func registerNode(s *unixrpc.Server, n mounter.Node) {
 			return usageResp{all}, err
 		})
 	}
+}
+
+// registerTargets registers the calls on the plugin's target paths
+// (mounter.Targets): the plugin sees no kubelet dir.
+func registerTargets(s *unixrpc.Server, n mounter.Node) {
+	unixrpc.Handle(s, "MakeTarget", func(ctx context.Context, r targetReq, _ []*os.File) (createdResp, error) {
+		created, err := n.MakeTarget(ctx, r.Path, r.Block)
+		return createdResp{created}, err
+	})
+	unixrpc.Handle(s, "TargetState", func(ctx context.Context, r targetReq, _ []*os.File) (mounter.Target, error) {
+		return n.TargetState(ctx, r.Path)
+	})
+	handle(s, "RemoveTarget", func(ctx context.Context, r targetReq, _ []*os.File) (empty, error) {
+		return empty{}, n.RemoveTarget(ctx, r.Path)
+	})
+	unixrpc.Handle(s, "StatTarget", func(ctx context.Context, r targetReq, _ []*os.File) (fsutil.Usage, error) {
+		return n.StatTarget(ctx, r.Path)
+	})
 }
 
 // oneFile is the one descriptor a call carries; nil when it carries none
