@@ -50,7 +50,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	c, err := d.checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
+	c, err := d.checkStaged(ctx, id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}
@@ -176,7 +176,7 @@ func (d *Driver) saveOrForget(v *model.Volume) error {
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := d.checkVolumePath(id, "staging_target_path", req.GetStagingTargetPath()); err != nil {
+	if err := d.checkVolumePath(ctx, id, "staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.records.Locked(id, "NodeUnstageVolume")
@@ -229,7 +229,7 @@ func (d *Driver) unstage(ctx context.Context, v *model.Volume) error {
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := d.checkVolumePath(id, "target_path", req.GetTargetPath()); err != nil {
+	if err := d.checkVolumePath(ctx, id, "target_path", req.GetTargetPath()); err != nil {
 		return nil, err
 	}
 	c, err := checkCapability(req.GetVolumeCapability())
@@ -270,7 +270,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 }
 
 // publish performs v's plan at target in the host namespace through the
-// mounter. The plugin makes the target itself (beneath kubelet's
+// mounter. The plugin has the mounter make the target (beneath kubelet's
 // directory, no symlink followed) and records that it did, so unpublish
 // removes only what it made. The record is written before the mounter is
 // asked, with the time it was asked: after a crash of either side the
@@ -294,7 +294,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 		if prev.ReadOnly != readOnly {
 			return fmt.Errorf("volume %s is already published at %s with readonly=%t: %w", v.ID, target, prev.ReadOnly, errdefs.ErrAlreadyExists)
 		}
-		if d.isMountPoint(target) {
+		if d.isMountPoint(ctx, target) {
 			return nil
 		}
 	}
@@ -308,24 +308,24 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	// Recorded before the target is made: a crash between making it and
 	// recording that the plugin made it would leave a target that no
 	// unpublish removes.
-	missing, err := d.kubelet.targetMissing(target)
+	st, err := d.node.TargetState(ctx, target)
 	if err != nil {
-		return err
+		return fmt.Errorf("target_path: %w", err)
 	}
-	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: missing || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter, Pod: c.pod}
+	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: !st.Exists || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter, Pod: c.pod}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	v.Publishes = append(v.Publishes, rec)
 	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
-	if _, err := d.kubelet.makeTarget(target, c.block); err != nil {
+	if _, err := d.node.MakeTarget(ctx, target, c.block); err != nil {
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
 		return errors.Join(err, d.records.Put(v, journal.Runtime))
 	}
 	err = d.opts.Metrics.Step("mount", func() error {
 		return d.opts.Mounter.Mount(ctx, mounts, plan.Consumer{MountPoint: target})
 	})
-	if err == nil || d.isMountPoint(target) || mayStillMount(err) {
+	if err == nil || d.isMountPoint(ctx, target) || mayStillMount(err) {
 		// A mounter that timed out may still mount: keep the record, so
 		// that the unpublish kubelet sends next (it treats such an error
 		// as "maybe mounted") removes what is there.
@@ -334,7 +334,7 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	v.Publishes = v.Publishes[:len(v.Publishes)-1]
 	var rmErr error
 	if rec.CreatedTarget {
-		rmErr = d.kubelet.removeTarget(target)
+		rmErr = d.node.RemoveTarget(ctx, target)
 	}
 	return errors.Join(err, rmErr, d.records.Put(v, journal.Runtime))
 }
@@ -408,7 +408,7 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	if err := d.checkVolumePath(id, "target_path", target); err != nil {
+	if err := d.checkVolumePath(ctx, id, "target_path", target); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.records.Locked(id, "NodeUnpublishVolume")
@@ -416,7 +416,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return nil, err
 	}
-	if rebootedPublish(v, target) && findPublish(v, target) == nil && !d.isMountPoint(target) {
+	if rebootedPublish(v, target) && findPublish(v, target) == nil && !d.isMountPoint(ctx, target) {
 		return &csi.NodeUnpublishVolumeResponse{}, d.unpublishRebooted(ctx, v, target)
 	}
 	if v == nil || findPublish(v, target) == nil {
@@ -431,7 +431,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 // the mounter removes a mount only if it is the plan's. A mount that is
 // not the volume's is not ours to remove.
 func (d *Driver) unpublishUnrecorded(ctx context.Context, v *model.Volume, target string) error {
-	if !d.isMountPoint(target) {
+	if !d.isMountPoint(ctx, target) {
 		return nil
 	}
 	if v != nil && v.Staged() {
@@ -442,7 +442,7 @@ func (d *Driver) unpublishUnrecorded(ctx context.Context, v *model.Volume, targe
 		if err := d.unmountTarget(ctx, mounts, target); err != nil {
 			return err
 		}
-		if !d.isMountPoint(target) {
+		if !d.isMountPoint(ctx, target) {
 			klog.FromContext(ctx).Info("Removed a mount of the volume that had no publish record", "target", target)
 			return nil
 		}
@@ -464,11 +464,11 @@ func (d *Driver) unpublish(ctx context.Context, v *model.Volume, target string) 
 	if err := d.unmountTarget(ctx, p.Mounts, target); err != nil {
 		return err
 	}
-	if d.isMountPoint(target) {
+	if d.isMountPoint(ctx, target) {
 		return fmt.Errorf("volume %s: a mount that is not its own sits on top at %s: %w", v.ID, target, errdefs.ErrFailedPrecondition)
 	}
 	if p.CreatedTarget {
-		if err := d.kubelet.removeTarget(target); err != nil {
+		if err := d.node.RemoveTarget(ctx, target); err != nil {
 			return err
 		}
 	}
@@ -494,8 +494,13 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if pub != nil && pub.NRI {
 		return d.statsNRI(ctx, v, pub)
 	}
-	if pub == nil || !d.isMountPoint(pub.TargetPath) {
+	if pub == nil || !d.isMountPoint(ctx, pub.TargetPath) {
 		return nil, fmt.Errorf("volume %s is not published at %s: %w", v.ID, req.GetVolumePath(), errdefs.ErrNotFound)
+	}
+	// A block publish is measured by the device bound at the target: the
+	// plugin does not see the target itself.
+	if dev, ok := deviceBindSource(pub.Mounts); ok {
+		return d.statsOf(ctx, v, dev)
 	}
 	return d.statsOf(ctx, v, pub.TargetPath)
 }

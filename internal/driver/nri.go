@@ -82,7 +82,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 		if !p.NRI || p.ReadOnly != readOnly {
 			return fmt.Errorf("volume %s is already published at %s with readonly=%t (NRI mode %t): %w", v.ID, target, p.ReadOnly, p.NRI, errdefs.ErrAlreadyExists)
 		}
-		if d.nriPublished(p) {
+		if d.nriPublished(ctx, p) {
 			return nil
 		}
 	}
@@ -115,7 +115,7 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 	if c.block {
 		created, err = d.makeDeviceNode(ctx, target, pub.Mounts)
 	} else {
-		created, err = d.kubelet.makeTarget(target, false)
+		created, err = d.node.MakeTarget(ctx, target, false)
 	}
 	if err != nil {
 		return err
@@ -129,11 +129,11 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 	if !c.block {
 		err = d.opts.Mounter.Mount(ctx, pub.Mounts, plan.Consumer{MountPoint: target})
 	}
-	if err != nil && !d.nriPublished(&pub) && !mayStillMount(err) {
+	if err != nil && !d.nriPublished(ctx, &pub) && !mayStillMount(err) {
 		v.Publishes = v.Publishes[:len(v.Publishes)-1]
 		var rmErr error
 		if pub.CreatedTarget {
-			rmErr = d.kubelet.removeTarget(target)
+			rmErr = d.node.RemoveTarget(ctx, target)
 		}
 		return errors.Join(err, rmErr, d.records.Put(v, journal.Runtime))
 	}
@@ -144,25 +144,33 @@ func (d *Driver) publishNRI(ctx context.Context, v *model.Volume, target string,
 // nriPublished reports whether what an NRI publish leaves at its target is
 // there: a guard (live or not: a new mounter re-arms dead ones) or the
 // device node.
-func (d *Driver) nriPublished(p *model.Publish) bool {
+func (d *Driver) nriPublished(ctx context.Context, p *model.Publish) bool {
 	if dev, ok := deviceOf(p.Mounts); ok {
-		var st unix.Stat_t
-		return unix.Lstat(p.TargetPath, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK && uint64(st.Rdev) == rdevOf(dev) //nolint:unconvert // Rdev is uint32 on some architectures
+		st, err := d.node.TargetState(ctx, p.TargetPath)
+		return err == nil && st.Device != nil && rdevOf(*st.Device) == rdevOf(dev)
 	}
-	return d.isMountPoint(p.TargetPath)
+	return d.isMountPoint(ctx, p.TargetPath)
 }
 
 // deviceOf returns the device a block plan binds, its number read from
 // sysfs (the plugin has no /dev of the host).
 func deviceOf(mounts []plan.Mount) (mounter.Device, bool) {
-	for _, m := range mounts {
-		if m.IsDeviceBind() {
-			if major, minor, err := sysfsDevice(m.Source); err == nil {
-				return mounter.Device{Path: m.Source, Major: major, Minor: minor}, true
-			}
+	if src, ok := deviceBindSource(mounts); ok {
+		if major, minor, err := sysfsDevice(src); err == nil {
+			return mounter.Device{Path: src, Major: major, Minor: minor}, true
 		}
 	}
 	return mounter.Device{}, false
+}
+
+// deviceBindSource is the device node a block plan binds.
+func deviceBindSource(mounts []plan.Mount) (string, bool) {
+	for _, m := range mounts {
+		if m.IsDeviceBind() {
+			return m.Source, true
+		}
+	}
+	return "", false
 }
 
 func rdevOf(d mounter.Device) uint64 { return unix.Mkdev(d.Major, d.Minor) }
@@ -170,15 +178,11 @@ func rdevOf(d mounter.Device) uint64 { return unix.Mkdev(d.Major, d.Minor) }
 // makeDeviceNode has the mounter create at target a block device node of
 // the device the plan binds: kubelet and the runtime see a device there
 // (the runtime creates it in the container), and nothing is mounted. The
-// parents are made here, beneath kubelet's directory without following
-// symlinks. It reports whether the node was created.
+// mounter makes the parents too. It reports whether the node was created.
 func (d *Driver) makeDeviceNode(ctx context.Context, target string, mounts []plan.Mount) (bool, error) {
 	dev, ok := deviceOf(mounts)
 	if !ok {
 		return false, fmt.Errorf("block plan names no block device: %w", errdefs.ErrFailedPrecondition)
-	}
-	if _, err := d.kubelet.parent("target_path", target, true); err != nil {
-		return false, err
 	}
 	return d.node.MakeDeviceNode(ctx, target, dev)
 }
@@ -369,10 +373,8 @@ func (d *Driver) releaseClaims(ctx context.Context, id string, match func(model.
 // uses the volume, resolved within that container's root.
 func (d *Driver) statsNRI(ctx context.Context, v *model.Volume, p *model.Publish) (*csi.NodeGetVolumeStatsResponse, error) {
 	if v.Stage != nil && v.Stage.Block {
-		for _, m := range p.Mounts {
-			if m.IsDeviceBind() {
-				return d.statsOf(ctx, v, m.Source)
-			}
+		if dev, ok := deviceBindSource(p.Mounts); ok {
+			return d.statsOf(ctx, v, dev)
 		}
 	}
 	for _, c := range v.Consumers {

@@ -24,7 +24,7 @@ func (d *Driver) NodePrepareVolume(ctx context.Context, req *api.NodePrepareVolu
 		return d.preparePublished(ctx, req)
 	}
 	id := req.GetVolumeId()
-	c, err := d.checkStaged(id, req.GetStagingTargetPath(), req.GetVolumeCapability())
+	c, err := d.checkStaged(ctx, id, req.GetStagingTargetPath(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}

@@ -138,7 +138,7 @@ func (d *Driver) dropRebooted(ctx context.Context, v *model.Volume) error {
 		return err
 	}
 	for _, p := range v.Rebooted.Publishes {
-		if err := d.removeRebootedTarget(p); err != nil {
+		if err := d.removeRebootedTarget(ctx, p); err != nil {
 			return err
 		}
 	}
@@ -158,7 +158,7 @@ func (d *Driver) removeRebootedTargets(ctx context.Context, v *model.Volume) {
 		return
 	}
 	for _, p := range v.Rebooted.Publishes {
-		if err := d.removeRebootedTarget(p); err != nil {
+		if err := d.removeRebootedTarget(ctx, p); err != nil {
 			klog.FromContext(ctx).Error(err, "Removing the target of a publish of an ended boot", "target", p.TargetPath)
 		}
 	}
@@ -166,11 +166,11 @@ func (d *Driver) removeRebootedTargets(ctx context.Context, v *model.Volume) {
 
 // removeRebootedTarget removes the target of a publish of an ended boot
 // if the plugin made it and nothing is mounted there.
-func (d *Driver) removeRebootedTarget(p model.Publish) error {
-	if !p.CreatedTarget || d.isMountPoint(p.TargetPath) {
+func (d *Driver) removeRebootedTarget(ctx context.Context, p model.Publish) error {
+	if !p.CreatedTarget || d.isMountPoint(ctx, p.TargetPath) {
 		return nil
 	}
-	return d.kubelet.removeTarget(p.TargetPath)
+	return d.node.RemoveTarget(ctx, p.TargetPath)
 }
 
 // unpublishRebooted answers kubelet's unpublish of a publish of an ended
@@ -179,7 +179,7 @@ func (d *Driver) removeRebootedTarget(p model.Publish) error {
 // left, and not published again, is no one's: it is removed at once.
 func (d *Driver) unpublishRebooted(ctx context.Context, v *model.Volume, target string) error {
 	i := slices.IndexFunc(v.Rebooted.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
-	if err := d.removeRebootedTarget(v.Rebooted.Publishes[i]); err != nil {
+	if err := d.removeRebootedTarget(ctx, v.Rebooted.Publishes[i]); err != nil {
 		return err
 	}
 	v.Rebooted.Publishes = slices.Delete(v.Rebooted.Publishes, i, i+1)

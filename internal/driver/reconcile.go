@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"maps"
 	"os"
-	"path/filepath"
 	"slices"
 	"time"
 
@@ -160,7 +159,7 @@ func (d *Driver) reconcileVolume(ctx context.Context, id string) error {
 		// An inline volume lives only as long as its publishes: while
 		// kubelet keeps the pod's volume directory, it will publish again
 		// (after a reboot) or unpublish, and the data must wait for it.
-		return d.publishGone(p) && !(v.Kind == model.KindEphemeral && kubeletKeeps(p.TargetPath))
+		return d.publishGone(ctx, p) && !(v.Kind == model.KindEphemeral && d.kubeletKeeps(ctx, p.TargetPath))
 	})
 	changed = changed || len(v.Publishes) != n
 	if v.Kind == model.KindEphemeral && len(v.Publishes) == 0 {
@@ -186,20 +185,22 @@ const publishGrace = 10 * time.Minute
 // the plugin's back) and no mounter can still be at work on it. A younger
 // publish stays, so that the unpublish kubelet sends removes a mount that
 // appears late instead of finding no record of it.
-func (d *Driver) publishGone(p model.Publish) bool {
+func (d *Driver) publishGone(ctx context.Context, p model.Publish) bool {
 	if p.NRI {
-		return !d.nriPublished(&p) && time.Since(p.Asked) > publishGrace
+		return !d.nriPublished(ctx, &p) && time.Since(p.Asked) > publishGrace
 	}
-	return !d.isMountPoint(p.TargetPath) && time.Since(p.Asked) > publishGrace
+	return !d.isMountPoint(ctx, p.TargetPath) && time.Since(p.Asked) > publishGrace
 }
 
 // kubeletKeeps reports whether kubelet still has the directory it made
 // for a publish's target (pods/<uid>/volumes/kubernetes.io~csi/<name>,
 // with its vol_data.json): it removes it once the volume is torn down for
-// good, and keeps it across reboots and restarts of anything.
-func kubeletKeeps(target string) bool {
-	_, err := os.Lstat(filepath.Dir(target))
-	return err == nil
+// good, and keeps it across reboots and restarts of anything. The
+// mounter looks (the plugin does not see kubelet's directory); one that
+// cannot answer keeps the data too.
+func (d *Driver) kubeletKeeps(ctx context.Context, target string) bool {
+	st, err := d.node.TargetState(ctx, target)
+	return st.Parent || err != nil
 }
 
 // RunReconciler reconciles every interval until ctx ends, so consumers

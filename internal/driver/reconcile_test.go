@@ -95,7 +95,7 @@ func TestReconcile(t *testing.T) {
 	interruptedStatic.Kind = model.KindStatic
 	healthy := staged("healthy", model.PhaseStaged)
 	healthy.Consumers = []model.Claim{{Consumer: plan.Consumer{PID: deadPID(t), Namespace: plan.Namespace{Inode: 1}, MountPoint: "/gone"}}}
-	healthy.Publishes = []model.Publish{{TargetPath: t.TempDir() + "/not-mounted"}}
+	healthy.Publishes = []model.Publish{{TargetPath: d.kubelet.root + "/not-mounted"}}
 	halfMadeInline := &model.Volume{ID: "inline", Kind: model.KindEphemeral, Type: "fake", Creating: true}
 	idle := &model.Volume{ID: "idle", Kind: model.KindProvisioned, Type: "fake"}
 	for _, v := range []*model.Volume{interrupted, interruptedStatic, healthy, halfMadeInline, idle} {
@@ -378,7 +378,7 @@ func TestReconcileKeepsInlineKubeletHas(t *testing.T) {
 	d, _ := newTestDriver(t)
 	fake := &fakeSource{}
 	d.sources["fake"] = fake
-	volDir := filepath.Join(t.TempDir(), "pods", "uid", "volumes", "kubernetes.io~csi", "scratch")
+	volDir := filepath.Join(d.kubelet.root, "pods", "uid", "volumes", "kubernetes.io~csi", "scratch")
 	if err := os.MkdirAll(volDir, 0o750); err != nil {
 		t.Fatal(err)
 	}

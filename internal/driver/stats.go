@@ -15,6 +15,7 @@ import (
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/model"
 	"github.com/mountplan/mountplan/internal/source"
+	"github.com/mountplan/mountplan/pkg/plan"
 )
 
 // statsOf reports usage of a published volume.
@@ -34,12 +35,23 @@ func (d *Driver) statsOf(ctx context.Context, v *model.Volume, path string) (*cs
 	if st, ok := src.(source.Statter); ok {
 		u, err = st.Stats(ctx, viewOf(v), path)
 	} else {
-		u, err = fsutil.Stats(path)
+		u, err = d.usageAt(ctx, path)
 	}
 	if err != nil {
 		return nil, err
 	}
 	return usageResponse(u), nil
+}
+
+// usageAt measures the filesystem at path: in this process below the
+// state dir (an NRI volume's chain or FUSE mount), else through the
+// mounter, at a target in kubelet's directory, which the plugin does not
+// see.
+func (d *Driver) usageAt(ctx context.Context, path string) (fsutil.Usage, error) {
+	if plan.Within(d.opts.StateDir, path) {
+		return fsutil.Stats(path)
+	}
+	return d.node.StatTarget(ctx, path)
 }
 
 func usageResponse(u fsutil.Usage) *csi.NodeGetVolumeStatsResponse {
@@ -50,7 +62,7 @@ func usageResponse(u fsutil.Usage) *csi.NodeGetVolumeStatsResponse {
 }
 
 // blockDeviceSize reads the size of the block device at p (a device node
-// under /dev, or a published device-node bind at kubelet's target),
+// under /dev),
 // whatever kind of volume it belongs to, from sysfs: the plugin opens no
 // device.
 func blockDeviceSize(p string) (int64, error) {
@@ -70,9 +82,9 @@ func blockDeviceSize(p string) (int64, error) {
 }
 
 // sysfsDevice returns the number of the block device at p: the node's own
-// when p is one this process can see (kubelet's target), else, for a node
-// under /dev (the host's, which the plugin does not see), what sysfs says
-// of the device of that name.
+// when p is one this process can see, else, for a node under /dev (the
+// host's, which the plugin does not see), what sysfs says of the device
+// of that name.
 func sysfsDevice(p string) (major, minor uint32, err error) {
 	var st unix.Stat_t
 	if err := unix.Stat(p, &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK {
