@@ -19,9 +19,10 @@ import (
 // CAP_SYS_ADMIN, nor any capability at all; it does not share the node's
 // PID namespace; nsenter into PID 1's mount namespace, a tmpfs mount and a
 // new user namespace are refused; it has no device node of the host and
-// sees neither the mounter's records nor the host's processes. The
-// mounter's container, for contrast, holds CAP_SYS_ADMIN in the node's PID
-// namespace. Its socket's directory is mode 0700 on the node.
+// sees neither the mounter's records nor the host's processes, nor
+// kubelet's registration directory. The mounter's container, for contrast,
+// holds CAP_SYS_ADMIN in the node's PID namespace. Its socket's directory
+// is mode 0700 on the node.
 func pluginUnprivileged(t *testing.T, e *env) {
 	in := func(cmd ...string) (string, error) {
 		return e.containerExec(t, nodeComponent, pluginContainer, cmd...)
@@ -134,6 +135,7 @@ func pluginUnprivileged(t *testing.T, e *env) {
 	if out, err := in("ls", "-d", records); err == nil {
 		t.Errorf("the plugin's container sees the mounter's records: %s", out)
 	}
+	pluginRegistration(t, e, in, refused)
 
 	// The mounter's container, for contrast: CAP_SYS_ADMIN, hostPID.
 	mpid := e.containerPID(t, mounterComponent, mounterContainer, mounterComm)
@@ -153,5 +155,33 @@ func pluginUnprivileged(t *testing.T, e *env) {
 	t.Logf("the mounter's socket directory %s: %v", dir, fi.Mode())
 	if fi.Mode().Perm() != 0o700 {
 		t.Errorf("the mounter's socket directory %s is %v, want 0700", dir, fi.Mode().Perm())
+	}
+}
+
+// pluginRegistration (issue 33, F5): kubelet's registration directory is
+// neither visible nor writable in the plugin's container, at the chart's
+// former mount point or at its host path: a socket there claims a driver's
+// name and names the CSI socket kubelet sends that driver's stage and
+// publish calls to. The mounter serves the registration (registration:
+// builtin), and kubelet took it: the node's CSINode lists the driver.
+func pluginRegistration(t *testing.T, e *env, in func(cmd ...string) (string, error), refused func(what string, cmd ...string)) {
+	t.Helper()
+	registry := filepath.Join(e.c.cfg.path("kubelet"), "plugins_registry")
+	for _, p := range []string{"/registration", registry} {
+		if out, err := in("ls", "-d", p); err == nil {
+			t.Errorf("the plugin's container sees kubelet's registration dir at %s: %s", p, out)
+		}
+		refused("a socket file in kubelet's registration dir at "+p, "touch", filepath.Join(p, "other.csi.example.com-reg.sock"))
+	}
+	sock := filepath.Join(registry, driverName+"-reg.sock")
+	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
+		t.Errorf("the registration socket %s on the node: %v %v", sock, fi, err)
+	}
+	if _, err := e.containerExec(t, mounterComponent, mounterContainer, "test", "-S", "/registration/"+driverName+"-reg.sock"); err != nil {
+		t.Errorf("the mounter's container has no registration socket at /registration: %v", err)
+	}
+	drivers, err := e.c.kubectl("get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
+	if err != nil || !strings.Contains(" "+drivers+" ", " "+driverName+" ") {
+		t.Errorf("CSINode %s lists drivers %q (%v), want %s: kubelet did not take the mounter's registration", nodeName, drivers, err, driverName)
 	}
 }
