@@ -684,12 +684,10 @@ func TestPlugin(t *testing.T) {
 
 		// The state dir is the host's, at the same path (plans carry host
 		// paths): the plugin writes the journal and the images there, and
-		// sees the chain and FUSE mounts the mounter makes under it. kubelet's
-		// pods and CSI dirs likewise (targets it makes; stats through the
-		// mounts the mounter made). HostToContainer: it makes no mount.
+		// sees the chain and FUSE mounts the mounter makes under it.
+		// HostToContainer: it makes no mount. kubelet's pods and CSI dirs
+		// it does not see (TestPluginSeesNoKubeletFiles).
 		checkHostMount(t, r, c, "state-dir", r.stateDir(t), corev1.MountPropagationHostToContainer)
-		checkHostMount(t, r, c, "pods-dir", r.kubeletDir(t)+"/pods", corev1.MountPropagationHostToContainer)
-		checkHostMount(t, r, c, "kubelet-csi-dir", r.kubeletDir(t)+"/plugins/kubernetes.io/csi", corev1.MountPropagationHostToContainer)
 
 		// The CSI socket lives in <kubeletDir>/plugins/<driverName>, mounted at its directory.
 		sock := socketPath(t, csiEndpoint)
