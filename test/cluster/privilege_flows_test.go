@@ -20,9 +20,9 @@ import (
 // PID namespace; nsenter into PID 1's mount namespace, a tmpfs mount and a
 // new user namespace are refused; it has no device node of the host and
 // sees neither the mounter's records nor the host's processes, nor
-// kubelet's registration directory. The mounter's container, for contrast,
-// holds CAP_SYS_ADMIN in the node's PID namespace. Its socket's directory
-// is mode 0700 on the node.
+// kubelet's registration directory, nor its pods/ and CSI directories. The
+// mounter's container, for contrast, holds CAP_SYS_ADMIN in the node's PID
+// namespace. Its socket's directory is mode 0700 on the node.
 func pluginUnprivileged(t *testing.T, e *env) {
 	in := func(cmd ...string) (string, error) {
 		return e.containerExec(t, nodeComponent, pluginContainer, cmd...)
@@ -136,6 +136,7 @@ func pluginUnprivileged(t *testing.T, e *env) {
 		t.Errorf("the plugin's container sees the mounter's records: %s", out)
 	}
 	pluginRegistration(t, e, in, refused)
+	pluginSeesNoPodFiles(t, e, in)
 
 	// The mounter's container, for contrast: CAP_SYS_ADMIN, hostPID.
 	mpid := e.containerPID(t, mounterComponent, mounterContainer, mounterComm)
@@ -183,5 +184,28 @@ func pluginRegistration(t *testing.T, e *env, in func(cmd ...string) (string, er
 	drivers, err := e.c.kubectl("get", "csinode", nodeName, "-o", "jsonpath={.spec.drivers[*].name}")
 	if err != nil || !strings.Contains(" "+drivers+" ", " "+driverName+" ") {
 		t.Errorf("CSINode %s lists drivers %q (%v), want %s: kubelet did not take the mounter's registration", nodeName, drivers, err, driverName)
+	}
+}
+
+// pluginSeesNoPodFiles (issue 33, F4): kubelet's pods/ and
+// plugins/kubernetes.io/csi are not visible in the plugin's container, and
+// a pod's ServiceAccount token that is on the node (the issue's recipe
+// read one) cannot be read there. The mounter makes the plugin's targets.
+func pluginSeesNoPodFiles(t *testing.T, e *env, in func(cmd ...string) (string, error)) {
+	t.Helper()
+	kubelet := e.c.cfg.path("kubelet")
+	tokens, err := filepath.Glob(filepath.Join(kubelet, "pods", "*", "volumes", "kubernetes.io~projected", "*", "token"))
+	if err != nil || len(tokens) == 0 {
+		t.Errorf("no pod's ServiceAccount token on the node under %s/pods to look for: %v", kubelet, err)
+	}
+	for _, p := range append([]string{filepath.Join(kubelet, "pods"), filepath.Join(kubelet, "plugins", "kubernetes.io", "csi")}, tokens...) {
+		if out, err := in("ls", "-d", p); err == nil {
+			t.Errorf("the plugin's container sees %s: %s", p, out)
+		}
+	}
+	if len(tokens) > 0 {
+		if out, err := in("cat", tokens[0]); err == nil {
+			t.Errorf("the plugin's container reads the token %s (%d bytes)", tokens[0], len(out))
+		}
 	}
 }
