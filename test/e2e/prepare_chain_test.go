@@ -180,7 +180,7 @@ func TestPrepareOverlayChain(t *testing.T) {
 			// A read-only consumer gets the lower layer alone.
 			roTarget := target + "-ro"
 			e.mustSidecarMount(id, c.PID(), roTarget, "--readonly")
-			if out, err := c.Exec(t, "sh", "-c", "cat "+roTarget+"/hello.txt "+roTarget+"/sub/deep.txt; ls "+roTarget); err != nil || out != "from the image\ndeep\nhello.txt\nsub\n" {
+			if out, err := c.ExecRead(t, "sh", "-c", "cat "+roTarget+"/hello.txt "+roTarget+"/sub/deep.txt; ls "+roTarget); err != nil || out != "from the image\ndeep\nhello.txt\nsub\n" {
 				t.Errorf("read-only consumer: %q, %v", out, err)
 			}
 			if _, err := c.Exec(t, "sh", "-c", "echo x > "+roTarget+"/x"); err == nil {

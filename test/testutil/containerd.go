@@ -252,6 +252,22 @@ func (ct *Container) Exec(t testing.TB, argv ...string) (string, error) {
 	return ct.c.Ctr(append(args, argv...)...)
 }
 
+// ExecRead is Exec for a command that only reads and always prints
+// something: `ctr task exec` now and then returns nothing, with success,
+// for a process that exits at once (its output fifo is drained after the
+// exit is seen), so an empty answer is asked again, up to three times.
+func (ct *Container) ExecRead(t testing.TB, argv ...string) (string, error) {
+	t.Helper()
+	var out string
+	var err error
+	for range 3 {
+		if out, err = ct.Exec(t, argv...); err != nil || out != "" {
+			break
+		}
+	}
+	return out, err
+}
+
 // Kill kills the container's processes with SIGKILL, waits until the task
 // has stopped, and deletes the task and the container. Its mount namespace
 // goes with it. Calling Kill again does nothing.
