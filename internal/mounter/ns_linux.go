@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/blocking"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/mountns"
@@ -83,7 +84,7 @@ func (n *Local) StatFS(ctx context.Context, c plan.Consumer) (fsutil.Usage, erro
 	}
 	ctx, cancel := context.WithTimeout(ctx, statFSTimeout)
 	defer cancel()
-	return untilDone(ctx, fmt.Sprintf("statfs of %s in pid %d's namespace", c.MountPoint, c.PID), func() (fsutil.Usage, error) {
+	return blocking.Call(ctx, fmt.Sprintf("statfs of %s in pid %d's namespace", c.MountPoint, c.PID), func() (fsutil.Usage, error) {
 		return statFSIn(c)
 	})
 }
@@ -108,39 +109,10 @@ func statFSIn(c plan.Consumer) (fsutil.Usage, error) {
 // statFSTimeout bounds a StatFS whose caller set no earlier deadline.
 const statFSTimeout = 30 * time.Second
 
-// blockingCalls bounds the goroutines of untilDone, which may be left in
-// a syscall on a filesystem that never answers: each holds an OS thread
-// until the kernel returns (the FUSE connection is aborted), and Go dies
-// past 10,000 threads. It is the process's, as its threads are.
-var blockingCalls = make(chan struct{}, 64)
-
-// untilDone runs fn, which may block in the kernel on a filesystem that
-// does not answer, and returns its result or, when ctx ends first, ctx's
-// error: fn is then left to finish on its own. Past cap(blockingCalls)
-// such calls at once it is ResourceExhausted.
+// untilDone is blocking.Call under the name StatTarget (targets_linux.go)
+// still calls it by; once that calls blocking.Call, delete it.
 func untilDone[T any](ctx context.Context, what string, fn func() (T, error)) (T, error) {
-	var zero T
-	select {
-	case blockingCalls <- struct{}{}:
-	default:
-		return zero, fmt.Errorf("%s: %d calls wait on filesystems already, the limit: %w", what, cap(blockingCalls), errdefs.ErrResourceExhausted)
-	}
-	type result struct {
-		v   T
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		defer func() { <-blockingCalls }()
-		v, err := fn()
-		done <- result{v, err}
-	}()
-	select {
-	case r := <-done:
-		return r.v, r.err
-	case <-ctx.Done():
-		return zero, fmt.Errorf("%s: the filesystem did not answer: %w", what, ctx.Err())
-	}
+	return blocking.Call(ctx, what, fn)
 }
 
 // MakeDeviceNode creates at target, below kubelet's directory without
