@@ -80,6 +80,7 @@ type instance struct {
 
 	// What a cycle left half done, for the teardown.
 	published, prepared, staged bool
+	attributed                  bool // the consumer was named to the mounter (split)
 	preparedCons                plan.Consumer
 }
 
