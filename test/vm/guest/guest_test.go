@@ -98,7 +98,7 @@ func mounterFor(t *testing.T, cfg *config.Config, stateDir string) *service.Clie
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	node, err := mounter.NewNode(ctx, mounter.Options{StateDir: stateDir, KubeletDir: stateDir,
-		RecordsDir: filepath.Join(stateDir, "mounter"), Config: cfg, RemoveMountPoint: true})
+		RecordsDir: filepath.Join(stateDir, "mounter"), Config: cfg, RemoveMountPoint: true, Attributed: true})
 	if err != nil {
 		t.Fatal(err)
 	}
