@@ -26,7 +26,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -39,6 +38,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/mountplan/mountplan/internal/blocking"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/nri/guard"
@@ -233,7 +233,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		if m.GetType() != "bind" && !hasOption(m, "bind") && !hasOption(m, "rbind") {
 			continue
 		}
-		target, sub, ours, err := h.owns(pod, m.GetSource())
+		target, sub, ours, err := h.owns(ctx, pod, m.GetSource())
 		if err != nil {
 			return nil, nil, err
 		}
@@ -250,7 +250,7 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 		}
 	}
 	for _, d := range ctr.GetLinux().GetDevices() {
-		if d.GetType() != "b" || hostDevice(d) {
+		if d.GetType() != "b" || hostDevice(ctx, d) {
 			continue
 		}
 		c := Claim{Major: uint32(d.GetMajor()), Minor: uint32(d.GetMinor()), Destination: d.GetPath(), ContainerID: ctr.GetId(),
@@ -284,10 +284,14 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 // bind of another pod's target (a hostPath volume naming it) is not
 // claimed: the container gets what the runtime binds, the guard, never
 // the other pod's volume.
-func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (target, sub string, ours bool, err error) {
-	// Only kubelet's directory is looked at: a container's other binds
-	// (hostPath volumes) may sit on file systems that hang a stat, and the
-	// runtime gives up on a plugin that takes more than 2 seconds.
+//
+// Whatever the source's filesystem does, owns returns by ctx's end: the
+// runtime drops a plugin that overruns its deadline, for the whole node.
+// A source that is not below the pod's directory is decided by its name
+// alone; one below it (the pod's other volumes, a classic sshfs volume
+// among them) is stat'ed (guard.Locate), and one whose filesystem does
+// not answer fails the container (ErrUnavailable).
+func (h *Hook) owns(ctx context.Context, pod *nriapi.PodSandbox, source string) (target, sub string, ours bool, err error) {
 	podDir, ok := h.podDirOf(pod, source)
 	if !ok {
 		return "", "", false, nil
@@ -300,12 +304,12 @@ func (h *Hook) owns(pod *nriapi.PodSandbox, source string) (target, sub string, 
 		// since no guard answers.
 		return "", "", false, nil
 	}
-	name, sub, ours, err := g.Locate(source)
+	name, sub, ours, err := g.Locate(ctx, source)
 	if err != nil || !ours || sub == "" {
 		return source, "", ours, err
 	}
 	target = guard.TargetIn(podDir, name)
-	if tname, tsub, tours, err := g.Locate(target); err != nil || !tours || tname != name || tsub != "" {
+	if tname, tsub, tours, err := g.Locate(ctx, target); err != nil || !tours || tname != name || tsub != "" {
 		return "", "", false, fmt.Errorf("%s is subPath %s of a volume named %s, which is not published in NRI mode at %s: %w",
 			source, sub, name, target, errors.Join(err, errdefs.ErrFailedPrecondition))
 	}
@@ -374,7 +378,7 @@ func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment,
 		return false, nil
 	}
 	c.VolumeID = id
-	dev, ro, err := deviceOf(mounts)
+	dev, ro, err := deviceOf(ctx, mounts)
 	if err != nil {
 		return true, fmt.Errorf("block volume %s at %s: %w", id, c.Destination, err)
 	}
@@ -421,23 +425,36 @@ func denyWrites(adj *nriapi.ContainerAdjustment, dev *nriapi.LinuxDevice) {
 // hostDevice reports whether a container's device is a device of the
 // host at the same path (a privileged container has them all): not a
 // block volume, which kubelet places at the path the pod asks for. Telling
-// them apart here spares the plugin a question per host device.
-func hostDevice(d *nriapi.LinuxDevice) bool {
-	var st unix.Stat_t
-	return unix.Stat(d.GetPath(), &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK &&
+// them apart here spares the plugin a question per host device. The host's
+// devices are below /dev: a path elsewhere (a pod's, which may lead
+// through a filesystem that never answers) is not stat'ed, and a stat
+// that has not answered by ctx's end says no (the plugin is asked).
+func hostDevice(ctx context.Context, d *nriapi.LinuxDevice) bool {
+	p := d.GetPath()
+	if p != filepath.Clean(p) || !strings.HasPrefix(p, "/dev/") {
+		return false
+	}
+	st, err := blocking.Stat(ctx, p)
+	return err == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK &&
 		unix.Major(uint64(st.Rdev)) == uint32(d.GetMajor()) && unix.Minor(uint64(st.Rdev)) == uint32(d.GetMinor()) //nolint:unconvert // Rdev is uint32 on some architectures
 }
 
 // deviceOf returns the device a block plan (a bind of a device node)
-// names, and whether it binds it read-only.
-func deviceOf(mounts []plan.Mount) (*nriapi.LinuxDevice, bool, error) {
+// names, and whether it binds it read-only. The device is stat'ed by
+// ctx's end, and only at a clean path below /dev: a plan naming
+// /dev/../elsewhere (a compromised plugin's, maybe onto a filesystem that
+// never answers) is refused before any stat.
+func deviceOf(ctx context.Context, mounts []plan.Mount) (*nriapi.LinuxDevice, bool, error) {
 	for _, m := range mounts {
 		if !m.IsDeviceBind() {
 			continue
 		}
-		var st unix.Stat_t
-		if err := unix.Stat(m.Source, &st); err != nil {
-			return nil, false, &os.PathError{Op: "stat", Path: m.Source, Err: err}
+		if m.Source != filepath.Clean(m.Source) {
+			return nil, false, fmt.Errorf("the plan's device %s is not a clean path: %w", m.Source, errdefs.ErrInvalidArgument)
+		}
+		st, err := blocking.Stat(ctx, m.Source)
+		if err != nil {
+			return nil, false, err
 		}
 		if st.Mode&unix.S_IFMT != unix.S_IFBLK {
 			return nil, false, fmt.Errorf("%s is not a block device", m.Source)

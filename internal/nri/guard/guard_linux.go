@@ -3,6 +3,7 @@
 package guard
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -16,6 +17,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/blocking"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/mountns"
@@ -382,12 +384,17 @@ func (g *Guard) removeStale() error {
 // the name of a target's directory and the subPath below it (both empty
 // for the guard's root, which publishes of an earlier version bound). ours
 // is false for anything not on this guard; a path bound to a dead guard
-// (Rearm has not reached it) is an error.
-func (g *Guard) Locate(path string) (name, sub string, ours bool, err error) {
-	var st unix.Stat_t
-	err = unix.Stat(path, &st)
+// (Rearm has not reached it) is an error, and so is a path whose
+// filesystem has not answered the stat by ctx's end (ErrUnavailable: a
+// pod's sshfs volume whose server hangs, say; without the answer nobody
+// can tell whether the path is on the guard).
+func (g *Guard) Locate(ctx context.Context, path string) (name, sub string, ours bool, err error) {
+	st, err := blocking.Stat(ctx, path)
 	if errors.Is(err, unix.ENOTCONN) || errors.Is(err, unix.ECONNABORTED) {
 		return "", "", false, fmt.Errorf("%s is bound to the guard of a mounter that is gone: %w", path, err)
+	}
+	if errors.Is(err, errdefs.ErrUnavailable) || errors.Is(err, errdefs.ErrResourceExhausted) {
+		return "", "", false, err
 	}
 	if err != nil || uint64(st.Dev) != g.devno { //nolint:unconvert // Dev is uint32 on some architectures
 		return "", "", false, nil // not ours to judge: the runtime reports it

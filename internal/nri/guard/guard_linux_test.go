@@ -114,11 +114,11 @@ func TestGuardLifecycle(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = mountns.Unmount(bound, true) })
 	for _, c := range []struct{ path, name, sub string }{{target, "pv", ""}, {bound, "pv", "sub/dir"}, {subPath, "pv", "sub/dir"}} {
-		if name, sub, ours, err := g.Locate(c.path); name != c.name || sub != c.sub || !ours || err != nil {
+		if name, sub, ours, err := g.Locate(context.Background(), c.path); name != c.name || sub != c.sub || !ours || err != nil {
 			t.Errorf("Locate(%s) = %q, %q, %v, %v; want %q, %q, true", c.path, name, sub, ours, err, c.name, c.sub)
 		}
 	}
-	if _, _, ours, err := g.Locate(dir); ours || err != nil {
+	if _, _, ours, err := g.Locate(context.Background(), dir); ours || err != nil {
 		t.Errorf("Locate(a plain directory) = %v, %v; want not ours", ours, err)
 	}
 
@@ -152,7 +152,7 @@ func TestGuardLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = g2.Stop() })
-	if _, _, _, err := g2.Locate(target); err == nil {
+	if _, _, _, err := g2.Locate(context.Background(), target); err == nil {
 		t.Error("Locate of a target bound to a dead guard: no error")
 	}
 	n, err := g2.Rearm(kubelet)
@@ -161,7 +161,7 @@ func TestGuardLifecycle(t *testing.T) {
 	}
 	// Each re-armed where it was: the target's directory, the subPath.
 	for _, c := range []struct{ path, sub string }{{target, ""}, {bound, "sub/dir"}} {
-		if name, sub, ours, err := g2.Locate(c.path); name != "pv" || sub != c.sub || !ours || err != nil {
+		if name, sub, ours, err := g2.Locate(context.Background(), c.path); name != "pv" || sub != c.sub || !ours || err != nil {
 			t.Errorf("Locate(%s) after Rearm = %q, %q, %v, %v; want pv, %q", c.path, name, sub, ours, err, c.sub)
 		}
 	}
@@ -296,7 +296,7 @@ func testRearmUnderSharedParent(t *testing.T, rearm bool) {
 	} else if err := bindGuard(t, state, target); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, ours, err := g2.Locate(target); !ours || err != nil {
+	if _, _, ours, err := g2.Locate(context.Background(), target); !ours || err != nil {
 		t.Fatalf("Locate(target) after the new guard came = %v, %v", ours, err)
 	}
 	if err := n.Unmount(context.Background(), publish, c); err != nil {
