@@ -73,6 +73,12 @@ const MaxMounts = 16
 // bound there), and no plan mountplan makes needs it.
 var refusedOptions = map[string]bool{"errors=panic": true, "noload": true, "norecovery": true, "rec": true}
 
+// deviceOptions name another block device for the kernel to open beside
+// the checked source, whatever their value: ext4's external journal (by
+// device number or path), xfs's log and realtime devices, btrfs's member
+// devices. The mounter checks the source it opens, never these.
+var deviceOptions = map[string]bool{"journal_dev": true, "journal_path": true, "logdev": true, "rtdev": true, "device": true}
+
 // HasPathOptions reports whether m has an option whose value is a host
 // path (overlay's lowerdir=...).
 func HasPathOptions(m Mount) bool {
@@ -197,6 +203,9 @@ func (p Policy) validateOption(o string) error {
 	}
 	if refusedOptions[o] {
 		return fmt.Errorf("option %q is never allowed: %w", o, errdefs.ErrInvalidArgument)
+	}
+	if deviceOptions[key] {
+		return fmt.Errorf("option %q would have the kernel open a device beside the checked source: %w", o, errdefs.ErrInvalidArgument)
 	}
 	if !p.AllowSuidDev && (key == "suid" || key == "dev") {
 		return fmt.Errorf("option %q is not allowed by policy: %w", o, errdefs.ErrInvalidArgument)

@@ -51,6 +51,12 @@ func TestPolicyValidate(t *testing.T) {
 		// F3: a recursive bind takes along mounts below its source that
 		// nobody checked (another volume's secrets, a host directory).
 		{"recursive bind", []Mount{{Type: TypeBind, Source: "/var/lib/mountplan/p", Options: []string{"nosuid", "nodev", "rec"}}}, false},
+		// F16: options that have the kernel open a device beside the
+		// checked source (an ext4 journal by device number has no "/").
+		{"ext4 external journal by number", []Mount{{Type: "ext4", Source: "/dev/loop0", Options: []string{"nosuid", "nodev", "journal_dev=2049"}}}, false},
+		{"ext4 external journal by path", []Mount{{Type: "ext4", Source: "/dev/loop0", Options: []string{"nosuid", "nodev", "journal_path=/dev/sda1"}}}, false},
+		{"xfs log device", []Mount{{Type: "xfs", Source: "/dev/loop0", Options: []string{"nosuid", "nodev", "logdev=/dev/sda1"}}}, false},
+		{"btrfs member device", []Mount{{Type: "btrfs", Source: "/dev/loop0", Options: []string{"nosuid", "nodev", "device=/dev/sda1"}}}, false},
 	}
 	if err := (Policy{Roots: p.Roots}).Validate([]Mount{{Type: "overlay", Source: "o", Options: safe}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("overlay with the default types = %v, want InvalidArgument", err)
