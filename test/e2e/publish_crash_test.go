@@ -2,8 +2,13 @@ package e2e
 
 import (
 	"context"
+	"encoding/binary"
+	"encoding/json"
+	"io"
+	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -18,6 +23,10 @@ import (
 // plugin records a publish, asks its mounter, and is killed with SIGKILL
 // before the answer; the mounter, stopped meanwhile (SIGSTOP: the request
 // waits in its socket), goes on once the plugin is dead and restarted.
+// The plugin asks the mounter about the target before it records the
+// publish (it does not see kubelet's directory, issue 33 F4), so the
+// mounter is stopped when the Mount itself is on its way: a proxy between
+// the two holds that request until then (holdMount).
 // Whether it then completes the mount behind the new plugin's back or
 // drops the request of a caller that is gone (internal/unixrpc cancels it),
 // the unpublish kubelet sends next must leave no mount and no target and
@@ -29,9 +38,12 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
 	testutil.NoLeaks(t)
 	e := newFuseEnv(t, "")
 	e.startMounter("")
+	proxy := filepath.Join(e.short, "proxy.sock")
+	held, release := holdMount(t, proxy, e.mounter.socket)
 	// No probes or periodic reconcile while the mounter is stopped: only
 	// the startup reconcile of the restarted plugin runs.
-	e.startPlugin("", "--v=5", "--fuse-probe-interval", "1h", "--fuse-probe-timeout", "1h", "--reconcile-interval", "1h")
+	e.startPlugin("", "--v=5", "--fuse-probe-interval", "1h", "--fuse-probe-timeout", "1h", "--reconcile-interval", "1h",
+		"--mounter-endpoint", "unix://"+proxy)
 
 	const id = "crash-publish"
 	src := filepath.Join(e.rcloneRoot, "data")
@@ -49,8 +61,22 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Stop the mounter, then publish: the plugin records the publish and
+	// Publish; once its Mount is on the way, stop the mounter and let the
+	// request into its socket: the plugin has recorded the publish and
 	// its request waits.
+	published := make(chan error, 1)
+	go func() {
+		_, err := e.node.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: id,
+			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: mountCap("", rwo)})
+		published <- err
+	}()
+	select {
+	case <-held:
+	case err := <-published:
+		t.Fatalf("the publish answered (%v) before its Mount reached the mounter", err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the publish never asks the mounter to mount")
+	}
 	mounter := e.mounter.pid()
 	if err := syscall.Kill(mounter, syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
@@ -61,14 +87,9 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
 			_ = syscall.Kill(mounter, syscall.SIGCONT)
 		}
 	}()
-	published := make(chan error, 1)
-	go func() {
-		_, err := e.node.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: id,
-			StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: mountCap("", rwo)})
-		published <- err
-	}()
-	if !testutil.Poll(20*time.Second, 10*time.Millisecond, func() bool { v, err := e.record(id); return err == nil && len(v.Publishes) == 1 }) {
-		t.Fatal("the publish is never recorded before the mounter answers")
+	release()
+	if v, err := e.record(id); err != nil || len(v.Publishes) != 1 {
+		t.Fatalf("the publish is not recorded before the mounter answers: %+v, %v", v, err)
 	}
 
 	// The plugin dies while its request waits, and comes back once the
@@ -108,4 +129,68 @@ func TestPublishSurvivesPluginCrashDuringMount(t *testing.T) {
 	}
 	e.unstage(id)
 	e.checkClean(id)
+}
+
+// holdMount serves a proxy of the mounter's socket at proxy: it passes
+// every call through, unchanged, but the first Mount request, which it
+// holds until the test calls release (held says it is there), then
+// passes on and returns. Descriptors (SCM_RIGHTS) do not pass: the FUSE
+// volume of this test sends none.
+func holdMount(t *testing.T, proxy, mounter string) (held <-chan struct{}, release func()) {
+	t.Helper()
+	l, err := net.Listen("unix", proxy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	heldc, releasec, forwarded := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			m, err := net.Dial("unix", mounter)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			go func() { _, _ = io.Copy(c, m); c.Close() }()
+			go func() {
+				defer m.Close()
+				for {
+					var hdr [4]byte
+					if _, err := io.ReadFull(c, hdr[:]); err != nil {
+						return
+					}
+					body := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+					if _, err := io.ReadFull(c, body); err != nil {
+						return
+					}
+					var req struct {
+						Method string `json:"m"`
+					}
+					first := false
+					if json.Unmarshal(body, &req) == nil && req.Method == "Mount" {
+						once.Do(func() { first = true; close(heldc); <-releasec })
+					}
+					if _, err := m.Write(append(hdr[:], body...)); err != nil {
+						return
+					}
+					if first {
+						close(forwarded)
+					}
+				}
+			}()
+		}
+	}()
+	return heldc, func() {
+		close(releasec)
+		select {
+		case <-forwarded:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the held Mount request was never passed on")
+		}
+	}
 }
