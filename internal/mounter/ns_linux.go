@@ -62,7 +62,10 @@ func (n *Local) LiveNamespaces(_ context.Context, cs []plan.Consumer) ([]bool, e
 // StatFS measures the filesystem at c's mount point as c's namespace sees
 // it, never leaving the namespace's root whatever symlinks are in it; the
 // namespace must still be the one c names. A filesystem that does not
-// answer (a hung FUSE daemon) ends it at ctx's deadline, or statFSTimeout.
+// answer (a hung FUSE daemon) ends it at ctx's deadline, or statFSTimeout;
+// the StatFS calls of one consumer's mount point meanwhile (kubelet asks
+// every minute) share the one under way (blocking.Shared), which holds a
+// slot of the process's blocking calls until the kernel returns.
 func (n *Local) StatFS(ctx context.Context, c plan.Consumer) (fsutil.Usage, error) {
 	if err := c.Validate(); err != nil {
 		return fsutil.Usage{}, err
@@ -84,7 +87,8 @@ func (n *Local) StatFS(ctx context.Context, c plan.Consumer) (fsutil.Usage, erro
 	}
 	ctx, cancel := context.WithTimeout(ctx, statFSTimeout)
 	defer cancel()
-	return blocking.Call(ctx, fmt.Sprintf("statfs of %s in pid %d's namespace", c.MountPoint, c.PID), func() (fsutil.Usage, error) {
+	key := fmt.Sprintf("statfs\x00%d\x00%s\x00%s", c.PID, c.Namespace, c.MountPoint)
+	return blocking.Shared(ctx, key, fmt.Sprintf("statfs of %s in pid %d's namespace", c.MountPoint, c.PID), func() (fsutil.Usage, error) {
 		return statFSIn(c)
 	})
 }
@@ -109,10 +113,12 @@ func statFSIn(c plan.Consumer) (fsutil.Usage, error) {
 // statFSTimeout bounds a StatFS whose caller set no earlier deadline.
 const statFSTimeout = 30 * time.Second
 
-// untilDone is blocking.Call under the name StatTarget (targets_linux.go)
-// still calls it by; once that calls blocking.Call, delete it.
+// untilDone is blocking.Shared keyed by what, under the name StatTarget
+// (targets_linux.go) still calls it by: its what ("statfs of target "
+// and the path) names the call completely. Once StatTarget calls
+// blocking.Shared itself, delete this.
 func untilDone[T any](ctx context.Context, what string, fn func() (T, error)) (T, error) {
-	return blocking.Call(ctx, what, fn)
+	return blocking.Shared(ctx, what, what, fn)
 }
 
 // MakeDeviceNode creates at target, below kubelet's directory without
