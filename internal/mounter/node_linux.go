@@ -74,6 +74,9 @@ func NewNode(ctx context.Context, o Options) (*Local, error) {
 		return nil, fmt.Errorf("mounter: state dir: %w", err)
 	}
 	n := &Local{opts: o, state: state, spawner: o.Spawner}
+	if !o.Observe {
+		n.claimOwnDirs(ctx)
+	}
 	if n.spawner == nil {
 		n.spawner = daemon.LocalSpawner{}
 	}
@@ -158,6 +161,32 @@ func (n *Local) volumeDir(kind, id string) (string, error) {
 // (Executor.UnmountAll).
 func (n *Local) UnmountAll(ctx context.Context, c plan.Consumer) error {
 	return n.exec.UnmountAll(ctx, c)
+}
+
+// claimOwnDirs makes the mounter's directories of the state dir (fuse/,
+// nri/) its own at start, before the plugin, which can create entries in
+// the state dir, could make one first and plant a volume's work/ below it
+// for a daemon to follow (review of b705b24, F17). A directory someone
+// else made is taken over and said so; one that cannot be made (a symlink
+// planted there) is said so too, and every later use of it is refused as
+// before. A node without CAP_CHOWN is a plugin's own mounter (see
+// protectStateDir): nothing to keep from it.
+func (n *Local) claimOwnDirs(ctx context.Context) {
+	owner := &daemon.User{UID: fsutil.MounterUID, GID: fsutil.MounterGID}
+	for _, name := range []string{"fuse", "nri"} {
+		dir := filepath.Join(n.opts.StateDir, name)
+		var st unix.Stat_t
+		if err := unix.Lstat(dir, &st); err == nil && st.Uid != fsutil.MounterUID && os.Geteuid() == 0 {
+			klog.FromContext(ctx).Error(nil, "A directory of the mounter's in the state dir was made by someone else; taking it over (check what is in it)", "dir", dir, "uid", st.Uid)
+		}
+		err := n.makeDir(dir, 0o755, owner)
+		if errors.Is(err, fs.ErrPermission) { // chown without CAP_CHOWN
+			return
+		}
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Cannot make a directory of the mounter's in the state dir", "dir", dir)
+		}
+	}
 }
 
 // protectStateDir gives the state dir to fsutil.MounterUID, sticky and
