@@ -16,6 +16,7 @@ import (
 	"github.com/mountplan/mountplan/internal/journal"
 	"github.com/mountplan/mountplan/internal/keylock"
 	"github.com/mountplan/mountplan/internal/mountns"
+	nriguard "github.com/mountplan/mountplan/internal/nri/guard"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -461,6 +462,12 @@ func (v *voucher) of(i int) func(*os.File) bool {
 		return nil
 	}
 	m := v.mounts[i]
+	if v.had && nriguard.IsSource(m.Source) {
+		// Whatever guard is on top where the mounter bound one (isOurs saw
+		// a guard there) is the mounter's: a restarted mounter serves a
+		// new guard and re-arms the targets of the dead one on top of it.
+		return func(*os.File) bool { return true }
+	}
 	return func(t *os.File) bool {
 		if j := v.rec.find(m.Target); v.had && j >= 0 {
 			if dev, ino, ok := rootOf(t); ok && dev == v.rec.Mounts[j].Dev && ino == v.rec.Mounts[j].Ino {
