@@ -17,6 +17,7 @@ import (
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/mountns"
+	"github.com/mountplan/mountplan/internal/peer"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 )
 
@@ -161,7 +162,14 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	defer stopRegistration()
-	err = service.Serve(ctx, l, node)
+	s := service.NewServer(logger, node)
+	// With the plugin's socket at hand, only the plugin's processes are
+	// served, not any process of its uid (internal/peer).
+	if p, err := endpoint.Path(hf.pluginEndpoint); err == nil && hf.pluginEndpoint != "" {
+		s.AllowPeer = peer.NewPlugin(p).Allow
+		logger.Info("Serving the plugin's processes only", "pluginSocket", p)
+	}
+	err = s.Serve(ctx, l)
 	logger.Info("Stopped", "err", err)
 	return err
 }

@@ -24,7 +24,7 @@ func addNRIFlags(fs *flag.FlagSet) *nriFlags {
 	f := &nriFlags{}
 	fs.BoolVar(&f.enabled, "nri", false, "register with the container runtime as an NRI plugin, which gives containers the volumes published in NRI mode")
 	fs.StringVar(&f.socket, "nri-socket", "/var/run/nri/nri.sock", "the runtime's NRI socket")
-	fs.StringVar(&f.pluginEndpoint, "plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required with --nri)")
+	fs.StringVar(&f.pluginEndpoint, "plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required with --nri or --registration-socket); when set, the mounter serves only callers in the mount namespace of the process that listens on it")
 	fs.DurationVar(&f.timeout, "nri-timeout", 0,
 		"how long the hook may work on a container's creation or start before it fails it; 0: three quarters of the runtime's plugin request timeout "+
 			"(containerd's plugin_request_timeout, 2s by default), as the runtime says at registration. Keep it below the runtime's, "+

@@ -54,6 +54,10 @@ type Server struct {
 	// connection between calls has no deadline: it is the client's pool.
 	// Set before Serve.
 	FrameTimeout time.Duration
+	// AllowPeer, when set, must also accept a caller's process (its PID
+	// as the server's PID namespace sees it, from SO_PEERCRED at accept):
+	// who the caller is beyond its uid. Set before Serve.
+	AllowPeer func(pid int) error
 
 	deadlines deadlines
 	wg        sync.WaitGroup
@@ -194,9 +198,20 @@ func (s *Server) serveConn(ctx context.Context, cn *conn) {
 		cn.h.remove(cn)
 		c.Close()
 	}()
-	if uid, err := peerUID(c); err != nil || uid != s.allowUID {
+	cred, err := peerCred(c)
+	if err != nil || cred.Uid != s.allowUID {
+		var uid any
+		if cred != nil {
+			uid = cred.Uid
+		}
 		s.log.Error(err, "Refusing a caller of another user", "uid", uid, "allowed", s.allowUID)
 		return
+	}
+	if s.AllowPeer != nil {
+		if err := s.AllowPeer(int(cred.Pid)); err != nil {
+			s.log.Error(err, "Refusing a caller", "pid", cred.Pid)
+			return
+		}
 	}
 	r := newReader()
 	r.frameTimeout = s.FrameTimeout

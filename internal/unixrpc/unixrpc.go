@@ -249,23 +249,41 @@ func closeFiles(files []*os.File) {
 	}
 }
 
-// peerUID returns the user ID of the process at the other end of c.
-func peerUID(c *net.UnixConn) (uint32, error) {
+// peerCred is the peer's credentials (SO_PEERCRED): for an accepted
+// connection its process at connect(2), for a dialed one the process that
+// called listen(2); the PID as the caller's PID namespace sees it.
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	var cred *unix.Ucred
 	var cerr error
 	if err := raw.Control(func(fd uintptr) {
 		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
 	}); err != nil {
-		return 0, err
+		return nil, err
 	}
 	if cerr != nil {
-		return 0, os.NewSyscallError("getsockopt(SO_PEERCRED)", cerr)
+		return nil, os.NewSyscallError("getsockopt(SO_PEERCRED)", cerr)
 	}
-	return cred.Uid, nil
+	return cred, nil
+}
+
+// ListenerPID returns the PID of the process that listens on the unix
+// socket at path, from a connection to it that sends nothing and is closed
+// at once: who serves a socket, as the kernel says, not as anyone claims.
+func ListenerPID(path string) (int, error) {
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return 0, err
+	}
+	defer c.Close()
+	cred, err := peerCred(c)
+	if err != nil {
+		return 0, err
+	}
+	return int(cred.Pid), nil
 }
 
 // brokenPipe reports whether a write failed because the peer is gone: a
