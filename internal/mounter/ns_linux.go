@@ -113,14 +113,6 @@ func statFSIn(c plan.Consumer) (fsutil.Usage, error) {
 // statFSTimeout bounds a StatFS whose caller set no earlier deadline.
 const statFSTimeout = 30 * time.Second
 
-// untilDone is blocking.Shared keyed by what, under the name StatTarget
-// (targets_linux.go) still calls it by: its what ("statfs of target "
-// and the path) names the call completely. Once StatTarget calls
-// blocking.Shared itself, delete this.
-func untilDone[T any](ctx context.Context, what string, fn func() (T, error)) (T, error) {
-	return blocking.Shared(ctx, what, what, fn)
-}
-
 // MakeDeviceNode creates at target, below kubelet's directory without
 // following a symlink (missing parents made as MakeTarget makes them), a
 // block device node of dev, a device the mounter set up: kubelet and the

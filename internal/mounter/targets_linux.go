@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/blocking"
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/fsutil"
 	"github.com/mountplan/mountplan/internal/mountns"
@@ -166,7 +167,10 @@ func (n *Local) RemoveTarget(_ context.Context, p string) error {
 func (n *Local) StatTarget(ctx context.Context, p string) (fsutil.Usage, error) {
 	ctx, cancel := context.WithTimeout(ctx, statFSTimeout)
 	defer cancel()
-	return untilDone(ctx, "statfs of target "+p, func() (fsutil.Usage, error) {
+	// Keyed by the path: kubelet asks for a hung volume's stats every
+	// minute, and its retries share the one call under way.
+	what := "statfs of target " + p
+	return blocking.Shared(ctx, what, what, func() (fsutil.Usage, error) {
 		root, err := n.kubeletTree(p)
 		if err != nil {
 			return fsutil.Usage{}, err
