@@ -18,6 +18,7 @@ import (
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/peer"
+	"github.com/mountplan/mountplan/internal/periodic"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 )
 
@@ -162,6 +163,18 @@ func runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	defer stopRegistration()
+	// Records of consumer namespaces that are gone (a container whose stop
+	// the hook did not see, an admin's consumer that exited) go now and then.
+	pctx, stopPrune := context.WithCancel(ctx)
+	pruned := make(chan struct{})
+	go func() {
+		defer close(pruned)
+		periodic.Every(pctx, pruneEvery, func(ctx context.Context) bool {
+			node.Prune(ctx)
+			return true
+		})
+	}()
+	defer func() { stopPrune(); <-pruned }() // before node.Close, deferred earlier
 	s := service.NewServer(logger, node)
 	// With the plugin's socket at hand, only the plugin's processes are
 	// served, not any process of its uid (internal/peer).
@@ -173,6 +186,10 @@ func runServe(ctx context.Context, args []string) error {
 	logger.Info("Stopped", "err", err)
 	return err
 }
+
+// pruneEvery is how often serve drops the records of consumer namespaces
+// that are gone: each costs a look through /proc.
+const pruneEvery = time.Minute
 
 // raiseFileLimit makes room for one open file per loop device the mounter
 // holds (internal/fdlimit) and says how much room there is.

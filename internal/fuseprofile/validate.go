@@ -59,9 +59,6 @@ func (p *Profile) validate() error {
 	if err != nil {
 		return err
 	}
-	if err := p.validateSecretsOwner(); err != nil {
-		return err
-	}
 	if err := p.validateOptions(); err != nil {
 		return err
 	}
@@ -198,20 +195,16 @@ func (p *Profile) validateSecrets() (map[string]Secret, error) {
 	return byName, nil
 }
 
-// validateSecretsOwner refuses a profile that takes secrets and runs its
+// SecretsReadableByRoot reports whether p takes secrets and runs its
 // daemon as root (no runAs, or uid or gid 0): the secrets' files then
-// belong to root, and the plugin, root in its container, could read them
-// wherever it reaches them (issue 33, F3). A daemon of its own user owns
-// its secrets (mode 0600 in a 0700 tmpfs), which root without
-// CAP_DAC_OVERRIDE cannot read.
-func (p *Profile) validateSecretsOwner() error {
-	if len(p.Secrets) == 0 {
-		return nil
-	}
-	if p.RunAs == nil || p.RunAs.UID == 0 || p.RunAs.GID == 0 {
-		return invalidf("a profile that takes secrets must run its daemon as a user other than root: set runAs to a uid and gid other than 0 (e.g. runAs: {uid: 65534, gid: 65534}), and give that user access to the profile's sources")
-	}
-	return nil
+// belong to root, and the plugin, root in its container, can read them
+// where it reaches them (review of b705b24, F3). A daemon of its own user
+// owns its secrets (mode 0600 in a 0700 tmpfs), which root without
+// CAP_DAC_OVERRIDE cannot read. Not refused: a daemon that mounts through
+// fusermount as another user needs user_allow_other in the image's
+// /etc/fuse.conf for allow_other (rclone does); the mounter warns instead.
+func (p *Profile) SecretsReadableByRoot() bool {
+	return len(p.Secrets) > 0 && (p.RunAs == nil || p.RunAs.UID == 0 || p.RunAs.GID == 0)
 }
 
 func (p *Profile) validateOptions() error {

@@ -158,6 +158,57 @@ func (n *Local) Attribute(ctx context.Context, pid int, by, container string) (p
 	return id, nil
 }
 
+// Forget drops what the mounter recorded of a container's namespace once
+// the runtime says the container is gone (the NRI hook, at its stop or
+// removal): the namespace record and the mount points in it. Records of a
+// namespace nobody said is gone go with it at the next Prune.
+func (n *Local) Forget(ctx context.Context, container string) error {
+	if n.exec.attrib == nil || container == "" {
+		return nil
+	}
+	return n.exec.attrib.forgetContainer(ctx, container)
+}
+
+// Prune drops the records of namespaces no process is left in (and of
+// another boot). mountplan-sidecar serve calls it now and then: a
+// container the hook never heard stop, an admin's consumer that exited.
+func (n *Local) Prune(ctx context.Context) {
+	if n.exec.attrib != nil {
+		n.exec.attrib.prune(ctx)
+	}
+}
+
+func (a *attribution) forgetContainer(ctx context.Context, container string) error {
+	nss, err := a.nsDB.List()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for key, rec := range nss {
+		if rec.Container != container {
+			continue
+		}
+		errs = append(errs, a.forgetMountPointsIn(rec.Namespace), a.nsDB.Delete(key))
+		klog.FromContext(ctx).V(2).Info("Consumer namespace forgotten", "container", container, "mntNS", rec.Namespace)
+	}
+	return errors.Join(errs...)
+}
+
+// forgetMountPointsIn drops the mount point records of namespace ns.
+func (a *attribution) forgetMountPointsIn(ns plan.Namespace) error {
+	mps, err := a.mpDB.List()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for key, rec := range mps {
+		if rec.Namespace == ns {
+			errs = append(errs, a.mpDB.Delete(key))
+		}
+	}
+	return errors.Join(errs...)
+}
+
 func (a *attribution) attribute(ctx context.Context, rec nsRecord) error {
 	rec.Boot = a.boot
 	key := nsKey(rec.Namespace)

@@ -129,6 +129,14 @@ func (n *Local) fuseLayout(id string) (fuseLayout, error) {
 // a volume's record stays (its directory and secrets do) for the next
 // start. One that observes only reads them.
 func (n *Local) initDaemons(ctx context.Context) error {
+	if !n.opts.Observe {
+		for _, p := range n.opts.Config.FuseProfiles {
+			if p.SecretsReadableByRoot() {
+				klog.FromContext(ctx).Info("WARNING: a FUSE profile takes secrets and runs its daemon as root: the plugin, root in its container, can read them; give the profile a runAs user other than root",
+					"profile", p.Name)
+			}
+		}
+	}
 	d := &n.daemons
 	d.vols = map[string]volumeDaemons{}
 	real, err := filepath.EvalSymlinks(n.opts.StateDir)

@@ -200,6 +200,8 @@ func NewHook(volumes Volumes, m mounter.Interface, stateDir, kubeletDir string) 
 // runtime's word (mounter.Local.Attribute).
 type Attributor interface {
 	Attribute(ctx context.Context, pid int, by, container string) (plan.Namespace, error)
+	// Forget drops what was recorded of a container that is gone.
+	Forget(ctx context.Context, container string) error
 }
 
 // attribute tells the mounter that c's process is the runtime's container.
@@ -579,6 +581,11 @@ func (h *Hook) releaseLater(ctx context.Context, containerID string, claims []Cl
 			if err != nil {
 				klog.FromContext(ctx).Error(err, "Releasing a container's claim; the plugin's reconciler or the hook's next registration will",
 					"container", containerID, "volume", c.VolumeID)
+			}
+		}
+		if h.Attributor != nil {
+			if err := h.Attributor.Forget(ctx, containerID); err != nil {
+				klog.FromContext(ctx).Error(err, "Forgetting a container's namespace; the mounter's next prune will", "container", containerID)
 			}
 		}
 	})

@@ -84,8 +84,6 @@ config:
     args: [mount, "{source}", "{mountpoint}", --config, "{secret:rcloneConf}", --cache-dir, "{workdir}", --allow-other, "{options}"]
     source: {pattern: '[a-z]+:[A-Za-z0-9/._-]*'}
     secrets: [{name: rcloneConf}]
-    # A profile that takes secrets runs as a user of its own (issue 33, F3).
-    runAs: {uid: 65534, gid: 65534}
     readyTimeout: 20s
 `, r("kubelet"), r("state"), e.imageRepo, e.tag, r("srv/images"), r("srv/fuse"), e.rollout, metricsPort)
 }

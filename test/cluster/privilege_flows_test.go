@@ -194,9 +194,16 @@ func pluginRegistration(t *testing.T, e *env, in func(cmd ...string) (string, er
 func pluginSeesNoPodFiles(t *testing.T, e *env, in func(cmd ...string) (string, error)) {
 	t.Helper()
 	kubelet := e.c.cfg.path("kubelet")
-	tokens, err := filepath.Glob(filepath.Join(kubelet, "pods", "*", "volumes", "kubernetes.io~projected", "*", "token"))
-	if err != nil || len(tokens) == 0 {
+	// The tokens are on tmpfs mounts kubelet made in the node's mount
+	// namespace: looked for there, named as the node sees them.
+	view := fmt.Sprintf("/proc/%d/root", e.c.nodePID())
+	found, err := filepath.Glob(filepath.Join(view, kubelet, "pods", "*", "volumes", "kubernetes.io~projected", "*", "token"))
+	if err != nil || len(found) == 0 {
 		t.Errorf("no pod's ServiceAccount token on the node under %s/pods to look for: %v", kubelet, err)
+	}
+	var tokens []string
+	for _, p := range found {
+		tokens = append(tokens, strings.TrimPrefix(p, view))
 	}
 	for _, p := range append([]string{filepath.Join(kubelet, "pods"), filepath.Join(kubelet, "plugins", "kubernetes.io", "csi")}, tokens...) {
 		if out, err := in("ls", "-d", p); err == nil {
