@@ -38,6 +38,7 @@ var flows = []flow{
 	{name: "CapacityAcrossNodes", run: capacityAcrossNodes},           // nodes_flows_test.go
 	{name: "SnapshotsStayOnTheirNode", run: snapshotsStayOnTheirNode}, // nodes_flows_test.go
 	{name: "PluginUnprivileged", run: pluginUnprivileged},
+	{name: "CompromisedPlugin", run: compromisedPlugin},
 	{name: "PodRecreated", run: podRecreated},
 	{name: "TwoPodsRWO_RWOPRefused", run: twoPodsRWO},
 	{name: "SnapshotRestoreClone", run: snapshotRestoreClone},

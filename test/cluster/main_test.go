@@ -15,5 +15,8 @@ func TestMain(m *testing.M) {
 	if os.Getenv(nodeEnv) != "" {
 		os.Exit(nodeMain())
 	}
+	if spec := os.Getenv(attackEnv); spec != "" {
+		os.Exit(attackMain(spec))
+	}
 	os.Exit(m.Run())
 }
