@@ -61,7 +61,7 @@ func attackMain(raw string) int {
 		c.Mount(ctx, bind("rec"), plan.Consumer{PID: s.KubeletPID, MountPoint: "/run/mountplan-attack"}))
 	report("F6 unmount of a pod's token tmpfs",
 		c.Unmount(ctx, []plan.Mount{{Type: "tmpfs", Source: "tmpfs"}}, plan.Consumer{MountPoint: s.TokenDir}))
-	_, err := c.StatFS(ctx, plan.Consumer{PID: s.KubeletPID, MountPoint: "/"})
+	_, err := c.StatFS(ctx, plan.Consumer{PID: s.KubeletPID, MountPoint: "/etc"})
 	report("F1 statfs in kubelet's namespace", err)
 	_ = os.RemoveAll(src)
 	return 0
