@@ -2,8 +2,10 @@ package mounter
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -247,6 +249,8 @@ func (a *attribution) admitIdentity(c plan.Consumer, id plan.Namespace) error {
 	rec, err := a.nsDB.Get(nsKey(id))
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
+	case torn(err):
+		_ = a.nsDB.Delete(nsKey(id))
 	case err != nil:
 		return err
 	case rec.Boot == a.boot && rec.Namespace.Matches(id):
@@ -263,6 +267,8 @@ func (a *attribution) made(ns plan.Namespace, mountPoint string) (mountPointReco
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
 		return rec, false, nil
+	case torn(err):
+		return mountPointRecord{}, false, a.mpDB.Delete(mountPointKey(ns, mountPoint))
 	case err != nil:
 		return rec, false, err
 	}
@@ -377,6 +383,15 @@ func (a *attribution) prune(ctx context.Context) {
 	if err := errors.Join(errs...); err != nil {
 		klog.FromContext(ctx).Error(err, "Some records of consumer namespaces and mount points could not be pruned")
 	}
+}
+
+// torn reports whether a record could not be decoded: a write without
+// fsync torn by a machine crash (the records describe a boot's namespaces
+// and mounts, and need none), so of an ended boot, and as good as absent.
+func torn(err error) bool {
+	var syntax *json.SyntaxError
+	var typ *json.UnmarshalTypeError
+	return errors.As(err, &syntax) || errors.As(err, &typ) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // rootOf is the device and inode of the root of the mount on top at the

@@ -4,10 +4,14 @@ package mounter_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mountns/mountnstest"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -88,5 +92,46 @@ func exitingNamespace(t *testing.T) (int, func()) {
 		}
 		_ = p.Kill()
 		_, _ = p.Wait()
+	}
+}
+
+// TestTornRecords: a record a machine crash tore (written without fsync:
+// it describes a boot's namespaces and mounts only, gone with it) is as
+// good as absent in the next boot, never an error that stops a Mount there
+// (make test-vm's hard reset left one, and the next publish failed). In
+// the boot it describes it vouches for nothing: the mount stays.
+func TestTornRecords(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	dir := mountnstest.Scratch(t)
+	recs := filepath.Join(dir, "records")
+	kubelet := filepath.Join(dir, "kubelet")
+	if err := os.MkdirAll(kubelet, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	n := node(t, mounter.Options{StateDir: filepath.Join(dir, "state"), KubeletDir: kubelet, RecordsDir: recs, Attributed: true})
+	ctx := context.Background()
+	tmpfs := []plan.Mount{{Type: "tmpfs", Source: "mp-torn", Options: []string{"nosuid", "nodev"}}}
+	c := plan.Consumer{MountPoint: filepath.Join(kubelet, "pods", "p", "mount")}
+	if err := n.Mount(ctx, tmpfs, c); err != nil {
+		t.Fatal(err)
+	}
+	// What a crash mid-write leaves: the record's first bytes.
+	for _, p := range records(t, recs) {
+		if err := os.WriteFile(p, []byte(`{"namespace":{"nsIn`), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := n.Unmount(ctx, tmpfs, c); !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Errorf("Unmount of a tmpfs whose record is torn = %v, want PermissionDenied (nothing vouches for it)", err)
+	}
+	// The reboot: the mount is gone, the torn record stays.
+	if err := unix.Unmount(c.MountPoint, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Mount(ctx, tmpfs, c); err != nil {
+		t.Fatalf("Mount where a torn record lies: %v", err)
+	}
+	if err := n.Unmount(ctx, tmpfs, c); err != nil {
+		t.Errorf("Unmount of that mount: %v", err)
 	}
 }
