@@ -10,6 +10,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mounter"
 )
 
 // kubeletDir confines the staging and target paths a CO sends to kubelet's
@@ -80,13 +81,30 @@ func (d *Driver) checkStaged(ctx context.Context, id, stagingPath string, vc *cs
 // (the mounter looks). Missing directories are fine: kubelet makes a
 // staging path's parents lazily.
 func (d *Driver) checkPath(ctx context.Context, name, p string) error {
+	_, err := d.pathState(ctx, name, p)
+	return err
+}
+
+// pathState is checkPath that also returns what the mounter saw at p.
+func (d *Driver) pathState(ctx context.Context, name, p string) (mounter.Target, error) {
 	if _, err := d.kubelet.rel(name, p); err != nil {
-		return err
+		return mounter.Target{}, err
 	}
-	if _, err := d.node.TargetState(ctx, p); err != nil {
-		return fmt.Errorf("%s: %w", name, err)
+	st, err := d.node.TargetState(ctx, p)
+	if err != nil {
+		return st, fmt.Errorf("%s: %w", name, err)
 	}
-	return nil
+	return st, nil
+}
+
+// targetState is what the mounter sees at a publish's target: the state
+// its request was checked with when there is one (capability.target),
+// else asked now.
+func (d *Driver) targetState(ctx context.Context, c capability, target string) (mounter.Target, error) {
+	if c.target != nil {
+		return *c.target, nil
+	}
+	return d.pathState(ctx, "target_path", target)
 }
 
 // isMountPoint reports whether p, a path below kubelet's directory, is a

@@ -176,7 +176,12 @@ func (d *Driver) saveOrForget(v *model.Volume) error {
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := d.checkVolumePath(ctx, id, "staging_target_path", req.GetStagingTargetPath()); err != nil {
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	// Unstage never opens the staging path (nor did the stage, which
+	// walked it): its form is checked, a walk of it is not.
+	if _, err := d.kubelet.rel("staging_target_path", req.GetStagingTargetPath()); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.records.Locked(id, "NodeUnstageVolume")
@@ -229,13 +234,18 @@ func (d *Driver) unstage(ctx context.Context, v *model.Volume) error {
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
 	id := req.GetVolumeId()
-	if err := d.checkVolumePath(ctx, id, "target_path", req.GetTargetPath()); err != nil {
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	st, err := d.pathState(ctx, "target_path", req.GetTargetPath())
+	if err != nil {
 		return nil, err
 	}
 	c, err := checkCapability(req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}
+	c.target = &st
 	if c.nri, err = parseNRI(req.GetVolumeContext()); err != nil {
 		return nil, err
 	}
@@ -294,8 +304,8 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 		if prev.ReadOnly != readOnly {
 			return fmt.Errorf("volume %s is already published at %s with readonly=%t: %w", v.ID, target, prev.ReadOnly, errdefs.ErrAlreadyExists)
 		}
-		if d.isMountPoint(ctx, target) {
-			return nil
+		if st, err := d.targetState(ctx, c, target); err != nil || st.Mounted {
+			return err
 		}
 	}
 	mounts, err := d.planFor(v, source.PlanRequest{Block: c.block, ReadOnly: readOnly, MountFlags: c.mountFlags})
@@ -308,9 +318,9 @@ func (d *Driver) publish(ctx context.Context, v *model.Volume, target string, c 
 	// Recorded before the target is made: a crash between making it and
 	// recording that the plugin made it would leave a target that no
 	// unpublish removes.
-	st, err := d.node.TargetState(ctx, target)
+	st, err := d.targetState(ctx, c, target)
 	if err != nil {
-		return fmt.Errorf("target_path: %w", err)
+		return err
 	}
 	rec := model.Publish{TargetPath: target, ReadOnly: readOnly, Mounts: mounts, CreatedTarget: !st.Exists || (prev != nil && prev.CreatedTarget), Asked: time.Now().UTC(), SingleWriter: c.singleWriter, Pod: c.pod}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
@@ -464,13 +474,18 @@ func (d *Driver) unpublish(ctx context.Context, v *model.Volume, target string) 
 	if err := d.unmountTarget(ctx, p.Mounts, target); err != nil {
 		return err
 	}
-	if d.isMountPoint(ctx, target) {
-		return fmt.Errorf("volume %s: a mount that is not its own sits on top at %s: %w", v.ID, target, errdefs.ErrFailedPrecondition)
-	}
+	onTop := fmt.Errorf("volume %s: a mount that is not its own sits on top at %s: %w", v.ID, target, errdefs.ErrFailedPrecondition)
 	if p.CreatedTarget {
-		if err := d.node.RemoveTarget(ctx, target); err != nil {
+		// The kernel refuses to remove a mount point (EBUSY:
+		// FailedPrecondition), which tells what a look would, a round
+		// trip to the mounter less.
+		if err := d.node.RemoveTarget(ctx, target); errors.Is(err, errdefs.ErrFailedPrecondition) {
+			return errors.Join(onTop, err)
+		} else if err != nil {
 			return err
 		}
+	} else if d.isMountPoint(ctx, target) {
+		return onTop
 	}
 	v.Publishes = slices.DeleteFunc(v.Publishes, func(p model.Publish) bool { return p.TargetPath == target })
 	if v.Kind == model.KindEphemeral {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/model"
+	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -71,6 +72,11 @@ type capability struct {
 	// mountGroup is volume_mount_group (kubelet's fsGroup), when set.
 	mountGroup    uint32
 	mountGroupSet bool
+	// target is what the mounter saw at the publish's target_path when
+	// the request was checked (publish only): the publish acts on it
+	// under the volume's lock instead of asking again, a round trip to
+	// the mounter less. Nil: not asked yet.
+	target *mounter.Target
 }
 
 func checkCapability(c *csi.VolumeCapability) (capability, error) {
