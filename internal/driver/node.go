@@ -418,13 +418,24 @@ func (d *Driver) destroyEphemeral(ctx context.Context, v *model.Volume) error {
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	if err := d.checkVolumePath(ctx, id, "target_path", target); err != nil {
+	if err := requireVolumeID(id); err != nil {
+		return nil, err
+	}
+	if _, err := d.kubelet.rel("target_path", target); err != nil {
 		return nil, err
 	}
 	v, unlock, err := d.records.Locked(id, "NodeUnpublishVolume")
 	defer unlock()
 	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return nil, err
+	}
+	// A target this volume is recorded as published at was walked by that
+	// publish; any other is walked now (the mounter looks), before
+	// anything is asked about it.
+	if v == nil || findPublish(v, target) == nil {
+		if err := d.checkPath(ctx, "target_path", target); err != nil {
+			return nil, err
+		}
 	}
 	if rebootedPublish(v, target) && findPublish(v, target) == nil && !d.isMountPoint(ctx, target) {
 		return &csi.NodeUnpublishVolumeResponse{}, d.unpublishRebooted(ctx, v, target)
