@@ -36,6 +36,11 @@ import (
 	"github.com/mountplan/mountplan/internal/model"
 )
 
+// ErrCorrupt is in the error of a record that does not decode: a runtime
+// write (no fsync) torn by a machine crash, when no durable copy stands in.
+// Such a record describes an ended boot.
+var ErrCorrupt = errors.New("record is corrupt")
+
 // Durability says what a write must survive.
 type Durability int
 
@@ -136,7 +141,7 @@ func readRecord[T any](path string) (*T, error) {
 	}
 	v := new(T)
 	if err := json.Unmarshal(b, v); err != nil {
-		return nil, fmt.Errorf("%s is corrupt: %w", filepath.Base(path), err)
+		return nil, fmt.Errorf("%s is corrupt: %w: %w", filepath.Base(path), ErrCorrupt, err)
 	}
 	return v, nil
 }

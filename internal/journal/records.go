@@ -48,6 +48,9 @@ func (r *Records[T]) Get(key string) (T, error) {
 	return *v, nil
 }
 
+// Keys lists the records' keys, reading none of them.
+func (r *Records[T]) Keys() ([]string, error) { return r.store.Keys() }
+
 // Delete removes key's record; none is no error.
 func (r *Records[T]) Delete(key string) error { return r.store.Delete(key, r.d) }
 

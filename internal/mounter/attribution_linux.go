@@ -2,14 +2,13 @@ package mounter
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -127,8 +126,10 @@ func nsKey(ns plan.Namespace) string {
 	return "ino-" + strconv.FormatUint(ns.Inode, 10)
 }
 
+// mountPointKey names a mount point's record: its namespace's key first,
+// so that a namespace's records are found by their names alone.
 func mountPointKey(ns plan.Namespace, mountPoint string) string {
-	return pathKey(nsKey(ns) + "\x00" + mountPoint)
+	return nsKey(ns) + "." + pathKey(mountPoint)
 }
 
 // Attribute records pid's mount namespace as one the mounter may enter, by
@@ -196,15 +197,16 @@ func (a *attribution) forgetContainer(ctx context.Context, container string) err
 	return errors.Join(errs...)
 }
 
-// forgetMountPointsIn drops the mount point records of namespace ns.
+// forgetMountPointsIn drops the mount point records of namespace ns, found
+// by name (mountPointKey), none of them read.
 func (a *attribution) forgetMountPointsIn(ns plan.Namespace) error {
-	mps, err := a.mpDB.List()
+	keys, err := a.mpDB.Keys()
 	if err != nil {
 		return err
 	}
 	var errs []error
-	for key, rec := range mps {
-		if rec.Namespace == ns {
+	for _, key := range keys {
+		if strings.HasPrefix(key, nsKey(ns)+".") {
 			errs = append(errs, a.mpDB.Delete(key))
 		}
 	}
@@ -217,17 +219,18 @@ func (a *attribution) attribute(ctx context.Context, rec nsRecord) error {
 	if old, err := a.nsDB.Get(key); err == nil && old == rec {
 		return nil
 	}
-	all, err := a.nsDB.List()
+	// Counted by name: every container start with a claim comes here.
+	keys, err := a.nsDB.Keys()
 	if err != nil {
 		return err
 	}
-	if len(all) >= maxAttributed {
+	if len(keys) >= maxAttributed {
 		a.prune(ctx)
-		if all, err = a.nsDB.List(); err != nil {
+		if keys, err = a.nsDB.Keys(); err != nil {
 			return err
 		}
-		if len(all) >= maxAttributed {
-			return fmt.Errorf("%d consumer namespaces are recorded, the most the mounter keeps: %w", len(all), errdefs.ErrResourceExhausted)
+		if len(keys) >= maxAttributed {
+			return fmt.Errorf("%d consumer namespaces are recorded, the most the mounter keeps: %w", len(keys), errdefs.ErrResourceExhausted)
 		}
 	}
 	return a.nsDB.Put(key, rec)
@@ -358,12 +361,19 @@ func (r mountPointRecord) find(target string) int {
 // is left in. A namespace that cannot be looked for (an unreadable /proc)
 // keeps its records.
 func (a *attribution) prune(ctx context.Context) {
+	// One look through /proc per namespace, whatever number of records
+	// name it.
+	seen := map[plan.Namespace]bool{}
 	gone := func(ns plan.Namespace) bool {
 		if ns == (plan.Namespace{}) {
 			return false
 		}
+		if g, ok := seen[ns]; ok {
+			return g
+		}
 		_, ok, err := mountns.Find(ns)
-		return err == nil && !ok
+		seen[ns] = err == nil && !ok
+		return seen[ns]
 	}
 	var errs []error
 	nss, err := a.nsDB.List()
@@ -388,11 +398,7 @@ func (a *attribution) prune(ctx context.Context) {
 // torn reports whether a record could not be decoded: a write without
 // fsync torn by a machine crash (the records describe a boot's namespaces
 // and mounts, and need none), so of an ended boot, and as good as absent.
-func torn(err error) bool {
-	var syntax *json.SyntaxError
-	var typ *json.UnmarshalTypeError
-	return errors.As(err, &syntax) || errors.As(err, &typ) || errors.Is(err, io.ErrUnexpectedEOF)
-}
+func torn(err error) bool { return errors.Is(err, journal.ErrCorrupt) }
 
 // rootOf is the device and inode of the root of the mount on top at the
 // open target t; ok is false when t is no mount's root or cannot be

@@ -485,6 +485,13 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 	defer func() {
 		klog.FromContext(ctx).V(4).Info("Container starts", "container", ctr.GetId(), "pid", pid, "took", time.Since(start))
 	}()
+	// Named to the mounter once, whatever the number of its claims.
+	var attrErr error
+	if pidErr == nil {
+		if attrErr = h.attribute(ctx, Claim{PID: pid, ContainerID: ctr.GetId()}); attrErr != nil {
+			klog.FromContext(ctx).Error(attrErr, "Naming a started container to the mounter", "container", ctr.GetId())
+		}
+	}
 	for _, c := range claims {
 		if pidErr != nil {
 			if c.AtStart {
@@ -494,13 +501,10 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 			continue
 		}
 		c.PID = pid
-		if err := h.attribute(ctx, c); err != nil {
-			err = fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), err)
-			if c.AtStart {
-				h.neverRun(ctx, ctr, pid, err)
-				return err
-			}
-			klog.FromContext(ctx).Error(err, "Naming a started container to the mounter", "container", ctr.GetId())
+		if attrErr != nil && c.AtStart {
+			err := fmt.Errorf("mountplan: volume %s at %s of container %s: %w", c.VolumeID, c.Destination, ctr.GetName(), attrErr)
+			h.neverRun(ctx, ctr, pid, err)
+			return err
 		}
 		_, mounts, err := h.volumes.Prepare(ctx, c)
 		if !c.AtStart {
