@@ -50,7 +50,7 @@ func (n *Local) loopRoom(more int) error {
 	if limit <= 0 {
 		limit = DefaultMaxLoops
 	}
-	if held := len(n.records.heldLoops()); held+more > limit {
+	if held := n.records.loopCount(); held+more > limit {
 		return fmt.Errorf("the mounter holds %d loop devices, its limit of %d (mountplan-sidecar serve --max-loop-devices raises it): %w",
 			held, limit, errdefs.ErrResourceExhausted)
 	}

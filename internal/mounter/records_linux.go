@@ -251,6 +251,13 @@ func (r *registry) heldLoops() []*heldLoop {
 	return out
 }
 
+// loopCount is how many loop devices are held, with no copy of them.
+func (r *registry) loopCount() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.loops)
+}
+
 func (r *registry) closeLoops() {
 	for _, h := range r.heldLoops() {
 		if h.dev != nil {
