@@ -51,13 +51,17 @@ func (p *Profile) Command(spec daemon.Spec, source string) (daemon.Command, erro
 	s := spec
 	s.Params = maps.Clone(params)
 	s.Secrets = slices.Sorted(slices.Values(spec.Secrets))
-	return daemon.Command{Path: p.Binary, Args: args, Env: env, Stdin: stdin, Log: spec.Paths.Log, RunAs: p.RunAs,
+	return daemon.Command{Path: p.Binary, Args: args, Env: env, Stdin: stdin, Log: spec.Paths.Log, RunAs: p.DaemonUser(),
 		Capabilities: caps, Spec: &s}, nil
 }
 
-// DaemonCapabilities are the capabilities p's daemons keep: p's list
-// (canonical), or daemon.DefaultCapabilities when p names none.
+// DaemonCapabilities are the capabilities p's daemons keep: none in fd
+// mode (the mounter mounts), else p's list (canonical), or
+// daemon.DefaultCapabilities when p names none.
 func (p *Profile) DaemonCapabilities() ([]string, error) {
+	if p.FdMount {
+		return []string{}, nil
+	}
 	if p.Capabilities == nil {
 		return slices.Clone(daemon.DefaultCapabilities), nil
 	}
@@ -134,6 +138,9 @@ func (p *Profile) render(params map[string]string, source string, spec daemon.Sp
 			switch {
 			case ph == "{source}":
 				v = source
+			case ph == "{mountpoint}" && p.FdMount:
+				// The mounter mounted at spec.Paths.MountPoint already.
+				v = FdMountPoint
 			case ph == "{mountpoint}":
 				v = spec.Paths.MountPoint
 			case ph == "{workdir}":

@@ -76,8 +76,30 @@ type Profile struct {
 	// no supplementary groups. It mounts with the Capabilities it is given
 	// as ambient capabilities (a setuid fusermount3 gains nothing under
 	// no_new_privs), and allow_other needs user_allow_other in
-	// /etc/fuse.conf.
+	// /etc/fuse.conf. In fd mode (FdMount) absent means FdModeUser, and
+	// root is refused.
 	RunAs *daemon.User `json:"runAs,omitempty"`
+	// FdMount declares that the daemon takes a /dev/fd/N mount point
+	// (libfuse >= 3.3: squashfuse, sshfs and other libfuse 3 daemons), and
+	// turns on fd mode: the mounter opens /dev/fuse, makes the FUSE mount
+	// on the volume's mnt/ itself (MountOptions) and starts the daemon
+	// with the descriptor as its fd 3 and {mountpoint} rendered as
+	// FdMountPoint. The daemon then only serves: it runs as RunAs (else
+	// FdModeUser), never root, with no capability at all (Capabilities
+	// must be absent or empty), so it works where /dev/fuse is mode 0600
+	// and an exploit of it gains no privilege. False: the daemon mounts
+	// by itself (as root or with Capabilities).
+	FdMount bool `json:"fdMount,omitempty"`
+	// MountOptions are the options of the FUSE mount the mounter makes in
+	// fd mode, beyond those it always sets (nosuid, nodev, ro for a
+	// read-only volume, rootmode, user_id and group_id of the daemon's
+	// user, subtype the binary's name): allow_other (other users than the
+	// daemon's reach the files: every consumer but that user needs it; no
+	// /etc/fuse.conf is involved), default_permissions (the kernel checks
+	// the files' modes), max_read=N, and the flags noexec, noatime,
+	// nodiratime, relatime, strictatime, nosymfollow. Only with FdMount:
+	// a daemon that mounts itself takes its options on its command line.
+	MountOptions []string `json:"mountOptions,omitempty"`
 	// Capabilities are all the daemon may ever have (SYS_ADMIN or
 	// CAP_SYS_ADMIN): its capability bounding set, and for a daemon of a
 	// RunAs user other than root its ambient set. Every daemon runs with

@@ -46,6 +46,9 @@ func (p *Profile) validate() error {
 	if _, err := daemon.ParseCapabilities(p.Capabilities); err != nil {
 		return invalidf("capabilities: %v", err)
 	}
+	if err := p.validateFdMount(); err != nil {
+		return err
+	}
 	if p.ReadyTimeout.Duration < 0 {
 		return invalidf("readyTimeout must not be negative")
 	}
@@ -196,7 +199,7 @@ func (p *Profile) validateSecrets() (map[string]Secret, error) {
 }
 
 // SecretsReadableByRoot reports whether p takes secrets and runs its
-// daemon as root (no runAs, or uid or gid 0): the secrets' files then
+// daemon as root (no runAs outside fd mode, or uid or gid 0): the secrets' files then
 // belong to root, and the plugin, root in its container, can read them
 // where it reaches them (review of b705b24, F3). A daemon of its own user
 // owns its secrets (mode 0600 in a 0700 tmpfs), which root without
@@ -204,7 +207,8 @@ func (p *Profile) validateSecrets() (map[string]Secret, error) {
 // fusermount as another user needs user_allow_other in the image's
 // /etc/fuse.conf for allow_other (rclone does); the mounter warns instead.
 func (p *Profile) SecretsReadableByRoot() bool {
-	return len(p.Secrets) > 0 && (p.RunAs == nil || p.RunAs.UID == 0 || p.RunAs.GID == 0)
+	u := p.DaemonUser()
+	return len(p.Secrets) > 0 && (u == nil || u.UID == 0 || u.GID == 0)
 }
 
 func (p *Profile) validateOptions() error {
