@@ -46,6 +46,10 @@ type Command struct {
 	// ParseCapabilities): its bounding set, and for a daemon that runs as
 	// another user than root its ambient set. Empty: none.
 	Capabilities []string `json:"capabilities,omitempty"`
+	// Fuse, when set, is an open /dev/fuse whose mount the caller made
+	// (fd mode): the daemon gets it as its fd 3 and serves it. Never
+	// recorded: a descriptor means nothing outside this process.
+	Fuse *os.File `json:"-"`
 	// Cgroup, when set, is the cgroup v2 directory the daemon starts in
 	// (clone3 CLONE_INTO_CGROUP): it and every child of it are accounted
 	// and limited there from their first instruction.
@@ -95,7 +99,8 @@ type Spawner interface {
 // of its own (setsid: its own process group, no controlling terminal, and
 // no parent-death signal), with its working directory at / and exactly
 // three descriptors: standard input (/dev/null or the given file), and the
-// log file as standard output and error. Every other descriptor of this
+// log file as standard output and error; and in fd mode a fourth, fd 3,
+// the /dev/fuse of Command.Fuse. Every other descriptor of this
 // process is close-on-exec (Go opens everything with O_CLOEXEC), so the
 // daemon inherits nothing by accident: no socket, no /dev/fuse, no journal
 // file. That includes descriptors this process inherited without
@@ -153,6 +158,10 @@ func (LocalSpawner) Spawn(ctx context.Context, c Command) (Proc, error) {
 		defer unix.Close(cg)
 		sys.UseCgroupFD, sys.CgroupFD = true, cg
 	}
+	files := []*os.File{stdin, log, log}
+	if c.Fuse != nil {
+		files = append(files, c.Fuse) // fd 3: fuseprofile.FdMountPoint
+	}
 	closeOnExecAll()
 	if c.RunAs != nil {
 		sys.Credential = &syscall.Credential{Uid: c.RunAs.UID, Gid: c.RunAs.GID, Groups: []uint32{}}
@@ -164,7 +173,7 @@ func (LocalSpawner) Spawn(ctx context.Context, c Command) (Proc, error) {
 		return os.StartProcess(c.Path, append([]string{c.Path}, c.Args...), &os.ProcAttr{
 			Dir:   "/",
 			Env:   c.Env,
-			Files: []*os.File{stdin, log, log},
+			Files: files,
 			Sys:   sys,
 		})
 	})

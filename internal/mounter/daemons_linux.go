@@ -301,7 +301,7 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 		return info, err
 	}
 	cmd.Cgroup = leaf.Path
-	proc, conn, err := n.runDaemon(ctx, l, &rec, req, cmd, leaf, timeout)
+	proc, conn, err := n.runDaemon(ctx, l, &rec, req, prof, cmd, leaf, timeout)
 	if err != nil {
 		if tail := daemon.LogTail(l.realLog(), logTailBytes, red); tail != "" {
 			err = fmt.Errorf("%w; the daemon's log ends with:\n%s", err, tail)
@@ -491,16 +491,17 @@ func writeSecret(dir *os.File, name, value string, runAs *daemon.User) error {
 	return err
 }
 
-// runDaemon starts cmd, records it at once, waits until its FUSE mount
-// sits on mnt/ and answers, and records the mount.
-func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons, req DaemonRequest, cmd daemon.Command, leaf cgroup.Leaf, timeout time.Duration) (daemon.Proc, uint64, error) {
+// runDaemon starts cmd (in fd mode after mounting for it), records it at
+// once, waits until its FUSE mount sits on mnt/ and answers, and records
+// the mount.
+func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons, req DaemonRequest, prof *fuseprofile.Profile, cmd daemon.Command, leaf cgroup.Leaf, timeout time.Duration) (daemon.Proc, uint64, error) {
 	w, err := newMountWatch()
 	if err != nil {
 		return daemon.Proc{}, 0, err
 	}
 	defer w.close()
 	started := time.Now()
-	proc, err := n.spawner.Spawn(ctx, cmd)
+	proc, err := n.spawnDaemon(ctx, l, prof, req, cmd)
 	if err != nil {
 		return daemon.Proc{}, 0, fmt.Errorf("fuse daemon %s: %w", cmd.Path, err)
 	}
@@ -512,7 +513,7 @@ func (n *Local) runDaemon(ctx context.Context, l fuseLayout, rec *volumeDaemons,
 	}
 	log := klog.FromContext(ctx)
 	log.Info("Started daemon", "volume", req.VolumeID, "pid", proc.PID, "generation", req.Generation, "profile", req.Profile,
-		"capabilities", cmd.Capabilities, "runAs", cmd.RunAs, "cgroup", leaf.Path, "limitsEnforced", leaf.Enforced)
+		"capabilities", cmd.Capabilities, "runAs", cmd.RunAs, "fdMode", prof.FdMount, "cgroup", leaf.Path, "limitsEnforced", leaf.Enforced)
 	conn, err := n.waitReady(ctx, l, proc, timeout, w)
 	if err != nil {
 		return proc, conn, err
@@ -765,7 +766,10 @@ func (n *Local) stopVolume(ctx context.Context, l fuseLayout, id string, known [
 
 // daemonOfVolume reports whether p is still the daemon a caller says it
 // is: alive, the leader of its own session, with the volume's mount point
-// as one of its arguments.
+// as one of its arguments. A daemon in fd mode has /dev/fd/3 there
+// instead and is never recognised here; it needs not be: its descriptor
+// is the one holder of its connection, so the abort of the connections
+// under the volume's directory (or the end of its mount) ends it.
 func daemonOfVolume(p daemon.Proc, mnt string) bool {
 	if !p.Alive() || p.PID == os.Getpid() {
 		return false

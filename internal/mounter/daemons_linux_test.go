@@ -55,6 +55,13 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 	mountnstest.RequireTool(t, "squashfuse", "mksquashfs")
 	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
 	testutil.NoLeaks(t)
+	return daemonFixtureIn(t)
+}
+
+// daemonFixtureIn is newDaemonFixture without the leak check, for a test
+// process whose parent checks (a child in a mount namespace of its own:
+// the lock of testutil.NoLeaks is its parent's).
+func daemonFixtureIn(t *testing.T) *daemonFixture {
 	dir := mountnstest.Scratch(t)
 	f := &daemonFixture{t: t, dir: dir, state: filepath.Join(dir, "state"), records: filepath.Join(dir, "records"),
 		images: filepath.Join(dir, "images"), outside: filepath.Join(dir, "outside")}
@@ -83,6 +90,10 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 	}
 	src := fuseprofile.SourceRule{Roots: []string{f.images}}
 	squash := []string{"-f", "{source}", "{mountpoint}", "-o", "allow_other"}
+	// fd mode: the mounter mounts (allow_other is its option, not the
+	// daemon's), the daemon serves /dev/fd/3.
+	squashFd := []string{"-f", "{source}", "{mountpoint}"}
+	other := []string{"allow_other"}
 	limited := fuseprofile.Resources{Memory: "64Mi", CPU: "500m"}
 	f.cfg = &config.Config{FuseProfiles: []fuseprofile.Profile{
 		{Name: "squashfuse", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, ReadyTimeout: fuseprofile.Duration{Duration: 10 * time.Second}},
@@ -90,7 +101,16 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 		{Name: "squashfuse-user", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, RunAs: &daemon.User{UID: nobody, GID: nobody}},
 		{Name: "secretful", Binary: "/usr/bin/squashfuse", Args: append(squash, "-o", "fsname={secret:token}"), Source: src,
 			Secrets: []fuseprofile.Secret{{Name: "token"}}, RunAs: &daemon.User{UID: nobody, GID: nobody}},
-		{Name: "squashfuse-limited", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, Resources: limited},
+		{Name: "squashfuse-fd", Binary: "/usr/bin/squashfuse", Args: squashFd, Source: src, FdMount: true, MountOptions: other},
+		{Name: "squashfuse-user-fd", Binary: "/usr/bin/squashfuse", Args: squashFd, Source: src, RunAs: &daemon.User{UID: nobody, GID: nobody},
+			FdMount: true, MountOptions: other},
+		{Name: "secretful-fd", Binary: "/usr/bin/squashfuse", Args: append(squashFd, "-o", "fsname={secret:token}"), Source: src,
+			Secrets: []fuseprofile.Secret{{Name: "token"}}, FdMount: true, MountOptions: other},
+		{Name: "squashfuse-limited", Binary: "/usr/bin/squashfuse", Args: squashFd, Source: src, Resources: limited, FdMount: true, MountOptions: other},
+		// sshfs of a directory of the test's, served by sftp-server
+		// through ssh_command (no sshd, no network).
+		{Name: "sshfs-fd", Binary: "/usr/bin/sshfs", Args: []string{"-f", "{source}", "{mountpoint}", "-o", "ssh_command=" + filepath.Join(dir, "sftp.sh")},
+			Source: fuseprofile.SourceRule{Pattern: `127\.0\.0\.1:/[A-Za-z0-9._/-]*`}, FdMount: true, MountOptions: []string{"allow_other", "default_permissions"}},
 		// hog mounts (through squashfuse, its child) and, once told to
 		// by a file in its work dir, reads 256 MiB into a variable of
 		// its own: past its memory limit.
@@ -103,8 +123,24 @@ func newDaemonFixture(t *testing.T) *daemonFixture {
 	if err := fuseprofile.Validate(f.cfg.FuseProfiles); err != nil {
 		t.Fatal(err)
 	}
+	// sshfs-fd's server: sftp-server on the daemon's ssh pipe.
+	if err := os.WriteFile(filepath.Join(dir, "sftp.sh"), []byte("#!/bin/sh\nexec /usr/lib/openssh/sftp-server\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
 	f.n = f.node()
 	return f
+}
+
+// sftpData is the directory sshfs-fd serves, holding hello.txt.
+func (f *daemonFixture) sftpData() string {
+	d := filepath.Join(f.dir, "sftp-data")
+	if err := os.MkdirAll(d, 0o755); err != nil {
+		f.t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(d, "hello.txt"), []byte("over sftp\n"), 0o644); err != nil {
+		f.t.Fatal(err)
+	}
+	return d
 }
 
 // node makes a node over the fixture's state and records dirs (again,
@@ -115,8 +151,11 @@ func (f *daemonFixture) node() *mounter.Local {
 
 func (f *daemonFixture) request(id, profile string) mounter.DaemonRequest {
 	params := map[string]string{"profile": profile, "source": f.img}
-	if profile == "sleeper" || profile == "leaky" {
+	switch profile {
+	case "sleeper", "leaky":
 		params["source"] = "x"
+	case "sshfs-fd":
+		params["source"] = "127.0.0.1:" + f.sftpData()
 	}
 	return mounter.DaemonRequest{VolumeID: id, Profile: profile, Params: params, Generation: 1, ReadyTimeout: 10 * time.Second}
 }
@@ -160,12 +199,19 @@ func (f *daemonFixture) gone(id string) {
 // TestDaemonLifecycle: a daemon started through the node serves its
 // mount, which a plan may then bind; the node watches it, also after it
 // restarted itself; StopDaemons without teardown keeps the directory for
-// the next generation, with teardown nothing is left.
+// the next generation, with teardown nothing is left. Both ways: the
+// daemon mounts (squashfuse), the mounter mounts (squashfuse-fd).
 func TestDaemonLifecycle(t *testing.T) {
+	for _, profile := range []string{"squashfuse", "squashfuse-fd"} {
+		t.Run(profile, func(t *testing.T) { daemonLifecycle(t, profile) })
+	}
+}
+
+func daemonLifecycle(t *testing.T, profile string) {
 	f := newDaemonFixture(t)
 	ctx := context.Background()
 	const id = "vol"
-	info := f.start(f.request(id, "squashfuse"))
+	info := f.start(f.request(id, profile))
 	if !info.Alive() || info.Conn == 0 || info.BindSource != filepath.Join(f.volDir(id), "mnt") || info.MountPoint != info.BindSource {
 		t.Fatalf("StartDaemon = %+v", info)
 	}
@@ -222,7 +268,7 @@ func TestDaemonLifecycle(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(f.volDir(id), "mnt")); err != nil {
 		t.Errorf("StopDaemons without teardown removed the mount point: %v", err)
 	}
-	req := f.request(id, "squashfuse")
+	req := f.request(id, profile)
 	req.Generation = 2
 	second := f.start(req)
 	if second.PID == info.PID || !second.Alive() || second.Conn == 0 {
@@ -246,12 +292,19 @@ func TestDaemonLifecycle(t *testing.T) {
 
 // TestDaemonSecrets: the secrets' tmpfs is the node's, its files hold the
 // values (0600), a restart reads them back without being given them, and
-// a failing daemon's log is quoted with them redacted.
+// a failing daemon's log is quoted with them redacted. Both ways: the
+// daemon mounts (secretful), the mounter mounts (secretful-fd).
 func TestDaemonSecrets(t *testing.T) {
+	for _, profile := range []string{"secretful", "secretful-fd"} {
+		t.Run(profile, func(t *testing.T) { daemonSecrets(t, profile) })
+	}
+}
+
+func daemonSecrets(t *testing.T, profile string) {
 	f := newDaemonFixture(t)
 	ctx := context.Background()
 	const id, token = "secretful", "CANARY-t0ken-9c1d2e3f4a5b"
-	req := f.request(id, "secretful")
+	req := f.request(id, profile)
 	req.Secrets = map[string]string{"token": token}
 	info := f.start(req)
 	secrets := filepath.Join(f.volDir(id), "secrets")

@@ -193,6 +193,12 @@ func (p Policy) validateSource(m Mount) error {
 	}
 }
 
+// CheckOption checks one mount option against p as Validate does: one the
+// mounter adds to a mount of its own (a FUSE mount in fd mode) goes
+// through the same refusals as a plan's. Errors wrap
+// errdefs.ErrInvalidArgument.
+func (p Policy) CheckOption(o string) error { return p.validateOption(o) }
+
 func (p Policy) validateOption(o string) error {
 	if o == "" || strings.ContainsAny(o, ",\x00\n") {
 		return fmt.Errorf("option %q is empty or holds a separator: %w", o, errdefs.ErrInvalidArgument)
