@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -25,7 +26,20 @@ import (
 // daemon when it is killed (WaitDaemon) and when it hangs (its statfs
 // probe unanswered while DaemonStatus shows requests waiting), each new
 // daemon giving the files to the group again; the unstage leaves nothing.
+// Both ways: the daemon mounts, and fd mode, where the mounter makes a
+// fresh mount for each new daemon (which runs as nobody without a
+// capability).
 func TestSupervisorWithTheMounter(t *testing.T) {
+	for _, fd := range []bool{false, true} {
+		name := "daemon-mounts"
+		if fd {
+			name = "fd-mode"
+		}
+		t.Run(name, func(t *testing.T) { supervisorWithTheMounter(t, fd) })
+	}
+}
+
+func supervisorWithTheMounter(t *testing.T, fd bool) {
 	mountnstest.RequireRoot(t)
 	mountnstest.RequireTool(t, "squashfuse", "mksquashfs")
 	testenv.RequireFile(t, "/dev/fuse", "the FUSE device")
@@ -43,9 +57,23 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 	}
 	img := filepath.Join(images, "img.sqfs")
 	mountnstest.Squashfs(t, content, img)
-	cfg := &config.Config{FuseProfiles: []fuseprofile.Profile{{Name: "squashfuse", Binary: "/usr/bin/squashfuse",
+	prof := fuseprofile.Profile{Name: "squashfuse", Binary: "/usr/bin/squashfuse",
 		Args: []string{"-f", "{source}", "{mountpoint}"}, Source: fuseprofile.SourceRule{Roots: []string{images}},
-		MountGroupArgs: []string{"-o", "gid={gid},umask=0002"}}}}
+		MountGroupArgs: []string{"-o", "gid={gid},umask=0002"}}
+	if fd {
+		// The test reads as root, another user than the daemon's.
+		prof.FdMount, prof.MountOptions = true, []string{"allow_other"}
+		// The daemon of user nobody reaches its image.
+		for d := dir; d != "/" && d != os.TempDir(); d = filepath.Dir(d) {
+			if err := os.Chmod(d, 0o711); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Chmod(img, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := &config.Config{FuseProfiles: []fuseprofile.Profile{prof}}
 	ctx := context.Background()
 	node, err := mounter.NewNode(ctx, mounter.Options{StateDir: state, KubeletDir: state, RecordsDir: filepath.Join(dir, "records"), Config: cfg})
 	if err != nil {
@@ -98,6 +126,13 @@ func TestSupervisorWithTheMounter(t *testing.T) {
 		t.Fatal(err)
 	}
 	second := replaced(2)
+	if fd {
+		// The restarted daemon is fd mode's too: nobody, no capability.
+		ps := mountnstest.ProcStatus(t, second.PID)
+		if uid := strings.Fields(ps["Uid"]); len(uid) == 0 || uid[0] != "65534" || mountnstest.CapSet(t, ps, "CapEff") != 0 || mountnstest.CapSet(t, ps, "CapBnd") != 0 {
+			t.Errorf("generation 2: Uid %q CapEff %s CapBnd %s; want 65534 and none", ps["Uid"], ps["CapEff"], ps["CapBnd"])
+		}
+	}
 	if !read() {
 		t.Error("the volume does not read after the restart, or its file is not the mount group's")
 	}
