@@ -321,7 +321,7 @@ func (h *Hook) owns(ctx context.Context, pod *nriapi.PodSandbox, source string) 
 // claimMount prepares the volume at c.Target and replaces the container's
 // bind of it with the plan's mounts, once the mounter has checked them.
 func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim) error {
-	id, mounts, err := h.volumes.Prepare(ctx, *c)
+	id, mounts, err := h.prepare(ctx, *c)
 	if err != nil {
 		return fmt.Errorf("volume at %s: %w", c.Destination, err)
 	}
@@ -370,7 +370,7 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 // reaches the runtime, and its device, only stat'ed, must be the very one
 // the runtime gives the container; all a plan can do is deny writes.
 func (h *Hook) claimDevice(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, d *nriapi.LinuxDevice) (bool, error) {
-	id, mounts, err := h.volumes.Prepare(ctx, *c)
+	id, mounts, err := h.prepare(ctx, *c)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return false, nil // a device that is not one of our volumes
 	}
@@ -506,7 +506,7 @@ func (h *Hook) StartContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr *
 			h.neverRun(ctx, ctr, pid, err)
 			return err
 		}
-		_, mounts, err := h.volumes.Prepare(ctx, c)
+		_, mounts, err := h.prepare(ctx, c)
 		if !c.AtStart {
 			if err != nil {
 				klog.FromContext(ctx).Error(err, "Recording a started container's namespace", "container", ctr.GetId(), "volume", c.VolumeID)
@@ -854,6 +854,20 @@ func (h *Hook) prepareAgain(ctx context.Context, c Claim) error {
 			_, _, err := h.volumes.Prepare(ctx, c)
 			return err
 		})
+}
+
+// prepare asks the plugin for a claim's plan, and again while the volume
+// is busy with other work (Aborted: the plugin's reconcile holds its lock
+// for a moment), until ctx's end: the hook's own deadline, short of the
+// runtime's. A container is not failed for a lock held by a background
+// pass; kubelet would retry it, but only after its back-off.
+func (h *Hook) prepare(ctx context.Context, c Claim) (id string, mounts []plan.Mount, err error) {
+	err = askAgain(ctx, 10*time.Millisecond, 500*time.Millisecond, func(err error) bool { return errors.Is(err, errdefs.ErrAborted) },
+		func(ctx context.Context) (err error) {
+			id, mounts, err = h.volumes.Prepare(ctx, c)
+			return err
+		})
+	return id, mounts, err
 }
 
 // askAgain calls call, and again while its answer is one another try may

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -250,4 +251,52 @@ func startGuard(t *testing.T, h *Hook) {
 func binding(pod *nriapi.PodSandbox, target string) *nriapi.Container {
 	return &nriapi.Container{Id: "ctr", PodSandboxId: pod.Id, Name: "app",
 		Mounts: []*nriapi.Mount{{Source: target, Destination: "/data", Type: "bind", Options: []string{"rbind", "rw"}}}}
+}
+
+// TestBusyVolumeDoesNotFailContainers: the plugin's reconcile holds a
+// volume's lock for a moment (its startup pass, retried each second while
+// the mounter is not up yet), and a Prepare meanwhile is Aborted. A
+// container created or started in that moment is not failed for it: the
+// hook asks again within its deadline. Seen in make test: TestNRISubPath
+// failed its "deep" container's creation with "nri-subpath is busy with
+// reconcile", and under CRI-O the start of a subPath container.
+func TestBusyVolumeDoesNotFailContainers(t *testing.T) {
+	state, kubelet := hookDirs(t)
+	target := podTarget(kubelet, "uid-pod", "pv")
+	mkdirs(t, target)
+	vols := &busyVolumes{busy: 3, hostileVolumes: hostileVolumes{byTarget: map[string][]plan.Mount{
+		target: {{Type: "tmpfs", Source: "vol", Options: []string{"nosuid", "nodev"}}},
+	}}}
+	mnt := &hostileMounter{}
+	h := NewHook(vols, mnt, state, kubelet)
+	ctx := context.Background()
+	startGuard(t, h)
+	bindGuard(t, state, target)
+	pod := &nriapi.PodSandbox{Id: "sandbox", Uid: "uid-pod", Name: "p", Namespace: "ns"}
+	adj, _, err := h.CreateContainer(ctx, pod, binding(pod, target))
+	if err != nil || len(adj.GetMounts()) != 1 {
+		t.Fatalf("CreateContainer of a volume busy 3 times: %v, %v; want the volume's mount", describe(adj), err)
+	}
+
+	// The start of a container whose plan the mounter performs then (a
+	// subPath).
+	vols.mu.Lock()
+	vols.busy = 3
+	vols.mu.Unlock()
+	proc := exec.Command("sleep", "60")
+	if err := proc.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = proc.Process.Kill(); _ = proc.Wait() })
+	rec, _ := json.Marshal([]Claim{{VolumeID: "vol", Target: target, Destination: "/cfg", SubPath: "app", AtStart: true}})
+	ctr := &nriapi.Container{Id: "ctr-sub", PodSandboxId: pod.Id, Name: "sub", Pid: uint32(proc.Process.Pid),
+		Annotations: map[string]string{Annotation: string(rec)}}
+	if err := h.StartContainer(ctx, pod, ctr); err != nil {
+		t.Fatalf("StartContainer of a subPath of a volume busy 3 times: %v", err)
+	}
+	mnt.mu.Lock()
+	defer mnt.mu.Unlock()
+	if len(mnt.mounts) != 1 || mnt.mounts[0].SubPath != "app" || mnt.mounts[0].PID != proc.Process.Pid {
+		t.Errorf("the mounter was asked %+v, want the subPath mounted once into pid %d", mnt.mounts, proc.Process.Pid)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -119,7 +120,11 @@ func runCmd(ctx context.Context, name string, args ...string) (string, error) {
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Run(); err != nil {
-		return stdout.String(), fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+		// What the command said comes first: a summary of a failed run
+		// (CI's) keeps only the start of a line, and the command line is
+		// long.
+		return stdout.String(), fmt.Errorf("%s: %w: %s (ran: %s %s)",
+			filepath.Base(name), err, strings.TrimSpace(stderr.String()), name, strings.Join(args, " "))
 	}
 	return stdout.String(), nil
 }
