@@ -25,6 +25,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
+	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/model"
@@ -259,6 +260,14 @@ func (e *env) podWithVolume(name string, c *csi.VolumeCapability, o publishOptio
 	pod = e.cri.RunPod(e.t, "p-"+name)
 	target = e.target(pod.UID, "pv-"+name, c.GetBlock() != nil)
 	e.mustPublish(id, target, c, vctx, o)
+	e.t.Cleanup(func() {
+		// A test that failed before finish leaves its publish: detached
+		// here, so that the leak check reports what the failure did not
+		// explain. A finished test has unmounted it already.
+		if e.t.Failed() {
+			_ = unix.Unmount(target, unix.MNT_DETACH)
+		}
+	})
 	return id, pod, target
 }
 
