@@ -23,9 +23,9 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
-	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/model"
