@@ -103,7 +103,7 @@ func fuseContainerRestart(t *testing.T) {
 	if got := e.daemon(id); got.PID != d.PID || got.Generation != 1 {
 		t.Errorf("the restarted plugin started another daemon: %+v", got)
 	}
-	if ps := processesMentioning(e.volDir(id) + "/mnt"); len(ps) != 1 {
+	if ps := e.volumeDaemons(id, vctx); len(ps) != 1 {
 		t.Errorf("want exactly one daemon for the volume after adoption, got %v", ps)
 	}
 	if h, err := e.health(id); err != nil || h != "" {

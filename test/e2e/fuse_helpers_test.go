@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 
+	"github.com/mountplan/mountplan/internal/fuseprofile"
 	"github.com/mountplan/mountplan/internal/source/fuse"
 	"github.com/mountplan/mountplan/internal/source/nbd/nbdtest"
 	"github.com/mountplan/mountplan/test/testutil"
@@ -51,6 +53,20 @@ func (e *fuseEnv) state(id string) fuse.State {
 		e.t.Fatal(err)
 	}
 	return st
+}
+
+// volumeDaemons are the processes serving volume id: those naming its
+// mount point, and those of fd mode, whose mount point is the descriptor
+// the mounter handed them (fuseprofile.FdMountPoint), naming the
+// volume's source instead.
+func (e *fuseEnv) volumeDaemons(id string, vctx map[string]string) map[int]string {
+	ps := processesMentioning(e.volDir(id) + "/mnt")
+	for pid, cmdline := range processesMentioning(vctx["source"]) {
+		if slices.Contains(strings.Fields(cmdline), fuseprofile.FdMountPoint) {
+			ps[pid] = cmdline
+		}
+	}
+	return ps
 }
 
 // volDir is the volume's directory under the state dir.
@@ -268,6 +284,13 @@ func newFuseEnv(t *testing.T, moreProfiles string) *fuseEnv {
 	e := &fuseEnv{rcloneRoot: filepath.Join(dir, "rclone-root"), squashRoot: filepath.Join(dir, "squash-root")}
 	for _, d := range []string{e.rcloneRoot, e.squashRoot} {
 		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A daemon in fd mode runs as nobody (squashfuse's): it must reach
+	// the images through the test's directories.
+	for d := dir; d != "/" && d != os.TempDir(); d = filepath.Dir(d) {
+		if err := os.Chmod(d, 0o711); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -278,7 +278,7 @@ func fuseLifecycle(t *testing.T, c fuseCase) {
 	if d := e.daemon(id); d.PID != second.PID || d.Generation != 2 {
 		t.Errorf("the restarted plugin started another daemon: %+v", d)
 	}
-	if ps := processesMentioning(e.volDir(id) + "/mnt"); len(ps) != 1 {
+	if ps := e.volumeDaemons(id, vctx); len(ps) != 1 {
 		t.Errorf("want exactly one daemon for the volume after adoption, got %v", ps)
 	}
 	if err := readWrite("adopted"); err != nil {
