@@ -290,3 +290,12 @@ given: anything else fails the install with the value's name.
 {{- end -}}
 {{- $v -}}
 {{- end -}}
+
+{{/*
+The updateStrategy of one DaemonSet: its own (.own: plugin.updateStrategy or
+mounter.updateStrategy) when set, replacing the shared one (.shared:
+updateStrategy) whole, else the shared one.
+*/}}
+{{- define "mountplan.updateStrategy" -}}
+{{- toYaml (default .shared .own) -}}
+{{- end -}}
