@@ -71,9 +71,13 @@ image:
 config:
   imageRoots: [%[5]s]
   fuseProfiles:
+  # fd mode: the mounter mounts, squashfuse serves /dev/fd/3 as nobody
+  # without a capability (killFUSE checks).
   - name: squashfuse
     binary: /usr/bin/squashfuse
-    args: [-f, "{source}", "{mountpoint}", -o, allow_other]
+    args: [-f, "{source}", "{mountpoint}"]
+    fdMount: true
+    mountOptions: [allow_other]
     source: {roots: [%[6]s]}
     mountGroupArgs: [-o, "gid={gid},umask=0002"]
     readyTimeout: 10s

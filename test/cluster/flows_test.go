@@ -505,6 +505,7 @@ func killFUSE(t *testing.T, e *env) {
 	for _, daemon := range []string{"squashfuse", "rclone"} {
 		daemons[daemon] = e.containerPID(t, mounterComponent, mounterContainer, daemon)
 	}
+	wantUnprivilegedDaemon(t, "squashfuse", daemons["squashfuse"])
 	e.healAfter(t, "kill -9 of the daemons", "healed-1", checks, func() {
 		for _, pid := range daemons {
 			if err := unix.Kill(pid, unix.SIGKILL); err != nil {
@@ -685,6 +686,44 @@ func expandExt4(t *testing.T, e *env) {
 	e.write(t, "ext", "/data/token")
 	e.c.deleteAndWait(t, "pod", "ext")
 	e.c.deleteAndWait(t, "pvc", "ext")
+}
+
+// wantUnprivilegedDaemon: a daemon of an fd-mode profile (issue 34), from
+// its own /proc status: not root, no capability in any set, no new
+// privileges.
+func wantUnprivilegedDaemon(t *testing.T, name string, pid int) {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen []string
+	for _, l := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(l, ":")
+		v = strings.TrimSpace(v)
+		switch {
+		case !ok:
+		case k == "Uid":
+			seen = append(seen, l)
+			if strings.HasPrefix(v, "0") {
+				t.Errorf("the %s daemon (host PID %d) runs as root: %s", name, pid, l)
+			}
+		case k == "CapPrm" || k == "CapEff" || k == "CapBnd" || k == "CapAmb":
+			seen = append(seen, l)
+			if v != "0000000000000000" {
+				t.Errorf("the %s daemon (host PID %d) holds capabilities: %s", name, pid, l)
+			}
+		case k == "NoNewPrivs":
+			seen = append(seen, l)
+			if v != "1" {
+				t.Errorf("the %s daemon (host PID %d) may gain privileges: %s", name, pid, l)
+			}
+		}
+	}
+	if len(seen) != 6 {
+		t.Errorf("the %s daemon's status shows %q, want Uid, the four capability sets and NoNewPrivs", name, seen)
+	}
+	t.Logf("the %s daemon (host PID %d): %s", name, pid, strings.Join(seen, "; "))
 }
 
 // Capabilities' bits in /proc/PID/status CapEff.
