@@ -22,11 +22,20 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
+# What --version, the CSI vendor_version and mountplan_build_info say
+# (internal/version). The context has no .git (.dockerignore), so Go cannot
+# stamp the revision itself: pass them, as `make build` sets them:
+#   docker build --build-arg VERSION=$(git describe --tags --always --dirty) \
+#     --build-arg REVISION=$(git rev-parse HEAD) \
+#     --build-arg BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ) -t REGISTRY/mountplan:TAG .
+ARG VERSION=devel
+ARG REVISION=
+ARG BUILD_DATE=
+RUN CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags="-s -w -X github.com/mountplan/mountplan/internal/version.version=${VERSION} -X github.com/mountplan/mountplan/internal/version.revision=${REVISION} -X github.com/mountplan/mountplan/internal/version.buildDate=${BUILD_DATE}" \
         -o /out/mountplan-plugin ./cmd/mountplan-plugin && \
-    CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
+    CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags="-s -w -X github.com/mountplan/mountplan/internal/version.version=${VERSION} -X github.com/mountplan/mountplan/internal/version.revision=${REVISION} -X github.com/mountplan/mountplan/internal/version.buildDate=${BUILD_DATE}" \
         -o /out/mountplan-sidecar ./cmd/mountplan-sidecar && \
-    CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags='-s -w' \
+    CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags="-s -w -X github.com/mountplan/mountplan/internal/version.version=${VERSION} -X github.com/mountplan/mountplan/internal/version.revision=${REVISION} -X github.com/mountplan/mountplan/internal/version.buildDate=${BUILD_DATE}" \
         -o /out/mountplan-resizer ./cmd/mountplan-resizer
 
 FROM debian:bookworm-slim

@@ -20,8 +20,16 @@ CLUSTERTAGS := clustertest
 
 all: build
 
+# What --version, the CSI vendor_version and mountplan_build_info say
+# (internal/version); `make build VERSION=v0.2.0` names a release.
+VERSION    ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+REVISION   ?= $(shell git rev-parse HEAD 2>/dev/null)
+BUILD_DATE ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
+VERSIONPKG := github.com/mountplan/mountplan/internal/version
+LDFLAGS    := -X $(VERSIONPKG).version=$(VERSION) -X $(VERSIONPKG).revision=$(REVISION) -X $(VERSIONPKG).buildDate=$(BUILD_DATE)
+
 build:
-	$(GO) build -trimpath -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./cmd/kubectl-mountplan ./hack/csictl
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./cmd/kubectl-mountplan ./hack/csictl
 
 # Every test but the VM's and the cluster's. hack/testreport prints go
 # test's usual lines, then the counts of passed, failed and skipped tests

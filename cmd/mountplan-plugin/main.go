@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"runtime/debug"
 	"syscall"
 	"time"
 
@@ -34,6 +33,7 @@ import (
 	"github.com/mountplan/mountplan/internal/source/loop"
 	"github.com/mountplan/mountplan/internal/source/nbd"
 	"github.com/mountplan/mountplan/internal/toolrun"
+	"github.com/mountplan/mountplan/internal/version"
 	"github.com/mountplan/mountplan/internal/volview"
 )
 
@@ -71,8 +71,13 @@ func main() {
 	flag.DurationVar(&f.fuseProbeTimeout, "fuse-probe-timeout", 5*time.Second, "a FUSE daemon that leaves a statfs unanswered this long is restarted")
 	f.kubelet.define()
 	flag.BoolVar(&f.nri, "nri", false, "let volumes with the attribute nri: \"true\" reach containers only through the mounter's NRI hook (mountplan-sidecar serve --nri)")
+	showVersion := flag.Bool("version", false, "print the version, git revision, build date and Go version, and exit")
 	klog.InitFlags(nil)
 	flag.Parse()
+	if *showVersion {
+		version.Get().Print(os.Stdout, "mountplan-plugin")
+		return
+	}
 	if err := run(f); err != nil {
 		klog.ErrorS(err, "mountplan-plugin failed")
 		klog.Flush()
@@ -106,7 +111,7 @@ func run(f flags) error {
 	if err != nil {
 		return err
 	}
-	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version(),
+	d, err = driver.New(driver.Options{DriverName: f.driverName, NodeID: f.nodeID, Version: version.Get().Version,
 		StateDir: f.stateDir, KubeletDir: f.kubeletDir, Config: cfg, Node: node, Metrics: mx, NRI: f.nri,
 		Sources: sources, DefaultType: loop.Type, RebootGrace: f.rebootGrace, BootID: journal.BootFrom(f.bootIDFile)})
 	if err != nil {
@@ -150,7 +155,7 @@ func run(f flags) error {
 		klog.InfoS("Stopping")
 		srv.GracefulStop()
 	}()
-	klog.InfoS("Serving", "endpoint", f.endpoint, "driver", f.driverName, "node", f.nodeID, "version", version())
+	klog.InfoS("Serving", "endpoint", f.endpoint, "driver", f.driverName, "node", f.nodeID, "version", version.Get().Version, "revision", version.Get().Revision)
 	if err := srv.Serve(lis); err != nil {
 		return err
 	}
@@ -275,13 +280,6 @@ func daemonUsage(u mounter.DaemonUsages) func(context.Context) ([]metrics.Daemon
 		}
 		return out, err
 	}
-}
-
-func version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
-		return bi.Main.Version
-	}
-	return "devel"
 }
 
 // raiseFileLimit makes room for one open file per staged loop volume

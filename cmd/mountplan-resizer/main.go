@@ -25,6 +25,7 @@ import (
 	"github.com/mountplan/mountplan/internal/healthevents"
 	"github.com/mountplan/mountplan/internal/resizer"
 	"github.com/mountplan/mountplan/internal/topology"
+	"github.com/mountplan/mountplan/internal/version"
 )
 
 func main() {
@@ -37,8 +38,13 @@ func main() {
 	flag.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; empty: the pod's service account")
 	flag.IntVar(&workers, "workers", 4, "claims expanded at the same time")
 	flag.DurationVar(&healthInterval, "health-events-interval", 10*time.Second, "how often the health of each volume in use on the node is asked, for Events on its claim and pods; 0: no such Events")
+	showVersion := flag.Bool("version", false, "print the version, git revision, build date and Go version, and exit")
 	klog.InitFlags(nil)
 	flag.Parse()
+	if *showVersion {
+		version.Get().Print(os.Stdout, "mountplan-resizer")
+		return
+	}
 	if err := run(pluginEndpoint, nodeID, driverName, kubeconfig, workers, healthInterval); err != nil {
 		klog.ErrorS(err, "mountplan-resizer failed")
 		klog.Flush()

@@ -17,6 +17,7 @@ import (
 	"syscall"
 
 	"github.com/mountplan/mountplan/internal/toolrun"
+	"github.com/mountplan/mountplan/internal/version"
 	"k8s.io/klog/v2"
 )
 
@@ -28,6 +29,7 @@ commands:
   serve    serve the mounter (every privileged act of the plugin) on a unix socket, and the NRI hook
   volumes  list what is mounted where: every volume, its source, device, stage, health and consumers,
            from the plugin's /debug/volumes, each consumer checked against the kernel (read only)
+  version  print the version, git revision, build date and Go version (also --version)
 
 Run "mountplan-sidecar <command> -h" for the flags of a command.
 `
@@ -75,6 +77,9 @@ func run(ctx context.Context, cmd string, args []string) error {
 		return runServe(ctx, args)
 	case "volumes":
 		return runVolumes(ctx, args, os.Stdout)
+	case "version", "--version", "-version":
+		version.Get().Print(os.Stdout, "mountplan-sidecar")
+		return nil
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return nil

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/internal/endpoint"
+	"github.com/mountplan/mountplan/internal/version"
 )
 
 const namespace = "mountplan"
@@ -56,7 +57,7 @@ func New(staged func() map[string]int) *Metrics {
 			Help: "Volumes visited by the reconciler, by result (ok, error).",
 		}, []string{"result"}),
 	}
-	m.Registry.MustRegister(m.rpc, m.steps, m.restarts, m.reconciles,
+	m.Registry.MustRegister(m.rpc, m.steps, m.restarts, m.reconciles, buildInfo(version.Get()),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	if staged != nil {
 		m.Registry.MustRegister(stagedCollector{
@@ -65,6 +66,17 @@ func New(staged func() map[string]int) *Metrics {
 		})
 	}
 	return m
+}
+
+// buildInfo is the series that says which build serves: value 1, the
+// labels --version prints. (collectors.NewBuildInfoCollector says only
+// the module's version, "(devel)" for every build from a checkout.)
+func buildInfo(v version.Info) prometheus.Collector {
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "build_info",
+		Help:        "The build of the plugin: its version, git revision and Go version; always 1.",
+		ConstLabels: prometheus.Labels{"version": v.Version, "revision": v.Revision, "goversion": v.GoVersion},
+	}, func() float64 { return 1 })
 }
 
 // ObserveRPC records one served call.

@@ -4,13 +4,17 @@ import (
 	"context"
 	"errors"
 	"io"
+	"maps"
 	"net"
 	"net/http"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
+
+	"github.com/mountplan/mountplan/internal/version"
 )
 
 func TestNilMetricsRecordNothingAndDoNotPanic(t *testing.T) {
@@ -70,4 +74,37 @@ func TestScrape(t *testing.T) {
 			t.Errorf("scrape lacks %s", want)
 		}
 	}
+}
+
+// Which build serves the metrics: one series of value 1 whose labels are
+// the build's version, revision and Go version, as --version says them.
+func TestBuildInfo(t *testing.T) {
+	m := New(nil)
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := version.Get()
+	want := map[string]string{"version": v.Version, "revision": v.Revision, "goversion": runtime.Version()}
+	for _, mf := range mfs {
+		if mf.GetName() != "mountplan_build_info" {
+			continue
+		}
+		if len(mf.GetMetric()) != 1 {
+			t.Fatalf("mountplan_build_info has %d series, want 1", len(mf.GetMetric()))
+		}
+		s := mf.GetMetric()[0]
+		got := map[string]string{}
+		for _, l := range s.GetLabel() {
+			got[l.GetName()] = l.GetValue()
+		}
+		if !maps.Equal(got, want) {
+			t.Errorf("mountplan_build_info labels %v, want %v", got, want)
+		}
+		if s.GetGauge().GetValue() != 1 {
+			t.Errorf("mountplan_build_info = %v, want 1", s.GetGauge().GetValue())
+		}
+		return
+	}
+	t.Fatal("no mountplan_build_info in the scrape")
 }

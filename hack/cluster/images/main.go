@@ -166,7 +166,11 @@ func mountplanImage(archive, cache, name string) error {
 		local := filepath.Join(tmp, path.Base(b.Out))
 		flags := slices.Clone(b.Flags)
 		flags[slices.Index(flags, "-o")+1] = local
-		cmd := exec.Command("go", append(append([]string{"build"}, joinQuoted(flags)...), b.Package)...)
+		flags = joinQuoted(flags)
+		for i := range flags {
+			flags[i] = os.Expand(flags[i], buildArg(stages))
+		}
+		cmd := exec.Command("go", append(append([]string{"build"}, flags...), b.Package)...)
 		cmd.Env = append(os.Environ(), b.Env...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Run(); err != nil {
@@ -191,23 +195,48 @@ func mountplanImage(archive, cache, name string) error {
 }
 
 // joinQuoted puts back together the words of a quoted flag value the shell
-// reader split ('-s -w' came as "-ldflags='-s", "-w'").
+// reader split ('-s -w' came as "-ldflags='-s", "-w'"; "-s -w -X ..."
+// likewise).
 func joinQuoted(words []string) []string {
 	var out []string
 	for i := 0; i < len(words); i++ {
 		w := words[i]
-		if strings.Count(w, "'")%2 == 1 {
-			for i+1 < len(words) {
-				i++
-				w += " " + words[i]
-				if strings.Contains(words[i], "'") {
-					break
+		for _, q := range []string{"'", `"`} {
+			if strings.Count(w, q)%2 == 1 {
+				for i+1 < len(words) {
+					i++
+					w += " " + words[i]
+					if strings.Contains(words[i], q) {
+						break
+					}
 				}
 			}
+			w = strings.ReplaceAll(w, q, "")
 		}
-		out = append(out, strings.ReplaceAll(w, "'", ""))
+		out = append(out, w)
 	}
 	return out
+}
+
+// buildArg gives a ${VAR} of the Dockerfile's go builds the value docker
+// build would: the environment's (as a --build-arg), else the default of
+// its ARG (the version the binaries report, internal/version).
+func buildArg(stages []dockerfile.Stage) func(string) string {
+	defaults := map[string]string{}
+	for _, s := range stages {
+		for _, in := range s.Instrs {
+			if in.Cmd == "ARG" {
+				name, value, _ := strings.Cut(in.Args, "=")
+				defaults[name] = value
+			}
+		}
+	}
+	return func(name string) string {
+		if v, ok := os.LookupEnv(name); ok {
+			return v
+		}
+		return defaults[name]
+	}
 }
 
 // debianRoot returns a tarball of a Debian root with pkgs, built once per
