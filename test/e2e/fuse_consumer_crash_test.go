@@ -289,7 +289,14 @@ done`
 
 	// The working directory, from the agent's children.
 	wantErr("cwd: ls .", fuseCrashShell(ask("ls .")))
-	wantErr("cwd: cat ./inner.txt", fuseCrashShell(ask("cat ./inner.txt")))
+	// Seen once in about fifteen runs (own mount, squashfuse): the cat
+	// succeeded and printed nothing instead of ENOTCONN. Not the file's
+	// content either way; which the kernel answers is logged in the table.
+	if got := fuseCrashShell(ask("cat ./inner.txt")); got == `ok ""` {
+		cells["cwd: cat ./inner.txt"] = got + " (empty; the usual answer is ENOTCONN)"
+	} else {
+		wantErr("cwd: cat ./inner.txt", got)
+	}
 	pwd := fuseCrashShell(ask("pwd -P"))
 	cells["cwd: pwd -P (sh builtin)"] = pwd
 	if pwd != `ok "\n"` {
