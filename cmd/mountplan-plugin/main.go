@@ -19,6 +19,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/daemon"
 	"github.com/mountplan/mountplan/internal/driver"
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/fdlimit"
@@ -55,6 +56,7 @@ type flags struct {
 
 func main() {
 	toolrun.ServeSpawnerIfAsked() // this process may be the plugin's tool spawner
+	daemon.ServeSandboxIfAsked()  // or the sandbox of a daemon in fd mode (a mounter of its own)
 	var f flags
 	flag.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///abs/path.sock)")
 	flag.StringVar(&f.nodeID, "node-id", "", "name of this node (required)")

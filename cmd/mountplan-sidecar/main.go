@@ -16,6 +16,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/mountplan/mountplan/internal/daemon"
 	"github.com/mountplan/mountplan/internal/toolrun"
 	"github.com/mountplan/mountplan/internal/version"
 	"k8s.io/klog/v2"
@@ -36,6 +37,7 @@ Run "mountplan-sidecar <command> -h" for the flags of a command.
 
 func main() {
 	toolrun.ServeSpawnerIfAsked() // this process may be serve's tool spawner
+	daemon.ServeSandboxIfAsked()  // or the sandbox of a daemon in fd mode
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)

@@ -50,6 +50,11 @@ type Command struct {
 	// (fd mode): the daemon gets it as its fd 3 and serves it. Never
 	// recorded: a descriptor means nothing outside this process.
 	Fuse *os.File `json:"-"`
+	// Sandbox, when set (fd mode), confines the daemon to namespaces of
+	// its own and a root that holds only the system's directories and
+	// what Sandbox names (sandbox_linux.go). It needs RunAs other than
+	// root and no Capabilities.
+	Sandbox *Sandbox `json:"sandbox,omitempty"`
 	// Cgroup, when set, is the cgroup v2 directory the daemon starts in
 	// (clone3 CLONE_INTO_CGROUP): it and every child of it are accounted
 	// and limited there from their first instruction.
@@ -115,6 +120,15 @@ type Spawner interface {
 // then has them effective without a setuid helper. A daemon of RunAs has
 // no supplementary groups.
 //
+// A daemon with a Sandbox (fd mode) is started through its shim instead
+// (sandbox_linux.go): in mount, PID, IPC and UTS namespaces of its own,
+// PID 1 of its PID namespace (the PID returned is its host PID), its root
+// a tmpfs with the system's directories and what the Sandbox names, as
+// RunAs with no capability in any set and no_new_privs. As PID 1 it
+// ignores a SIGTERM it has no handler for, also from this namespace (only
+// SIGKILL and SIGSTOP are forced): Terminate's SIGKILL after the grace
+// ends it then (libfuse daemons handle SIGTERM).
+//
 // The standard input and the log are opened without following a symlink
 // anywhere in their paths (the directories below the mounter's state dir
 // are written by the plugin too): a path through a symlink fails the
@@ -163,20 +177,12 @@ func (LocalSpawner) Spawn(ctx context.Context, c Command) (Proc, error) {
 		files = append(files, c.Fuse) // fd 3: fuseprofile.FdMountPoint
 	}
 	closeOnExecAll()
-	if c.RunAs != nil {
-		sys.Credential = &syscall.Credential{Uid: c.RunAs.UID, Gid: c.RunAs.GID, Groups: []uint32{}}
-		if c.RunAs.UID != 0 {
-			sys.AmbientCaps = caps
-		}
+	var p *os.Process
+	if c.Sandbox != nil {
+		p, err = startSandboxed(c, files, sys)
+	} else {
+		p, err = startDirect(c, caps, files, sys)
 	}
-	p, err := startRestricted(caps, func() (*os.Process, error) {
-		return os.StartProcess(c.Path, append([]string{c.Path}, c.Args...), &os.ProcAttr{
-			Dir:   "/",
-			Env:   c.Env,
-			Files: files,
-			Sys:   sys,
-		})
-	})
 	if err != nil {
 		return Proc{}, fmt.Errorf("start %s: %w", c.Path, err)
 	}
@@ -188,6 +194,38 @@ func (LocalSpawner) Spawn(ctx context.Context, c Command) (Proc, error) {
 		return Proc{}, fmt.Errorf("start %s: %w", c.Path, idErr)
 	}
 	return id, nil
+}
+
+// startDirect starts c's binary itself, as RunAs, with its thread's
+// credentials first reduced to caps (startRestricted).
+func startDirect(c Command, caps []uintptr, files []*os.File, sys *syscall.SysProcAttr) (*os.Process, error) {
+	if c.RunAs != nil {
+		sys.Credential = &syscall.Credential{Uid: c.RunAs.UID, Gid: c.RunAs.GID, Groups: []uint32{}}
+		if c.RunAs.UID != 0 {
+			sys.AmbientCaps = caps
+		}
+	}
+	return startRestricted(caps, func() (*os.Process, error) {
+		return os.StartProcess(c.Path, append([]string{c.Path}, c.Args...), &os.ProcAttr{
+			Dir:   "/",
+			Env:   c.Env,
+			Files: files,
+			Sys:   sys,
+		})
+	})
+}
+
+// startSandboxed starts c's sandbox shim (sandbox_linux.go), which execs
+// c's binary. Its thread is not restricted first: the shim needs root's
+// capabilities to build the root (a root process's capabilities after
+// execve are its bounding set), and it drops them all itself.
+func startSandboxed(c Command, files []*os.File, sys *syscall.SysProcAttr) (*os.Process, error) {
+	path, argv, env, files, pipe, err := sandboxed(c, files, sys)
+	if err != nil {
+		return nil, err
+	}
+	defer pipe.Close()
+	return os.StartProcess(path, argv, &os.ProcAttr{Dir: "/", Env: env, Files: files, Sys: sys})
 }
 
 // OpenNoSymlinks opens the absolute path p with flags, following no

@@ -15,6 +15,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -40,6 +41,10 @@ func (n *Local) spawnDaemon(ctx context.Context, l fuseLayout, prof *fuseprofile
 		return daemon.Proc{}, err
 	}
 	cmd.Fuse = dev
+	if cmd.Sandbox, err = daemonSandbox(l, prof, cmd); err != nil {
+		dev.Close()
+		return daemon.Proc{}, err
+	}
 	proc, err := n.spawner.Spawn(ctx, cmd)
 	// The daemon holds the connection alone. The kernel aborts a FUSE
 	// connection when the last descriptor of it is closed: a copy kept
@@ -99,4 +104,35 @@ func (n *Local) mountFuse(ctx context.Context, l fuseLayout, prof *fuseprofile.P
 	klog.FromContext(ctx).V(2).Info("Mounted FUSE for a daemon in fd mode", "volume", req.VolumeID, "mountPoint", l.realMnt(),
 		"type", "fuse."+prof.FuseSubtype(), "options", opts[1:])
 	return dev, nil
+}
+
+// daemonSandbox is what the root of cmd's daemon holds of the node
+// besides the system's directories (daemon.Sandbox): its volume's work/
+// (writable) and secrets/ (read-only, when it has secrets), the root of
+// its source (read-only) when the profile's sources are paths under roots,
+// and its binary when no system directory holds it. Nothing else of the
+// state dir, the kubelet dir, /dev or other volumes: the daemon serves
+// its mount through its descriptor and needs not see it.
+func daemonSandbox(l fuseLayout, prof *fuseprofile.Profile, cmd daemon.Command) (*daemon.Sandbox, error) {
+	sb := &daemon.Sandbox{Writable: []string{l.realWork()}}
+	if cmd.Spec != nil && len(cmd.Spec.Secrets) > 0 {
+		sb.ReadOnly = append(sb.ReadOnly, l.realSecrets())
+	}
+	if len(prof.Source.Roots) > 0 && cmd.Spec != nil {
+		// The rendered {source} is the real path (symlinks resolved):
+		// the real root that holds it is bound at its own path.
+		src, err := prof.ResolveSource(cmd.Spec.Params[fuseprofile.CtxSource])
+		if err != nil {
+			return nil, err
+		}
+		i := slices.IndexFunc(plan.RealPaths(prof.Source.Roots), func(r string) bool { return plan.Within(r, src) })
+		if i < 0 {
+			return nil, fmt.Errorf("fuse profile %s: the source is under none of its roots: %w", prof.Name, errdefs.ErrInvalidArgument)
+		}
+		sb.ReadOnly = append(sb.ReadOnly, plan.RealPaths(prof.Source.Roots)[i])
+	}
+	if !plan.WithinAny(daemon.SystemPaths, cmd.Path) {
+		sb.ReadOnly = append(sb.ReadOnly, cmd.Path)
+	}
+	return sb, nil
 }

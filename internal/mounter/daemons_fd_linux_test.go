@@ -3,8 +3,12 @@
 package mounter_test
 
 import (
+	"bufio"
 	"context"
 	"errors"
+	"io"
+	"io/fs"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,8 +22,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/mountns/mountnstest"
 	"github.com/mountplan/mountplan/internal/testenv"
+	"github.com/mountplan/mountplan/pkg/plan"
 	"github.com/mountplan/mountplan/test/testutil"
 )
 
@@ -114,7 +120,9 @@ func fuse0600Child(t *testing.T) {
 // from its own /proc status, runs as a user other than root with no
 // capability in any set and no_new_privs, gets /dev/fuse as fd 3 and its
 // mount point as /dev/fd/3; the mount is the mounter's, of type
-// fuse.<binary> with the daemon's user as its owner. The mounter keeps no
+// fuse.<binary> with the daemon's user as its owner. It runs in mount,
+// PID, IPC and UTS namespaces of its own, its root a minimal tree
+// (checkSandboxed). The mounter keeps no
 // copy of the descriptor: a killed daemon's mount answers ENOTCONN at
 // once instead of hanging its callers.
 func TestFdModeDaemonHoldsNothing(t *testing.T) {
@@ -155,6 +163,7 @@ func TestFdModeDaemonHoldsNothing(t *testing.T) {
 			if !slices.Contains(info.Command.Args, "/dev/fd/3") || slices.Contains(info.Command.Args, info.MountPoint) {
 				t.Errorf("the daemon's arguments %q: want /dev/fd/3 where the mount point was", info.Command.Args)
 			}
+			checkSandboxed(t, f, tt.profile, info.PID)
 			if held := fuseDescriptors(t); held > 0 {
 				t.Errorf("the mounter (this process) holds %d descriptors of /dev/fuse after the start", held)
 			}
@@ -206,4 +215,163 @@ func fuseDescriptors(t *testing.T) int {
 		}
 	}
 	return n
+}
+
+// checkSandboxed checks, from the daemon's own view (its /proc entries,
+// read from here), that it runs in a mount namespace and a PID namespace
+// of its own (and IPC and UTS ones) whose root holds only the system's
+// directories read-only, a /dev of null, zero, random and urandom, a /proc
+// of its own PID namespace, and of the node's state dir (the fixture's
+// kubelet dir too) only its own volume's work/ and secrets/, and the
+// profile's source root read-only: no FUSE mount, no /dev/fuse, no host
+// device.
+func checkSandboxed(t *testing.T, f *daemonFixture, id string, pid int) {
+	t.Helper()
+	proc := "/proc/" + strconv.Itoa(pid)
+	for _, ns := range []string{"mnt", "pid", "ipc", "uts"} {
+		mine, err1 := os.Readlink("/proc/self/ns/" + ns)
+		its, err2 := os.Readlink(proc + "/ns/" + ns)
+		if err1 != nil || err2 != nil || mine == its {
+			t.Errorf("the daemon's %s namespace is %q (%v), the mounter's %q (%v): want one of its own", ns, its, err2, mine, err1)
+		}
+	}
+	st := mountnstest.ProcStatus(t, pid)
+	if nspid := strings.Fields(st["NSpid"]); len(nspid) != 2 || nspid[1] != "1" {
+		t.Errorf("the daemon's NSpid %q: want its host PID and 1 (the first process of a PID namespace of its own)", st["NSpid"])
+	}
+	vol := f.volDir(id)
+	ownDirs := []string{filepath.Join(vol, "work"), filepath.Join(vol, "secrets")}
+	readOnly := []string{"/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", f.images}
+	devices := []string{"/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"}
+	ms := mountnstest.MountsUnder(t, pid, "/")
+	for _, m := range ms {
+		t.Logf("the daemon's mount: %s on %s (root %s) %s %s", m.FSType, m.Mountpoint, m.Root, m.Options, m.VFSOptions)
+		ro := slices.Contains(strings.Split(m.Options, ","), "ro")
+		switch {
+		case mountns.IsFuse(m):
+			t.Errorf("the daemon sees a FUSE mount at %s", m.Mountpoint)
+		case m.Mountpoint == "/":
+			if m.FSType != "tmpfs" || !ro {
+				t.Errorf("the daemon's root is %s (%s), want a read-only tmpfs of its own", m.FSType, m.Options)
+			}
+		case m.Mountpoint == "/proc":
+			if m.FSType != "proc" {
+				t.Errorf("the daemon's /proc is %s", m.FSType)
+			}
+		case slices.Contains(devices, m.Mountpoint):
+		case slices.ContainsFunc(ownDirs, func(d string) bool { return plan.Within(d, m.Mountpoint) }):
+		case slices.ContainsFunc(readOnly, func(d string) bool { return plan.Within(d, m.Mountpoint) }):
+			if !ro {
+				t.Errorf("%s is writable in the daemon's root", m.Mountpoint)
+			}
+		default:
+			t.Errorf("the daemon sees a mount it does not need: %s on %s (root %s)", m.FSType, m.Mountpoint, m.Root)
+		}
+		if plan.Within(f.state, m.Mountpoint) && !slices.ContainsFunc(ownDirs, func(d string) bool { return plan.Within(d, m.Mountpoint) }) {
+			t.Errorf("the daemon sees %s of the state (and kubelet) dir, not its own volume's", m.Mountpoint)
+		}
+		if m.Mountpoint == "/dev" || m.FSType == "devtmpfs" && !slices.Contains(devices, m.Mountpoint) {
+			t.Errorf("the daemon sees the host's /dev: %s on %s", m.FSType, m.Mountpoint)
+		}
+	}
+	root := proc + "/root"
+	ents, err := os.ReadDir(root + "/dev")
+	if err != nil {
+		t.Errorf("the daemon's /dev: %v", err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	t.Logf("the daemon's /dev: %v", names)
+	for _, n := range names {
+		if !slices.Contains([]string{"null", "zero", "random", "urandom", "fd", "stdin", "stdout", "stderr"}, n) {
+			t.Errorf("the daemon's /dev holds %s", n)
+		}
+	}
+	for _, dev := range []string{"/dev/fuse", "/dev/loop-control", "/dev/sda", "/dev/kmsg", "/dev/mem"} {
+		if fd, err := unix.Open(root+dev, unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
+			unix.Close(fd)
+			t.Errorf("%s opens in the daemon's root", dev)
+		} else if !errors.Is(err, unix.ENOENT) {
+			t.Errorf("opening %s in the daemon's root: %v, want ENOENT", dev, err)
+		}
+	}
+	// Of the test's directory (the state dir, the images, the rest), the
+	// daemon's root holds its own volume's dirs and the images' root, and
+	// the directories that lead to them: nothing else.
+	allowed := append(slices.Clone(ownDirs), f.images)
+	_ = filepath.WalkDir(root+f.dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		rel := strings.TrimPrefix(p, root)
+		switch {
+		case slices.ContainsFunc(allowed, func(a string) bool { return plan.Within(a, rel) }):
+			return fs.SkipDir
+		case !slices.ContainsFunc(allowed, func(a string) bool { return plan.Within(rel, a) }):
+			t.Errorf("the daemon's root holds %s", rel)
+			if d.IsDir() {
+				return fs.SkipDir
+			}
+		}
+		return nil
+	})
+	pids, err := os.ReadDir(root + "/proc")
+	if err != nil {
+		t.Fatalf("the daemon's /proc: %v", err)
+	}
+	var seen []string
+	for _, e := range pids {
+		if _, err := strconv.Atoi(e.Name()); err == nil {
+			seen = append(seen, e.Name())
+		}
+	}
+	t.Logf("the daemon's /proc lists the processes %v", seen)
+	if !slices.Contains(seen, "1") || len(seen) > 3 {
+		t.Errorf("the daemon's /proc lists %v: want its own few processes, 1 among them", seen)
+	}
+}
+
+// sftpServer serves sftp-server on a loopback port (sshfs's directport)
+// until the test ends: each connection gets a sftp-server of its own, as
+// root, in the test's namespaces. It returns the port.
+func sftpServer(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go serveSftp(c)
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		<-done
+	})
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	return port
+}
+
+func serveSftp(c net.Conn) {
+	defer c.Close()
+	cmd := exec.Command("/usr/lib/openssh/sftp-server")
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return
+	}
+	cmd.Stdout = c
+	if cmd.Start() != nil {
+		return
+	}
+	_, _ = io.Copy(in, bufio.NewReader(c))
+	in.Close()
+	_ = cmd.Wait()
 }

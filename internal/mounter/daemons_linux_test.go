@@ -108,8 +108,10 @@ func daemonFixtureIn(t *testing.T) *daemonFixture {
 			Secrets: []fuseprofile.Secret{{Name: "token"}}, FdMount: true, MountOptions: other},
 		{Name: "squashfuse-limited", Binary: "/usr/bin/squashfuse", Args: squashFd, Source: src, Resources: limited, FdMount: true, MountOptions: other},
 		// sshfs of a directory of the test's, served by sftp-server
-		// through ssh_command (no sshd, no network).
-		{Name: "sshfs-fd", Binary: "/usr/bin/sshfs", Args: []string{"-f", "{source}", "{mountpoint}", "-o", "ssh_command=" + filepath.Join(dir, "sftp.sh")},
+		// across the loopback network (directport: no sshd, no ssh). Not
+		// an ssh_command script of the test's: the daemon's root holds no
+		// test directory, as it holds nothing of a node but its volume's.
+		{Name: "sshfs-fd", Binary: "/usr/bin/sshfs", Args: []string{"-f", "{source}", "{mountpoint}", "-o", "directport=" + sftpServer(t)},
 			Source: fuseprofile.SourceRule{Pattern: `127\.0\.0\.1:/[A-Za-z0-9._/-]*`}, FdMount: true, MountOptions: []string{"allow_other", "default_permissions"}},
 		// hog mounts (through squashfuse, its child) and, once told to
 		// by a file in its work dir, reads 256 MiB into a variable of
@@ -121,10 +123,6 @@ func daemonFixtureIn(t *testing.T) *daemonFixture {
 			Source: fuseprofile.SourceRule{Pattern: "x"}, Secrets: []fuseprofile.Secret{{Name: "token"}}, RunAs: &daemon.User{UID: nobody, GID: nobody}},
 	}}
 	if err := fuseprofile.Validate(f.cfg.FuseProfiles); err != nil {
-		t.Fatal(err)
-	}
-	// sshfs-fd's server: sftp-server on the daemon's ssh pipe.
-	if err := os.WriteFile(filepath.Join(dir, "sftp.sh"), []byte("#!/bin/sh\nexec /usr/lib/openssh/sftp-server\n"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	f.n = f.node()
@@ -274,6 +272,9 @@ func daemonLifecycle(t *testing.T, profile string) {
 	if second.PID == info.PID || !second.Alive() || second.Conn == 0 {
 		t.Errorf("generation 2: %+v (first %+v)", second, info)
 	}
+	if profile == "squashfuse-fd" {
+		checkSandboxed(t, f, id, second.PID) // a restart's daemon too
+	}
 	if _, err := f.n.StartDaemon(ctx, req); !errors.Is(err, errdefs.ErrFailedPrecondition) {
 		t.Errorf("StartDaemon while one runs = %v, want FailedPrecondition", err)
 	}
@@ -320,6 +321,21 @@ func daemonSecrets(t *testing.T, profile string) {
 	}
 	if strings.Contains(strings.Join(info.Command.Args, " "), token) || strings.Contains(strings.Join(info.Command.Env, " "), token) {
 		t.Error("the command holds the secret")
+	}
+	if strings.HasSuffix(profile, "-fd") {
+		// In its sandbox the daemon finds its secrets at the same path,
+		// read-only.
+		checkSandboxed(t, f, id, info.PID)
+		inRoot := fmt.Sprintf("/proc/%d/root%s", info.PID, filepath.Join(secrets, "token"))
+		if b, err := os.ReadFile(inRoot); err != nil || string(b) != token {
+			t.Errorf("the secret file in the daemon's root: %d bytes, %v; want the secret", len(b), err)
+		}
+		if w, err := os.OpenFile(inRoot, os.O_WRONLY, 0); !errors.Is(err, syscall.EROFS) {
+			if err == nil {
+				w.Close()
+			}
+			t.Errorf("opening the secret file for writing in the daemon's root = %v, want EROFS", err)
+		}
 	}
 	// A restart takes no secrets; the files stay.
 	f.stop(id, false)

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -127,10 +128,19 @@ func supervisorWithTheMounter(t *testing.T, fd bool) {
 	}
 	second := replaced(2)
 	if fd {
-		// The restarted daemon is fd mode's too: nobody, no capability.
+		// The restarted daemon is fd mode's too: nobody, no capability,
+		// PID 1 of a PID namespace of its own, in a mount namespace of
+		// its own.
 		ps := mountnstest.ProcStatus(t, second.PID)
 		if uid := strings.Fields(ps["Uid"]); len(uid) == 0 || uid[0] != "65534" || mountnstest.CapSet(t, ps, "CapEff") != 0 || mountnstest.CapSet(t, ps, "CapBnd") != 0 {
 			t.Errorf("generation 2: Uid %q CapEff %s CapBnd %s; want 65534 and none", ps["Uid"], ps["CapEff"], ps["CapBnd"])
+		}
+		if nspid := strings.Fields(ps["NSpid"]); len(nspid) != 2 || nspid[1] != "1" {
+			t.Errorf("generation 2: NSpid %q, want a PID namespace of its own", ps["NSpid"])
+		}
+		mine, _ := os.Readlink("/proc/self/ns/mnt")
+		if its, err := os.Readlink("/proc/" + strconv.Itoa(second.PID) + "/ns/mnt"); err != nil || its == mine {
+			t.Errorf("generation 2: mount namespace %q (%v), the mounter's %q: want one of its own", its, err, mine)
 		}
 	}
 	if !read() {
