@@ -109,8 +109,10 @@ func fuse0600Child(t *testing.T) {
 			t.Fatalf("a daemon of user nobody mounted by itself with /dev/fuse 0600: %+v", info)
 		}
 		t.Logf("the same profile without fd mode: %v", err)
-		if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "/dev/fuse: Permission denied") {
-			t.Errorf("StartDaemon = %v; want Unavailable quoting the daemon's failed open of /dev/fuse", err)
+		// Refused before the daemon runs (fuseDeviceOpenableBy), with
+		// what to do: not after its ready timeout, from its log.
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "/dev/fuse (mode 0600") || !strings.Contains(err.Error(), "fdMount: true") {
+			t.Errorf("StartDaemon = %v; want FailedPrecondition naming /dev/fuse's mode and fdMount", err)
 		}
 		f.gone("old")
 	})

@@ -274,6 +274,9 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 	if err != nil {
 		return info, err
 	}
+	if err := fuseDeviceOpenableBy(fuseDevice, prof, cmd.RunAs); err != nil {
+		return info, err
+	}
 	timeout := req.ReadyTimeout
 	if timeout <= 0 {
 		timeout = defaultReadyTimeout
@@ -841,4 +844,37 @@ func (n *Local) removeVolumeDir(l fuseLayout) error {
 	}
 	errs = append(errs, n.state.Remove(l.dir))
 	return errors.Join(errs...)
+}
+
+// fuseDeviceOpenableBy refuses, before anything is made, a daemon that
+// mounts by itself (a profile without fdMount) as a user whom the mode of
+// /dev/fuse shuts out: Debian's is 0666 only where udev runs, and without
+// it such a daemon can never mount; it would fail only after its ready
+// timeout, with "failed to open /dev/fuse" in its log. The mode bits are
+// what is read (an ACL or an LSM may say otherwise; the daemon's own
+// failure then still tells). An fd-mode daemon never opens the device.
+func fuseDeviceOpenableBy(dev string, prof *fuseprofile.Profile, runAs *daemon.User) error {
+	if prof.FdMount || runAs == nil || runAs.UID == 0 {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dev, &st); err != nil {
+		return nil // the daemon's own failure says what is missing
+	}
+	perm := st.Mode & 0o777
+	var ok bool
+	switch {
+	case st.Uid == runAs.UID:
+		ok = perm&0o600 == 0o600
+	case st.Gid == runAs.GID:
+		ok = perm&0o060 == 0o060
+	default:
+		ok = perm&0o006 == 0o006
+	}
+	if ok {
+		return nil
+	}
+	return fmt.Errorf("profile %s: its daemon mounts by itself as uid %d, and %s (mode %04o, owner %d:%d) does not let that user open it: "+
+		"set fdMount: true in the profile (the mounter then opens the device and mounts), or run the daemon as root: %w",
+		prof.Name, runAs.UID, dev, perm, st.Uid, st.Gid, errdefs.ErrFailedPrecondition)
 }

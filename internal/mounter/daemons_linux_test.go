@@ -99,8 +99,11 @@ func daemonFixtureIn(t *testing.T) *daemonFixture {
 		{Name: "squashfuse", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, ReadyTimeout: fuseprofile.Duration{Duration: 10 * time.Second}},
 		{Name: "squashfuse-nocaps", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, Capabilities: []string{}},
 		{Name: "squashfuse-user", Binary: "/usr/bin/squashfuse", Args: squash, Source: src, RunAs: &daemon.User{UID: nobody, GID: nobody}},
+		// As root: a daemon that mounts by itself as another user needs
+		// /dev/fuse open to all, which a node without udev does not give
+		// (TestDaemonPrivilegesInMounter); the secrets work the same.
 		{Name: "secretful", Binary: "/usr/bin/squashfuse", Args: append(squash, "-o", "fsname={secret:token}"), Source: src,
-			Secrets: []fuseprofile.Secret{{Name: "token"}}, RunAs: &daemon.User{UID: nobody, GID: nobody}},
+			Secrets: []fuseprofile.Secret{{Name: "token"}}},
 		{Name: "squashfuse-fd", Binary: "/usr/bin/squashfuse", Args: squashFd, Source: src, FdMount: true, MountOptions: other},
 		{Name: "squashfuse-user-fd", Binary: "/usr/bin/squashfuse", Args: squashFd, Source: src, RunAs: &daemon.User{UID: nobody, GID: nobody},
 			FdMount: true, MountOptions: other},
@@ -119,8 +122,9 @@ func daemonFixtureIn(t *testing.T) *daemonFixture {
 		{Name: "hog", Binary: "/bin/sh", Args: []string{"-c", hogScript, "hog", "{source}", "{mountpoint}", "{workdir}"}, Source: src,
 			Resources: fuseprofile.Resources{Memory: "32Mi"}},
 		{Name: "sleeper", Binary: "/bin/sh", Args: []string{"-c", "exec sleep 30", "{mountpoint}"}, Source: fuseprofile.SourceRule{Pattern: "x"}},
+		// As root, as secretful is.
 		{Name: "leaky", Binary: "/bin/sh", Args: []string{"-c", `cat "$1"; echo; echo giving up >&2; exit 3`, "{mountpoint}", "{secret:token}"},
-			Source: fuseprofile.SourceRule{Pattern: "x"}, Secrets: []fuseprofile.Secret{{Name: "token"}}, RunAs: &daemon.User{UID: nobody, GID: nobody}},
+			Source: fuseprofile.SourceRule{Pattern: "x"}, Secrets: []fuseprofile.Secret{{Name: "token"}}},
 	}}
 	if err := fuseprofile.Validate(f.cfg.FuseProfiles); err != nil {
 		t.Fatal(err)
@@ -404,6 +408,17 @@ func TestDaemonPrivilegesInMounter(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.profile, func(t *testing.T) {
+			if tt.uid != "0" && !fuseOpenToAll(t) {
+				// A node without udev (/dev/fuse 0600): a daemon of
+				// another user that mounts by itself cannot, and is
+				// refused before it runs, saying what to do.
+				_, err := f.n.StartDaemon(context.Background(), f.request(tt.profile, tt.profile))
+				if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "fdMount: true") {
+					t.Errorf("StartDaemon of %s with /dev/fuse closed to its user = %v; want FailedPrecondition naming fdMount", tt.profile, err)
+				}
+				f.gone(tt.profile)
+				return
+			}
 			info := f.start(f.request(tt.profile, tt.profile))
 			st := mountnstest.ProcStatus(t, info.PID)
 			if st["NoNewPrivs"] != "1" {
@@ -433,6 +448,54 @@ func TestDaemonPrivilegesInMounter(t *testing.T) {
 		t.Errorf("a daemon without capabilities = %v, want Unavailable (it cannot mount)", err)
 	}
 	f.gone("nocaps")
+}
+
+// fuseOpenToAll says whether /dev/fuse lets every user open it (udev's
+// 0666), and logs which way the test runs.
+func fuseOpenToAll(t *testing.T) bool {
+	t.Helper()
+	fi, err := os.Stat("/dev/fuse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	open := fi.Mode().Perm()&0o006 == 0o006
+	t.Logf("/dev/fuse is %s here: a daemon of another user that mounts by itself %s", fi.Mode(), map[bool]string{true: "can open it", false: "cannot open it"}[open])
+	return open
+}
+
+// TestFuseDeviceOpenableBy: whom the mode of /dev/fuse lets a daemon that
+// mounts by itself open it as, on any machine (a file of each mode stands
+// in for the device); an fd-mode daemon and root are never refused.
+func TestFuseDeviceOpenableBy(t *testing.T) {
+	dir := t.TempDir()
+	user := &daemon.User{UID: nobody, GID: nobody}
+	own := &fuseprofile.Profile{Name: "own"}
+	fd := &fuseprofile.Profile{Name: "fd", FdMount: true}
+	for _, tt := range []struct {
+		mode    os.FileMode
+		prof    *fuseprofile.Profile
+		runAs   *daemon.User
+		refused bool
+	}{
+		{0o666, own, user, false},
+		{0o600, own, user, true},
+		{0o660, own, user, true},
+		{0o600, own, nil, false},
+		{0o600, own, &daemon.User{}, false},
+		{0o600, fd, user, false},
+	} {
+		dev := filepath.Join(dir, fmt.Sprintf("fuse-%o", tt.mode))
+		if err := os.WriteFile(dev, nil, tt.mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(dev, tt.mode); err != nil {
+			t.Fatal(err)
+		}
+		err := mounter.FuseDeviceOpenableBy(dev, tt.prof, tt.runAs)
+		if refused := errors.Is(err, errdefs.ErrFailedPrecondition); refused != tt.refused || (err != nil && !refused) {
+			t.Errorf("mode %04o, profile %s, user %v: %v; want refused %v", tt.mode, tt.prof.Name, tt.runAs, err, tt.refused)
+		}
+	}
 }
 
 // TestDaemonHostile sends StartDaemon, StopDaemons, WaitDaemon and

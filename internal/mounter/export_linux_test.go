@@ -34,3 +34,6 @@ func CheckBindSource(n *Local, p string) error {
 // SharedGroupOf is sharedGroupOf: the peer group of the shared mount f lies
 // on, by statmount(2).
 func SharedGroupOf(f *os.File) (int, error) { return sharedGroupOf(f) }
+
+// FuseDeviceOpenableBy is fuseDeviceOpenableBy, for TestFuseDeviceOpenableBy.
+var FuseDeviceOpenableBy = fuseDeviceOpenableBy
