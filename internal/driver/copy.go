@@ -106,9 +106,13 @@ func cleanCopy(ctx context.Context, sn source.Snapshotter, image, fsType string)
 // NotFound. The returned func is never nil.
 func (d *Driver) lockContent(id string, cs *csi.VolumeContentSource) (*content, func(), error) {
 	none := func() {}
-	if snapID := cs.GetSnapshot().GetSnapshotId(); snapID != "" {
+	if ref := cs.GetSnapshot().GetSnapshotId(); ref != "" {
+		snapID, elsewhere := d.localSnapshot(ref)
 		if model.ValidID(snapID) != nil {
-			return nil, none, fmt.Errorf("snapshot %s: %w", snapID, errdefs.ErrNotFound)
+			return nil, none, fmt.Errorf("snapshot %s: %w", ref, errdefs.ErrNotFound)
+		}
+		if elsewhere != "" {
+			return nil, none, d.snapshotElsewhere(ref, elsewhere)
 		}
 		unlock, err := d.records.TryLockSnapshot(snapID, "CreateVolume")
 		if err != nil {
@@ -121,7 +125,8 @@ func (d *Driver) lockContent(id string, cs *csi.VolumeContentSource) (*content, 
 		if err != nil {
 			return nil, unlock, err
 		}
-		return &content{record: &model.ContentSource{Snapshot: snapID}, image: snap.Image, size: snap.SizeBytes, format: snap.Format}, unlock, nil
+		// The ID as the CO gave it: a retried CreateVolume compares it.
+		return &content{record: &model.ContentSource{Snapshot: ref}, image: snap.Image, size: snap.SizeBytes, format: snap.Format}, unlock, nil
 	}
 	volID := cs.GetVolume().GetVolumeId()
 	if volID == "" {

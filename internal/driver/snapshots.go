@@ -133,10 +133,14 @@ func (d *Driver) undoSnapshot(ctx context.Context, snap *model.Snapshot) error {
 }
 
 func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
-	id := req.GetSnapshotId()
-	if err := requireField("snapshot_id", id); err != nil {
+	if err := requireField("snapshot_id", req.GetSnapshotId()); err != nil {
 		return nil, err
 	}
+	// Another node's snapshot is looked for here by its name all the
+	// same, as before IDs named their node: a node never holds a name
+	// another one took (the CO's names are unique), so nothing of another
+	// node's is touched, and a delete sent astray answers as it did.
+	id, _ := d.localSnapshot(req.GetSnapshotId())
 	if model.ValidID(id) != nil {
 		return &csi.DeleteSnapshotResponse{}, nil // such a snapshot cannot exist here
 	}
@@ -157,9 +161,9 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 
 func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
 	var snaps []*model.Snapshot
-	switch id := req.GetSnapshotId(); {
-	case id != "":
-		if model.ValidID(id) != nil {
+	switch id, elsewhere := d.localSnapshot(req.GetSnapshotId()); {
+	case req.GetSnapshotId() != "":
+		if model.ValidID(id) != nil || elsewhere != "" {
 			break // such a snapshot cannot exist here
 		}
 		snap, err := d.records.Snapshot(id)
@@ -195,11 +199,11 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 }
 
 func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (*csi.GetSnapshotResponse, error) {
-	id := req.GetSnapshotId()
-	if err := requireField("snapshot_id", id); err != nil {
+	if err := requireField("snapshot_id", req.GetSnapshotId()); err != nil {
 		return nil, err
 	}
-	if model.ValidID(id) != nil {
+	id, elsewhere := d.localSnapshot(req.GetSnapshotId())
+	if model.ValidID(id) != nil || elsewhere != "" {
 		return nil, fmt.Errorf("snapshot %s: %w", id, errdefs.ErrNotFound)
 	}
 	snap, err := d.records.Snapshot(id)
@@ -214,7 +218,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 
 func (d *Driver) csiSnapshot(s *model.Snapshot) *csi.Snapshot {
 	return &csi.Snapshot{
-		SnapshotId:         s.ID,
+		SnapshotId:         d.snapshotRef(s.ID),
 		SourceVolumeId:     s.SourceVolume,
 		SizeBytes:          s.SizeBytes,
 		CreationTime:       timestamppb.New(s.Created),

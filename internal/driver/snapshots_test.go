@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -72,7 +73,7 @@ func TestSnapshotRestoreClone(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := resp.GetSnapshot()
-	if s.GetSnapshotId() != "snap" || s.GetSourceVolumeId() != "src" || s.GetSizeBytes() != 16<<20 || !s.GetReadyToUse() || s.GetCreationTime() == nil {
+	if s.GetSnapshotId() != "snap@node-a" || s.GetSourceVolumeId() != "src" || s.GetSizeBytes() != 16<<20 || !s.GetReadyToUse() || s.GetCreationTime() == nil {
 		t.Fatalf("snapshot %v", s)
 	}
 	if len(s.GetAccessibleTopology()) != 1 || !proto.Equal(s.GetAccessibleTopology()[0], d.topology()) {
@@ -277,7 +278,7 @@ func TestListPages(t *testing.T) {
 	}
 
 	bySource, err := d.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: "d"})
-	if err != nil || len(bySource.GetEntries()) != 1 || bySource.GetEntries()[0].GetSnapshot().GetSnapshotId() != "s-d" {
+	if err != nil || len(bySource.GetEntries()) != 1 || bySource.GetEntries()[0].GetSnapshot().GetSnapshotId() != "s-d@node-a" {
 		t.Errorf("snapshots of d: %v, %v", bySource, err)
 	}
 	byID, err := d.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: "s-b"})
@@ -354,5 +355,70 @@ func must(t *testing.T, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestSnapshotsNameTheirNode (issue 37): a snapshot lives on the node that
+// took it, and its ID says which ("<name>@<node>"), so that a node asked
+// to restore another node's snapshot answers ResourceExhausted (the
+// provisioner then reschedules the claim, where NotFound left it Pending
+// for good: csi-driver-host-path #651) while a snapshot that exists
+// nowhere stays NotFound, as CSI says. IDs without a node (taken before)
+// are this node's.
+func TestSnapshotsNameTheirNode(t *testing.T) {
+	d, _ := newTestDriver(t)
+	ctx := context.Background()
+	createVol(t, d, "src", []byte("x"))
+	resp, err := d.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: "src"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetSnapshot().GetSnapshotId()
+	if id != "s@node-a" {
+		t.Fatalf("snapshot ID %q, want s@node-a: the name and the node that holds it", id)
+	}
+	restore := func(name, snap string) error {
+		_, err := d.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: []*csi.VolumeCapability{rwo},
+			VolumeContentSource: fromSnapshot(snap)})
+		return err
+	}
+	for _, tt := range []struct {
+		snap string
+		want codes.Code
+	}{
+		{id, codes.OK},
+		{"s", codes.OK}, // taken before IDs named their node
+		{"s@node-b", codes.ResourceExhausted},
+		{"missing@node-a", codes.NotFound},
+		{"missing", codes.NotFound},
+		{"missing@node-b", codes.ResourceExhausted},
+		{"@node-a", codes.NotFound},
+	} {
+		err := restore("r-"+strings.NewReplacer("@", "-at-").Replace(tt.snap), tt.snap)
+		if got := errdefs.Code(err); got != tt.want {
+			t.Errorf("restore from %q: %v (%v), want %v", tt.snap, got, err, tt.want)
+		}
+		if tt.want == codes.ResourceExhausted && (err == nil || !strings.Contains(err.Error(), "node-b")) {
+			t.Errorf("restore from %q: %v; want the error to name the snapshot's node", tt.snap, err)
+		}
+	}
+	if resp, err := d.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id}); err != nil || resp.GetSnapshot().GetSnapshotId() != id {
+		t.Errorf("GetSnapshot(%s) = %v, %v", id, resp, err)
+	}
+	if _, err := d.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: "s@node-b"}); errdefs.Code(err) != codes.NotFound {
+		t.Errorf("GetSnapshot of another node's = %v, want NotFound here", err)
+	}
+	if resp, err := d.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: id}); err != nil || len(resp.GetEntries()) != 1 ||
+		resp.GetEntries()[0].GetSnapshot().GetSnapshotId() != id {
+		t.Errorf("ListSnapshots(%s) = %v, %v; want it", id, resp, err)
+	}
+	if resp, err := d.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: "s@node-b"}); err != nil || len(resp.GetEntries()) != 0 {
+		t.Errorf("ListSnapshots of another node's = %v, %v; want none here", resp, err)
+	}
+	if _, err := d.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: id}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: "s"}); errdefs.Code(err) != codes.NotFound {
+		t.Errorf("GetSnapshot after DeleteSnapshot(%s) = %v, want NotFound", id, err)
 	}
 }
