@@ -178,10 +178,14 @@ func capacityAcrossNodes(t *testing.T, e *env) {
 
 // snapshotsStayOnTheirNode: a snapshot of a claim on node B lives on B;
 // a claim restored from it for a pod on B is made there and holds the
-// snapshot's data; one restored for a pod on node A is refused by A's
-// plugin (NotFound: the snapshot is not on A), stays Pending and leaves
-// nothing on A. The scheduler does not know where a snapshot lives, so a
-// restore's pod must be placed on its node (docs/snapshots.md).
+// snapshot's data; one restored for a pod pinned to node A is refused by
+// A's plugin (ResourceExhausted: the snapshot lives on B), stays Pending
+// and leaves nothing on A. Four restores for pods placed nowhere in
+// particular all end Running on B with the data within two minutes,
+// whichever node the scheduler tries first: each node without the
+// snapshot answers ResourceExhausted, and the provisioner has the claim
+// rescheduled (issue 37; NotFound left such a claim Pending for good, as
+// csi-driver-host-path #651 did).
 func snapshotsStayOnTheirNode(t *testing.T, e *env) {
 	a, b := e.workers(t)
 	e.nodesNamespace(t)
@@ -209,7 +213,7 @@ func snapshotsStayOnTheirNode(t *testing.T, e *env) {
 	waitFor(t, 2*time.Minute, "the restore on "+a.cfg.name()+" refused there", func() error {
 		msgs := must(t)(e.c.kubectl("-n", nodesNS, "get", "events", "--field-selector",
 			"involvedObject.kind=PersistentVolumeClaim,involvedObject.name=there,reason=ProvisioningFailed", "-o", "jsonpath={.items[*].message}"))
-		if !strings.Contains(msgs, "NotFound") || !strings.Contains(msgs, "snapshot") {
+		if !strings.Contains(msgs, "ResourceExhausted") || !strings.Contains(msgs, "lives on node "+b.cfg.name()) {
 			return fmt.Errorf("claim there's ProvisioningFailed events: %q", msgs)
 		}
 		t.Logf("a restore asked on %s, the snapshot being on %s: %s", a.cfg.name(), b.cfg.name(), lastLines(msgs, 1))
@@ -219,4 +223,46 @@ func snapshotsStayOnTheirNode(t *testing.T, e *env) {
 		t.Errorf("claim there: %q, want Pending with no volume", out)
 	}
 	e.checkCleanOn(t, a, true)
+	e.c.deleteInAndWait(t, nodesNS, "pod", "there")
+
+	// Restores whose pods the scheduler places where it likes.
+	start := time.Now()
+	var names []string
+	for i := 1; i <= 4; i++ {
+		n := fmt.Sprintf("free-%d", i)
+		names = append(names, n)
+		e.apply(t, restore(n), inNodesNS(pod(n, withClaim(n, "/data", false))))
+	}
+	waitFor(t, 2*time.Minute, "the four unpinned restores Running", func() error {
+		for _, n := range names {
+			phase := strings.TrimSpace(must(t)(e.c.kubectl("-n", nodesNS, "get", "pod", n, "-o", "jsonpath={.status.phase}")))
+			if phase != "Running" {
+				return fmt.Errorf("pod %s is %q", n, phase)
+			}
+		}
+		return nil
+	})
+	t.Logf("four restores of a snapshot on %s, their pods unpinned: all Running after %s", b.cfg.name(), time.Since(start).Round(time.Second))
+	for _, n := range names {
+		e.expect(t, nodesNS+"/"+n, "/data/token", tok)
+		if got := e.claimNode(t, nodesNS, n); got != b.cfg.name() {
+			t.Errorf("restore %s is on %s, want the snapshot's node %s", n, got, b.cfg.name())
+		}
+		// Where the scheduler tried first, and how often a node without
+		// the snapshot sent the claim back.
+		msgs := must(t)(e.c.kubectl("-n", nodesNS, "get", "events", "--field-selector",
+			"involvedObject.kind=PersistentVolumeClaim,involvedObject.name="+n+",reason=ProvisioningFailed", "-o", "jsonpath={range .items[*]}{.count} {.message}{\"\\n\"}{end}"))
+		t.Logf("restore %s: %d rescheduling answer(s) from nodes without the snapshot%s", n, strings.Count(msgs, "lives on node"), firstNodeTried(msgs))
+	}
+}
+
+// firstNodeTried names the node of the first "not on <node>" refusal of a
+// claim's ProvisioningFailed events, if any.
+func firstNodeTried(msgs string) string {
+	_, rest, ok := strings.Cut(msgs, ", not on ")
+	if !ok {
+		return " (the scheduler's first choice was the snapshot's node)"
+	}
+	node, _, _ := strings.Cut(rest, ":")
+	return "; the scheduler first tried " + node
 }
