@@ -29,7 +29,7 @@ import (
 )
 
 func main() {
-	var pluginEndpoint, nodeID, driverName, kubeconfig string
+	var pluginEndpoint, nodeID, driverName, kubeconfig, healthAddress string
 	var workers int
 	var healthInterval time.Duration
 	flag.StringVar(&pluginEndpoint, "plugin-endpoint", "unix:///csi/csi.sock", "the plugin's CSI socket")
@@ -38,6 +38,7 @@ func main() {
 	flag.StringVar(&kubeconfig, "kubeconfig", "", "kubeconfig file; empty: the pod's service account")
 	flag.IntVar(&workers, "workers", 4, "claims expanded at the same time")
 	flag.DurationVar(&healthInterval, "health-events-interval", 10*time.Second, "how often the health of each volume in use on the node is asked, for Events on its claim and pods; 0: no such Events")
+	flag.StringVar(&healthAddress, "health-address", "", "serve /healthz on this address (host:port) for kubelet's liveness probe; empty: off")
 	showVersion := flag.Bool("version", false, "print the version, git revision, build date and Go version, and exit")
 	klog.InitFlags(nil)
 	flag.Parse()
@@ -45,14 +46,14 @@ func main() {
 		version.Get().Print(os.Stdout, "mountplan-resizer")
 		return
 	}
-	if err := run(pluginEndpoint, nodeID, driverName, kubeconfig, workers, healthInterval); err != nil {
+	if err := run(pluginEndpoint, nodeID, driverName, kubeconfig, healthAddress, workers, healthInterval); err != nil {
 		klog.ErrorS(err, "mountplan-resizer failed")
 		klog.Flush()
 		os.Exit(1)
 	}
 }
 
-func run(pluginEndpoint, nodeID, driverName, kubeconfig string, workers int, healthInterval time.Duration) error {
+func run(pluginEndpoint, nodeID, driverName, kubeconfig, healthAddress string, workers int, healthInterval time.Duration) error {
 	if nodeID == "" {
 		return fmt.Errorf("--node-id is required")
 	}
@@ -84,6 +85,9 @@ func run(pluginEndpoint, nodeID, driverName, kubeconfig string, workers int, hea
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background())
+	if _, _, err := serveHealth(ctx, healthAddress); err != nil {
+		return err
+	}
 	if healthInterval > 0 {
 		pvcs, pvs := r.Listers()
 		w, err := healthevents.New(healthevents.Options{DriverName: driverName, NodeID: nodeID, Kube: kube,

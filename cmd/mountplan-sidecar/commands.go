@@ -179,7 +179,11 @@ func runServe(ctx context.Context, args []string) error {
 	// With the plugin's socket at hand, only the plugin's processes are
 	// served, not any process of its uid (internal/peer).
 	if p, err := endpoint.Path(hf.pluginEndpoint); err == nil && hf.pluginEndpoint != "" {
-		s.AllowPeer = peer.NewPlugin(p).Allow
+		// Its own namespace too: kubelet's liveness probe runs
+		// `mountplan-sidecar probe` in this container (runProbe).
+		pp := peer.NewPlugin(p)
+		pp.Own = true
+		s.AllowPeer = pp.Allow
 		logger.Info("Serving the plugin's processes only", "pluginSocket", p)
 	}
 	err = s.Serve(ctx, l)

@@ -30,6 +30,8 @@ commands:
   serve    serve the mounter (every privileged act of the plugin) on a unix socket, and the NRI hook
   volumes  list what is mounted where: every volume, its source, device, stage, health and consumers,
            from the plugin's /debug/volumes, each consumer checked against the kernel (read only)
+  probe    ask serve for an answer on its socket: exit 0 when it answers, 1 with the reason
+           (the mounter container's liveness probe)
   version  print the version, git revision, build date and Go version (also --version)
 
 Run "mountplan-sidecar <command> -h" for the flags of a command.
@@ -79,6 +81,8 @@ func run(ctx context.Context, cmd string, args []string) error {
 		return runServe(ctx, args)
 	case "volumes":
 		return runVolumes(ctx, args, os.Stdout)
+	case "probe":
+		return runProbe(ctx, args, os.Stdout)
 	case "version", "--version", "-version":
 		version.Get().Print(os.Stdout, "mountplan-sidecar")
 		return nil

@@ -95,6 +95,8 @@ type Driver struct {
 	policy      plan.Policy
 	kubelet     kubeletDir
 	ready       atomic.Bool
+	// mounterProbe is Probe's view of a mounter in another process.
+	mounterProbe mounterProbe
 	// rebootedFrom is the boot the node had left when this process
 	// started, "" when it started in the boot it last ran in.
 	rebootedFrom string

@@ -2,10 +2,14 @@ package driver
 
 import (
 	"context"
+	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 	"k8s.io/klog/v2"
+
+	"github.com/mountplan/mountplan/internal/mounter"
 )
 
 func (d *Driver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
@@ -25,9 +29,15 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 	}}, nil
 }
 
-// Probe is ready once the startup reconcile has finished and the journal
-// can still be written: a plugin that cannot record intents must not take
-// new work.
+// Probe is ready once the startup reconcile has finished, the journal
+// can still be written (a plugin that cannot record intents must not take
+// new work) and the mounter answers, when it is another process (the
+// chart's sidecar serve).
+//
+// A silent mounter makes Probe not ready, not an error: kubelet's
+// livenessprobe (and the plugin's own /healthz) restart the plugin on an
+// error, which does not bring a mounter back; the mounter's container has
+// a liveness probe of its own for that (mountplan-sidecar probe).
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	ready := d.ready.Load()
 	if ready {
@@ -36,5 +46,52 @@ func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResp
 			return nil, err
 		}
 	}
+	if p, ok := d.node.(mounter.Pinger); ok && ready {
+		ready = d.mounterProbe.answers(ctx, p)
+	}
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(ready)}, nil
+}
+
+// mounterProbeFresh is how long an answer of the mounter stands for
+// Probe: kubelet's livenessprobe and the registrar call it every few
+// seconds, and each would otherwise be a call to the mounter.
+const mounterProbeFresh = 5 * time.Second
+
+// mounterProbeTimeout bounds one Ping: Probe must answer well within
+// livenessprobe's own timeout.
+const mounterProbeTimeout = time.Second
+
+// mounterProbe keeps the mounter's last answer to Ping.
+type mounterProbe struct {
+	mu    sync.Mutex
+	asked time.Time // zero: never
+	err   error     // the last answer
+	now   func() time.Time
+}
+
+// answers reports whether the mounter answered, asking it again only when
+// the last answer is older than mounterProbeFresh. A change (silent, or
+// answering again) is logged once, with the reason.
+func (m *mounterProbe) answers(ctx context.Context, p mounter.Pinger) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := time.Now
+	if m.now != nil {
+		now = m.now
+	}
+	if !m.asked.IsZero() && now().Sub(m.asked) < mounterProbeFresh {
+		return m.err == nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, mounterProbeTimeout)
+	err := p.Ping(pctx)
+	cancel()
+	first := m.asked.IsZero()
+	switch {
+	case err != nil && (first || m.err == nil):
+		klog.FromContext(ctx).Error(err, "The mounter does not answer: Probe says not ready until it does")
+	case err == nil && !first && m.err != nil:
+		klog.FromContext(ctx).Info("The mounter answers again")
+	}
+	m.asked, m.err = now(), err
+	return err == nil
 }

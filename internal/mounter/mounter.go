@@ -283,6 +283,13 @@ type DaemonUsages interface {
 	DaemonUsage(ctx context.Context) ([]DaemonUsage, error)
 }
 
+// Pinger is a mounter in another process (the sidecar's serve), which may
+// stop answering while the plugin runs: Ping asks it for nothing but an
+// answer. A mounter in the plugin's own process has nothing to ask.
+type Pinger interface {
+	Ping(ctx context.Context) error
+}
+
 // Daemons runs the FUSE daemons of volumes under <state-dir>/fuse/<id>.
 type Daemons interface {
 	// StartDaemon makes the volume's directory (and secrets, at the

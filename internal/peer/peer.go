@@ -10,6 +10,7 @@ package peer
 
 import (
 	"fmt"
+	"os"
 	"sync"
 	"time"
 
@@ -27,6 +28,13 @@ const relearnEvery = time.Second
 // Plugin admits the processes of the plugin's mount namespace.
 type Plugin struct {
 	socket string // the plugin's CSI socket, as this process sees it
+	// Own, when set, admits the callers in this process's own mount
+	// namespace besides the plugin's: in the chart's mounter container,
+	// serve itself, the tools it starts and kubelet's exec probe
+	// (mountplan-sidecar probe). The server checks their uid first, and
+	// uid 0 there is root in a privileged container, which can do all the
+	// socket does without it. Set before the first Allow.
+	Own bool
 
 	mu      sync.Mutex
 	ns      plan.Namespace // zero until learned
@@ -47,6 +55,11 @@ func (p *Plugin) Allow(pid int) error {
 	got, err := mountns.IdentityOf(pid)
 	if err != nil {
 		return fmt.Errorf("caller pid %d: %w", pid, err)
+	}
+	if p.Own {
+		if own, err := mountns.IdentityOf(os.Getpid()); err == nil && own == got {
+			return nil
+		}
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()

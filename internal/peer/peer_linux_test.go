@@ -111,3 +111,21 @@ func TestOnlyThePlugin(t *testing.T) {
 		t.Error("a caller outside the plugin's namespace was served")
 	}
 }
+
+// TestOwnNamespace: with Own, a caller in the server's own mount namespace
+// (kubelet's exec probe in the mounter's container) is admitted even when
+// the plugin's socket does not answer; one in another namespace is not.
+func TestOwnNamespace(t *testing.T) {
+	mountnstest.RequireRoot(t)
+	mountnstest.RequireTool(t, "unshare")
+	dir := t.TempDir()
+	_, other := plugin(t, dir)
+	p := peer.NewPlugin(filepath.Join(dir, "none.sock"))
+	p.Own = true
+	if err := p.Allow(os.Getpid()); err != nil {
+		t.Fatalf("a caller in the server's own mount namespace: %v", err)
+	}
+	if err := p.Allow(other); err == nil {
+		t.Fatal("a caller in another mount namespace was admitted")
+	}
+}

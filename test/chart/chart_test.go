@@ -68,6 +68,7 @@ var valueSets = []struct {
 	{"sidecarRegistrationPodNetwork", map[string]any{"registration": "sidecar", "hostNetwork": false, "healthPort": 9808}},
 	{"sidecarRegistrationHostNetwork", map[string]any{"registration": "sidecar", "hostNetwork": true}},
 	{"noResizer", map[string]any{"resizer": map[string]any{"enabled": false}}},
+	{"resizerHealthPort", map[string]any{"hostNetwork": true, "resizer": map[string]any{"healthPort": 9809}}},
 	{"snapshots", map[string]any{"snapshots": map[string]any{"enabled": true}}},
 	{"snapshotsDefaultClass", map[string]any{"driverName": "loop.storage.example.com",
 		"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"name": "nightly", "isDefault": true, "deletionPolicy": "Retain"}}}},

@@ -140,6 +140,17 @@ func (c *Client) LiveNamespaces(ctx context.Context, cs []plan.Consumer) ([]bool
 	return out, nil
 }
 
+// Ping asks the mounter for an answer and nothing else: LiveNamespaces of
+// no consumer, which looks at nothing (no new call for a health check: a
+// mounter one version older answers it too). Its error is the transport's
+// (ErrUnavailable: nobody serves the socket) or ctx's.
+func (c *Client) Ping(ctx context.Context) error {
+	_, err := call[consumersReq, aliveResp](ctx, c, "LiveNamespaces", consumersReq{})
+	return err
+}
+
+var _ mounter.Pinger = (*Client)(nil)
+
 func (c *Client) StatFS(ctx context.Context, consumer plan.Consumer) (fsutil.Usage, error) {
 	return call[plan.Consumer, fsutil.Usage](ctx, c, "StatFS", consumer)
 }
