@@ -101,14 +101,8 @@ func run(f flags) error {
 		return err
 	}
 	defer closeMounter()
-	var mx *metrics.Metrics
 	var d *driver.Driver
-	if f.metricsAddress != "" {
-		mx = metrics.New(func() map[string]int { return d.StagedByType() })
-		if u, ok := node.(mounter.DaemonUsages); ok {
-			mx.AddDaemonUsage(daemonUsage(u))
-		}
-	}
+	mx := newMetrics(f, func() map[string]int { return d.StagedByType() }, node)
 	sources, err := newSources(f, cfg, node, mx)
 	if err != nil {
 		return err
@@ -178,6 +172,22 @@ func (f flags) check() (*config.Config, error) {
 		return nil, err
 	}
 	return cfg, nil
+}
+
+// newMetrics creates the metrics when --metrics-address asks for them (nil
+// otherwise): the registry, the node's name (--node-id) for dashboards to
+// select nodes by, and the FUSE daemons' usage when the mounter reports it.
+// staged is asked for the staged volumes by type at each scrape.
+func newMetrics(f flags, staged func() map[string]int, node mounter.Node) *metrics.Metrics {
+	if f.metricsAddress == "" {
+		return nil
+	}
+	mx := metrics.New(staged)
+	mx.NodeInfo(f.nodeID)
+	if u, ok := node.(mounter.DaemonUsages); ok {
+		mx.AddDaemonUsage(daemonUsage(u))
+	}
+	return mx
 }
 
 // serveMetrics serves the metrics (and the debug endpoints) on address when

@@ -31,7 +31,8 @@ func gathered(t *testing.T) []*dto.MetricFamily {
 	t.Helper()
 	m := New(func() map[string]int { return map[string]int{"loop": 1} })
 	m.ObserveRPC("/x", codes.OK, time.Millisecond)
-	m.ObserveStep("attach", time.Millisecond)
+	m.ObserveStep("attach", nil, time.Millisecond)
+	m.NodeInfo("node-a")
 	m.DaemonRestarted("p")
 	m.Reconciled(nil)
 	m.AddDaemonUsage(func(context.Context) ([]DaemonUsage, error) {
@@ -392,4 +393,66 @@ func lexPromQL(s string) ([]ptok, error) {
 		i = j
 	}
 	return out, nil
+}
+
+// TestDashboardNodeVariable: the dashboard's "Node" variable lists node
+// names (mountplan_node_info's node label, what the plugin's --node-id
+// says), not scrape addresses; the instance every panel selects on is
+// derived from the nodes picked, and is hidden.
+func TestDashboardNodeVariable(t *testing.T) {
+	b, err := os.ReadFile(dashboardPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Templating struct {
+			List []struct {
+				Name, Label string
+				Hide        int
+				Query       any
+			}
+		}
+	}
+	if err := json.Unmarshal(b, &dash); err != nil {
+		t.Fatal(err)
+	}
+	queries := map[string]string{}
+	hidden := map[string]bool{}
+	for _, v := range dash.Templating.List {
+		q, _ := v.Query.(map[string]any)
+		s, _ := q["query"].(string)
+		queries[v.Name], hidden[v.Name] = s, v.Hide == 2
+		if v.Label == "Node" && v.Name != "node" {
+			t.Errorf("the variable labelled Node is %s, want node", v.Name)
+		}
+	}
+	if want := `label_values(mountplan_node_info{job=~"$job"}, node)`; queries["node"] != want {
+		t.Errorf("variable node queries %q, want %q", queries["node"], want)
+	}
+	if want := `label_values(mountplan_node_info{job=~"$job", node=~"$node"}, instance)`; queries["instance"] != want {
+		t.Errorf("variable instance queries %q, want %q", queries["instance"], want)
+	}
+	if !hidden["instance"] {
+		t.Error("variable instance is shown: the nodes are picked by name")
+	}
+}
+
+// TestDashboardShowsStepFailures: a panel shows the device steps that
+// failed, by step.
+func TestDashboardShowsStepFailures(t *testing.T) {
+	b, err := os.ReadFile(dashboardPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash any
+	if err := json.Unmarshal(b, &dash); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range dashboardQueries(dash) {
+		if strings.Contains(q.expr, "mountplan_step_duration_seconds_count") && strings.Contains(q.expr, `result="error"`) &&
+			strings.Contains(q.expr, "by (step)") {
+			return
+		}
+	}
+	t.Error(`no query of the dashboard shows mountplan_step_duration_seconds_count{result="error"} by step`)
 }

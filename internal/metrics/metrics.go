@@ -45,9 +45,9 @@ func New(staged func() map[string]int) *Metrics {
 		}, []string{"method", "code"}),
 		steps: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "step_duration_seconds",
-			Help:    "Duration of device steps (attach, detach, format, mount, daemon_start, nbd_connect, nbd_disconnect, iscsi_login, iscsi_logout).",
+			Help:    "Duration of device steps (attach, detach, format, mount, daemon_start, nbd_connect, nbd_disconnect, iscsi_login, iscsi_logout), by result (ok, error).",
 			Buckets: []float64{.0001, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 5, 30},
-		}, []string{"step"}),
+		}, []string{"step", "result"}),
 		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "daemon_restarts_total",
 			Help: "Restarts of volume daemons (FUSE) by profile.",
@@ -86,10 +86,12 @@ func (m *Metrics) ObserveRPC(method string, code codes.Code, d time.Duration) {
 	}
 }
 
-// ObserveStep records the duration of a device step.
-func (m *Metrics) ObserveStep(step string, d time.Duration) {
+// ObserveStep records the duration of a device step and its outcome (err
+// nil: ok). A failed step is timed too: a failure that takes the whole
+// timeout is not one that fails at once.
+func (m *Metrics) ObserveStep(step string, err error, d time.Duration) {
 	if m != nil {
-		m.steps.WithLabelValues(step).Observe(d.Seconds())
+		m.steps.WithLabelValues(step, result(err)).Observe(d.Seconds())
 	}
 }
 
@@ -97,8 +99,32 @@ func (m *Metrics) ObserveStep(step string, d time.Duration) {
 func (m *Metrics) Step(step string, fn func() error) error {
 	start := time.Now()
 	err := fn()
-	m.ObserveStep(step, time.Since(start))
+	m.ObserveStep(step, err, time.Since(start))
 	return err
+}
+
+// result is the result label of an outcome.
+func result(err error) string {
+	if err != nil {
+		return "error"
+	}
+	return "ok"
+}
+
+// NodeInfo adds mountplan_node_info{node}, always 1: the node's name as
+// the plugin was started with it (--node-id). The scrape's own labels name
+// the target by address (a pod IP); a dashboard joins this series on
+// instance to select and show nodes by name, with no relabeling in the
+// scrape config.
+func (m *Metrics) NodeInfo(node string) {
+	if m == nil {
+		return
+	}
+	m.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "node_info",
+		Help:        "The name of the node the plugin serves (its --node-id); always 1.",
+		ConstLabels: prometheus.Labels{"node": node},
+	}, func() float64 { return 1 }))
 }
 
 // DaemonRestarted counts a restart of a daemon of profile.
@@ -133,14 +159,9 @@ func (m *Metrics) WatchReboot(rebooted bool, awaiting func() int) {
 
 // Reconciled counts a volume the reconciler visited.
 func (m *Metrics) Reconciled(err error) {
-	if m == nil {
-		return
+	if m != nil {
+		m.reconciles.WithLabelValues(result(err)).Inc()
 	}
-	result := "ok"
-	if err != nil {
-		result = "error"
-	}
-	m.reconciles.WithLabelValues(result).Inc()
 }
 
 // Serve serves /metrics on lis until ctx ends, and beside it each of

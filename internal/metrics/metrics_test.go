@@ -22,6 +22,8 @@ func TestNilMetricsRecordNothingAndDoNotPanic(t *testing.T) {
 	m.ObserveRPC("/x", codes.OK, time.Millisecond)
 	m.DaemonRestarted("sshfs")
 	m.Reconciled(nil)
+	m.ObserveStep("daemon_start", errors.New("x"), time.Millisecond)
+	m.NodeInfo("node-a")
 	ran := false
 	if err := m.Step("attach", func() error { ran = true; return nil }); err != nil || !ran {
 		t.Fatalf("Step on nil metrics: ran=%v err=%v", ran, err)
@@ -34,6 +36,9 @@ func TestScrape(t *testing.T) {
 	wantErr := errors.New("boom")
 	if err := m.Step("format", func() error { return wantErr }); !errors.Is(err, wantErr) {
 		t.Fatalf("Step lost the error: %v", err)
+	}
+	if err := m.Step("format", func() error { return nil }); err != nil {
+		t.Fatal(err)
 	}
 	m.DaemonRestarted("sshfs")
 	m.Reconciled(errors.New("x"))
@@ -65,7 +70,9 @@ func TestScrape(t *testing.T) {
 	}
 	for _, want := range []string{
 		`mountplan_rpc_duration_seconds_count{code="Aborted",method="/csi.v1.Node/NodeStageVolume"} 1`,
-		`mountplan_step_duration_seconds_count{step="format"} 1`,
+		// A step's outcome is a label: failures have a rate of their own.
+		`mountplan_step_duration_seconds_count{result="error",step="format"} 1`,
+		`mountplan_step_duration_seconds_count{result="ok",step="format"} 1`,
 		`mountplan_daemon_restarts_total{profile="sshfs"} 1`,
 		`mountplan_reconcile_volumes_total{result="error"} 1`,
 		`mountplan_staged_volumes{type="loop"} 3`,
@@ -107,4 +114,34 @@ func TestBuildInfo(t *testing.T) {
 		return
 	}
 	t.Fatal("no mountplan_build_info in the scrape")
+}
+
+// The node's name as the plugin was started with it (--node-id), on a
+// series of its own: dashboards join it on instance to show and select
+// nodes by name rather than by the scrape target's address.
+func TestNodeInfo(t *testing.T) {
+	m := New(nil)
+	m.NodeInfo("node-a")
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "mountplan_node_info" {
+			continue
+		}
+		if len(mf.GetMetric()) != 1 {
+			t.Fatalf("mountplan_node_info has %d series, want 1", len(mf.GetMetric()))
+		}
+		s := mf.GetMetric()[0]
+		got := map[string]string{}
+		for _, l := range s.GetLabel() {
+			got[l.GetName()] = l.GetValue()
+		}
+		if !maps.Equal(got, map[string]string{"node": "node-a"}) || s.GetGauge().GetValue() != 1 {
+			t.Errorf("mountplan_node_info %v = %v, want {node=node-a} 1", got, s.GetGauge().GetValue())
+		}
+		return
+	}
+	t.Fatal("no mountplan_node_info in the scrape")
 }

@@ -281,10 +281,10 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	started := time.Now()
 	info, err := m.StartDaemon(ctx, mounter.DaemonRequest{VolumeID: v.ID, Profile: p.Name, Params: params, ReadOnly: req.ReadOnly,
 		MountGroup: req.MountGroup, Secrets: req.Secrets, Generation: 1, ReadyTimeout: st.ReadyTimeout})
+	s.metrics.ObserveStep("daemon_start", err, time.Since(started))
 	if err != nil {
 		return nil, fmt.Errorf("volume %s: %w", v.ID, err)
 	}
-	s.metrics.ObserveStep("daemon_start", time.Since(started))
 	st.Command, st.BindSource = info.Command, info.BindSource
 	st.Daemon = Daemon{Generation: 1, Proc: info.Proc, Conn: info.Conn, Started: started.UTC()}
 	raw, err := json.Marshal(st)

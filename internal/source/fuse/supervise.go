@@ -344,13 +344,13 @@ func (sup *supervisor) replaceDaemon(ctx context.Context, params map[string]stri
 	started := time.Now()
 	info, err := sup.src.daemons.StartDaemon(ctx, mounter.DaemonRequest{VolumeID: sup.id, Profile: st.Profile, Params: params,
 		ReadOnly: st.ReadOnly, MountGroup: st.MountGroup, Generation: gen, ReadyTimeout: st.ReadyTimeout})
+	sup.src.metrics.ObserveStep("daemon_start", err, time.Since(started))
 	if err != nil {
 		// The failed generation stays the current one, so that the next
 		// attempt counts on from it.
 		sup.setDaemon(Daemon{Generation: gen, Started: started.UTC()}, nil)
 		return err
 	}
-	sup.src.metrics.ObserveStep("daemon_start", time.Since(started))
 	sup.setDaemon(Daemon{Generation: gen, Proc: info.Proc, Conn: info.Conn, Started: started.UTC()}, &info.Command)
 	sup.src.metrics.DaemonRestarted(st.Profile)
 	return source.SaveState(rec, sup.state())
