@@ -11,10 +11,11 @@ import (
 // state dir. Its ID, as the CO keeps it (a VolumeSnapshotContent's
 // snapshotHandle), names that node after the snapshot's name,
 // "<name>@<node>", so that a node asked to restore another node's
-// snapshot can tell "it is elsewhere" (ResourceExhausted: the
-// external-provisioner then takes the claim's selected node away and the
-// scheduler places the pod again, where NotFound left the claim Pending
-// for good: csi-driver-host-path #651) from "there is no such snapshot"
+// snapshot can tell "it is elsewhere" (ResourceExhausted, CSI's code for a
+// topology a volume cannot be made in: the external-provisioner then takes
+// the claim's selected node away, so the claim is never tied to the wrong
+// node, where NotFound left it for good: csi-driver-host-path #651; the
+// scheduler does not learn from it, though) from "there is no such snapshot"
 // (NotFound, as CSI says and csi-sanity checks). The name alone is the
 // snapshot's key in the records; '@' is in no name (model.ValidID) nor
 // node name. An ID without a node (taken before IDs named one, or whose
@@ -46,6 +47,6 @@ func (d *Driver) localSnapshot(id string) (name, elsewhere string) {
 // snapshotElsewhere is the error of a restore asked on a node that does
 // not hold the snapshot.
 func (d *Driver) snapshotElsewhere(id, node string) error {
-	return fmt.Errorf("snapshot %s lives on node %s, not on %s: a volume restored from it can only be made there "+
-		"(the claim is rescheduled; a pod pinned to %s cannot use it): %w", id, node, d.opts.NodeID, d.opts.NodeID, errdefs.ErrResourceExhausted)
+	return fmt.Errorf("snapshot %s lives on node %s, not on %s: a volume restored from it can only be made there; "+
+		"place the claim's pod on node %s (the claim is rescheduled meanwhile): %w", id, node, d.opts.NodeID, node, errdefs.ErrResourceExhausted)
 }
