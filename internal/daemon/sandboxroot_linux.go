@@ -36,6 +36,9 @@ func runSandbox() error {
 	if err := dropPrivileges(req.RunAs); err != nil {
 		return err
 	}
+	if err := loadDaemonFilter(); err != nil {
+		return err
+	}
 	// Nothing of the shim's reaches the daemon but fds 0-3.
 	if err := unix.CloseRange(sandboxFd, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC); err != nil {
 		return os.NewSyscallError("close_range", err)

@@ -241,6 +241,9 @@ func checkSandboxed(t *testing.T, f *daemonFixture, id string, pid int) {
 	if nspid := strings.Fields(st["NSpid"]); len(nspid) != 2 || nspid[1] != "1" {
 		t.Errorf("the daemon's NSpid %q: want its host PID and 1 (the first process of a PID namespace of its own)", st["NSpid"])
 	}
+	if st["Seccomp"] != "2" || st["Seccomp_filters"] != "1" {
+		t.Errorf("the daemon's Seccomp %q, Seccomp_filters %q: want 2 and 1 (its filter, internal/daemon's daemonPolicy)", st["Seccomp"], st["Seccomp_filters"])
+	}
 	vol := f.volDir(id)
 	ownDirs := []string{filepath.Join(vol, "work"), filepath.Join(vol, "secrets")}
 	readOnly := []string{"/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", f.images}
