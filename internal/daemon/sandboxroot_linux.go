@@ -202,11 +202,26 @@ func pivot() error {
 	if err := unix.Chdir(stage); err != nil {
 		return err
 	}
-	if err := unix.PivotRoot(".", "."); err != nil {
+	err := unix.PivotRoot(".", ".")
+	switch {
+	case errors.Is(err, unix.EINVAL):
+		// The root is the initramfs (rootfs), which cannot be pivoted
+		// away from (a machine that runs from its initramfs, as the test
+		// VM's guest does). As runc without pivot_root: the new root is
+		// moved over "/" and chrooted into. The old root's mounts stay in
+		// this namespace, hidden below it and out of reach of a daemon
+		// without CAP_SYS_CHROOT and with no descriptor of theirs; its
+		// log says so.
+		if err := moveRoot(); err != nil {
+			return err
+		}
+		fmt.Fprintln(os.Stderr, "mountplan: the daemon's sandbox: the root is an initramfs, which pivot_root cannot leave: its new root is moved over it instead (the mounter's mounts stay hidden below)")
+	case err != nil:
 		return fmt.Errorf("pivot_root: %w", err)
-	}
-	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
-		return fmt.Errorf("detaching the old root: %w", err)
+	default:
+		if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("detaching the old root: %w", err)
+		}
 	}
 	if err := unix.Chdir("/"); err != nil {
 		return err
@@ -214,7 +229,7 @@ func pivot() error {
 	// subset=pid: the daemon's /proc shows processes (its own PID
 	// namespace's) and nothing of the kernel's (sys, kcore, sysrq-trigger).
 	const procFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
-	err := unix.Mount("proc", "/proc", "proc", procFlags, "subset=pid")
+	err = unix.Mount("proc", "/proc", "proc", procFlags, "subset=pid")
 	if errors.Is(err, unix.EINVAL) { // before Linux 5.8
 		err = unix.Mount("proc", "/proc", "proc", procFlags, "")
 	}
@@ -223,6 +238,18 @@ func pivot() error {
 	}
 	if err := unix.Mount("", "/", "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
 		return fmt.Errorf("making the root read-only: %w", err)
+	}
+	return nil
+}
+
+// moveRoot makes the mount at the working directory the root without
+// pivot_root: moved over "/", then chrooted into.
+func moveRoot() error {
+	if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("moving the new root over /: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("chroot into the new root: %w", err)
 	}
 	return nil
 }
