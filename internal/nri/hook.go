@@ -845,7 +845,7 @@ const syncWorkers = 8
 // is asked again, for a few seconds: nothing else would tell the plugin
 // this container's namespace.
 func (h *Hook) prepareAgain(ctx context.Context, c Claim) error {
-	return askAgain(ctx, 10*time.Millisecond, 2*time.Second, func(err error) bool { return errors.Is(err, errdefs.ErrAborted) },
+	return askAgain(ctx, 10*time.Millisecond, 2*time.Second, busy,
 		func(ctx context.Context) error {
 			// A restarted mounter learns the running containers again here.
 			if err := h.attribute(ctx, c); err != nil {
@@ -862,13 +862,17 @@ func (h *Hook) prepareAgain(ctx context.Context, c Claim) error {
 // runtime's. A container is not failed for a lock held by a background
 // pass; kubelet would retry it, but only after its back-off.
 func (h *Hook) prepare(ctx context.Context, c Claim) (id string, mounts []plan.Mount, err error) {
-	err = askAgain(ctx, 10*time.Millisecond, 500*time.Millisecond, func(err error) bool { return errors.Is(err, errdefs.ErrAborted) },
+	err = askAgain(ctx, 10*time.Millisecond, 500*time.Millisecond, busy,
 		func(ctx context.Context) (err error) {
 			id, mounts, err = h.volumes.Prepare(ctx, c)
 			return err
 		})
 	return id, mounts, err
 }
+
+// busy: the plugin's answer for a volume whose lock other work holds for
+// a moment (Aborted), which another try may change.
+func busy(err error) bool { return errors.Is(err, errdefs.ErrAborted) }
 
 // askAgain calls call, and again while its answer is one another try may
 // change (again), first after first and then twice as long each time up
