@@ -4,7 +4,7 @@
 #
 # 1. Builds (cached under $MOUNTPLAN_TOOLS_CACHE, default
 #    /var/cache/mountplan-tools) Kubernetes, etcd, containerd, crictl, helm
-#    external-provisioner and external-snapshotter from the Go module proxy (hack/tools/build.sh),
+#    external-provisioner, external-snapshotter, CRI-O and runc from the Go module proxy (hack/tools/build.sh),
 #    and the images (hack/cluster/images: the Dockerfile's runtime stage from
 #    a Debian root made by mmdebstrap, and single-binary images).
 # 2. Runs test/cluster (build tag clustertest) holding the shared test lock:
@@ -22,7 +22,7 @@ export PATH="/usr/local/go/bin:$PATH"
 cache=${MOUNTPLAN_TOOLS_CACHE:-/var/cache/mountplan-tools}
 start=$SECONDS
 
-dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner external-snapshotter crio)
+dirs=$(hack/tools/build.sh containerd crictl helm kubernetes etcd external-provisioner external-snapshotter crio runc)
 path=$(tr '\n' ':' <<<"$dirs")
 provisioner=$(grep external-provisioner <<<"$dirs")/csi-provisioner
 snapshotter=$(grep external-snapshotter <<<"$dirs")/csi-snapshotter

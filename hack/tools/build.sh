@@ -41,6 +41,11 @@ declare -A tools=(
   # CRI-O for the NRI tests on a second runtime: cgo for seccomp (libseccomp-dev),
   # no btrfs, ostree or gpgme; pinns is its C helper. conmon and runc are Debian's.
   [crio]="copy github.com/cri-o/cri-o@v1.34.0 cmd/crio -- cgo=1 c=pinns/src:pinns tags=containers_image_ostree_stub,exclude_graphdriver_btrfs,btrfs_noversion,containers_image_openpgp,seccomp"
+  # runc for both runtimes (containerd's shim and CRI-O): Debian bookworm's 1.1.5
+  # cannot run a pod with a user namespace (hostUsers: false) nor idmap a bind
+  # mount; 1.2 can. cgo for nsexec and seccomp (libseccomp-dev); without
+  # libpathrs (a Rust library), which runc replaces by its Go fallback.
+  [runc]="copy github.com/opencontainers/runc@v1.5.3 . -- cgo=1 tags=seccomp,urfave_cli_no_docs version=main.version"
   [external-snapshotter]="copy github.com/kubernetes-csi/external-snapshotter/v8@v8.7.0 cmd/csi-snapshotter cmd/snapshot-controller -- local=v8.7.0"
 )
 

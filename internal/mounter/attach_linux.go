@@ -79,6 +79,28 @@ func (a *attacher) narrow(sub string) error {
 	return nil
 }
 
+// idmap makes every built mount an idmapped mount of the user namespace
+// that owns ns, when that is not the mounter's own: a container of a pod
+// with hostUsers: false, whose root is an unprivileged uid of the node.
+// Without it that root would see the volume's files owned by nobody and
+// could not write them; with it, it sees on-disk root as its own root and
+// writes files the next consumer, of any uid range, sees as root's. The
+// mounter decides it from the namespace it mounts into, never from the
+// plan: no plan option asks for it or can turn it off.
+func (a *attacher) idmap(ns *mountns.Namespace) error {
+	userns, err := ns.UserNS()
+	if err != nil || userns == nil {
+		return err
+	}
+	defer userns.Close()
+	for i, f := range a.built {
+		if err := mountns.IDMap(f, userns, a.mounts[i].Type); err != nil {
+			return fmt.Errorf("mount %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
 // close drops the detached mounts; attached ones stay where they are.
 func (a *attacher) close() {
 	for _, f := range a.built {

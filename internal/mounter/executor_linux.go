@@ -61,6 +61,9 @@ func (e *Executor) Mount(ctx context.Context, mounts []plan.Mount, c plan.Consum
 			return err
 		}
 	}
+	if err := a.idmap(ns); err != nil {
+		return err
+	}
 	a.ns, a.mountPoint, a.guard = ns, c.MountPoint, guard
 	done, err := e.recordMount(ctx, c, ns, a)
 	if err != nil {

@@ -243,12 +243,15 @@ func (h *Hook) CreateContainer(ctx context.Context, pod *nriapi.PodSandbox, ctr 
 			continue
 		}
 		c := Claim{Target: target, SubPath: sub, Destination: m.GetDestination(), ReadOnly: hasOption(m, "ro") || hasOption(m, "rro"), ContainerID: ctr.GetId(), Pod: podRef(pod, ctr)}
-		err = h.claimMount(ctx, adj, &c)
+		err = h.claimMount(ctx, adj, &c, userNS(ctr))
 		if c.VolumeID != "" {
 			claims = append(claims, c) // prepared: released if the creation fails
 		}
 		if err != nil {
 			return nil, nil, err
+		}
+		if c.AtStart && userNS(ctr) {
+			adj.AddMount(placeholder(m))
 		}
 	}
 	for _, d := range ctr.GetLinux().GetDevices() {
@@ -320,7 +323,10 @@ func (h *Hook) owns(ctx context.Context, pod *nriapi.PodSandbox, source string) 
 
 // claimMount prepares the volume at c.Target and replaces the container's
 // bind of it with the plan's mounts, once the mounter has checked them.
-func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim) error {
+// A container with a user namespace of its own (idmapped) gets them from the
+// mounter at its start instead, idmapped to that namespace (see
+// userNS).
+func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, c *Claim, idmapped bool) error {
 	id, mounts, err := h.prepare(ctx, *c)
 	if err != nil {
 		return fmt.Errorf("volume at %s: %w", c.Destination, err)
@@ -339,7 +345,7 @@ func (h *Hook) claimMount(ctx context.Context, adj *nriapi.ContainerAdjustment, 
 		c.AtStart = true
 		return nil
 	}
-	if sharedReadOnly(p) {
+	if sharedReadOnly(p) || idmapped {
 		c.AtStart = true // the runtime binds the guard; StartContainer mounts over it
 		return nil
 	}
@@ -925,3 +931,35 @@ func (h *Hook) stopGuard(ctx context.Context) {
 }
 
 func hasOption(m *nriapi.Mount, opt string) bool { return slices.Contains(m.GetOptions(), opt) }
+
+// userNS reports whether the container has a user namespace of its own (a
+// pod with hostUsers: false): its root is an unprivileged uid of the node,
+// and a volume mounted as it is shows that root its files owned by nobody.
+// Runtimes idmap only binds (runc refuses "idmap" on any other mount), and
+// a plan mounts filesystems, so such a container's plans are performed by
+// the mounter at StartContainer, which idmaps every mount it makes in a
+// namespace owned by another user namespace (the mounter decides it from the
+// namespace, not from any option of the plugin's plan).
+func userNS(ctr *nriapi.Container) bool {
+	for _, ns := range ctr.GetLinux().GetNamespaces() {
+		if ns.GetType() == "user" {
+			return true
+		}
+	}
+	return false
+}
+
+// placeholder replaces the runtime's bind m (of the guard, or of its
+// subPath twin) in a container with a user namespace, until the mounter
+// mounts the plan over it at the container's start: runc, by then root of
+// the container's user namespace and so an unprivileged uid of the node,
+// cannot even stat the guard (a FUSE filesystem, which answers no other
+// uid: "create mountpoint for /data mount: stat ...: permission denied"),
+// nor idmap it. An empty read-only tmpfs, which a user namespace may mount,
+// holds the place; it never holds data. The runtime's uid/gid mappings of
+// m, which NRI does not show, go with it (an adjustment's mount replaces the
+// one at its destination).
+func placeholder(m *nriapi.Mount) *nriapi.Mount {
+	return &nriapi.Mount{Destination: m.GetDestination(), Type: "tmpfs", Source: "mountplan-placeholder",
+		Options: []string{"ro", "nosuid", "nodev", "noexec", "size=4k", "mode=0555"}}
+}

@@ -37,7 +37,7 @@ type Cluster struct {
 // programs the node needs, by name; tools maps a name to a bin directory.
 var programs = []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl",
 	"containerd", "containerd-shim-runc-v2", "ctr", "crictl", "helm", "snapshot-controller",
-	"kubectl-mountplan"}
+	"kubectl-mountplan", "runc"}
 
 // fixedPaths are written by kubelet, containerd or CNI whatever their
 // configured directories: each is covered inside the node by a directory

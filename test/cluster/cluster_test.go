@@ -29,7 +29,7 @@ const defaultRoot = "/var/lib/mountplan-cluster"
 
 func TestCluster(t *testing.T) {
 	testenv.RequireRoot(t)
-	testenv.RequireCommands(t, "nsenter", "ip", "runc", "mkfs.ext4", "mksquashfs", "mkfs.erofs", "losetup")
+	testenv.RequireCommands(t, "nsenter", "ip", "mkfs.ext4", "mksquashfs", "mkfs.erofs", "losetup")
 	testenv.RequireFile(t, "/usr/lib/cni/bridge", "CNI plugins (Debian package containernetworking-plugins)")
 	path := filepath.SplitList(os.Getenv(envPath))
 	images, tag, crds := os.Getenv(envImages), os.Getenv(envTag), os.Getenv(envCRDs)

@@ -36,11 +36,18 @@ func (c nodeConfig) crioOptions() testutil.CRIOOptions {
 // under that name.
 const runcOOM = "runc-oom"
 
+// runcBeside is the runc that runcOOM runs: a link, in the same directory,
+// to hack/tools/build.sh's runc (the test binary is exec-ed by CRI-O with
+// no flag of ours; its own path is what it knows).
+const runcBeside = "runc"
+
 func writeConfigs(c nodeConfig) error {
 	files := map[string]string{
 		// containerd 2 with CRI and NRI. restrict_oom_score_adj: setting a
 		// negative oom_score_adj needs CAP_SYS_RESOURCE, which this machine's
-		// root lacks; without it every sandbox fails in runc.
+		// root lacks; without it every sandbox fails in runc. The runc is
+		// hack/tools/build.sh's (>= 1.2): Debian's 1.1.5 runs no pod with a
+		// user namespace (hostUsers: false).
 		"containerd.toml": fmt.Sprintf(`version = 3
 root = %[1]q
 state = %[2]q
@@ -56,7 +63,7 @@ imports = []
   [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
     runtime_type = 'io.containerd.runc.v2'
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-      BinaryName = '/usr/sbin/runc'
+      BinaryName = %[7]q
       SystemdCgroup = false
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = ['/usr/lib/cni']
@@ -68,7 +75,7 @@ imports = []
   disable = false
   socket_path = '/var/run/nri/nri.sock'
 `, c.path("containerd", "root"), c.path("containerd", "state"), c.path("run", "containerd.sock"),
-			c.path("run", "containerd.sock.ttrpc"), pauseImage, c.path("cni", "net.d")),
+			c.path("run", "containerd.sock.ttrpc"), pauseImage, c.path("cni", "net.d"), c.Bin["runc"]),
 
 		// cgroup v1 host without CAP_SYS_RESOURCE: no QoS cgroups, no
 		// node allocatable enforcement; no eviction (the test's disk use is
@@ -118,6 +125,10 @@ featureGates: {CSIVolumeHealth: true}
 		if err := os.Symlink(self, c.path(runcOOM)); err != nil && !os.IsExist(err) {
 			return err
 		}
+		// The runc runcMain runs, beside it (see runcBeside).
+		if err := os.Symlink(c.Bin["runc"], c.path(runcBeside)); err != nil && !os.IsExist(err) {
+			return err
+		}
 		if _, err := testutil.WriteCRIOConfig(c.crioOptions()); err != nil {
 			return err
 		}
@@ -135,6 +146,17 @@ featureGates: {CSIVolumeHealth: true}
 		if err := os.MkdirAll(c.path(d), 0o755); err != nil {
 			return err
 		}
+	}
+	// containerd's root and state: containerd would make their parent 0700,
+	// and the runc of a pod with a user namespace, an unprivileged uid of
+	// the node by then, could not reach the container's rootfs below the
+	// state directory (EACCES: "remount-propagation ... rootfs ... permission
+	// denied"). 0711, as containerd makes the state directory itself.
+	if err := os.MkdirAll(c.path("containerd"), 0o711); err != nil {
+		return err
+	}
+	if err := os.Chmod(c.path("containerd"), 0o711); err != nil {
+		return err
 	}
 	return nil
 }

@@ -54,6 +54,8 @@ var flows = []flow{
 	{name: "ExpandOnline", run: expandOnline},
 	{name: "ExpandOffline", run: expandOffline},
 	{name: "ExpandExt4", run: expandExt4},
+	{name: "UserNSClassic", run: usernsClassic},   // userns_flows_test.go
+	{name: "UserNSRawBlock", run: usernsRawBlock}, // userns_flows_test.go
 	// NRI mode (nri_flows_test.go), in this order.
 	{name: "NRIPVC", run: nriPVC},
 	{name: "NRIPodRecreated", run: nriPodRecreated},
@@ -65,6 +67,7 @@ var flows = []flow{
 	{name: "NRIOnCRIO", run: nriOnCRIO, pending: crioPending()},         // crio_flows_test.go
 	{name: "ContainerdKilledNRI", run: containerdKilledNRI},             // runtime_restart_flows_test.go
 	{name: "CRIOKilledNRI", run: crioKilledNRI, pending: crioPending()}, // runtime_restart_flows_test.go
+	{name: "UserNSNRI", run: usernsNRI},                                 // userns_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},

@@ -14,7 +14,8 @@ import (
 	"github.com/moby/sys/capability"
 )
 
-// runcMain is the OCI runtime of CRI-O's node: Debian's runc, after fitting
+// runcMain is the OCI runtime of CRI-O's node: hack/tools/build.sh's runc
+// (runcBeside, >= 1.2 for pods with a user namespace), after fitting
 // a container's spec (config.json in its bundle) to this machine, as
 // containerd's configuration does on the other nodes:
 //   - a negative oom_score_adj (kubelet asks -997 for the chart's
@@ -38,7 +39,7 @@ func runcMain() int {
 			}
 		}
 	}
-	err := syscall.Exec("/usr/sbin/runc", append([]string{"runc"}, args...), os.Environ())
+	err := syscall.Exec(filepath.Join(filepath.Dir(os.Args[0]), runcBeside), append([]string{"runc"}, args...), os.Environ())
 	fmt.Fprintln(os.Stderr, "runc-oom: exec runc:", err)
 	return 1
 }
