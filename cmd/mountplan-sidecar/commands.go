@@ -19,6 +19,7 @@ import (
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/peer"
 	"github.com/mountplan/mountplan/internal/periodic"
+	"github.com/mountplan/mountplan/internal/preflight"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 )
 
@@ -128,11 +129,14 @@ func runServe(ctx context.Context, args []string) error {
 	// The socket's caller is the plugin, whose word names no consumer the
 	// mounter enters and no mount it removes (mounter.Options.Attributed).
 	opts.Attributed = true
-	if err := mountns.Supported(); err != nil {
+	logger := klog.Background().WithName("mounter")
+	if _, err := preflight.Start(logger, preflight.Options{Mounts: true, Tools: preflight.ProfileTools(opts.Config.FuseProfiles)}); err != nil {
 		return err
 	}
+	if err := mountns.Supported(); err != nil {
+		return err // CAP_SYS_ADMIN, which preflight does not look at
+	}
 	raiseFileLimit()
-	logger := klog.Background().WithName("mounter")
 	ctx = klog.NewContext(ctx, logger)
 	node, err := mounter.NewNode(ctx, opts)
 	if err != nil {
