@@ -120,7 +120,7 @@ func Run(sys System, opts Options) (Report, error) {
 
 // Message says what is missing, what it disables and what is needed.
 func (r Result) Message() string {
-	return fmt.Sprintf("%s is missing (%s): %s does not work", r.Feature, r.Need, r.Disables)
+	return fmt.Sprintf("%s is missing (needs %s); it disables: %s", r.Feature, r.Need, r.Disables)
 }
 
 // Missing returns the results whose feature is missing.
