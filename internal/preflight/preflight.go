@@ -28,8 +28,8 @@ type System interface {
 	Exists(path string) bool
 	// NetlinkFamily reports whether the kernel has the generic netlink family.
 	NetlinkFamily(name string) bool
-	// LookPath reports whether the program is found in $PATH.
-	LookPath(name string) bool
+	// HasProgram reports whether the program is found in $PATH (or at its absolute path).
+	HasProgram(name string) bool
 	// Kernel is the running kernel's release (uname -r).
 	Kernel() string
 	// Cgroup2 reports whether /sys/fs/cgroup is a cgroup v2 hierarchy.
@@ -183,7 +183,7 @@ func Checks(extra []Tool) []Check {
 			Probe:    func(s System) bool { return kernelAtLeast(s.Kernel(), 5, 13) }},
 		{Feature: "iscsi_tcp", Need: "the kernel module iscsi_tcp, or iscsiadm and iscsid on the host to load it", Scope: Kernel,
 			Disables: "iscsi volumes",
-			Probe:    func(s System) bool { return s.Exists("/sys/module/iscsi_tcp") || s.LookPath("iscsiadm") }},
+			Probe:    func(s System) bool { return s.Exists("/sys/module/iscsi_tcp") || s.HasProgram("iscsiadm") }},
 		{Feature: "loop", Need: "/dev/loop-control (the kernel module loop)", Scope: Mounter,
 			Disables: "loop volumes (the default type) and overlay chains' scratch devices",
 			Probe:    func(s System) bool { return s.Exists("/dev/loop-control") }},
@@ -196,7 +196,7 @@ func Checks(extra []Tool) []Check {
 	}
 	for _, t := range append(Tools(), extra...) {
 		checks = append(checks, Check{Feature: "tool:" + t.Name, Need: "package " + t.Package, Scope: Mounter,
-			Disables: t.Disables, Probe: func(s System) bool { return s.LookPath(t.Name) }})
+			Disables: t.Disables, Probe: func(s System) bool { return s.HasProgram(t.Name) }})
 	}
 	return checks
 }

@@ -20,7 +20,7 @@ type fakeSystem struct {
 func (f fakeSystem) HasSyscall(name string) bool    { return !f.missing[name] }
 func (f fakeSystem) Exists(path string) bool        { return !f.missing[path] }
 func (f fakeSystem) NetlinkFamily(name string) bool { return !f.missing["family:"+name] }
-func (f fakeSystem) LookPath(name string) bool      { return !f.missing[name] }
+func (f fakeSystem) HasProgram(name string) bool    { return !f.missing[name] }
 func (f fakeSystem) Kernel() string                 { return f.kernel }
 func (f fakeSystem) Cgroup2() bool                  { return !f.missing["cgroup2"] }
 

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mountplan/mountplan/internal/preflight"
 	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/test/dockerfile"
 )
@@ -609,5 +610,27 @@ func helper() { _ = exec.Command("unshare") }
 	}
 	if len(unresolved) != 1 || !strings.Contains(unresolved[0], "a.go:") {
 		t.Errorf("unresolved %v, want the os.Args call only", unresolved)
+	}
+}
+
+// TestPreflightLooksForEveryTool: the start-up check (internal/preflight)
+// looks for every program the code runs, so that a missing one is said at
+// start with what it disables, not in the first volume's error.
+func TestPreflightLooksForEveryTool(t *testing.T) {
+	found, _, _, err := findExecTools(repoRoot, []string{"internal", "pkg", "cmd"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := map[string]bool{}
+	for _, tool := range preflight.Tools() {
+		checked[tool.Name] = true
+	}
+	if len(found) == 0 {
+		t.Fatal("no program found run by the code: the finder is broken")
+	}
+	for name := range found {
+		if !checked[path.Base(name)] {
+			t.Errorf("%s runs %s, which preflight.Tools does not look for", found[name][0], name)
+		}
 	}
 }
