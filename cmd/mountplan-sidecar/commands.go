@@ -14,6 +14,7 @@ import (
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/fdlimit"
+	"github.com/mountplan/mountplan/internal/flagalias"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/mountns"
@@ -85,7 +86,8 @@ func runUnmount(ctx context.Context, args []string) error {
 	endpoint := fs.String("plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required)")
 	volumeID := fs.String("volume-id", "", "volume to release (required)")
 	cf := consumerFlags(fs)
-	removeTarget := fs.Bool("remove-target", false, "remove the target afterwards (rmdir or unlink, never recursive)")
+	removeMountPoint := fs.Bool("remove-mount-point", false, "remove the mount point (--target) afterwards (rmdir or unlink, never recursive)")
+	flagalias.Deprecated(fs, "remove-target", "remove-mount-point", warnDeprecated) // serve's name for the same
 	timeout := fs.Duration("timeout", 2*time.Minute, "give up after this long")
 	if err := parse(fs, args, "plugin-endpoint", "volume-id", "pid", "target"); err != nil {
 		return err
@@ -97,7 +99,7 @@ func runUnmount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeConn()
-	e := &mounter.Executor{RemoveMountPoint: *removeTarget}
+	e := &mounter.Executor{RemoveMountPoint: *removeMountPoint}
 	return unmountAndRelease(ctx, np, e, *volumeID, cf.consumer())
 }
 
@@ -209,6 +211,9 @@ func raiseFileLimit() {
 	}
 	klog.V(2).InfoS("Open file limit", "soft", lim.Cur, "hard", lim.Max)
 }
+
+// warnDeprecated logs that a deprecated flag was given, and its new name.
+func warnDeprecated(msg string) { klog.Warning(msg) }
 
 // dialPlugin connects to the plugin's NodePrepare service.
 func dialPlugin(ep string) (api.NodePrepareClient, func(), error) {

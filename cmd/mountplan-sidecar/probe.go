@@ -10,10 +10,11 @@ import (
 
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/errdefs"
+	"github.com/mountplan/mountplan/internal/flagalias"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 )
 
-// runProbe asks the mounter serving at --endpoint for an answer (its
+// runProbe asks the mounter serving at --mounter-endpoint for an answer (its
 // client's Ping: a call that looks at nothing) and says in one line whether
 // it came: kubelet's liveness probe of the mounter's container runs it, so
 // that a serve that lives but no longer answers is restarted. The error
@@ -24,7 +25,10 @@ import (
 // mounter answers.
 func runProbe(ctx context.Context, args []string, out io.Writer) error {
 	fs := newFlagSet("probe")
-	ep := fs.String("endpoint", "", "the mounter's socket, as serve's --endpoint, unix:///path (this or --plugin-endpoint)")
+	ep := fs.String("mounter-endpoint", "", "the mounter's socket, as serve's --endpoint, unix:///path (this or --plugin-endpoint)")
+	// --endpoint names the socket a process serves (the plugin's, serve's);
+	// probe serves none.
+	flagalias.Deprecated(fs, "endpoint", "mounter-endpoint", warnDeprecated)
 	pluginEP := fs.String("plugin-endpoint", "", "the plugin's CSI socket, unix:///path: ask the plugin (GetPluginInfo, Probe) instead of the mounter")
 	driverName := fs.String("driver-name", "", "with --plugin-endpoint: the driver name the plugin must report (empty: any)")
 	timeout := fs.Duration("timeout", 3*time.Second, "how long to wait for the answer: keep it below the probe's timeoutSeconds, so that a silent mounter fails with this reason rather than a kill")
@@ -32,7 +36,7 @@ func runProbe(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	if (*ep == "") == (*pluginEP == "") {
-		return fmt.Errorf("give one of --endpoint (the mounter's socket) and --plugin-endpoint (the plugin's): %w", errUsage)
+		return fmt.Errorf("give one of --mounter-endpoint (the mounter's socket) and --plugin-endpoint (the plugin's): %w", errUsage)
 	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
@@ -41,7 +45,7 @@ func runProbe(ctx context.Context, args []string, out io.Writer) error {
 	}
 	path, err := endpoint.Path(*ep)
 	if err != nil {
-		return fmt.Errorf("--endpoint: %w: %w", err, errUsage)
+		return fmt.Errorf("--mounter-endpoint: %w: %w", err, errUsage)
 	}
 	c := service.NewClient(path)
 	defer c.Close()

@@ -65,7 +65,8 @@ func TestProbePlugin(t *testing.T) {
 		{"wrong name", []string{"--plugin-endpoint", ready, "--driver-name", "other.csi.io"}, errdefs.ErrFailedPrecondition, "driverName"},
 		{"not ready", []string{"--plugin-endpoint", servePlugin(t, fakeIdentity{name: "mountplan.csi.io"})}, errdefs.ErrUnavailable, "mounter"},
 		{"nobody", []string{"--plugin-endpoint", "unix://" + filepath.Join(t.TempDir(), "none.sock")}, errdefs.ErrUnavailable, "running on this node"},
-		{"both sockets", []string{"--plugin-endpoint", ready, "--endpoint", ready}, errUsage, "one of"},
+		{"both sockets", []string{"--plugin-endpoint", ready, "--mounter-endpoint", ready}, errUsage, "one of"},
+		{"both sockets, the old name", []string{"--plugin-endpoint", ready, "--endpoint", ready}, errUsage, "one of"},
 		{"neither", nil, errUsage, "one of"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -74,5 +75,29 @@ func TestProbePlugin(t *testing.T) {
 				t.Fatalf("err %v: want %v saying %q", err, tc.want, tc.says)
 			}
 		})
+	}
+}
+
+// TestRenamedFlagsStillParse: the old names of renamed flags are taken
+// (the command goes on to its real failure here: nobody serves), not a
+// usage error.
+func TestRenamedFlagsStillParse(t *testing.T) {
+	none := "unix://" + filepath.Join(t.TempDir(), "none.sock")
+	// Above the kernel's largest pid_max: unmount finds no such process
+	// and touches no mount.
+	const noPID = "4194305"
+	for _, tc := range []struct {
+		cmd  string
+		args []string
+	}{
+		{"probe", []string{"--endpoint", none, "--timeout", "100ms"}},
+		{"probe", []string{"--mounter-endpoint", none, "--timeout", "100ms"}},
+		{"unmount", []string{"--plugin-endpoint", none, "--volume-id", "v", "--pid", noPID, "--target", "/mountplan-test-none", "--remove-target", "--timeout", "100ms"}},
+		{"unmount", []string{"--plugin-endpoint", none, "--volume-id", "v", "--pid", noPID, "--target", "/mountplan-test-none", "--remove-mount-point", "--timeout", "100ms"}},
+	} {
+		err := run(context.Background(), tc.cmd, tc.args)
+		if err == nil || errors.Is(err, errUsage) {
+			t.Errorf("%s %q: %v, want the failure to reach nobody, not a usage error", tc.cmd, tc.args, err)
+		}
 	}
 }
