@@ -3,6 +3,7 @@
 package cluster
 
 import (
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -18,7 +19,7 @@ func helmTest(t *testing.T, e *env) {
 		logs, _ := e.c.kubectl("--namespace", "kube-system", "logs", "mountplan-test-plugin")
 		t.Fatalf("helm test: %v\nthe test pod's log:\n%s", err, logs)
 	}
-	if !strings.Contains(out, "Phase:     Succeeded") && !strings.Contains(out, "Phase: Succeeded") {
+	if !regexp.MustCompile(`Phase:\s+Succeeded`).MatchString(out) {
 		t.Errorf("helm test says no Succeeded phase")
 	}
 	if !strings.Contains(out, "is ready") {
