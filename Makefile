@@ -16,7 +16,7 @@ VMTAGS    := vmtest,vmguest
 # The cluster test builds only with its tag (make test-cluster).
 CLUSTERTAGS := clustertest
 
-.PHONY: all build test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench demo clean codegen deploy fuzz
+.PHONY: all build image test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench demo clean codegen deploy fuzz
 
 all: build
 
@@ -30,6 +30,13 @@ LDFLAGS    := -X $(VERSIONPKG).version=$(VERSION) -X $(VERSIONPKG).revision=$(RE
 
 build:
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/mountplan-plugin ./cmd/mountplan-sidecar ./cmd/mountplan-resizer ./cmd/kubectl-mountplan ./hack/csictl
+
+# The container image (Dockerfile) with docker, else podman, stamped with the
+# version the binaries report: `make image IMAGE=REGISTRY/mountplan:TAG`.
+IMAGE ?= mountplan:$(VERSION)
+image:
+	@tool=$$(command -v docker || command -v podman) || { echo "make image: needs docker or podman on PATH; neither is there" >&2; exit 1; }; \
+	set -x; $$tool build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) --build-arg BUILD_DATE=$(BUILD_DATE) -t $(IMAGE) .
 
 # Every test but the VM's and the cluster's. hack/testreport prints go
 # test's usual lines, then the counts of passed, failed and skipped tests

@@ -2,7 +2,7 @@
 // `kubectl mountplan ...` runs it with the operator's kubeconfig and
 // credentials.
 //
-//	kubectl mountplan forget-node NODE [--driver mountplan.csi.io] [--yes]
+//	kubectl mountplan forget-node NODE [--driver-name mountplan.csi.io] [--yes]
 //	kubectl mountplan volumes [NODE] [-o table|json|yaml]
 //
 // forget-node shows what a node that is gone for good left of the driver's
@@ -35,11 +35,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/mountplan/mountplan/internal/flagalias"
 	"github.com/mountplan/mountplan/internal/forgetnode"
 	"github.com/mountplan/mountplan/internal/version"
 )
 
-const usage = `usage: kubectl mountplan forget-node NODE [--driver NAME] [--yes]
+const usage = `usage: kubectl mountplan forget-node NODE [--driver-name NAME] [--yes]
        kubectl mountplan volumes [NODE] [-o table|json|yaml] [-l SELECTOR]
        kubectl mountplan version
 
@@ -62,7 +63,7 @@ flags (before or after the command and the node):
   --context NAME         the kubeconfig context to use (default: its current context)
   -n, --namespace NS     volumes: the namespace of mountplan's pods (default: every namespace)
   --timeout DURATION     how long the whole command may take (default 1m)
-  --driver NAME          forget-node: the CSI driver's name, the chart's driverName
+  --driver-name NAME     forget-node: the CSI driver's name, the chart's driverName (--driver NAME: deprecated)
                          (default mountplan.csi.io)
   --yes                  forget-node: delete what the node left (without it, only show it)
   -o, --output FORMAT    volumes: table (default), json or yaml
@@ -74,7 +75,7 @@ flags (before or after the command and the node):
 
 // Flags of one command only; given to another they are a mistake.
 var commandFlags = map[string][]string{
-	"forget-node": {"driver", "yes"},
+	"forget-node": {"driver-name", "driver", "yes"},
 	"volumes":     {"o", "output", "l", "selector"},
 }
 
@@ -119,6 +120,7 @@ type options struct {
 	yes                            bool
 	output, selector               string
 	showVersion                    bool
+	warnings                       []string // deprecated flags given, said on stderr
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -131,7 +133,9 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.namespace, "n", "", "short for --namespace")
 	fs.DurationVar(&o.timeout, "timeout", time.Minute, "how long the whole command may take")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version, git revision, build date and Go version")
-	fs.StringVar(&o.driver, "driver", "mountplan.csi.io", "forget-node: CSI driver name (the chart's driverName)")
+	fs.StringVar(&o.driver, "driver-name", "mountplan.csi.io", "forget-node: CSI driver name (the chart's driverName)")
+	// --driver-name, as the plugin, the resizer and the sidecar call it.
+	flagalias.Deprecated(fs, "driver", "driver-name", func(m string) { o.warnings = append(o.warnings, m) })
 	fs.BoolVar(&o.yes, "yes", false, "forget-node: delete what the node left (without it, only show it)")
 	fs.StringVar(&o.output, "output", "table", "volumes: output format, one of "+strings.Join(outputs, ", "))
 	fs.StringVar(&o.output, "o", "table", "short for --output")
@@ -151,6 +155,9 @@ func run(ctx context.Context, args []string, out, errOut io.Writer, connect conn
 	}
 	if err != nil {
 		return fmt.Errorf("%w (%w)", err, errUsage)
+	}
+	for _, w := range o.warnings {
+		fmt.Fprintln(errOut, "warning:", w)
 	}
 	if o.showVersion || (len(words) > 0 && words[0] == "version") {
 		version.Get().Print(out, "kubectl-mountplan")

@@ -86,9 +86,10 @@ func gonePV(name, driver, node string) *corev1.PersistentVolume {
 // driver and --yes given anywhere are the ones used.
 func TestForgetNodeFlagsInAnyOrder(t *testing.T) {
 	for _, args := range [][]string{
-		{"forget-node", "gone", "--driver", "other.csi.io", "--yes"},
-		{"forget-node", "--driver", "other.csi.io", "--yes", "gone"},
-		{"forget-node", "--driver=other.csi.io", "gone", "--yes"},
+		{"forget-node", "gone", "--driver-name", "other.csi.io", "--yes"},
+		{"forget-node", "--driver-name", "other.csi.io", "--yes", "gone"},
+		{"forget-node", "--driver-name=other.csi.io", "gone", "--yes"},
+		// The old name still works, and says it is deprecated.
 		{"--yes", "forget-node", "gone", "--driver", "other.csi.io"},
 		{"--kubeconfig", "/dev/null", "forget-node", "--yes", "--driver", "other.csi.io", "--", "gone"},
 	} {
@@ -97,6 +98,9 @@ func TestForgetNodeFlagsInAnyOrder(t *testing.T) {
 		if code != 0 {
 			t.Errorf("%q: exit %d: %s", args, code, errOut)
 			continue
+		}
+		if old := slices.Contains(args, "--driver"); old != strings.Contains(errOut, "--driver is deprecated and will be removed: use --driver-name") {
+			t.Errorf("%q: deprecated --driver given %v, stderr %q", args, old, errOut)
 		}
 		if !strings.Contains(out, "deleted persistentvolume pv-gone") {
 			t.Errorf("%q: output lacks the delete of pv-gone:\n%s", args, out)

@@ -28,6 +28,7 @@ import (
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/periodic"
+	"github.com/mountplan/mountplan/internal/preflight"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/fuse"
 	"github.com/mountplan/mountplan/internal/source/iscsi"
@@ -95,6 +96,13 @@ func run(f flags) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background())
+	// Without a mounter of its own the plugin mounts and needs what the
+	// mounter needs; beside one it only reports the kernel's features.
+	found, err := preflight.Start(klog.Background(), preflight.Options{Mounts: f.mounterEndpoint == "",
+		Tools: preflight.ProfileTools(cfg.FuseProfiles)})
+	if err != nil {
+		return err
+	}
 
 	node, restarted, closeMounter, err := newMounter(ctx, f, cfg)
 	if err != nil {
@@ -103,6 +111,7 @@ func run(f flags) error {
 	defer closeMounter()
 	var d *driver.Driver
 	mx := newMetrics(f, func() map[string]int { return d.StagedByType() }, node)
+	mx.Preflight(found.Available())
 	sources, err := newSources(f, cfg, node, mx)
 	if err != nil {
 		return err

@@ -14,11 +14,13 @@ import (
 	"github.com/mountplan/mountplan/internal/config"
 	"github.com/mountplan/mountplan/internal/endpoint"
 	"github.com/mountplan/mountplan/internal/fdlimit"
+	"github.com/mountplan/mountplan/internal/flagalias"
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/internal/peer"
 	"github.com/mountplan/mountplan/internal/periodic"
+	"github.com/mountplan/mountplan/internal/preflight"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 )
 
@@ -84,7 +86,8 @@ func runUnmount(ctx context.Context, args []string) error {
 	endpoint := fs.String("plugin-endpoint", "", "the plugin's CSI socket, unix:///path (required)")
 	volumeID := fs.String("volume-id", "", "volume to release (required)")
 	cf := consumerFlags(fs)
-	removeTarget := fs.Bool("remove-target", false, "remove the target afterwards (rmdir or unlink, never recursive)")
+	removeMountPoint := fs.Bool("remove-mount-point", false, "remove the mount point (--target) afterwards (rmdir or unlink, never recursive)")
+	flagalias.Deprecated(fs, "remove-target", "remove-mount-point", warnDeprecated) // serve's name for the same
 	timeout := fs.Duration("timeout", 2*time.Minute, "give up after this long")
 	if err := parse(fs, args, "plugin-endpoint", "volume-id", "pid", "target"); err != nil {
 		return err
@@ -96,7 +99,7 @@ func runUnmount(ctx context.Context, args []string) error {
 		return err
 	}
 	defer closeConn()
-	e := &mounter.Executor{RemoveMountPoint: *removeTarget}
+	e := &mounter.Executor{RemoveMountPoint: *removeMountPoint}
 	return unmountAndRelease(ctx, np, e, *volumeID, cf.consumer())
 }
 
@@ -128,11 +131,14 @@ func runServe(ctx context.Context, args []string) error {
 	// The socket's caller is the plugin, whose word names no consumer the
 	// mounter enters and no mount it removes (mounter.Options.Attributed).
 	opts.Attributed = true
-	if err := mountns.Supported(); err != nil {
+	logger := klog.Background().WithName("mounter")
+	if _, err := preflight.Start(logger, preflight.Options{Mounts: true, Tools: preflight.ProfileTools(opts.Config.FuseProfiles)}); err != nil {
 		return err
 	}
+	if err := mountns.Supported(); err != nil {
+		return err // CAP_SYS_ADMIN, which preflight does not look at
+	}
 	raiseFileLimit()
-	logger := klog.Background().WithName("mounter")
 	ctx = klog.NewContext(ctx, logger)
 	node, err := mounter.NewNode(ctx, opts)
 	if err != nil {
@@ -205,6 +211,9 @@ func raiseFileLimit() {
 	}
 	klog.V(2).InfoS("Open file limit", "soft", lim.Cur, "hard", lim.Max)
 }
+
+// warnDeprecated logs that a deprecated flag was given, and its new name.
+func warnDeprecated(msg string) { klog.Warning(msg) }
 
 // dialPlugin connects to the plugin's NodePrepare service.
 func dialPlugin(ep string) (api.NodePrepareClient, func(), error) {

@@ -30,7 +30,7 @@ commands:
   serve    serve the mounter (every privileged act of the plugin) on a unix socket, and the NRI hook
   volumes  list what is mounted where: every volume, its source, device, stage, health and consumers,
            from the plugin's /debug/volumes, each consumer checked against the kernel (read only)
-  probe    ask serve for an answer on its socket: exit 0 when it answers, 1 with the reason
+  probe    ask serve (--endpoint) or the plugin (--plugin-endpoint) for an answer: exit 0 when it answers, 1 with the reason
            (the mounter container's liveness probe)
   version  print the version, git revision, build date and Go version (also --version)
 

@@ -295,7 +295,9 @@ const MaxConsumers = 4096
 // roomForConsumer refuses one more consumer of v beyond MaxConsumers.
 func roomForConsumer(v *model.Volume) error {
 	if len(v.Consumers) >= MaxConsumers {
-		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have: %w", v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
+		return fmt.Errorf("volume %s has %d consumers already, the most one volume may have (a fixed limit, not a setting): "+
+			"release those no longer used (mountplan-sidecar unmount; the reconciler forgets consumers whose mount namespace is gone) or give the new consumers a volume of their own: %w",
+			v.ID, len(v.Consumers), errdefs.ErrResourceExhausted)
 	}
 	return nil
 }

@@ -26,6 +26,15 @@ var supportedModes = []csi.VolumeCapability_AccessMode_Mode{
 	csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER,
 }
 
+// modeNames lists supportedModes for an error.
+func modeNames() string {
+	names := make([]string, len(supportedModes))
+	for i, m := range supportedModes {
+		names[i] = m.String()
+	}
+	return strings.Join(names, ", ")
+}
+
 func invalid(format string, args ...any) error {
 	return fmt.Errorf(format+": %w", append(args, errdefs.ErrInvalidArgument)...)
 }
@@ -88,7 +97,7 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 		return capability{}, invalid("volume_capability.access_mode is required")
 	}
 	if !slices.Contains(supportedModes, mode) {
-		return capability{}, invalid("access mode %s is not supported by node-local volumes", mode)
+		return capability{}, invalid("access mode %s is not supported by node-local volumes: use one of %s (a claim's ReadWriteOnce or ReadWriteOncePod)", mode, modeNames())
 	}
 	out := capability{readOnly: mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
 		singleWriter: mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER}
@@ -108,7 +117,8 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 			}
 		}
 		if out.fsType != "" && !slices.Contains(plan.DefaultTypes, out.fsType) {
-			return capability{}, invalid("fs_type %q is not supported", out.fsType)
+			return capability{}, invalid("fs_type %q is not supported: use one of %s, or none for the volume's default (the StorageClass's csi.storage.k8s.io/fstype, else the config's defaultFsType)",
+				out.fsType, strings.Join(plan.DefaultTypes, ", "))
 		}
 	default:
 		return capability{}, invalid("volume_capability needs an access type (mount or block)")

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -125,6 +126,23 @@ func (m *Metrics) NodeInfo(node string) {
 		Help:        "The name of the node the plugin serves (its --node-id); always 1.",
 		ConstLabels: prometheus.Labels{"node": node},
 	}, func() float64 { return 1 }))
+}
+
+// Preflight adds mountplan_preflight_feature{feature, available}, always 1:
+// what the plugin's preflight found at its start (internal/preflight), so
+// that an alert on available="false" names a node's missing feature
+// without anyone reading its log.
+func (m *Metrics) Preflight(features map[string]bool) {
+	if m == nil {
+		return
+	}
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: namespace, Name: "preflight_feature",
+		Help: "A kernel feature, module, device or tool the plugin's preflight checked at start, and whether it is available; always 1."},
+		[]string{"feature", "available"})
+	for f, ok := range features {
+		g.WithLabelValues(f, strconv.FormatBool(ok)).Set(1)
+	}
+	m.Registry.MustRegister(g)
 }
 
 // DaemonRestarted counts a restart of a daemon of profile.

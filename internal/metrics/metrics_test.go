@@ -24,6 +24,7 @@ func TestNilMetricsRecordNothingAndDoNotPanic(t *testing.T) {
 	m.Reconciled(nil)
 	m.ObserveStep("daemon_start", errors.New("x"), time.Millisecond)
 	m.NodeInfo("node-a")
+	m.Preflight(map[string]bool{"fuse": true})
 	ran := false
 	if err := m.Step("attach", func() error { ran = true; return nil }); err != nil || !ran {
 		t.Fatalf("Step on nil metrics: ran=%v err=%v", ran, err)
@@ -144,4 +145,32 @@ func TestNodeInfo(t *testing.T) {
 		return
 	}
 	t.Fatal("no mountplan_node_info in the scrape")
+}
+
+func TestPreflightFeatures(t *testing.T) {
+	m := New(nil)
+	m.Preflight(map[string]bool{"fuse": true, "cgroup2": false})
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, mf := range mfs {
+		if mf.GetName() != "mountplan_preflight_feature" {
+			continue
+		}
+		for _, s := range mf.GetMetric() {
+			l := map[string]string{}
+			for _, p := range s.GetLabel() {
+				l[p.GetName()] = p.GetValue()
+			}
+			if s.GetGauge().GetValue() != 1 {
+				t.Errorf("%v = %v, want 1", l, s.GetGauge().GetValue())
+			}
+			got[l["feature"]] = l["available"]
+		}
+	}
+	if want := map[string]string{"fuse": "true", "cgroup2": "false"}; !maps.Equal(got, want) {
+		t.Fatalf("mountplan_preflight_feature: %v, want %v", got, want)
+	}
 }

@@ -127,6 +127,12 @@ type rendered struct {
 	// (CSIStorageCapacity), with storageCapacity.enabled only.
 	nsRole    *rbacv1.Role
 	nsBinding *rbacv1.RoleBinding
+	// The optional extras: metrics' Service and PodMonitor, helm test's
+	// pod, the release namespace.
+	metricsSvc *corev1.Service
+	podMonitor *podMonitor
+	testPod    *corev1.Pod
+	ns         *corev1.Namespace
 
 	// rawConfig is the ConfigMap's config.yaml; config is the same file read by
 	// the plugin's own loader.
@@ -154,6 +160,10 @@ var decoders = map[string]struct {
 	"Role":                {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.Role{} }},
 	"RoleBinding":         {"rbac.authorization.k8s.io/v1", func() any { return &rbacv1.RoleBinding{} }},
 	"VolumeSnapshotClass": {"snapshot.storage.k8s.io/v1", func() any { return &volumeSnapshotClass{} }},
+	"Service":             {"v1", func() any { return &corev1.Service{} }},
+	"Pod":                 {"v1", func() any { return &corev1.Pod{} }},
+	"Namespace":           {"v1", func() any { return &corev1.Namespace{} }},
+	"PodMonitor":          {"monitoring.coreos.com/v1", func() any { return &podMonitor{} }},
 }
 
 // volumeSnapshotClass is snapshot.storage.k8s.io/v1 VolumeSnapshotClass
@@ -295,6 +305,14 @@ func (r *rendered) decode(t *testing.T, template, doc string) {
 		set(&r.nsBinding)
 	case *volumeSnapshotClass:
 		set(&r.vsc)
+	case *corev1.Service:
+		set(&r.metricsSvc)
+	case *podMonitor:
+		set(&r.podMonitor)
+	case *corev1.Pod:
+		set(&r.testPod)
+	case *corev1.Namespace:
+		set(&r.ns)
 	default:
 		t.Fatalf("unhandled %T", o)
 	}

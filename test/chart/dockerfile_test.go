@@ -15,6 +15,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mountplan/mountplan/internal/preflight"
 	"github.com/mountplan/mountplan/internal/testenv"
 	"github.com/mountplan/mountplan/test/dockerfile"
 )
@@ -609,5 +610,63 @@ func helper() { _ = exec.Command("unshare") }
 	}
 	if len(unresolved) != 1 || !strings.Contains(unresolved[0], "a.go:") {
 		t.Errorf("unresolved %v, want the os.Args call only", unresolved)
+	}
+}
+
+// TestPreflightLooksForEveryTool: the start-up check (internal/preflight)
+// looks for every program the code runs, so that a missing one is said at
+// start with what it disables, not in the first volume's error.
+func TestPreflightLooksForEveryTool(t *testing.T) {
+	found, _, _, err := findExecTools(repoRoot, []string{"internal", "pkg", "cmd"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checked := map[string]bool{}
+	for _, tool := range preflight.Tools() {
+		checked[tool.Name] = true
+	}
+	if len(found) == 0 {
+		t.Fatal("no program found run by the code: the finder is broken")
+	}
+	for name := range found {
+		if !checked[path.Base(name)] {
+			t.Errorf("%s runs %s, which preflight.Tools does not look for", found[name][0], name)
+		}
+	}
+}
+
+// TestMakeImage: `make image` builds with docker (or podman) from the
+// repository's root, passing the version the binaries report; with neither
+// on PATH it fails naming both.
+func TestMakeImage(t *testing.T) {
+	makeBin, err := exec.LookPath("make")
+	if err != nil {
+		testenv.Missing(t, "make (Debian package make)")
+	}
+	vars := []string{"VERSION=v9.8.7", "REVISION=abc", "BUILD_DATE=2026-01-02T03:04:05Z", "IMAGE=registry.example/mountplan:t1"}
+	fake := t.TempDir()
+	script := "#!/bin/sh\necho \"$0 $*\" > " + filepath.Join(fake, "called") + "\n"
+	if err := os.WriteFile(filepath.Join(fake, "docker"), []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(makeBin, append([]string{"-s", "-C", repoRoot, "image"}, vars...)...)
+	cmd.Env = append(os.Environ(), "PATH="+fake)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("make image with a docker on PATH: %v\n%s", err, out)
+	}
+	called, err := os.ReadFile(filepath.Join(fake, "called"))
+	if err != nil {
+		t.Fatalf("make image did not run docker: %v", err)
+	}
+	for _, want := range []string{" build ", "--build-arg VERSION=v9.8.7", "--build-arg REVISION=abc", "--build-arg BUILD_DATE=2026-01-02T03:04:05Z", "-t registry.example/mountplan:t1"} {
+		if !strings.Contains(string(called), want) {
+			t.Errorf("docker ran as %q: no %q", called, want)
+		}
+	}
+	cmd = exec.Command(makeBin, append([]string{"-s", "-C", repoRoot, "image"}, vars...)...)
+	cmd.Env = append(os.Environ(), "PATH="+t.TempDir())
+	out, err := cmd.CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "docker") || !strings.Contains(string(out), "podman") {
+		t.Errorf("make image without docker and podman: %v\n%s\nwant a failure naming both", err, out)
 	}
 }

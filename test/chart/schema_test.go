@@ -168,6 +168,10 @@ func TestSchemaRejects(t *testing.T) {
 		{"healthEventsInterval in words", map[string]any{"resizer": map[string]any{"healthEventsInterval": "10 seconds"}}, []string{"/resizer/healthEventsInterval"}},
 		{"provisioner.timeout a number", map[string]any{"provisioner": map[string]any{"timeout": 60}}, []string{"/provisioner/timeout"}},
 		{"provisioner.timeout without a unit", map[string]any{"provisioner": map[string]any{"timeout": "60"}}, []string{"/provisioner/timeout"}},
+		{"podMonitor.interval a number", map[string]any{"metrics": map[string]any{"podMonitor": map[string]any{"interval": 30}}}, []string{"/metrics/podMonitor/interval"}},
+		{"tests.timeout without a unit", map[string]any{"tests": map[string]any{"timeout": "10"}}, []string{"/tests/timeout"}},
+		{"namespace.create a string", map[string]any{"namespace": map[string]any{"create": "yes"}}, []string{"/namespace/create"}},
+		{"podMonitor.labels a list", map[string]any{"metrics": map[string]any{"podMonitor": map[string]any{"labels": []any{"a"}}}}, []string{"/metrics/podMonitor/labels"}},
 		{"FUSE readyTimeout a number", profile(map[string]any{"readyTimeout": 10}), []string{"/config/fuseProfiles/0/readyTimeout"}},
 		// Absolute paths.
 		{"relative kubeletDir", map[string]any{"kubeletDir": "var/lib/kubelet"}, []string{"/kubeletDir"}},

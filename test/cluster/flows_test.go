@@ -32,6 +32,7 @@ type flow struct {
 
 var flows = []flow{
 	{name: "DynamicPVC", run: dynamicPVC},
+	{name: "HelmTest", run: helmTest}, // helmtest_flows_test.go
 	{name: "CapacityTracking", run: capacityTracking},
 	{name: "NodeRemovedForGood", run: nodeRemovedForGood},
 	{name: "DrainNodeLocal", run: drainNodeLocal},
