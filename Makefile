@@ -16,7 +16,7 @@ VMTAGS    := vmtest,vmguest
 # The cluster test builds only with its tag (make test-cluster).
 CLUSTERTAGS := clustertest
 
-.PHONY: all build test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench demo clean codegen deploy fuzz
+.PHONY: all build test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench bench-io demo clean codegen deploy fuzz
 
 all: build
 
@@ -96,6 +96,14 @@ deploy:
 
 bench: build
 	hack/bench.sh
+
+# The data path (issue 38): fio on every volume kind as published through
+# the plugin and its mounter, against its raw backing, in turn; a table and
+# JSON under bench-results/. BENCHIO_FLAGS lengthens it, e.g.
+# BENCHIO_FLAGS='-io-runtime 30 -io-rounds 3'. Needs root and fio.
+BENCHIO_FLAGS ?=
+bench-io: build
+	hack/bench-io.sh $(BENCHIO_FLAGS)
 
 demo: build
 	hack/demo.sh
