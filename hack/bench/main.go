@@ -77,6 +77,10 @@
 // started and theirs (tool spawners).
 //
 // Run it as root: hack/bench.sh [-n 50] [-state-dir /var/tmp].
+//
+// With -io it runs the I/O benchmark instead (make bench-io,
+// hack/bench-io.sh; io.go): fio on every volume kind as published through
+// the plugin beside its mounter, against its backing, in turn.
 package main
 
 import (
