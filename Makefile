@@ -58,7 +58,8 @@ N ?= 1000
 test-crash: build
 	$(GO) test -count=1 -v -timeout 0 -run '^TestCrash$$' ./test/e2e/ -crash.kills=$(N)
 
-# Boots Debian's kernel (it has nbd and iscsi_tcp) under qemu TCG and runs
+# Boots Debian's kernel (it has nbd and iscsi_tcp) under qemu (on KVM where
+# the host's is hardware-assisted, TCG elsewhere; the output says which) and runs
 # the NBD and iSCSI flows inside it, then resets it and checks NBD and iSCSI
 # volumes after the reboot; about 85 s once the kernel package is cached
 # under /var/cache/mountplan-vm. Built only with its tag: `make test`
