@@ -362,6 +362,8 @@ func settle(paths []string) error {
 }
 
 // ioKindNames are the kinds the bench knows, in the order of the report.
+// squashfuse-ll (squashfuse_ll, the same package's daemon on libfuse's
+// low-level API) is not in the default: -io-kinds names it.
 var ioKindNames = []string{"loop-ext4", "loop-xfs", "chain", "squashfuse"}
 
 // setupIO makes each kind's volume through the plugin's socket and publishes it at a
@@ -385,7 +387,9 @@ func (b *bench) setupIO(ctx context.Context) ([]*ioKind, error) {
 		case "chain":
 			err = b.setupChain(ctx, k, dir)
 		case "squashfuse":
-			err = b.setupSquashfuse(ctx, k, dir)
+			err = b.setupSquashfuse(ctx, k, dir, "squashfuse", "squashfuse")
+		case "squashfuse-ll":
+			err = b.setupSquashfuse(ctx, k, dir, "squashfuse-ll", "squashfuse_ll")
 		default:
 			err = fmt.Errorf("no such kind %q (%s)", name, strings.Join(ioKindNames, ", "))
 		}
@@ -483,11 +487,11 @@ func (b *bench) setupChain(ctx context.Context, k *ioKind, dir string) error {
 }
 
 // setupSquashfuse makes a squashfs image holding one file of random data
-// (fio's size), stages it with the squashfuse profile (fd mode: the
-// daemon serves as nobody) and publishes it read-only; the backing is the
-// same file through the kernel's squashfs of the same image.
-func (b *bench) setupSquashfuse(ctx context.Context, k *ioKind, dir string) error {
-	k.name, k.readOnly, k.daemon = "squashfuse", true, "squashfuse"
+// (fio's size), stages it with profile, whose daemon is the command daemon
+// (fd mode: it serves as nobody) and publishes it read-only; the
+// backing is the same file through the kernel's squashfs of the same image.
+func (b *bench) setupSquashfuse(ctx context.Context, k *ioKind, dir, profile, daemon string) error {
+	k.name, k.readOnly, k.daemon = daemon, true, daemon
 	k.backing = "the kernel's squashfs of the same image (mount -o loop)"
 	src := filepath.Join(dir, "src")
 	if err := os.MkdirAll(src, 0o755); err != nil {
@@ -496,7 +500,7 @@ func (b *bench) setupSquashfuse(ctx context.Context, k *ioKind, dir string) erro
 	if err := fillImage(filepath.Join(src, "data"), b.o.ioSize); err != nil {
 		return err
 	}
-	img := filepath.Join(b.imageRoot(), "squashfuse.sqfs")
+	img := filepath.Join(b.imageRoot(), daemon+".sqfs")
 	// Random data does not compress: store it as it is, which spares the
 	// compressor's time at build and leaves both readers the same blocks.
 	if err := runTool("mksquashfs", src, img, "-noappend", "-quiet", "-no-progress", "-noI", "-noD", "-noF", "-noX"); err != nil {
@@ -508,7 +512,7 @@ func (b *bench) setupSquashfuse(ctx context.Context, k *ioKind, dir string) erro
 	if err := os.Chmod(img, 0o644); err != nil { // the daemon runs as nobody
 		return err
 	}
-	vctx := map[string]string{"type": "fuse", "profile": "squashfuse", "source": img}
+	vctx := map[string]string{"type": "fuse", "profile": profile, "source": img}
 	if err := b.stagePublish(ctx, k, ioCap("", true), vctx); err != nil {
 		return err
 	}
@@ -543,7 +547,8 @@ func (b *bench) squashRoot() string { return b.imageRoot() }
 
 // writeIOConfig writes the admin config of the I/O benchmark: its image
 // root, and the squashfuse profile of the examples with its source root
-// there. The dirs up to it must be searchable by nobody (the daemon).
+// there, and the same for squashfuse_ll. The dirs up to it must be
+// searchable by nobody (the daemon).
 func (b *bench) writeIOConfig() (string, error) {
 	if err := os.MkdirAll(b.imageRoot(), 0o755); err != nil {
 		return "", err
@@ -563,7 +568,14 @@ fuseProfiles:
   mountOptions: [allow_other]
   source: {roots: [%q]}
   readyTimeout: 10s
-`, b.imageRoot(), b.squashRoot())
+- name: squashfuse-ll
+  binary: /usr/bin/squashfuse_ll
+  args: [-f, "{source}", "{mountpoint}"]
+  fdMount: true
+  mountOptions: [allow_other]
+  source: {roots: [%q]}
+  readyTimeout: 10s
+`, b.imageRoot(), b.squashRoot(), b.squashRoot())
 	p := filepath.Join(b.dir, "config.yaml")
 	return p, os.WriteFile(p, []byte(cfg), 0o644)
 }
