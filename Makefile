@@ -16,7 +16,7 @@ VMTAGS    := vmtest,vmguest
 # The cluster test builds only with its tag (make test-cluster).
 CLUSTERTAGS := clustertest
 
-.PHONY: all build image test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench demo clean codegen deploy fuzz
+.PHONY: all build image test test-unit test-crash test-sanity test-vm test-cluster bench-cluster verify bench bench-io demo clean codegen deploy fuzz
 
 all: build
 
@@ -65,7 +65,8 @@ N ?= 1000
 test-crash: build
 	$(GO) test -count=1 -v -timeout 0 -run '^TestCrash$$' ./test/e2e/ -crash.kills=$(N)
 
-# Boots Debian's kernel (it has nbd and iscsi_tcp) under qemu TCG and runs
+# Boots Debian's kernel (it has nbd and iscsi_tcp) under qemu (on KVM where
+# the host's is hardware-assisted, TCG elsewhere; the output says which) and runs
 # the NBD and iSCSI flows inside it, then resets it and checks NBD and iSCSI
 # volumes after the reboot; about 85 s once the kernel package is cached
 # under /var/cache/mountplan-vm. Built only with its tag: `make test`
@@ -103,6 +104,14 @@ deploy:
 
 bench: build
 	hack/bench.sh
+
+# The data path (issue 38): fio on every volume kind as published through
+# the plugin and its mounter, against its raw backing, in turn; a table and
+# JSON under bench-results/. BENCHIO_FLAGS lengthens it, e.g.
+# BENCHIO_FLAGS='-io-runtime 30 -io-rounds 3'. Needs root and fio.
+BENCHIO_FLAGS ?=
+bench-io: build
+	hack/bench-io.sh $(BENCHIO_FLAGS)
 
 demo: build
 	hack/demo.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs, from Debian's packages, every tool mountplan's tests and demo
-# use. Idempotent; needs root.
+# use. Idempotent; needs root. With --bench, also what the benchmarks
+# alone use (fio for make bench-io); no test needs them.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
@@ -13,6 +14,9 @@ pkgs=(
   conmon skopeo gcc libc6-dev pkg-config libseccomp-dev  # CRI-O as the NRI tests' second runtime: its monitor, the image import, and its build (cgo, seccomp; pinns linked static); make test-cluster's runc >= 1.2 (cgo, seccomp)
   mmdebstrap containernetworking-plugins iproute2  # make test-cluster: the image's Debian root, pod networking (bridge, host-local), the node's network namespace
 )
+if [[ ${1:-} == --bench ]]; then
+  pkgs+=(fio)  # make bench-io
+fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -46,6 +46,7 @@ type bench struct {
 	freshID  string // the volume of measurement 6 that exists now, if any
 
 	scale scaleState // measurement 8's volumes
+	io    *ioState   // -io: the I/O benchmark's volumes
 
 	inflateDir string   // -mounts: where the extra mounts are
 	inflated   []string // -mounts: the extra mounts made so far

@@ -41,6 +41,7 @@ type instance struct {
 	root   string
 
 	stateDir  string // the plugin's --state-dir, the mounter's too
+	config    string // the admin config (--config) of the plugin and the mounter; "" for none
 	sock      string
 	pluginLog string
 	staging   string // staging_target_path (the plugin mounts nothing there)
@@ -152,8 +153,10 @@ func (b *bench) startMounter(ctx context.Context, in *instance) error {
 	}
 	defer logf.Close()
 	start := time.Now()
-	in.mounterProc, err = startChild("mounter", logf, logf, b.o.sidecar, "serve",
-		"--endpoint", "unix://"+in.mounterSock, "--state-dir", in.stateDir, "--records-dir", in.recordsDir, "--kubelet-dir", b.dir)
+	args := append([]string{b.o.sidecar, "serve",
+		"--endpoint", "unix://" + in.mounterSock, "--state-dir", in.stateDir, "--records-dir", in.recordsDir, "--kubelet-dir", b.dir},
+		in.configArgs()...)
+	in.mounterProc, err = startChild("mounter", logf, logf, args...)
 	if err != nil {
 		return err
 	}
@@ -181,6 +184,15 @@ func (b *bench) startMounter(ctx context.Context, in *instance) error {
 			return err
 		}
 	}
+}
+
+// configArgs are the flags that give the plugin and the mounter in's admin
+// config, if it has one.
+func (in *instance) configArgs() []string {
+	if in.config == "" {
+		return nil
+	}
+	return []string{"--config", in.config}
 }
 
 // mounterNoop is a call the mounter answers without work: whether a

@@ -77,6 +77,10 @@
 // started and theirs (tool spawners).
 //
 // Run it as root: hack/bench.sh [-n 50] [-state-dir /var/tmp].
+//
+// With -io it runs the I/O benchmark instead (make bench-io,
+// hack/bench-io.sh; io.go): fio on every volume kind as published through
+// the plugin beside its mounter, against its backing, in turn.
 package main
 
 import (
@@ -89,6 +93,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -122,6 +127,12 @@ type options struct {
 	// The data path measurement (7): seconds of I/O in all, in rounds.
 	dataSeconds float64
 	dataRounds  int
+	// The I/O benchmark (-io, make bench-io): fio on every kind.
+	io        bool
+	ioRuntime int // seconds per fio job
+	ioRounds  int
+	ioSize    int64 // bytes of fio's file
+	ioKinds   []string
 	// The scale measurement (8).
 	scaleLevels    []int
 	scaleOps       int
@@ -132,7 +143,7 @@ type options struct {
 
 func main() {
 	var o options
-	var phases, levels string
+	var phases, levels, ioKinds, ioSize string
 	flag.IntVar(&o.n, "n", 50, "timed iterations of each cycle")
 	flag.IntVar(&o.warmup, "warmup", 5, "untimed iterations before the timed ones")
 	flag.StringVar(&o.baseDir, "state-dir", "/var/tmp", "directory under which a fresh temporary dir is made for the plugin's state dir, the images, the socket and the mount points")
@@ -151,12 +162,21 @@ func main() {
 	flag.DurationVar(&o.scaleReconcile, "scale-reconcile", time.Minute, "measurement 8: --reconcile-interval of the restarted plugin (the plugin's default is 1m)")
 	flag.Float64Var(&o.dataSeconds, "data-seconds", 40, "measurement 7: seconds of I/O in all, shared by every target, direction and queue depth")
 	flag.IntVar(&o.dataRounds, "data-rounds", 4, "measurement 7: rounds in which the targets take turns")
+	flag.BoolVar(&o.io, "io", false, "run the I/O benchmark instead of the measurements (make bench-io, hack/bench-io.sh): fio against every volume kind of -io-kinds as published through the plugin beside its mounter, and against its backing, in turn, round after round")
+	flag.IntVar(&o.ioRuntime, "io-runtime", 5, "-io: seconds of each fio job")
+	flag.IntVar(&o.ioRounds, "io-rounds", 2, "-io: rounds in which the targets take turns")
+	flag.StringVar(&ioSize, "io-size", "256M", "-io: size of fio's file on each target (K, M, G suffixes)")
+	flag.StringVar(&ioKinds, "io-kinds", strings.Join(ioKindNames, ","), "-io: the volume kinds, in order")
 	flag.StringVar(&o.outDir, "out", "bench-results", "directory for the JSON and SVG of the run (made if missing)")
 	flag.StringVar(&o.straceOut, "strace", "", "if set, attach `strace -f -c -w` (wall-clock time per syscall) to the plugin during the timed loops of cycles 1 and 4 and write its summaries to FILE.cycle1 and FILE.cycle4 (timings are then perturbed)")
 	flag.BoolVar(&o.verbose, "v", false, "log progress to stderr")
 	flag.IntVar(&o.mounts, "mounts", 0, "run everything in a private mount namespace holding this many extra tmpfs mounts, as a busy node's mount table would (the host's table is not touched)")
 	flag.Parse()
 	var err error
+	o.ioKinds = strings.Split(ioKinds, ",")
+	if o.ioSize, err = parseSize(ioSize); err != nil || o.ioSize < 16<<20 || o.ioRuntime < 1 || o.ioRounds < 1 {
+		fail(fmt.Errorf("-io-size must be at least 16M, -io-runtime and -io-rounds at least 1 (-io-size: %v)", err))
+	}
 	if o.phases, err = parsePhases(phases); err != nil {
 		fail(err)
 	}
@@ -187,7 +207,7 @@ func main() {
 	if o.compare != "" {
 		bins = append(bins, o.compare)
 	}
-	if o.lean != "" && (o.phases[1] || o.phases[4]) {
+	if o.lean != "" && (o.phases[1] || o.phases[4]) && !o.io {
 		bins = append(bins, o.lean)
 	}
 	for _, p := range bins {
@@ -201,6 +221,12 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	defer stop()
+	if o.io {
+		if _, err := exec.LookPath("fio"); err != nil {
+			fail(fmt.Errorf("-io needs fio (Debian's package fio; hack/install-deps.sh --bench): %w", err))
+		}
+		os.Exit(runIO(ctx, o))
+	}
 	code := run(ctx, o)
 	os.Exit(code)
 }
@@ -235,6 +261,25 @@ func reexecInNamespace() int {
 func fail(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
 	os.Exit(2)
+}
+
+// parseSize reads a byte count with an optional K, M or G suffix (powers
+// of 1024).
+func parseSize(s string) (int64, error) {
+	mult := int64(1)
+	switch {
+	case strings.HasSuffix(s, "K"):
+		mult, s = 1<<10, strings.TrimSuffix(s, "K")
+	case strings.HasSuffix(s, "M"):
+		mult, s = 1<<20, strings.TrimSuffix(s, "M")
+	case strings.HasSuffix(s, "G"):
+		mult, s = 1<<30, strings.TrimSuffix(s, "G")
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("%q is not a size", s)
+	}
+	return n * mult, nil
 }
 
 func parsePhases(s string) (map[int]bool, error) {

@@ -98,6 +98,7 @@ func (b *bench) startPlugin(ctx context.Context, in *instance) error {
 	if in.split {
 		args = append(args, "--mounter-endpoint", "unix://"+in.mounterSock)
 	}
+	args = append(args, in.configArgs()...)
 	if in.metricsAddr = metricsAddress(in.binary); in.metricsAddr != "" {
 		args = append(args, "--metrics-address", in.metricsAddr)
 	}

@@ -71,6 +71,7 @@ func (b *bench) teardown() leakReport {
 	var ins []*instance
 	if b.instance != nil {
 		ins = b.instances()
+		b.undoIO(ctx, errf)
 	}
 	for _, in := range ins {
 		b.undo(ctx, in, errf)

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -48,6 +49,9 @@ func persistDisks(t *testing.T, dir string) []disk {
 	return disks
 }
 
+// kvmInternalError is what qemu prints when KVM cannot run the guest on.
+const kvmInternalError = "KVM internal error"
+
 // booted is the outcome of one qemu run.
 type booted struct {
 	out       string // the serial output, lines ending in \n
@@ -55,7 +59,8 @@ type booted struct {
 	resetTook time.Duration
 }
 
-// boot runs qemu as VM-NOTES.md measured it, with the disks attached, and
+// boot runs qemu as VM-NOTES.md measured it (on KVM where /dev/kvm
+// works, chooseAccel), with the disks attached, and
 // returns the serial output. When resetOn is set and the guest prints it,
 // the host resets the machine through qemu's monitor (system_reset: no
 // sync, no orderly stop, as a power loss); -no-reboot makes qemu exit
@@ -69,10 +74,10 @@ func boot(t *testing.T, vmlinux, initrd, serial string, disks []disk, appendArgs
 		smp = "1"
 	}
 	monitor := filepath.Join(filepath.Dir(serial), "monitor-"+filepath.Base(serial)+".sock")
-	args := []string{"-accel", "tcg,thread=multi", "-cpu", "max", "-smp", smp, "-m", "1024",
+	args := slices.Concat(chooseAccel().args, []string{"-smp", smp, "-m", "1024",
 		"-nographic", "-no-reboot", "-nic", "none", "-kernel", vmlinux, "-initrd", initrd,
 		"-monitor", "unix:" + monitor + ",server=on,wait=off",
-		"-append", strings.TrimSpace("console=ttyS0 panic=-1 rdinit=/init loglevel=4 " + appendArgs)}
+		"-append", strings.TrimSpace("console=ttyS0 panic=-1 rdinit=/init loglevel=4 " + appendArgs)})
 	for _, d := range disks {
 		args = append(args, "-drive", fmt.Sprintf("file=%s,format=raw,if=none,id=%s", d.path, d.serial),
 			"-device", fmt.Sprintf("virtio-blk-pci,drive=%s,serial=%s", d.serial, d.serial))
@@ -90,6 +95,15 @@ func boot(t *testing.T, vmlinux, initrd, serial string, disks []disk, appendArgs
 	exited := make(chan struct{})
 	var waitErr error
 	go func() { waitErr = cmd.Wait(); close(exited) }()
+	// On a KVM internal error qemu stops the guest and waits: end it at
+	// once instead of at the timeout.
+	kvmFailed := make(chan struct{})
+	go func() {
+		if waitForMarker(serial, kvmInternalError, exited) {
+			close(kvmFailed)
+			_ = cmd.Process.Kill()
+		}
+	}()
 
 	var res booted
 	if resetOn != "" && waitForMarker(serial, resetOn, exited) {
@@ -109,6 +123,12 @@ func boot(t *testing.T, vmlinux, initrd, serial string, disks []disk, appendArgs
 	<-exited
 	b, _ := os.ReadFile(serial)
 	res.out = strings.ReplaceAll(string(b), "\r\n", "\n")
+	select {
+	case <-kvmFailed:
+		t.Logf("serial output:\n%s", res.out)
+		t.Fatalf("qemu on %s: %q: this machine's KVM cannot run the guest; MOUNTPLAN_VM_ACCEL=tcg runs it on TCG", chooseAccel(), kvmInternalError)
+	default:
+	}
 	if waitErr != nil {
 		t.Logf("serial output:\n%s", res.out)
 		t.Fatalf("qemu: %v", waitErr)

@@ -174,6 +174,10 @@ func TestVM(t *testing.T) {
 	stop()
 	t.Logf("initramfs: %d MiB, %d entries, %d modules", size>>20, len(a.entries), len(order))
 
+	ac := chooseAccel()
+	t.Logf("qemu accelerator: %v", ac)
+	fmt.Printf("=== VM on %s\n", ac)
+
 	stop = tm.start("make the reboot test's disks")
 	disks := persistDisks(t, work)
 	stop()
@@ -227,7 +231,7 @@ func logLines(t *testing.T, boot string, lines []string) {
 // summary lays out the run's timings and the guest's verdicts.
 func summary(k kernel, tm *timings, res guestResult, reset bool, after guestResult) string {
 	var sum strings.Builder
-	fmt.Fprintf(&sum, "VM test timings (kernel %s):\n", k.Package)
+	fmt.Fprintf(&sum, "VM test timings (kernel %s, qemu on %s):\n", k.Package, chooseAccel().name)
 	for i, n := range tm.names {
 		fmt.Fprintf(&sum, "  %-45s %8.2fs\n", n, tm.durs[i].Seconds())
 	}
