@@ -67,6 +67,7 @@ var flows = []flow{
 	{name: "CRIOKilledNRI", run: crioKilledNRI, pending: crioPending()}, // runtime_restart_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
+	{name: "FUSEDaemonsSurviveMounterRollout", run: fuseDaemonsSurviveMounterRollout}, // fuse_rollout_flows_test.go
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
 	{name: "OperatorVolumesListing", run: operatorVolumes},
 	// Before the writer of the next two flows starts: a reboot restarts
