@@ -11,14 +11,18 @@ package mounter
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/daemon/cgroup"
@@ -51,10 +55,21 @@ type daemonCgroups struct {
 func (n *Local) initCgroups(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	c := &n.cgroups
-	switch base := n.opts.DaemonCgroup; base {
-	case "":
+	if fsRoot := n.opts.HostCgroupFS; fsRoot != "" {
+		m, err := n.outsideCgroups(fsRoot)
+		if err == nil {
+			c.m, c.notEnforced = m, m.Reason()
+		} else {
+			log.Info("WARNING: the FUSE daemons' cgroups cannot be laid out outside the mounter's container: a stop of its container (a restart, a rollout) kills every daemon",
+				"hostCgroupFS", fsRoot, "err", err.Error())
+		}
+	}
+	switch base := n.opts.DaemonCgroup; {
+	case c.m != nil:
+	case base == "":
 		c.notEnforced = "the mounter was started without a cgroup for its daemons (--daemon-cgroup)"
 	default:
+		log.Info("The FUSE daemons run below the mounter's cgroup: a stop of its container (a restart, a rollout) kills them (--host-cgroupfs keeps them)", "daemonCgroup", base)
 		if base == CgroupSelf {
 			base = ""
 		}
@@ -73,7 +88,7 @@ func (n *Local) initCgroups(ctx context.Context) {
 	case c.notEnforced != "":
 		log.V(2).Info("FUSE daemons' resource limits could not be enforced (no profile has any)", "reason", c.notEnforced)
 	default:
-		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode())
+		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode(), "outsideMounter", c.m.Outside())
 	}
 	if c.m != nil {
 		n.removeStaleCgroups(ctx)
@@ -194,4 +209,61 @@ func (n *Local) DaemonUsage(context.Context) ([]DaemonUsage, error) {
 	}
 	slices.SortFunc(out, func(a, b DaemonUsage) int { return strings.Compare(a.VolumeID, b.VolumeID) })
 	return out, errors.Join(errs...)
+}
+
+// cgroupInstanceFile, in the records dir, holds the name of this node's
+// mounter below each hierarchy's mountplan-daemons/ (Options.HostCgroupFS):
+// chosen at random once and kept, so that every mounter of the node finds
+// the leaves of the daemons it adopts, and two mounters that share a
+// host's cgroup file system (a test cluster's nodes) never meet.
+const cgroupInstanceFile = "cgroup-instance"
+
+// outsideCgroups sets the daemons' cgroups up below fsRoot's hierarchies.
+func (n *Local) outsideCgroups(fsRoot string) (*cgroup.Manager, error) {
+	name, err := n.cgroupInstance()
+	if err != nil {
+		return nil, err
+	}
+	return cgroup.SetupOutside(fsRoot, name)
+}
+
+// cgroupInstance reads (at a first start: makes) this node's instance name.
+func (n *Local) cgroupInstance() (string, error) {
+	p := filepath.Join(n.opts.RecordsDir, cgroupInstanceFile)
+	for range 2 {
+		b, err := os.ReadFile(p)
+		if err == nil {
+			name := strings.TrimSpace(string(b))
+			if len(name) != 16 || strings.Trim(name, "0123456789abcdef") != "" {
+				return "", fmt.Errorf("%s holds %q, not 16 hex digits", p, name)
+			}
+			return name, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			return "", err
+		}
+		r := make([]byte, 8)
+		if _, err := rand.Read(r); err != nil {
+			return "", err
+		}
+		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o600)
+		if errors.Is(err, fs.ErrExist) {
+			continue // made meanwhile: read it
+		}
+		if err != nil {
+			return "", err
+		}
+		_, err = f.WriteString(hex.EncodeToString(r) + "\n")
+		if serr := f.Sync(); err == nil {
+			err = serr
+		}
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			_ = os.Remove(p)
+			return "", err
+		}
+	}
+	return "", fmt.Errorf("%s: cannot read it back", p)
 }
