@@ -244,11 +244,18 @@ func (m *Manager) prepareV1(name string, l Limits) ([]string, error) {
 			if l.MemoryBytes > 0 {
 				limit = strconv.FormatInt(l.MemoryBytes, 10)
 			}
+			// No swap beyond the limit, where swap is accounted. The
+			// kernel wants memsw >= the memory limit at every write: a
+			// reused leaf's memsw is lifted first.
+			_, err := os.Stat(filepath.Join(dir, "memory.memsw.limit_in_bytes"))
+			memsw := err == nil
+			if memsw {
+				_ = write(dir, "memory.memsw.limit_in_bytes", "-1")
+			}
 			if err := write(dir, "memory.limit_in_bytes", limit); err != nil {
 				return dirs, err
 			}
-			// No swap beyond the limit, where swap is accounted.
-			if _, err := os.Stat(filepath.Join(dir, "memory.memsw.limit_in_bytes")); err == nil {
+			if memsw {
 				if err := write(dir, "memory.memsw.limit_in_bytes", limit); err != nil {
 					return dirs, err
 				}
