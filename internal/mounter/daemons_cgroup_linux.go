@@ -11,7 +11,7 @@ package mounter
 
 import (
 	"context"
-	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -92,6 +92,9 @@ func (n *Local) initCgroups(ctx context.Context) {
 	}
 	if c.m != nil {
 		n.removeStaleCgroups(ctx)
+		// A node without daemons leaves nothing in the host's cgroups;
+		// the next daemon's Prepare makes the levels again.
+		c.m.RemoveEmptyLevels()
 	}
 }
 
@@ -211,12 +214,21 @@ func (n *Local) DaemonUsage(context.Context) ([]DaemonUsage, error) {
 	return out, errors.Join(errs...)
 }
 
-// cgroupInstanceFile, in the records dir, holds the name of this node's
-// mounter below each hierarchy's mountplan-daemons/ (Options.HostCgroupFS):
-// chosen at random once and kept, so that every mounter of the node finds
-// the leaves of the daemons it adopts, and two mounters that share a
-// host's cgroup file system (a test cluster's nodes) never meet.
-const cgroupInstanceFile = "cgroup-instance"
+// cgroupInstance names this node's mounter below each hierarchy's
+// mountplan-daemons/ (Options.HostCgroupFS): derived from the identity
+// (device and inode) of its records dir, which every later mounter of the
+// node finds again, so that it finds the leaves of the daemons it adopts,
+// and which differs between mounters that share a host's cgroup file
+// system (a test cluster's nodes). Nothing is written for it: the records
+// dir holds records only.
+func (n *Local) cgroupInstance() (string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(n.opts.RecordsDir, &st); err != nil {
+		return "", &os.PathError{Op: "stat", Path: n.opts.RecordsDir, Err: err}
+	}
+	sum := sha256.Sum256([]byte(fmt.Sprintf("mountplan records dir %d:%d", st.Dev, st.Ino)))
+	return hex.EncodeToString(sum[:8]), nil
+}
 
 // outsideCgroups sets the daemons' cgroups up below fsRoot's hierarchies.
 func (n *Local) outsideCgroups(fsRoot string) (*cgroup.Manager, error) {
@@ -225,45 +237,4 @@ func (n *Local) outsideCgroups(fsRoot string) (*cgroup.Manager, error) {
 		return nil, err
 	}
 	return cgroup.SetupOutside(fsRoot, name)
-}
-
-// cgroupInstance reads (at a first start: makes) this node's instance name.
-func (n *Local) cgroupInstance() (string, error) {
-	p := filepath.Join(n.opts.RecordsDir, cgroupInstanceFile)
-	for range 2 {
-		b, err := os.ReadFile(p)
-		if err == nil {
-			name := strings.TrimSpace(string(b))
-			if len(name) != 16 || strings.Trim(name, "0123456789abcdef") != "" {
-				return "", fmt.Errorf("%s holds %q, not 16 hex digits", p, name)
-			}
-			return name, nil
-		}
-		if !errors.Is(err, fs.ErrNotExist) {
-			return "", err
-		}
-		r := make([]byte, 8)
-		if _, err := rand.Read(r); err != nil {
-			return "", err
-		}
-		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o600)
-		if errors.Is(err, fs.ErrExist) {
-			continue // made meanwhile: read it
-		}
-		if err != nil {
-			return "", err
-		}
-		_, err = f.WriteString(hex.EncodeToString(r) + "\n")
-		if serr := f.Sync(); err == nil {
-			err = serr
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			_ = os.Remove(p)
-			return "", err
-		}
-	}
-	return "", fmt.Errorf("%s: cannot read it back", p)
 }

@@ -227,15 +227,16 @@ func (m *Manager) prepareV1(name string, l Limits) ([]string, error) {
 	var dirs []string
 	for _, h := range m.v1 {
 		dir := filepath.Join(h.base, name)
-		// The instance's directory may have been removed by the teardown
-		// of the last other volume meanwhile: made again.
-		if err := mkdirCgroup(filepath.Dir(filepath.Dir(dir)), true); err != nil {
-			return nil, err
+		// The levels above may have been removed by the teardown of the
+		// last other volume (or by another mounter sharing the host's
+		// cgroups) meanwhile, also between two of these: made again.
+		var err error
+		for range 3 {
+			if err = mkdirLeaf(dir); !errors.Is(err, unix.ENOENT) {
+				break
+			}
 		}
-		if err := mkdirCgroup(filepath.Dir(dir), true); err != nil {
-			return nil, err
-		}
-		if err := mkdirCgroup(dir, true); err != nil {
+		if err != nil {
 			return nil, err
 		}
 		dirs = append(dirs, dir)
@@ -365,16 +366,32 @@ func (m *Manager) ensureOutside() error {
 		return nil
 	}
 	root := filepath.Dir(filepath.Dir(m.base))
-	if _, err := mkdirLevels(root, filepath.Base(m.base), false); err != nil {
+	var err error
+	for range 3 { // another mounter may remove the shared level meanwhile
+		if _, err = mkdirLevels(root, filepath.Base(m.base), false); !errors.Is(err, unix.ENOENT) {
+			break
+		}
+	}
+	if err != nil {
 		return err
 	}
 	if m.v2Limits {
 		_ = write(filepath.Join(root, OutsideDir), "cgroup.subtree_control", "+memory +cpu")
 	}
 	mode, reason := m.mode, m.reason
-	err := m.enable()
+	err = m.enable()
 	if len(m.v1) > 0 {
 		m.mode, m.reason = mode, reason // a hybrid host: the v1 hierarchies limit
 	}
 	return err
+}
+
+// mkdirLeaf makes a v1 leaf and the two levels above it.
+func mkdirLeaf(dir string) error {
+	for _, d := range []string{filepath.Dir(filepath.Dir(dir)), filepath.Dir(dir), dir} {
+		if err := mkdirCgroup(d, true); err != nil {
+			return err
+		}
+	}
+	return nil
 }
