@@ -116,6 +116,8 @@ func runServe(ctx context.Context, args []string) error {
 		"kubelet's root directory: plans for the mounter's own namespace (kubelet's publishes) are performed only below it")
 	fs.StringVar(&nf.daemonCgroup, "daemon-cgroup", mounter.CgroupSelf,
 		`where each FUSE daemon gets a cgroup v2 of its own with its profile's resources: "self" (below the mounter's own cgroup, which it then leaves for <own>/mounter), a cgroup directory, or "" (none: daemons run in the mounter's cgroup, limits not enforced)`)
+	fs.StringVar(&nf.hostCgroupFS, "host-cgroupfs", "",
+		`the host's cgroup file system (its /sys/fs/cgroup, mounted whole and writable): each FUSE daemon then gets a cgroup of its own below its roots (<hierarchy>/mountplan-daemons/<instance>/...), outside the mounter's container, so that the mounter's restart or rollout leaves it serving; "" (the default): --daemon-cgroup`)
 	hf := addNRIFlags(fs)
 	rf := addRegistrationFlags(fs)
 	if err := parse(fs, args, "endpoint"); err != nil {

@@ -29,6 +29,7 @@ type nodeFlags struct {
 	removeMountPoint                 bool
 	kubeletDir                       string // serve only: the mount command serves containers
 	daemonCgroup                     string // serve only: the one-shot commands run no daemons
+	hostCgroupFS                     string // serve only
 	maxLoops, maxNBD                 int
 	chainTmpfsSize                   int64
 }
@@ -77,7 +78,7 @@ func (f *nodeFlags) options() (mounter.Options, error) {
 		return mounter.Options{}, fmt.Errorf("--records-dir %q must be an absolute path outside --state-dir %s (and not holding it): %w", f.recordsDir, state, errUsage)
 	}
 	return mounter.Options{StateDir: state, KubeletDir: f.kubeletDir, RecordsDir: records, Config: cfg,
-		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation, DaemonCgroup: f.daemonCgroup,
+		RemoveMountPoint: f.removeMountPoint, AllowPropagation: f.allowPropagation, DaemonCgroup: f.daemonCgroup, HostCgroupFS: f.hostCgroupFS,
 		MaxLoops: f.maxLoops, MaxNBD: f.maxNBD, ChainTmpfsSize: f.chainTmpfsSize}, nil
 }
 

@@ -59,6 +59,10 @@ type Command struct {
 	// (clone3 CLONE_INTO_CGROUP): it and every child of it are accounted
 	// and limited there from their first instruction.
 	Cgroup string `json:"cgroup,omitempty"`
+	// CgroupV1, when set, are the cgroup v1 directories the daemon starts
+	// in (the forking thread joins them first): with Cgroup, outside the
+	// mounter's container's cgroups on a v1 or hybrid host.
+	CgroupV1 []string `json:"cgroupV1,omitempty"`
 	// Spec, when set, is what the command was rendered from: the mounter
 	// renders every command itself, from Spec's profile and its own copy
 	// of the admin's profiles, and records both.
@@ -205,7 +209,7 @@ func startDirect(c Command, caps []uintptr, files []*os.File, sys *syscall.SysPr
 			sys.AmbientCaps = caps
 		}
 	}
-	return startRestricted(caps, func() (*os.Process, error) {
+	return startRestricted(caps, c.CgroupV1, func() (*os.Process, error) {
 		return os.StartProcess(c.Path, append([]string{c.Path}, c.Args...), &os.ProcAttr{
 			Dir:   "/",
 			Env:   c.Env,
@@ -225,7 +229,9 @@ func startSandboxed(c Command, files []*os.File, sys *syscall.SysProcAttr) (*os.
 		return nil, err
 	}
 	defer pipe.Close()
-	return os.StartProcess(path, argv, &os.ProcAttr{Dir: "/", Env: env, Files: files, Sys: sys})
+	return startOnThread(false, nil, c.CgroupV1, func() (*os.Process, error) {
+		return os.StartProcess(path, argv, &os.ProcAttr{Dir: "/", Env: env, Files: files, Sys: sys})
+	})
 }
 
 // OpenNoSymlinks opens the absolute path p with flags, following no

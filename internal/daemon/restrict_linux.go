@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -22,7 +24,14 @@ import (
 // and effective set; one of another user gets keep as ambient
 // capabilities through SysProcAttr.AmbientCaps, which need them in the
 // bounding set), and nothing it executes later can gain more.
-func startRestricted(keep []uintptr, start func() (*os.Process, error)) (*os.Process, error) {
+func startRestricted(keep []uintptr, cgroupsV1 []string, start func() (*os.Process, error)) (*os.Process, error) {
+	return startOnThread(true, keep, cgroupsV1, start)
+}
+
+// startOnThread runs start on an OS thread of its own, which nothing else
+// ever runs on, first moved into cgroupsV1 (the daemon's cgroup v1 leaves,
+// see joinThread) and, with restrict, reduced to keep (startRestricted).
+func startOnThread(restrict bool, keep []uintptr, cgroupsV1 []string, start func() (*os.Process, error)) (*os.Process, error) {
 	type result struct {
 		p   *os.Process
 		err error
@@ -46,9 +55,15 @@ func startRestricted(keep []uintptr, start func() (*os.Process, error)) (*os.Pro
 			return
 		}
 		// Never unlocked: see above.
-		if err := restrictThread(keep); err != nil {
+		if err := joinThread(cgroupsV1); err != nil {
 			ch <- result{err: err}
 			return
+		}
+		if restrict {
+			if err := restrictThread(keep); err != nil {
+				ch <- result{err: err}
+				return
+			}
 		}
 		p, err := start()
 		ch <- result{p, err}
@@ -102,6 +117,29 @@ func restrictThread(keep []uintptr) error {
 			return nil
 		default:
 			return fmt.Errorf("prctl(PR_CAPBSET_DROP, %d): %w", c, err)
+		}
+	}
+	return nil
+}
+
+// joinThread moves the calling thread (locked, never to run anything else)
+// into each of dirs, cgroup v1 directories: cgroup v1 places threads, not
+// processes, and a child made by clone on this thread starts in the
+// thread's cgroups. So the daemon and everything it forks are in its own
+// cgroups from their first instruction, and the mounter's other threads
+// and processes stay where they are. The directories are the mounter's
+// own (internal/daemon/cgroup), opened without following a symlink.
+func joinThread(dirs []string) error {
+	tid := []byte(strconv.Itoa(unix.Gettid()))
+	for _, dir := range dirs {
+		f, err := OpenNoSymlinks(filepath.Join(dir, "tasks"), unix.O_WRONLY, 0)
+		if err != nil {
+			return fmt.Errorf("daemon cgroup %s: %w", dir, err)
+		}
+		_, err = f.Write(tid)
+		f.Close()
+		if err != nil {
+			return fmt.Errorf("daemon cgroup %s: join: %w", dir, err)
 		}
 	}
 	return nil

@@ -11,14 +11,18 @@ package mounter
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/mountplan/mountplan/internal/daemon/cgroup"
@@ -51,10 +55,21 @@ type daemonCgroups struct {
 func (n *Local) initCgroups(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	c := &n.cgroups
-	switch base := n.opts.DaemonCgroup; base {
-	case "":
+	if fsRoot := n.opts.HostCgroupFS; fsRoot != "" {
+		m, err := n.outsideCgroups(fsRoot)
+		if err == nil {
+			c.m, c.notEnforced = m, m.Reason()
+		} else {
+			log.Info("WARNING: the FUSE daemons' cgroups cannot be laid out outside the mounter's container: a stop of its container (a restart, a rollout) kills every daemon",
+				"hostCgroupFS", fsRoot, "err", err.Error())
+		}
+	}
+	switch base := n.opts.DaemonCgroup; {
+	case c.m != nil:
+	case base == "":
 		c.notEnforced = "the mounter was started without a cgroup for its daemons (--daemon-cgroup)"
 	default:
+		log.Info("The FUSE daemons run below the mounter's cgroup: a stop of its container (a restart, a rollout) kills them (--host-cgroupfs keeps them)", "daemonCgroup", base)
 		if base == CgroupSelf {
 			base = ""
 		}
@@ -73,10 +88,13 @@ func (n *Local) initCgroups(ctx context.Context) {
 	case c.notEnforced != "":
 		log.V(2).Info("FUSE daemons' resource limits could not be enforced (no profile has any)", "reason", c.notEnforced)
 	default:
-		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode())
+		log.Info("FUSE daemons run in cgroups of their own", "base", c.m.Base(), "mode", c.m.Mode(), "outsideMounter", c.m.Outside())
 	}
 	if c.m != nil {
 		n.removeStaleCgroups(ctx)
+		// A node without daemons leaves nothing in the host's cgroups;
+		// the next daemon's Prepare makes the levels again.
+		c.m.RemoveEmptyLevels()
 	}
 }
 
@@ -194,4 +212,29 @@ func (n *Local) DaemonUsage(context.Context) ([]DaemonUsage, error) {
 	}
 	slices.SortFunc(out, func(a, b DaemonUsage) int { return strings.Compare(a.VolumeID, b.VolumeID) })
 	return out, errors.Join(errs...)
+}
+
+// cgroupInstance names this node's mounter below each hierarchy's
+// mountplan-daemons/ (Options.HostCgroupFS): derived from the identity
+// (device and inode) of its records dir, which every later mounter of the
+// node finds again, so that it finds the leaves of the daemons it adopts,
+// and which differs between mounters that share a host's cgroup file
+// system (a test cluster's nodes). Nothing is written for it: the records
+// dir holds records only.
+func (n *Local) cgroupInstance() (string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(n.opts.RecordsDir, &st); err != nil {
+		return "", &os.PathError{Op: "stat", Path: n.opts.RecordsDir, Err: err}
+	}
+	sum := sha256.Sum256([]byte(fmt.Sprintf("mountplan records dir %d:%d", st.Dev, st.Ino)))
+	return hex.EncodeToString(sum[:8]), nil
+}
+
+// outsideCgroups sets the daemons' cgroups up below fsRoot's hierarchies.
+func (n *Local) outsideCgroups(fsRoot string) (*cgroup.Manager, error) {
+	name, err := n.cgroupInstance()
+	if err != nil {
+		return nil, err
+	}
+	return cgroup.SetupOutside(fsRoot, name)
 }

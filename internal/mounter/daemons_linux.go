@@ -26,6 +26,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/moby/sys/mountinfo"
@@ -75,6 +76,9 @@ type daemonsState struct {
 
 	mu   sync.Mutex
 	vols map[string]volumeDaemons
+	// adopted counts the live daemons of an earlier mounter process
+	// taken over at the start (adoptDaemons).
+	adopted atomic.Int64
 }
 
 // volumeDaemons is the mounter's record of one volume's directory and
@@ -166,6 +170,9 @@ func (n *Local) initDaemons(ctx context.Context) error {
 			continue
 		}
 		live := slices.DeleteFunc(slices.Clone(rec.Daemons), func(r daemonRecord) bool { return !r.Alive() })
+		if !n.opts.Observe {
+			live = n.adoptDaemons(ctx, key, rec.Daemons, live)
+		}
 		if len(live) != len(rec.Daemons) && !n.opts.Observe {
 			rec.Daemons = live
 			errs = append(errs, d.db.Put(key, rec))
@@ -177,6 +184,71 @@ func (n *Local) initDaemons(ctx context.Context) error {
 	}
 	return errors.Join(lerr, errors.Join(errs...))
 }
+
+// adoptDaemons takes over the live daemons of volume id that an earlier
+// mounter process started (all of recorded; live those still running with
+// the recorded start time): a daemon still serving the volume's mount
+// (the FUSE mount on its mnt/ is the connection recorded for it, and the
+// connection is in fusectl) is adopted: kept, counted, and watched again
+// through a pidfd when the plugin asks (WaitDaemon), so that the plugin's
+// heal replaces it if it dies later. Any other live one (an older
+// generation, or one whose mount is gone or was never made: the earlier
+// mounter stopped while starting it) is stopped now, like a dead one,
+// so that the plugin replaces it. It returns the daemons kept.
+func (n *Local) adoptDaemons(ctx context.Context, id string, recorded, live []daemonRecord) []daemonRecord {
+	log := klog.FromContext(ctx)
+	for _, r := range recorded {
+		if !slices.Contains(live, r) {
+			log.Info(fmt.Sprintf("FUSE daemon pid %d of volume %s is gone; the plugin replaces it", r.PID, id), "generation", r.Generation)
+		}
+	}
+	var kept []daemonRecord
+	for i, r := range live {
+		why := n.notServing(id, r)
+		if why == "" && i < len(live)-1 {
+			why = "a newer daemon of the volume is recorded"
+		}
+		if why == "" {
+			n.daemons.adopted.Add(1)
+			log.Info(fmt.Sprintf("adopted FUSE daemon pid %d of volume %s", r.PID, id), "generation", r.Generation, "conn", r.Conn, "profile", r.Profile, "cgroup", r.Cgroup)
+			kept = append(kept, r)
+			continue
+		}
+		log.Info(fmt.Sprintf("FUSE daemon pid %d of volume %s is alive but not adopted; stopping it so that the plugin replaces it", r.PID, id), "reason", why)
+		if err := daemon.Terminate(ctx, r.Proc, 0); err != nil {
+			log.Error(err, "Cannot stop a daemon that is not adopted", "volume", id, "pid", r.PID)
+			kept = append(kept, r) // still recorded: a later stop finds it
+		}
+	}
+	return kept
+}
+
+// notServing says why r does not serve volume id's mount ("": it does).
+func (n *Local) notServing(id string, r daemonRecord) string {
+	if r.Conn == 0 {
+		return "it never served: the mounter that started it stopped before its mount answered"
+	}
+	l, err := n.fuseLayout(id)
+	if err != nil {
+		return err.Error()
+	}
+	info, err := mountns.FuseAt(l.realMnt())
+	switch {
+	case err != nil:
+		return err.Error()
+	case info == nil:
+		return "no FUSE mount is on " + l.realMnt()
+	case connOf(info) != r.Conn:
+		return fmt.Sprintf("the FUSE mount on %s is connection %d, not its %d", l.realMnt(), connOf(info), r.Conn)
+	}
+	if _, err := n.daemons.ctl.waiting(r.Conn); err != nil {
+		return fmt.Sprintf("FUSE connection %d: %v", r.Conn, err)
+	}
+	return ""
+}
+
+// Adopted counts the daemons this mounter process adopted at its start.
+func (n *Local) Adopted() int64 { return n.daemons.adopted.Load() }
 
 func (d *daemonsState) get(id string) (volumeDaemons, bool) {
 	d.mu.Lock()
@@ -303,7 +375,7 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 	if err != nil {
 		return info, err
 	}
-	cmd.Cgroup = leaf.Path
+	cmd.Cgroup, cmd.CgroupV1 = leaf.Unified, leaf.V1
 	proc, conn, err := n.runDaemon(ctx, l, &rec, req, prof, cmd, leaf, timeout)
 	if err != nil {
 		if tail := daemon.LogTail(l.realLog(), logTailBytes, red); tail != "" {

@@ -32,6 +32,15 @@ type Options struct {
 	// which it then leaves for <own>/mounter. Empty: daemons run in the
 	// mounter's cgroup and limits are not enforced (said in a warning).
 	DaemonCgroup string
+	// HostCgroupFS, when set, is the host's cgroup file system (its
+	// /sys/fs/cgroup, mounted whole in the mounter's container): the
+	// daemons' cgroups are then laid out below its roots, outside the
+	// mounter's container's (internal/daemon/cgroup SetupOutside), so
+	// that a restart or rollout of the mounter leaves them running; it
+	// takes the place of DaemonCgroup. Where that cannot be set up the
+	// mounter falls back to DaemonCgroup and says that a stop of its
+	// container kills the daemons.
+	HostCgroupFS string
 	// Spawner starts FUSE daemons; nil: daemon.LocalSpawner.
 	Spawner daemon.Spawner
 	// RemoveMountPoint: see Executor.

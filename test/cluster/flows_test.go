@@ -71,6 +71,7 @@ var flows = []flow{
 	{name: "UserNSNRI", run: usernsNRI},                                 // userns_flows_test.go
 	{name: "NRIWritesSurviveMounterRollout", run: nriRollout},
 	{name: "KillFUSEDaemonAndMounter", run: killFUSE},
+	{name: "FUSEDaemonsSurviveMounterRollout", run: fuseDaemonsSurviveMounterRollout}, // fuse_rollout_flows_test.go
 	{name: "VolumeHealthInPodStatus", run: volumeHealthInPodStatus},
 	{name: "OperatorVolumesListing", run: operatorVolumes},
 	// Before the writer of the next two flows starts: a reboot restarts
@@ -479,8 +480,8 @@ func (e *env) fuseTeardown(t *testing.T, names ...string) {
 }
 
 // killFUSE: the FUSE daemons killed (kill -9), then the mounter's
-// container, in whose cgroup they run (found there by the container's
-// name), while pods use their mounts: each
+// container (the daemons, in cgroups of their own, outlive it: the new
+// mounter adopts them), while pods use their mounts: each
 // pod's own copy of the mount must heal in place, and the time from the
 // kill to the first good read (and, on the writable rclone volume, write
 // and read back) in each pod is measured, the pods polled in parallel.
@@ -507,7 +508,9 @@ func killFUSE(t *testing.T, e *env) {
 	}
 	daemons := map[string]int{}
 	for _, daemon := range []string{"squashfuse", "rclone"} {
-		daemons[daemon] = e.containerPID(t, mounterComponent, mounterContainer, daemon)
+		// Not in the mounter's container: in cgroups of their own
+		// (fuse_rollout_flows_test.go).
+		daemons[daemon] = e.daemonPID(t, daemon)
 	}
 	wantUnprivilegedDaemon(t, "squashfuse", daemons["squashfuse"])
 	e.healAfter(t, "kill -9 of the daemons", "healed-1", checks, func() {

@@ -40,9 +40,16 @@ var controllers = []string{"memory", "cpu"}
 
 // Manager keeps the daemons' leaves below base.
 type Manager struct {
-	base   string
+	base   string // the v2 base ("": none, a v1 host's outside manager)
 	mode   Mode
 	reason string // why limits are not enforced (AccountingOnly)
+	// v2Limits: memory and cpu are enabled for base's leaves.
+	v2Limits bool
+	// v1 are the v1 hierarchies of an outside manager (outside_linux.go).
+	v1 []v1Hier
+	// outside are the directories an outside manager made above its
+	// leaves, innermost first: removed when they are empty.
+	outside []string
 }
 
 // Setup lays out base (see the package comment) and returns its Manager.
@@ -164,7 +171,7 @@ func (m *Manager) enable() error {
 			return err
 		}
 	}
-	m.mode = Enforced
+	m.mode, m.v2Limits = Enforced, true
 	return nil
 }
 
@@ -174,18 +181,35 @@ func (m *Manager) Mode() Mode { return m.mode }
 // Reason says why limits are not enforced ("" when they are).
 func (m *Manager) Reason() string { return m.reason }
 
-// Base is the cgroup laid out for the daemons.
-func (m *Manager) Base() string { return m.base }
+// Base is the cgroup laid out for the daemons (a v1 host's outside
+// manager: its directory in the first v1 hierarchy).
+func (m *Manager) Base() string {
+	if m.base == "" && len(m.v1) > 0 {
+		return m.v1[0].base
+	}
+	return m.base
+}
 
-// Path is the directory of the leaf name.
-func (m *Manager) Path(name string) string { return filepath.Join(m.daemons(), name) }
+// Path is the directory of the leaf name: its v2 cgroup, or (a v1 host's
+// outside manager) its cgroup in the first v1 hierarchy.
+func (m *Manager) Path(name string) string {
+	if m.base == "" {
+		return filepath.Join(m.v1[0].base, name)
+	}
+	return filepath.Join(m.daemons(), name)
+}
 
 func (m *Manager) daemons() string { return filepath.Join(m.base, "daemons") }
 
 // Leaf is a daemon's cgroup, ready for it.
 type Leaf struct {
-	// Path is the leaf's directory (daemon.Command.Cgroup).
+	// Path is the leaf's directory (Manager.Path).
 	Path string
+	// Unified is its cgroup v2 directory, if any (daemon.Command.Cgroup).
+	Unified string
+	// V1 are its directories in cgroup v1 hierarchies, if any
+	// (daemon.Command.CgroupV1).
+	V1 []string
 	// Enforced: the limits are applied (false in AccountingOnly mode
 	// when limits were asked for).
 	Enforced bool
@@ -200,12 +224,28 @@ func (m *Manager) Prepare(name string, l Limits) (Leaf, error) {
 	if err := checkName(name); err != nil {
 		return Leaf{}, err
 	}
-	dir := m.Path(name)
-	if err := mkdir(dir); err != nil {
-		return Leaf{}, err
+	leaf := Leaf{Path: m.Path(name), Enforced: m.mode == Enforced || l.IsZero()}
+	if len(m.v1) > 0 {
+		dirs, err := m.prepareV1(name, l)
+		leaf.V1 = dirs
+		if err != nil {
+			return leaf, err
+		}
 	}
-	leaf := Leaf{Path: dir, Enforced: m.mode == Enforced || l.IsZero()}
-	if m.mode == Enforced {
+	if m.base == "" {
+		u, _ := m.Usage(name)
+		leaf.OOMKills = u.OOMKills
+		return leaf, nil
+	}
+	if err := m.ensureOutside(); err != nil {
+		return leaf, err
+	}
+	dir := filepath.Join(m.daemons(), name)
+	if err := mkdir(dir); err != nil {
+		return leaf, err
+	}
+	leaf.Unified = dir
+	if m.v2Limits {
 		if err := write(dir, "memory.max", l.memoryMax()); err != nil {
 			return leaf, err
 		}
@@ -248,8 +288,16 @@ func (m *Manager) Usage(name string) (Usage, error) {
 	if err := checkName(name); err != nil {
 		return Usage{}, err
 	}
-	dir := m.Path(name)
 	var u Usage
+	if len(m.v1) > 0 {
+		if err := m.usageV1(name, &u); err != nil || m.base == "" {
+			return u, err
+		}
+		if u.HasMemory {
+			return u, nil // the v1 memory and cpuacct say it all
+		}
+	}
+	dir := filepath.Join(m.daemons(), name)
 	stat, err := readKeyed(filepath.Join(dir, "cpu.stat"))
 	if err != nil {
 		return u, err
@@ -270,7 +318,11 @@ func (m *Manager) Usage(name string) (Usage, error) {
 
 // Names lists the leaves below daemons/.
 func (m *Manager) Names() ([]string, error) {
-	ents, err := os.ReadDir(m.daemons())
+	dir := m.daemons()
+	if m.base == "" {
+		dir = m.v1[0].base
+	}
+	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
@@ -285,7 +337,13 @@ func (m *Manager) Names() ([]string, error) {
 
 // Populated says whether a process is left in name's leaf.
 func (m *Manager) Populated(name string) bool {
-	ev, err := readKeyed(filepath.Join(m.Path(name), "cgroup.events"))
+	if len(m.procsV1(name)) > 0 {
+		return true
+	}
+	if m.base == "" {
+		return false
+	}
+	ev, err := readKeyed(filepath.Join(m.daemons(), name, "cgroup.events"))
 	return err == nil && ev["populated"] != 0
 }
 
@@ -297,11 +355,24 @@ func (m *Manager) Kill(name string) error {
 	if err := checkName(name); err != nil {
 		return err
 	}
-	err := write(m.Path(name), "cgroup.kill", "1")
+	killAll(m.procsV1(name))
+	if m.base == "" {
+		return nil
+	}
+	err := write(filepath.Join(m.daemons(), name), "cgroup.kill", "1")
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
 	return err
+}
+
+// killAll sends SIGKILL to each of pids (not init, not this process).
+func killAll(pids []string) {
+	for _, p := range pids {
+		if pid, err := strconv.Atoi(p); err == nil && pid > 1 && pid != os.Getpid() {
+			_ = unix.Kill(pid, unix.SIGKILL)
+		}
+	}
 }
 
 // KillProcs kills every process in name's leaf one by one, until it is
@@ -316,19 +387,16 @@ func (m *Manager) KillProcs(ctx context.Context, name string, timeout time.Durat
 	}
 	var last error
 	err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
-		pids, err := readLines(filepath.Join(m.Path(name), "cgroup.procs"))
-		if errors.Is(err, fs.ErrNotExist) {
-			return true, nil
-		}
-		if err != nil {
-			last = err
-			return false, nil
-		}
-		for _, p := range pids {
-			if pid, err := strconv.Atoi(p); err == nil && pid > 1 && pid != os.Getpid() {
-				_ = unix.Kill(pid, unix.SIGKILL)
+		pids := m.procsV1(name)
+		if m.base != "" {
+			v2, err := readLines(filepath.Join(m.daemons(), name, "cgroup.procs"))
+			if err != nil && !errors.Is(err, fs.ErrNotExist) {
+				last = err
+				return false, nil
 			}
+			pids = append(pids, v2...)
 		}
+		killAll(pids)
 		return len(pids) == 0, nil
 	})
 	if err != nil {
@@ -346,9 +414,10 @@ func (m *Manager) Remove(ctx context.Context, name string, timeout time.Duration
 	_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
 		return !m.Populated(name), nil
 	})
-	if err := unix.Rmdir(m.Path(name)); err != nil && !errors.Is(err, unix.ENOENT) {
-		return &os.PathError{Op: "rmdir", Path: m.Path(name), Err: err}
+	if err := m.removeLeaves(name); err != nil {
+		return err
 	}
+	m.RemoveEmptyLevels()
 	return nil
 }
 
