@@ -200,6 +200,11 @@ func (p Policy) validateSource(m Mount) error {
 func (p Policy) CheckOption(o string) error { return p.validateOption(o) }
 
 func (p Policy) validateOption(o string) error {
+	if _, ok, err := ParseContext(o); ok {
+		// A label, whose quoted category list may hold commas; ParseContext
+		// lets nothing else through.
+		return err
+	}
 	if o == "" || strings.ContainsAny(o, ",\x00\n") {
 		return fmt.Errorf("option %q is empty or holds a separator: %w", o, errdefs.ErrInvalidArgument)
 	}
