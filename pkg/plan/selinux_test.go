@@ -24,7 +24,7 @@ func TestParseContext(t *testing.T) {
 
 		// Refused: anything a label cannot hold.
 		{`context=system_u:object_r:container_file_t:s0:c1,c2`, "", true}, // comma outside quotes
-		{`context="system_u:object_r:t:s0:c1,c2`, "", true},                // unclosed quote
+		{`context="system_u:object_r:t:s0:c1,c2`, "", true},               // unclosed quote
 		{`context="system_u:object_r:t:s0",nosuid`, "", true},
 		{`context="system_u:object_r:t:s0,dev"`, "", true},
 		{`context="system_u:object_r:t:s0:c1,suid"`, "", true},
