@@ -111,6 +111,9 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 			return capability{}, err
 		}
 		for _, f := range out.mountFlags {
+			if err := plan.CheckLabelOption(f); err != nil {
+				return capability{}, err
+			}
 			if plan.IsContext(f) {
 				continue
 			}

@@ -212,6 +212,9 @@ func (p Policy) validateOption(o string) error {
 	if key == "source" {
 		return fmt.Errorf("option %q may not set the source: %w", o, errdefs.ErrInvalidArgument)
 	}
+	if err := CheckLabelOption(o); err != nil {
+		return err
+	}
 	if refusedOptions[o] {
 		return fmt.Errorf("option %q is never allowed: %w", o, errdefs.ErrInvalidArgument)
 	}

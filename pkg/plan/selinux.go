@@ -16,6 +16,12 @@ import (
 // rootcontext) are no CO's to set and stay refused.
 const ContextKey = "context"
 
+// otherLabelOptions are SELinux's other mount options: fscontext and
+// rootcontext relabel the superblock and the root a policy would judge
+// mounts by, defcontext labels what has no label, seclabel is a mount
+// table's marker. No CO sends them and none is a pod's to choose.
+var otherLabelOptions = map[string]bool{"fscontext": true, "defcontext": true, "rootcontext": true, "seclabel": true}
+
 // maxContextLen bounds a label: real ones are well under 200 bytes.
 const maxContextLen = 255
 
@@ -57,6 +63,17 @@ func ParseContext(o string) (label string, ok bool, err error) {
 		return "", true, fmt.Errorf("mount option context=%.64q is not an SELinux context (user:role:type[:level[-level]]): %w", val, errdefs.ErrInvalidArgument)
 	}
 	return val, true, nil
+}
+
+// CheckLabelOption refuses SELinux's mount options other than context=,
+// and a context= that is not one label; other options pass. Errors wrap
+// errdefs.ErrInvalidArgument.
+func CheckLabelOption(o string) error {
+	if key, _, _ := strings.Cut(o, "="); otherLabelOptions[key] {
+		return fmt.Errorf("option %q: of SELinux's mount options only context= is accepted: %w", key, errdefs.ErrInvalidArgument)
+	}
+	_, _, err := ParseContext(o)
+	return err
 }
 
 // ContextOption renders label as the option kubelet writes.
