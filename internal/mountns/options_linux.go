@@ -113,6 +113,15 @@ func ReadOnlyDevice(p string) bool {
 	return err == nil && ro != 0
 }
 
+// CheckOptions checks m's options as the mounter would before making m
+// (a bind given a filesystem option, an SELinux label where SELinux is
+// off), without mounting: for a plan another process performs (the
+// container runtime, NRI mode).
+func CheckOptions(m plan.Mount) error {
+	_, err := parseOptions(m)
+	return err
+}
+
 // contextOption checks an SELinux context= option of m, here where the
 // mount is made, whoever built the plan: one valid label, on a mount that
 // makes a superblock (a bind shows its source's labels and cannot take
