@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/mountplan/mountplan/internal/config"
+	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mountns"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
 	"github.com/mountplan/mountplan/pkg/plan"
@@ -167,6 +168,13 @@ func prepareIntoNamespace(t *testing.T, p preparer, ctx context.Context, id, sta
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+	// The mounter enters only namespaces it can attribute: named here as
+	// the NRI hook names a container's.
+	stateDir := filepath.Dir(filepath.Dir(staging))
+	node, _ := nodes.Load(stateDir)
+	if _, err := node.(*mounter.Local).Attribute(ctx, pid, "the SELinux test", ""); err != nil {
+		t.Fatalf("Attribute the consumer's namespace: %v", err)
 	}
 	mp := filepath.Join(t.TempDir(), "prepared")
 	if err := os.Mkdir(mp, 0o755); err != nil {
