@@ -173,7 +173,7 @@ func prepareIntoNamespace(t *testing.T, p preparer, ctx context.Context, id, sta
 	// the NRI hook names a container's.
 	stateDir := filepath.Dir(filepath.Dir(staging))
 	node, _ := nodes.Load(stateDir)
-	if _, err := node.(*mounter.Local).Attribute(ctx, pid, "the SELinux test", ""); err != nil {
+	if _, err := node.(*mounter.Local).Attribute(ctx, pid, mounter.ByAdmin, ""); err != nil {
 		t.Fatalf("Attribute the consumer's namespace: %v", err)
 	}
 	mp := filepath.Join(t.TempDir(), "prepared")
