@@ -59,8 +59,16 @@ func loadPolicy(t *testing.T) {
 		if err != nil {
 			t.Fatalf("the policy test/vm compiles: %v", err)
 		}
-		if err := os.WriteFile("/sys/fs/selinux/load", pol, 0); err != nil {
-			t.Fatalf("load the policy (%d bytes) into /sys/fs/selinux/load: %v", len(pol), err)
+		// One write of the whole policy, at offset 0, and no O_TRUNC:
+		// selinuxfs takes nothing else.
+		load, err := os.OpenFile("/sys/fs/selinux/load", os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatalf("open /sys/fs/selinux/load: %v", err)
+		}
+		n, err := load.Write(pol)
+		load.Close()
+		if err != nil || n != len(pol) {
+			t.Fatalf("load the policy (%d bytes, %d written) into /sys/fs/selinux/load: %v", len(pol), n, err)
 		}
 	}
 	enforce, _ := os.ReadFile("/sys/fs/selinux/enforce")
