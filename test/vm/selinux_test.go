@@ -44,7 +44,7 @@ func policyConf() string {
 	}
 	line("common file { ioctl read write create getattr setattr lock relabelfrom relabelto append unlink link rename execute quotaon mounton }")
 	line("class security { load_policy setenforce }")
-	line("class process { fork transition }")
+	line("class process { fork transition dyntransition }") // the kernel requires both transitions
 	line("class filesystem { mount remount unmount getattr relabelfrom relabelto associate }")
 	line("class dir inherits file { add_name remove_name reparent search rmdir }")
 	for _, c := range fileClasses {
