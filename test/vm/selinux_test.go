@@ -111,7 +111,7 @@ func checkSELinuxBoot(t *testing.T, r guestResult) {
 	if r.exit == "" {
 		t.Fatalf("the SELinux boot did not report its tests' exit status; serial output in the log above")
 	}
-	want := []string{"TestSELinuxLoopVolume", "TestSELinuxFuseFdMode"}
+	want := []string{"TestSELinuxLoopVolume", "TestSELinuxChain", "TestSELinuxFuseFdMode"}
 	for _, name := range want {
 		found := false
 		for _, res := range r.results {
