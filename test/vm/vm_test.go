@@ -46,8 +46,9 @@ func (tm *timings) start(name string) func() {
 var guestTools = []string{"nbdkit", "mke2fs", "e2fsck", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm", "squashfuse", "mksquashfs"}
 
 // guestModules are loaded, with their dependencies, before the tests run
-// (virtio_blk for the reboot test's disks, fuse for the daemons' cgroups).
-var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "fuse", "virtio_pci", "virtio_blk"}
+// (virtio_blk for the reboot test's disks, fuse for the daemons' cgroups,
+// squashfs and overlay for the SELinux boot's chain).
+var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "fuse", "virtio_pci", "virtio_blk", "squashfs", "overlay"}
 
 // initScript is the guest's /init. The first boot runs the guest's tests,
 // then the reboot test's first phase, which ends in the host's reset; the
