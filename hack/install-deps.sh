@@ -11,6 +11,7 @@ pkgs=(
   protobuf-compiler libprotobuf-dev     # make verify regenerates the protos (protoc, and the well-known .protos under /usr/include)
   fuse3 sshfs rclone squashfuse openssh-server openssh-client  # FUSE volumes: the daemons, and an sshd for their tests
   nbdkit tgt open-iscsi qemu-system-x86 kmod xz-utils  # NBD and iSCSI volumes: servers and initiators on loopback; make test-vm boots Debian's kernel under qemu (modprobe --show-depends, vmlinux from xz)
+  checkpolicy  # make test-vm compiles the tiny SELinux policy (test/vm/selinux.te.conf) its guest loads to show context= labels
   conmon skopeo gcc libc6-dev pkg-config libseccomp-dev  # CRI-O as the NRI tests' second runtime: its monitor, the image import, and its build (cgo, seccomp; pinns linked static); make test-cluster's runc >= 1.2 (cgo, seccomp)
   mmdebstrap containernetworking-plugins iproute2  # make test-cluster: the image's Debian root, pod networking (bridge, host-local), the node's network namespace
 )

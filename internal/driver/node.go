@@ -100,6 +100,9 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 			if v.Stage.Block != c.block || v.Stage.ReadOnly != c.readOnly {
 				return fmt.Errorf("volume %s is already staged with another access type or mode: %w", v.ID, errdefs.ErrAlreadyExists)
 			}
+			if v.Stage.SELinuxContext != c.seLinuxContext {
+				return fmt.Errorf("volume %s is already staged with SELinux context %q, not %q: %w", v.ID, v.Stage.SELinuxContext, c.seLinuxContext, errdefs.ErrAlreadyExists)
+			}
 			err := d.adopt(ctx, v, src)
 			if !errors.Is(err, source.ErrNeedsStage) {
 				return err
@@ -117,14 +120,15 @@ func (d *Driver) stage(ctx context.Context, v *model.Volume, stagingPath string,
 	if err := d.forgetRebootedStage(ctx, v); err != nil {
 		return err
 	}
-	v.Stage = &model.Stage{Phase: model.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly}
+	v.Stage = &model.Stage{Phase: model.PhaseStaging, StagingPath: stagingPath, Block: c.block, ReadOnly: c.readOnly, SELinuxContext: c.seLinuxContext}
 	if err := d.records.Put(v, journal.Runtime); err != nil {
 		return err
 	}
 	// The recorded type first: CreateVolume and inline volumes sized the
 	// image for it (xfs needs 300 MiB).
 	fsType := cmp.Or(v.FsType, c.fsType, vctx[ctxFsType], vctx[paramCSIFsType], d.opts.Config.DefaultFsType)
-	req := source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.records, v}}
+	req := source.StageRequest{Block: c.block, ReadOnly: c.readOnly, FsType: fsType, Secrets: secrets, Record: recorder{d.records, v},
+		SELinuxContext: c.seLinuxContext}
 	if c.mountGroupSet {
 		req.MountGroup = &c.mountGroup
 	}

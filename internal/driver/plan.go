@@ -24,6 +24,9 @@ func (d *Driver) planFor(v *model.Volume, req source.PlanRequest) ([]plan.Mount,
 	if err != nil {
 		return nil, err
 	}
+	if req.MountFlags, err = withContext(v, req.MountFlags); err != nil {
+		return nil, err
+	}
 	mounts, err := src.Plan(viewOf(v), req)
 	if err != nil {
 		return nil, err
@@ -35,6 +38,38 @@ func (d *Driver) planFor(v *model.Volume, req source.PlanRequest) ([]plan.Mount,
 		return nil, err
 	}
 	return mounts, nil
+}
+
+// withContext returns flags with v's SELinux label: the stage's, which a
+// publish or prepare may repeat but not change. Kubelet sends the pod's
+// label at NodeStageVolume and again at every NodePublishVolume, and
+// never two labels for one staged volume (it keeps pods of another label
+// off it); a request that does breaks that contract. The kernel would
+// refuse a second label on a device's superblock, and a bind (FUSE, a
+// chain) shows the stage's label whatever it is asked: refused here,
+// naming both, instead of one pod getting files labelled for another. A
+// request without a label gets the stage's: one superblock, one label.
+func withContext(v *model.Volume, flags []string) ([]string, error) {
+	if v.Stage == nil {
+		return flags, nil
+	}
+	asked, err := plan.ContextOf(flags)
+	if err != nil {
+		return nil, err
+	}
+	staged := v.Stage.SELinuxContext
+	switch {
+	case asked == staged:
+		return flags, nil
+	case asked == "":
+		return append(slices.Clone(flags), plan.ContextOption(staged)), nil
+	case staged == "":
+		return nil, fmt.Errorf("volume %s was staged without an SELinux context and is asked for %q: kubelet sends the same context= at NodeStageVolume and NodePublishVolume; unstage the volume and stage it with the context: %w",
+			v.ID, asked, errdefs.ErrFailedPrecondition)
+	default:
+		return nil, fmt.Errorf("volume %s is staged with SELinux context %q and is asked for %q: one volume's mounts carry one label; a pod of another label needs the volume unstaged first: %w",
+			v.ID, staged, asked, errdefs.ErrFailedPrecondition)
+	}
 }
 
 // The mount options a CO may ask for (a PV's mountOptions, a
@@ -78,7 +113,9 @@ func anchored(alts ...string) *regexp.Regexp {
 // filesystem (a bind or an overlay takes generic flags only).
 func checkMountFlags(mounts []plan.Mount, flags []string) error {
 	for _, f := range flags {
-		if slices.Contains(genericFlags, f) {
+		if slices.Contains(genericFlags, f) || plan.IsContext(f) {
+			// A context= flag was checked with the capability; it
+			// reaches only mounts that make a superblock (withContext).
 			continue
 		}
 		for _, m := range mounts {

@@ -75,7 +75,10 @@ type capability struct {
 	singleWriter bool
 	fsType       string
 	mountFlags   []string
-	nri          bool // the volume's attributes ask for NRI mode (publish only)
+	// seLinuxContext is the label of the mount flags' context= option
+	// (SELinuxMount), "" for none.
+	seLinuxContext string
+	nri            bool // the volume's attributes ask for NRI mode (publish only)
 	// pod is who kubelet publishes for (publish only; podInfoOnMount).
 	pod model.Pod
 	// mountGroup is volume_mount_group (kubelet's fsGroup), when set.
@@ -111,7 +114,18 @@ func checkCapability(c *csi.VolumeCapability) (capability, error) {
 		if out.mountGroup, out.mountGroupSet, err = parseMountGroup(c.GetMount().GetVolumeMountGroup()); err != nil {
 			return capability{}, err
 		}
+		// A context= flag is a label whose quoted categories hold
+		// commas: checked on its own, and nothing else may ride in it.
+		if out.seLinuxContext, err = plan.ContextOf(out.mountFlags); err != nil {
+			return capability{}, err
+		}
 		for _, f := range out.mountFlags {
+			if err := plan.CheckLabelOption(f); err != nil {
+				return capability{}, err
+			}
+			if plan.IsContext(f) {
+				continue
+			}
 			if f == "" || strings.ContainsAny(f, ",\x00") || strings.Contains(f, "/") {
 				return capability{}, invalid("mount flag %q is not allowed", f)
 			}

@@ -93,6 +93,11 @@ type Stage struct {
 	StagingPath string `json:"stagingPath"`
 	Block       bool   `json:"block,omitempty"`
 	ReadOnly    bool   `json:"readOnly,omitempty"`
+	// SELinuxContext is the label the volume was staged with (kubelet's
+	// context= mount flag), "" for none: the label of every mount of it.
+	// A superblock has one label, and a bind shows the label of the mount
+	// it comes from, so a publish or prepare may not ask for another.
+	SELinuxContext string `json:"seLinuxContext,omitempty"`
 	// Source is the state of the volume's source kind (loop device identity,
 	// chain mounts, ...), opaque to the journal.
 	Source json.RawMessage `json:"source,omitempty"`

@@ -55,7 +55,11 @@ func (n *Local) BuildChain(ctx context.Context, req ChainRequest) (c Chain, err 
 			return c, err
 		}
 	}
-	if err := n.mountLayer(c.Lower, req.Lower, plan.Mount{Type: req.LowerType, Source: req.Lower.Path, Options: []string{"ro", "nosuid", "nodev"}}); err != nil {
+	// The label goes on the two mounts a plan binds: the overlay and, for
+	// a read-only consumer, the lower layer. The upper is only seen
+	// through the overlay, which labels what it shows.
+	label := withLabel(nil, req.SELinuxContext)
+	if err := n.mountLayer(c.Lower, req.Lower, plan.Mount{Type: req.LowerType, Source: req.Lower.Path, Options: append([]string{"ro", "nosuid", "nodev"}, label...)}); err != nil {
 		return c, err
 	}
 	upper := plan.Mount{Type: "tmpfs", Source: "mountplan-upper", Options: []string{"nosuid", "nodev", "mode=0700", fmt.Sprintf("size=%d", n.chainTmpfsSize())}}
@@ -65,7 +69,17 @@ func (n *Local) BuildChain(ctx context.Context, req ChainRequest) (c Chain, err 
 	if err := n.mountLayer(c.Upper, ptrOr(req.Upper), upper); err != nil {
 		return c, err
 	}
-	return c, n.mountOverlay(c)
+	return c, n.mountOverlay(c, label)
+}
+
+// withLabel appends the context= option of an SELinux label to opts, when
+// there is one. The mount checks it (mountns): one label, on a node that
+// runs SELinux.
+func withLabel(opts []string, label string) []string {
+	if label == "" {
+		return opts
+	}
+	return append(opts, plan.ContextOption(label))
 }
 
 // chainTmpfsSize is the bound of a tmpfs upper layer: without one, each
@@ -125,7 +139,7 @@ func (n *Local) attachBelowState(dir string, mnt *os.File, kind string) error {
 }
 
 // mountOverlay mounts the overlay of c's layers at c.Merged.
-func (n *Local) mountOverlay(c Chain) error {
+func (n *Local) mountOverlay(c Chain, label []string) error {
 	var layers []*os.File
 	defer func() { closeAll(layers) }()
 	for _, d := range []string{filepath.Join(c.Upper, "data"), filepath.Join(c.Upper, "work")} {
@@ -142,7 +156,7 @@ func (n *Local) mountOverlay(c Chain) error {
 		layers = append(layers, f)
 		opts = append(opts, fmt.Sprintf("%s=/proc/self/fd/%d", l.key, f.Fd()))
 	}
-	mnt, err := mountns.BuildFrom(plan.Mount{Type: "overlay", Source: "mountplan-chain", Options: opts}, nil)
+	mnt, err := mountns.BuildFrom(plan.Mount{Type: "overlay", Source: "mountplan-chain", Options: append(opts, label...)}, nil)
 	if err != nil {
 		return err
 	}

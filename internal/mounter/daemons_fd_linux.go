@@ -34,6 +34,12 @@ const fuseDevice = "/dev/fuse"
 // volume's FUSE filesystem itself and with its descriptor.
 func (n *Local) spawnDaemon(ctx context.Context, l fuseLayout, prof *fuseprofile.Profile, req DaemonRequest, cmd daemon.Command) (daemon.Proc, error) {
 	if !prof.FdMount {
+		if req.SELinuxContext != "" {
+			// The daemon's own mount takes whatever options it passes;
+			// only the mounter's mount is known to carry the label.
+			return daemon.Proc{}, fmt.Errorf("fuse profile %s: volume %s asks for SELinux context %q, which only a FUSE mount the mounter makes carries: set fdMount: true in the profile: %w",
+				prof.Name, req.VolumeID, req.SELinuxContext, errdefs.ErrFailedPrecondition)
+		}
 		return n.spawner.Spawn(ctx, cmd)
 	}
 	dev, err := n.mountFuse(ctx, l, prof, req, cmd)
@@ -77,6 +83,7 @@ func (n *Local) mountFuse(ctx context.Context, l fuseLayout, prof *fuseprofile.P
 		}
 	}()
 	opts := append([]string{fmt.Sprintf("fd=%d", fd)}, prof.FuseMountOptions(req.ReadOnly, *cmd.RunAs)...)
+	opts = withLabel(opts, req.SELinuxContext)
 	for _, o := range opts {
 		if err := n.exec.Policy.CheckOption(o); err != nil {
 			return nil, fmt.Errorf("fuse profile %s: the mount's options: %w", prof.Name, err)

@@ -132,6 +132,9 @@ type ChainRequest struct {
 	LowerType string `json:"lowerType"`
 	// Upper is a scratch device holding an ext4 filesystem; nil: tmpfs.
 	Upper *Device `json:"upper,omitempty"`
+	// SELinuxContext labels the lower layer's mount and the overlay (the
+	// two a plan binds), "" for none. The mounter checks it as it mounts.
+	SELinuxContext string `json:"seLinuxContext,omitempty"`
 }
 
 // Chain is where a volume's chain lives; the plan binds Merged, or Lower
@@ -232,6 +235,10 @@ type DaemonRequest struct {
 	// ReadyTimeout bounds the wait for the mount to serve (default 30s,
 	// at most 5 minutes).
 	ReadyTimeout time.Duration `json:"readyTimeout"`
+	// SELinuxContext labels the FUSE mount (context=), "" for none. Only
+	// the mounter's own mount (fd mode) can carry it: a daemon that mounts
+	// by itself is refused a label rather than mounting without one.
+	SELinuxContext string `json:"seLinuxContext,omitempty"`
 }
 
 // DaemonInfo is a running daemon and its FUSE connection.

@@ -3,6 +3,7 @@ package mounter
 import (
 	"context"
 
+	"github.com/mountplan/mountplan/internal/mountns"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -22,6 +23,13 @@ func (n *Local) CheckPlan(ctx context.Context, mounts []plan.Mount) error {
 	}
 	if err := n.exec.Policy.Validate(mounts); err != nil {
 		return err
+	}
+	// The runtime mounts with the options as they are: an SELinux label
+	// is checked here as the mounter checks its own mounts' (mountns).
+	for _, m := range mounts {
+		if err := mountns.CheckOptions(m); err != nil {
+			return err
+		}
 	}
 	srcs, err := n.exec.openSources(mounts)
 	closeAll(srcs)

@@ -1,10 +1,14 @@
 package mountns
 
 import (
+	"bytes"
+	"fmt"
+	"os"
 	"strings"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/pkg/plan"
 )
 
@@ -20,6 +24,16 @@ func parseOptions(m plan.Mount) (options, error) {
 	var o options
 	bind := m.Type == plan.TypeBind
 	for _, opt := range m.Options {
+		if plan.IsContext(opt) {
+			label, err := contextOption(m, opt, bind)
+			if err != nil {
+				return o, err
+			}
+			// fsconfig takes the label bare: the quotes only keep its
+			// commas apart in a comma-separated mount string.
+			o.data = append(o.data, plan.ContextKey+"="+label)
+			continue
+		}
 		if !plan.IsFlag(opt) {
 			if bind {
 				return o, errOption(m, opt, "is a filesystem option, which a bind cannot take")
@@ -97,4 +111,53 @@ func ReadOnlyDevice(p string) bool {
 	defer unix.Close(fd)
 	ro, err := unix.IoctlGetInt(fd, unix.BLKROGET)
 	return err == nil && ro != 0
+}
+
+// CheckOptions checks m's options as the mounter would before making m
+// (a bind given a filesystem option, an SELinux label where SELinux is
+// off), without mounting: for a plan another process performs (the
+// container runtime, NRI mode).
+func CheckOptions(m plan.Mount) error {
+	_, err := parseOptions(m)
+	return err
+}
+
+// contextOption checks an SELinux context= option of m, here where the
+// mount is made, whoever built the plan: one valid label, on a mount that
+// makes a superblock (a bind shows its source's labels and cannot take
+// one), on a node whose kernel runs SELinux. Without SELinux the kernel
+// hands the option to the filesystem, which answers a bare EINVAL; kubelet
+// sends context= only where SELinux is on, so a context elsewhere is a
+// misconfigured volume (a PV's mountOptions), refused with its reason
+// rather than mounted unlabelled.
+func contextOption(m plan.Mount, opt string, bind bool) (string, error) {
+	label, _, err := plan.ParseContext(opt)
+	if err != nil {
+		return "", fmt.Errorf("%s mount of %s: %w", m.Type, m.Source, err)
+	}
+	if bind {
+		return "", errOption(m, opt, "is an SELinux label, which a bind cannot take (the mount it comes from must carry it)")
+	}
+	if !SELinuxEnabled() {
+		return "", fmt.Errorf("%s mount of %s asks for SELinux context %q, but SELinux is not enabled on this node (no selinuxfs in /proc/filesystems): %w",
+			m.Type, m.Source, label, errdefs.ErrFailedPrecondition)
+	}
+	return label, nil
+}
+
+// SELinuxEnabled reports whether the running kernel has SELinux enabled:
+// the kernel registers selinuxfs only then (a kernel built with SELinux
+// but booted without it lists no selinuxfs). /proc/filesystems is the
+// kernel's, the same in every container. A variable for tests.
+var SELinuxEnabled = func() bool {
+	b, err := os.ReadFile("/proc/filesystems")
+	if err != nil {
+		return false
+	}
+	for _, line := range bytes.Split(b, []byte("\n")) {
+		if f := bytes.Fields(line); len(f) > 0 && string(f[len(f)-1]) == "selinuxfs" {
+			return true
+		}
+	}
+	return false
 }

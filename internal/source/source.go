@@ -37,6 +37,12 @@ type StageRequest struct {
 	// when not given: a source whose files are its own (FileOwner) gives
 	// them to it at stage.
 	MountGroup *uint32
+	// SELinuxContext is the label the stage's mounts carry (kubelet's
+	// context= flag), "" for none: a source whose plan binds a mount it
+	// makes at stage (a FUSE daemon's, a chain's overlay) labels that
+	// mount, since a bind cannot. A device's plan gets it in its mount
+	// flags instead.
+	SELinuxContext string
 	// Record persists the source's part of the record before the side
 	// effect it names.
 	Record Recorder

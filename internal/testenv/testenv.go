@@ -117,6 +117,7 @@ var CommandPackages = map[string]string{
 	"sshfs":              "sshfs",
 	"rclone":             "rclone",
 	"squashfuse":         "squashfuse",
+	"checkpolicy":        "checkpolicy",
 	"sshd":               "openssh-server",
 	"ssh-keygen":         "openssh-client",
 	"nbdkit":             "nbdkit",

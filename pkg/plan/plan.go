@@ -200,12 +200,20 @@ func (p Policy) validateSource(m Mount) error {
 func (p Policy) CheckOption(o string) error { return p.validateOption(o) }
 
 func (p Policy) validateOption(o string) error {
+	if _, ok, err := ParseContext(o); ok {
+		// A label, whose quoted category list may hold commas; ParseContext
+		// lets nothing else through.
+		return err
+	}
 	if o == "" || strings.ContainsAny(o, ",\x00\n") {
 		return fmt.Errorf("option %q is empty or holds a separator: %w", o, errdefs.ErrInvalidArgument)
 	}
 	key, val, hasVal := strings.Cut(o, "=")
 	if key == "source" {
 		return fmt.Errorf("option %q may not set the source: %w", o, errdefs.ErrInvalidArgument)
+	}
+	if err := CheckLabelOption(o); err != nil {
+		return err
 	}
 	if refusedOptions[o] {
 		return fmt.Errorf("option %q is never allowed: %w", o, errdefs.ErrInvalidArgument)

@@ -73,6 +73,7 @@ var valueSets = []struct {
 	{"snapshotsDefaultClass", map[string]any{"driverName": "loop.storage.example.com",
 		"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"name": "nightly", "isDefault": true, "deletionPolicy": "Retain"}}}},
 	{"noStorageCapacity", map[string]any{"storageCapacity": map[string]any{"enabled": false}}},
+	{"noSELinuxMount", map[string]any{"csiDriver": map[string]any{"seLinuxMount": false}}},
 	{"snapshotsNoClass", map[string]any{"snapshots": map[string]any{"enabled": true, "volumeSnapshotClass": map[string]any{"create": false}}}},
 	// values.yaml's example, and roots shared with imageRoots or under the state dir.
 	{"fuseProfiles", map[string]any{"config": map[string]any{
@@ -1114,7 +1115,20 @@ func TestCSIDriver(t *testing.T) {
 		if d.Spec.FSGroupPolicy == nil || *d.Spec.FSGroupPolicy != storagev1.FileFSGroupPolicy {
 			t.Errorf("CSIDriver fsGroupPolicy %v, want File", d.Spec.FSGroupPolicy)
 		}
+		// SELinuxMount: kubelet sends the pod's label as context= only
+		// when the CSIDriver says so; on unless the values turn it off.
+		want := r.value(t, "csiDriver.seLinuxMount") == true
+		if d.Spec.SELinuxMount == nil || *d.Spec.SELinuxMount != want {
+			t.Errorf("CSIDriver seLinuxMount %v, want %t", ptrString(d.Spec.SELinuxMount), want)
+		}
 	})
+}
+
+func ptrString(b *bool) string {
+	if b == nil {
+		return "unset"
+	}
+	return fmt.Sprint(*b)
 }
 
 func TestStorageClass(t *testing.T) {
@@ -1243,6 +1257,7 @@ func TestInvalidValues(t *testing.T) {
 		{"driverName upper case", map[string]any{"driverName": "Mountplan.CSI.io"}},
 		{"empty driverName", map[string]any{"driverName": ""}},
 		{"unknown registration", map[string]any{"registration": "both"}},
+		{"seLinuxMount not a boolean", map[string]any{"csiDriver": map[string]any{"seLinuxMount": "yes"}}},
 		{"relative imageRoot", map[string]any{"config": map[string]any{"imageRoots": []any{"srv/images"}}}},
 		{"unclean imageRoot", map[string]any{"config": map[string]any{"imageRoots": []any{"/srv/images/"}}}},
 		{"imageRoot /", map[string]any{"config": map[string]any{"imageRoots": []any{"/"}}}},

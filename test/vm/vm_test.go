@@ -46,8 +46,9 @@ func (tm *timings) start(name string) func() {
 var guestTools = []string{"nbdkit", "mke2fs", "e2fsck", "resize2fs", "blkid", "tgtd", "tgtadm", "iscsid", "iscsiadm", "squashfuse", "mksquashfs"}
 
 // guestModules are loaded, with their dependencies, before the tests run
-// (virtio_blk for the reboot test's disks, fuse for the daemons' cgroups).
-var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "fuse", "virtio_pci", "virtio_blk"}
+// (virtio_blk for the reboot test's disks, fuse for the daemons' cgroups,
+// squashfs and overlay for the SELinux boot's chain).
+var guestModules = []string{"nbd", "iscsi_tcp", "sd_mod", "ext4", "loop", "fuse", "virtio_pci", "virtio_blk", "squashfs", "overlay"}
 
 // initScript is the guest's /init. The first boot runs the guest's tests,
 // then the reboot test's first phase, which ends in the host's reset; the
@@ -81,13 +82,17 @@ persist() {
 	echo 0 > /proc/sys/vm/dirty_writeback_centisecs
 }
 case " $(cat /proc/cmdline) " in
+*" mountplan.phase=selinux "*)
+	MOUNTPLAN_VM_GUEST=1 TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.run '^TestSELinux'
+	echo "MOUNTPLAN-GUEST-EXIT=$?"
+	;;
 *" mountplan.phase=after "*)
 	persist || echo "MOUNTPLAN-GUEST mounting the disks failed"
 	MOUNTPLAN_VM_GUEST=1 MOUNTPLAN_VM_REBOOT=after TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.run '^TestRebootAfter$'
 	echo "MOUNTPLAN-GUEST-EXIT=$?"
 	;;
 *)
-	MOUNTPLAN_VM_GUEST=1 TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.skip '^TestReboot'
+	MOUNTPLAN_VM_GUEST=1 TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.skip '^TestReboot|^TestSELinux'
 	echo "MOUNTPLAN-GUEST-EXIT=$?"
 	persist || echo "MOUNTPLAN-GUEST mounting the disks failed"
 	MOUNTPLAN_VM_GUEST=1 MOUNTPLAN_VM_REBOOT=before TMPDIR=/tmp /guest.test -test.v -test.timeout=240s -test.count=1 -test.run '^TestRebootBefore$'
@@ -101,7 +106,7 @@ poweroff -f -n
 
 func TestVM(t *testing.T) {
 	testenv.RequireRoot(t) // apt-get download into its cache
-	testenv.RequireCommands(t, "qemu-system-x86_64", "apt-get", "apt-cache", "dpkg-deb", "depmod", "modprobe", "ldd", "busybox", "xz")
+	testenv.RequireCommands(t, "qemu-system-x86_64", "apt-get", "apt-cache", "dpkg-deb", "depmod", "modprobe", "ldd", "busybox", "xz", "checkpolicy")
 	tm := &timings{}
 	total := time.Now()
 	k := fetchKernel(t, tm)
@@ -160,6 +165,8 @@ func TestVM(t *testing.T) {
 	order := a.modules(t, k, guestModules...)
 	a.file("/modules/order", []byte(strings.Join(order, "\n")+"\n"), 0o644)
 	a.copyFile(t, guestBin, "/guest.test")
+	a.dir("/selinux")
+	a.file("/selinux/policy", compilePolicy(t, work), 0o644)
 	a.copyFile(t, mounterBin, "/mounter.test")
 	// mksquashfs's threads dlopen libgcc_s at pthread_exit; ldd does not
 	// list it.
@@ -177,6 +184,16 @@ func TestVM(t *testing.T) {
 	ac := chooseAccel()
 	t.Logf("qemu accelerator: %v", ac)
 	fmt.Printf("=== VM on %s\n", ac)
+	if os.Getenv("MOUNTPLAN_VM_ONLY") == "selinux" {
+		// For work on the SELinux boot alone: the other boots are
+		// skipped, which the log says; make test-vm never sets it.
+		t.Log("MOUNTPLAN_VM_ONLY=selinux: only the SELinux boot runs")
+		third := boot(t, k.Vmlinux, initrd, filepath.Join(work, "serial-3.log"), nil, selinuxBootArgs, "")
+		labelled := parseGuest(third.out)
+		logLines(t, "boot 3 (SELinux)", labelled.lines)
+		checkSELinuxBoot(t, labelled)
+		return
+	}
 
 	stop = tm.start("make the reboot test's disks")
 	disks := persistDisks(t, work)
@@ -196,8 +213,14 @@ func TestVM(t *testing.T) {
 		after = parseGuest(second.out)
 		logLines(t, "boot 2", after.lines)
 	}
+	stop = tm.start("qemu run 3 (SELinux on, permissive: context= labels)")
+	third := boot(t, k.Vmlinux, initrd, filepath.Join(work, "serial-3.log"), nil, selinuxBootArgs, "")
+	stop()
+	labelled := parseGuest(third.out)
+	logLines(t, "boot 3 (SELinux)", labelled.lines)
 	tm.add("total", time.Since(total))
 	t.Log(summary(k, tm, res, first.reset, after))
+	checkSELinuxBoot(t, labelled)
 
 	switch {
 	case res.exit == "":

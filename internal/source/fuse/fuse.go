@@ -65,7 +65,10 @@ type State struct {
 	MountGroup   *uint32       `json:"mountGroup,omitempty"` // the pod's fsGroup at stage (mountGroupArgs)
 	Secrets      bool          `json:"secrets,omitempty"`    // the mounter keeps a secrets tmpfs
 	ReadyTimeout time.Duration `json:"readyTimeout"`
-	Daemon       Daemon        `json:"daemon"`
+	// SELinuxContext labels the daemon's mount (the stage's context=
+	// flag), and every restart's mount again.
+	SELinuxContext string `json:"seLinuxContext,omitempty"`
+	Daemon         Daemon `json:"daemon"`
 	// Stale are the connections of earlier daemons whose mounts may still
 	// sit in some mount namespace (a container's copy): the supervisor has
 	// them replaced with the current daemon's and forgets each once none
@@ -263,7 +266,8 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 		}
 	}
 	st := State{Profile: p.Name, MountPoint: l.mnt(), BindSource: filepath.Join(s.stateDir, "fuse", v.ID, "mnt"),
-		ReadOnly: req.ReadOnly, MountGroup: req.MountGroup, Secrets: len(req.Secrets) > 0, ReadyTimeout: p.ReadyTimeout.Duration}
+		ReadOnly: req.ReadOnly, MountGroup: req.MountGroup, Secrets: len(req.Secrets) > 0, ReadyTimeout: p.ReadyTimeout.Duration,
+		SELinuxContext: req.SELinuxContext}
 	if st.ReadyTimeout == 0 {
 		st.ReadyTimeout = 30 * time.Second
 	}
@@ -280,7 +284,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}()
 	started := time.Now()
 	info, err := m.StartDaemon(ctx, mounter.DaemonRequest{VolumeID: v.ID, Profile: p.Name, Params: params, ReadOnly: req.ReadOnly,
-		MountGroup: req.MountGroup, Secrets: req.Secrets, Generation: 1, ReadyTimeout: st.ReadyTimeout})
+		MountGroup: req.MountGroup, Secrets: req.Secrets, Generation: 1, ReadyTimeout: st.ReadyTimeout, SELinuxContext: req.SELinuxContext})
 	s.metrics.ObserveStep("daemon_start", err, time.Since(started))
 	if err != nil {
 		return nil, fmt.Errorf("volume %s: %w", v.ID, err)
@@ -305,7 +309,10 @@ func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, er
 	if req.Block {
 		return nil, invalid("fuse volume %s has no block access", v.ID)
 	}
-	if err := plan.CheckBindOptions(req.MountFlags); err != nil {
+	// The label is the daemon's mount's (made at stage, as the driver
+	// checked the request's against the stage's): a bind cannot take it.
+	flags := plan.WithoutContext(req.MountFlags)
+	if err := plan.CheckBindOptions(flags); err != nil {
 		return nil, fmt.Errorf("fuse volume %s: %w", v.ID, err)
 	}
 	// Without the daemon's mount the bind would give the consumer the
@@ -315,7 +322,7 @@ func (s *Source) Plan(v source.Volume, req source.PlanRequest) ([]plan.Mount, er
 	if !s.serving(st) {
 		return nil, fmt.Errorf("fuse volume %s: no daemon serves at %s yet: %w", v.ID, st.MountPoint, errdefs.ErrUnavailable)
 	}
-	opts := plan.Options([]string{"nosuid", "nodev"}, req.ReadOnly || st.ReadOnly, req.MountFlags...)
+	opts := plan.Options([]string{"nosuid", "nodev"}, req.ReadOnly || st.ReadOnly, flags...)
 	return []plan.Mount{{Type: plan.TypeBind, Source: st.BindSource, Options: opts}}, nil
 }
 

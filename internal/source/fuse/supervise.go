@@ -343,7 +343,7 @@ func (sup *supervisor) replaceDaemon(ctx context.Context, params map[string]stri
 	gen := old.Generation + 1
 	started := time.Now()
 	info, err := sup.src.daemons.StartDaemon(ctx, mounter.DaemonRequest{VolumeID: sup.id, Profile: st.Profile, Params: params,
-		ReadOnly: st.ReadOnly, MountGroup: st.MountGroup, Generation: gen, ReadyTimeout: st.ReadyTimeout})
+		ReadOnly: st.ReadOnly, MountGroup: st.MountGroup, Generation: gen, ReadyTimeout: st.ReadyTimeout, SELinuxContext: st.SELinuxContext})
 	sup.src.metrics.ObserveStep("daemon_start", err, time.Since(started))
 	if err != nil {
 		// The failed generation stays the current one, so that the next

@@ -35,6 +35,9 @@ type Chain struct {
 	Lower  string `json:"lower"`  // the image's filesystem, mounted read-only
 	Upper  string `json:"upper"`  // tmpfs or a scratch filesystem holding data/ and work/
 	Merged string `json:"merged"` // the overlay of both
+	// SELinuxContext labels Lower and Merged, the two a plan binds (the
+	// stage's context= flag); a rebuild labels them again.
+	SELinuxContext string `json:"seLinuxContext,omitempty"`
 	// Scratch is the upper layer's own image, when upperSize asked for one.
 	Scratch *Scratch `json:"scratch,omitempty"`
 }
@@ -51,9 +54,9 @@ func wantsChain(v source.Volume) bool { return v.Parameters[ParamOverlay] == "tr
 
 // buildChain has the mounter mount the lower image, a fresh upper and the
 // overlay under the state dir. On error it undoes every step it took.
-func (s *Source) buildChain(ctx context.Context, v source.Volume, lower mounter.Device, lowerType string) (c *Chain, err error) {
-	req := mounter.ChainRequest{VolumeID: v.ID, Lower: lower, LowerType: lowerType}
-	c = &Chain{}
+func (s *Source) buildChain(ctx context.Context, v source.Volume, lower mounter.Device, lowerType, label string) (c *Chain, err error) {
+	req := mounter.ChainRequest{VolumeID: v.ID, Lower: lower, LowerType: lowerType, SELinuxContext: label}
+	c = &Chain{SELinuxContext: label}
 	defer func() {
 		if err != nil {
 			if terr := s.teardownChain(context.WithoutCancel(ctx), v.ID, c); terr != nil {
@@ -114,6 +117,9 @@ func (s *Source) teardownChain(ctx context.Context, id string, c *Chain) error {
 // chainPlan binds the overlay; read-only consumers get the lower layer.
 // The CO's mount flags apply to either, as a bind's flags.
 func chainPlan(c *Chain, readOnly bool, flags []string) ([]plan.Mount, error) {
+	// The label is on the layers the plan binds (buildChain): a bind
+	// cannot take it.
+	flags = plan.WithoutContext(flags)
 	if err := plan.CheckBindOptions(flags); err != nil {
 		return nil, err
 	}

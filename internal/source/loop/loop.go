@@ -121,7 +121,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 	}()
 	st := State{Device: l.Path, Identity: l.Identity, DirectIO: l.DirectIO, ReadOnly: l.ReadOnly}
 	if chained {
-		if st.FsType, st.Chain, err = s.stageChain(ctx, v, l.Device); err != nil {
+		if st.FsType, st.Chain, err = s.stageChain(ctx, v, l.Device, req.SELinuxContext); err != nil {
 			return nil, err
 		}
 	} else if !req.Block {
@@ -134,7 +134,7 @@ func (s *Source) Stage(ctx context.Context, v source.Volume, req source.StageReq
 
 // stageChain checks that the image holds a read-only filesystem and builds
 // the overlay's layers over it.
-func (s *Source) stageChain(ctx context.Context, v source.Volume, dev mounter.Device) (string, *Chain, error) {
+func (s *Source) stageChain(ctx context.Context, v source.Volume, dev mounter.Device, label string) (string, *Chain, error) {
 	fsType, err := s.Devices.Detect(ctx, dev)
 	if err != nil {
 		return "", nil, err
@@ -142,7 +142,7 @@ func (s *Source) stageChain(ctx context.Context, v source.Volume, dev mounter.De
 	if !slices.Contains(readOnlyTypes, fsType) {
 		return "", nil, fmt.Errorf("overlay needs a read-only image (%v); %s holds %q: %w", readOnlyTypes, v.Image, fsType, errdefs.ErrFailedPrecondition)
 	}
-	c, err := s.buildChain(ctx, v, dev, fsType)
+	c, err := s.buildChain(ctx, v, dev, fsType, label)
 	return fsType, c, err
 }
 
@@ -229,10 +229,11 @@ func (s *Source) Adopt(ctx context.Context, v source.Volume) (json.RawMessage, e
 		// scratch image's are discarded too, since an overlay's upper is
 		// only valid with its own work dir.
 		klog.FromContext(ctx).Info("Overlay layers gone; building them again", "volume", v.ID)
+		label := st.Chain.SELinuxContext
 		if err := s.teardownChain(ctx, v.ID, st.Chain); err != nil {
 			return nil, err
 		}
-		if st.Chain, err = s.buildChain(ctx, v, l.Device, st.FsType); err != nil {
+		if st.Chain, err = s.buildChain(ctx, v, l.Device, st.FsType, label); err != nil {
 			return nil, err
 		}
 	}

@@ -87,6 +87,10 @@ func requireGuest(t *testing.T) {
 // restarted over the same state dir (newDriverAt) keeps its mounter.
 var mounters sync.Map
 
+// nodes are the mounters' nodes by state dir: a test that names a
+// consumer's namespace to one (Attribute), as the NRI hook would.
+var nodes sync.Map
+
 // mounterFor starts a mounter over stateDir as mountplan-sidecar serve
 // does (mounter.Local served on a unix socket) and returns the plugin's
 // client of it: every privileged act of the tests' drivers and sources
@@ -111,8 +115,10 @@ func mounterFor(t *testing.T, cfg *config.Config, stateDir string) *service.Clie
 	go func() { done <- service.Serve(ctx, l, node) }()
 	c := service.NewClient(sock)
 	mounters.Store(stateDir, c)
+	nodes.Store(stateDir, node)
 	t.Cleanup(func() {
 		mounters.Delete(stateDir)
+		nodes.Delete(stateDir)
 		c.Close()
 		cancel()
 		if err := <-done; err != nil {
