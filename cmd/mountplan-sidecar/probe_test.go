@@ -61,7 +61,7 @@ func startServe(t *testing.T) (sock string, stop func()) {
 func TestProbeCommand(t *testing.T) {
 	sock, stop := startServe(t)
 	var out bytes.Buffer
-	if err := runProbe(context.Background(), []string{"--endpoint", "unix://" + sock}, &out); err != nil {
+	if err := runProbe(context.Background(), []string{"--mounter-endpoint", "unix://" + sock}, &out); err != nil {
 		t.Fatalf("probe of a live serve: %v", err)
 	}
 	if !strings.Contains(out.String(), "answered") || strings.Count(out.String(), "\n") != 1 {
@@ -95,7 +95,7 @@ func TestProbeCommand(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			var out bytes.Buffer
 			start := time.Now()
-			err := runProbe(context.Background(), []string{"--endpoint", "unix://" + path, "--timeout", "300ms"}, &out)
+			err := runProbe(context.Background(), []string{"--mounter-endpoint", "unix://" + path, "--timeout", "300ms"}, &out)
 			if err == nil {
 				t.Fatalf("probe of a mounter that does not answer passed: %q", out.String())
 			}
@@ -123,7 +123,7 @@ func TestProbeExitStatus(t *testing.T) {
 	}
 	probe := func() (int, string) {
 		var stderr bytes.Buffer
-		cmd := exec.Command(bin, "probe", "--endpoint", "unix://"+sock, "--timeout", "1s")
+		cmd := exec.Command(bin, "probe", "--mounter-endpoint", "unix://"+sock, "--timeout", "1s")
 		cmd.Stderr = &stderr
 		err := cmd.Run()
 		var exit *exec.ExitError

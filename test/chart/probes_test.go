@@ -23,10 +23,12 @@ func TestMounterLivenessProbe(t *testing.T) {
 		}
 		cmd := p.Exec.Command
 		if len(cmd) < 3 || cmd[0] != sidecarBinary || cmd[1] != "probe" {
-			t.Fatalf("the mounter's probe runs %q, want %s probe --endpoint=...", cmd, sidecarBinary)
+			t.Fatalf("the mounter's probe runs %q, want %s probe --mounter-endpoint=...", cmd, sidecarBinary)
 		}
 		probeArgs := &corev1.Container{Name: "mounter's probe", Args: cmd[2:]}
-		wantArg(t, probeArgs, "--endpoint", args(t, c)["--endpoint"])
+		// serve's --endpoint is the socket it serves; probe calls it, so
+		// it names it --mounter-endpoint (the deprecated --endpoint warns).
+		wantArg(t, probeArgs, "--mounter-endpoint", args(t, c)["--endpoint"])
 		timeout, err := time.ParseDuration(args(t, probeArgs)["--timeout"])
 		if err != nil || timeout <= 0 {
 			t.Fatalf("the mounter's probe has no --timeout: %q", cmd)
