@@ -30,18 +30,11 @@ func runIO(ctx context.Context, o options) int {
 	if err == nil {
 		res, err = b.measureIO(ctx)
 	}
-	switch {
-	case err != nil && ctx.Err() != nil:
-		fmt.Fprintln(os.Stderr, "bench: interrupted; tearing down")
-	case err != nil:
-		fmt.Fprintln(os.Stderr, "bench:", err)
-		if tail := b.logTails(30); tail != "" {
-			fmt.Fprintln(os.Stderr, tail)
-		}
-	}
 	if b == nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
 		return 1
 	}
+	b.sayFailure(ctx, err)
 	env := describeEnv(b.dir) + "; " + accelNote()
 	if len(res) > 0 {
 		printIO(os.Stdout, o, env, res)
@@ -53,18 +46,7 @@ func runIO(ctx context.Context, o options) int {
 			fmt.Printf("\nwritten: %s\n", file)
 		}
 	}
-	leaks := b.teardown()
-	fmt.Println()
-	fmt.Println(leaks)
-	switch {
-	case ctx.Err() != nil:
-		return 130
-	case err != nil:
-		return 1
-	case !leaks.clean():
-		return 3
-	}
-	return 0
+	return b.finish(ctx, err)
 }
 
 // accelNote says whether this machine is a guest: the figures of a VM's

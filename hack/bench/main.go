@@ -306,15 +306,7 @@ func run(ctx context.Context, o options) int {
 		return 1
 	}
 	res, runErr := b.measure(ctx)
-	switch {
-	case runErr != nil && ctx.Err() != nil:
-		fmt.Fprintln(os.Stderr, "bench: interrupted; tearing down")
-	case runErr != nil:
-		fmt.Fprintln(os.Stderr, "bench:", runErr)
-		if tail := b.logTails(30); tail != "" {
-			fmt.Fprintln(os.Stderr, tail)
-		}
-	}
+	b.sayFailure(ctx, runErr)
 	if res != nil {
 		res.print(os.Stdout)
 		if runErr == nil {
@@ -325,6 +317,27 @@ func run(ctx context.Context, o options) int {
 			}
 		}
 	}
+	return b.finish(ctx, runErr)
+}
+
+// sayFailure tells on stderr why a measurement stopped, with the tails of
+// the plugin's and mounter's logs, which usually hold the reason.
+func (b *bench) sayFailure(ctx context.Context, err error) {
+	switch {
+	case err != nil && ctx.Err() != nil:
+		fmt.Fprintln(os.Stderr, "bench: interrupted; tearing down")
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		if tail := b.logTails(30); tail != "" {
+			fmt.Fprintln(os.Stderr, tail)
+		}
+	}
+}
+
+// finish tears everything down, prints the leak check and returns the
+// exit code: 130 when interrupted, 1 when the run failed, 3 when it
+// leaked, 0 otherwise.
+func (b *bench) finish(ctx context.Context, runErr error) int {
 	leaks := b.teardown()
 	fmt.Println()
 	fmt.Println(leaks)
