@@ -41,7 +41,7 @@ func TestContextLabelsTheMount(t *testing.T) {
 					t.Fatalf("Build %s: %v", m, err)
 				}
 				defer fd.Close()
-				if got := labelOf(t, fmt.Sprintf("/proc/self/fd/%d", fd.Fd())); got != podLabel {
+				if got := mountnstest.SELinuxLabel(t, fmt.Sprintf("/proc/self/fd/%d", fd.Fd())); got != podLabel {
 					t.Fatalf("the mount's root is labelled %q, want %q", got, podLabel)
 				}
 				return
@@ -75,16 +75,6 @@ func kernelRefuses(t *testing.T, m plan.Mount) {
 		t.Fatalf("unchecked Build: %v, want EINVAL from fsconfig", err)
 	}
 	t.Logf("what the kernel says unchecked: %v", err)
-}
-
-func labelOf(t *testing.T, p string) string {
-	t.Helper()
-	buf := make([]byte, 256)
-	n, err := unix.Getxattr(p, "security.selinux", buf)
-	if err != nil {
-		t.Fatalf("getxattr %s security.selinux: %v", p, err)
-	}
-	return strings.TrimRight(string(buf[:n]), "\x00")
 }
 
 // TestContextRefusedOnBind: a bind shows its source's labels; asking it

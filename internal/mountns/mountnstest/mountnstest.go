@@ -243,3 +243,15 @@ func poll(done func() bool) bool {
 	return wait.PollUntilContextTimeout(context.Background(), 5*time.Millisecond, 10*time.Second, true,
 		func(context.Context) (bool, error) { return done(), nil }) == nil
 }
+
+// SELinuxLabel is what `stat -c %C` shows of p: its security.selinux
+// attribute, without the kernel's trailing NUL.
+func SELinuxLabel(t *testing.T, p string) string {
+	t.Helper()
+	buf := make([]byte, 256)
+	n, err := unix.Getxattr(p, "security.selinux", buf)
+	if err != nil {
+		t.Fatalf("getxattr %s security.selinux: %v", p, err)
+	}
+	return strings.TrimRight(string(buf[:n]), "\x00")
+}

@@ -21,6 +21,7 @@ import (
 	"github.com/mountplan/mountplan/internal/mounter"
 	"github.com/mountplan/mountplan/internal/mounter/service"
 	"github.com/mountplan/mountplan/internal/mountns"
+	"github.com/mountplan/mountplan/internal/mountns/mountnstest"
 	"github.com/mountplan/mountplan/internal/source"
 	"github.com/mountplan/mountplan/internal/source/loop"
 	api "github.com/mountplan/mountplan/pkg/api/v1alpha1"
@@ -79,20 +80,9 @@ func loadPolicy(t *testing.T) {
 	t.Logf("policy loaded: enforce=%s mls=%s", bytes.TrimSpace(enforce), bytes.TrimSpace(mls))
 }
 
-// labelOf is what `stat -c %C` shows: the security.selinux attribute.
-func labelOf(t *testing.T, p string) string {
-	t.Helper()
-	buf := make([]byte, 256)
-	n, err := unix.Getxattr(p, "security.selinux", buf)
-	if err != nil {
-		t.Fatalf("getxattr %s security.selinux: %v", p, err)
-	}
-	return strings.TrimRight(string(buf[:n]), "\x00")
-}
-
 func wantLabel(t *testing.T, what, p string) {
 	t.Helper()
-	if got := labelOf(t, p); got != podLabel {
+	if got := mountnstest.SELinuxLabel(t, p); got != podLabel {
 		t.Errorf("%s %s is labelled %q, want %q", what, p, got, podLabel)
 	} else {
 		t.Logf("MOUNTPLAN-SELINUX %s %s: %s", what, p, got)
