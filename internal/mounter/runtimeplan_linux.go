@@ -24,14 +24,20 @@ func (n *Local) CheckPlan(ctx context.Context, mounts []plan.Mount) error {
 	if err := n.exec.Policy.Validate(mounts); err != nil {
 		return err
 	}
+	srcs, err := n.exec.openSources(mounts)
+	closeAll(srcs)
+	if err != nil {
+		return err
+	}
 	// The runtime mounts with the options as they are: an SELinux label
 	// is checked here as the mounter checks its own mounts' (mountns).
+	// After the sources: parsing "ro" opens a /dev source to ask whether
+	// the device is read-only, which only a device the mounter set up may
+	// be (opening a watchdog arms it).
 	for _, m := range mounts {
 		if err := mountns.CheckOptions(m); err != nil {
 			return err
 		}
 	}
-	srcs, err := n.exec.openSources(mounts)
-	closeAll(srcs)
-	return err
+	return nil
 }
