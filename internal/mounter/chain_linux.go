@@ -37,6 +37,9 @@ func (n *Local) chainAt(id string) (Chain, error) {
 // writes in the upper layer and could plant one there). On error it
 // undoes what it did.
 func (n *Local) BuildChain(ctx context.Context, req ChainRequest) (c Chain, err error) {
+	if err := checkLabel(req.SELinuxContext); err != nil {
+		return c, err
+	}
 	if !slices.Contains(chainLowerTypes, req.LowerType) {
 		return c, fmt.Errorf("a chain's lower layer holds %s, not %q: %w", chainLowerTypes, req.LowerType, errdefs.ErrInvalidArgument)
 	}
@@ -75,6 +78,17 @@ func (n *Local) BuildChain(ctx context.Context, req ChainRequest) (c Chain, err 
 // withLabel appends the context= option of an SELinux label to opts, when
 // there is one. The mount checks it (mountns): one label, on a node that
 // runs SELinux.
+// checkLabel refuses a request's SELinux label that is not one label, as
+// soon as the request arrives: before any side effect, and before any
+// message quotes it. The mounts check it again where they are made.
+func checkLabel(label string) error {
+	if label == "" {
+		return nil
+	}
+	_, _, err := plan.ParseContext(plan.ContextOption(label))
+	return err
+}
+
 func withLabel(opts []string, label string) []string {
 	if label == "" {
 		return opts

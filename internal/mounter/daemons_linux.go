@@ -320,6 +320,9 @@ func (n *Local) StartDaemon(ctx context.Context, req DaemonRequest) (info Daemon
 	if req.Generation < 1 {
 		return info, fmt.Errorf("daemon generation %d: it counts from 1: %w", req.Generation, errdefs.ErrInvalidArgument)
 	}
+	if err := checkLabel(req.SELinuxContext); err != nil {
+		return info, err
+	}
 	unlock, err := n.daemons.locks.Lock(ctx, req.VolumeID, "start-daemon")
 	if err != nil {
 		return info, err

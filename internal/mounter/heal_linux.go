@@ -310,6 +310,17 @@ func (hl *healer) prepare(ctx context.Context, ns *mountns.Namespace, n staleNS)
 		return nil
 	}
 	guarded := which != ""
+	// A container with a user namespace of its own got its mounts
+	// idmapped to it (executor); a clone put in their place must be too,
+	// or its root would see the healed volume's files owned by nobody.
+	userns, err := ns.UserNS()
+	if err != nil {
+		hl.refuseAll(n, err.Error())
+		return nil
+	}
+	if userns != nil {
+		defer userns.Close()
+	}
 	var jobs []job
 	for _, i := range n.mounts {
 		key := staleKey{n.inode, i.ID}
@@ -328,6 +339,13 @@ func (hl *healer) prepare(ctx context.Context, ns *mountns.Namespace, n staleNS)
 		if err != nil {
 			hl.reasons[key] = fmt.Sprintf("cloning %s of the source: %v", i.Root, err)
 			continue
+		}
+		if userns != nil {
+			if err := mountns.IDMap(clone, userns, i.FSType); err != nil {
+				clone.Close()
+				hl.reasons[key] = err.Error()
+				continue
+			}
 		}
 		j.clone = clone
 		jobs = append(jobs, j)

@@ -10,10 +10,9 @@ import (
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/mountplan/mountplan/internal/errdefs"
 	"github.com/mountplan/mountplan/internal/mountns"
+	"github.com/mountplan/mountplan/internal/mountns/mountnstest"
 )
 
 // podLabel is a pod's label as kubelet's SELinuxMount sends it.
@@ -37,6 +36,17 @@ func TestFdModeContextLabel(t *testing.T) {
 	}
 	f.gone("own")
 
+	// A label that is not one label is refused as the request arrives,
+	// whatever the profile and the kernel: nothing rides in it.
+	for _, bad := range []string{`system_u:object_r:t:s0",allow_other`, "system_u:object_r:t:s0\nx", "a:b"} {
+		smuggled := f.request("smuggled", "squashfuse-user-fd")
+		smuggled.SELinuxContext = bad
+		if _, err := f.n.StartDaemon(ctx, smuggled); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("a daemon labelled %q: %v, want InvalidArgument", bad, err)
+		}
+		f.gone("smuggled")
+	}
+
 	req := f.request("labelled", "squashfuse-user-fd")
 	req.SELinuxContext = podLabel
 	if !mountns.SELinuxEnabled() {
@@ -53,12 +63,7 @@ func TestFdModeContextLabel(t *testing.T) {
 	}
 	info := f.start(req)
 	for _, p := range []string{info.MountPoint, filepath.Join(info.MountPoint, "hello.txt")} {
-		buf := make([]byte, 256)
-		n, err := unix.Getxattr(p, "security.selinux", buf)
-		if err != nil {
-			t.Fatalf("getxattr %s security.selinux: %v", p, err)
-		}
-		if got := strings.TrimRight(string(buf[:n]), "\x00"); got != podLabel {
+		if got := mountnstest.SELinuxLabel(t, p); got != podLabel {
 			t.Errorf("%s is labelled %q, want %q", p, got, podLabel)
 		} else {
 			t.Logf("%s labelled %s", p, got)

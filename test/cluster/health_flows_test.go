@@ -30,7 +30,9 @@ func volumeHealthInPodStatus(t *testing.T, e *env) {
 		t.Fatal(err)
 	}
 	img := e.c.cfg.path("srv", "fuse", "tree.sqfs")
-	daemon := e.containerPID(t, mounterComponent, mounterContainer, "squashfuse")
+	// Not in the mounter's container: in cgroups of their own
+	// (fuse_rollout_flows_test.go).
+	daemon := e.daemonPID(t, "squashfuse")
 
 	// The image goes away first: the supervisor's restarts fail until it
 	// is back.

@@ -3,12 +3,14 @@
 package cluster
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // operatorVolumes: what an operator sees on a node with a loop volume, an
@@ -102,8 +104,51 @@ func operatorVolumes(t *testing.T, e *env) {
 			t.Errorf("volume %s of pod %s is not listed", id, w.pod)
 		}
 	}
+	kubectlPluginVolumes(t, e, want)
 	e.c.deleteAndWait(t, "pod", "vl-loop", "vl-nri", "vl-chain", "vl-fuse")
 	e.c.deleteAndWait(t, "pvc", "vl-loop", "vl-nri", "vl-chain")
 	must(t)(e.c.kubectl("delete", "pv", "vl-chain", "--wait=true", "--timeout=60s"))
 	e.fuseTeardown(t, "sqfuse", "rclone")
+}
+
+// kubectlPluginVolumes: the operator's `kubectl mountplan volumes -o json`,
+// as docs/usage.md gives it, lists every volume of want under the node its
+// pod runs on, asked through the API server's proxy (no pod IP, no
+// port-forward); so does the same for that node alone, and a node that
+// does not exist is an error naming it.
+func kubectlPluginVolumes[W any](t *testing.T, e *env, want map[string]W) {
+	t.Helper()
+	kubectlMountplan := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		return e.c.inNode(ctx, nil, "kubectl-mountplan", append([]string{"volumes", "-n", "kube-system"}, args...)...)
+	}
+	node := strings.TrimSpace(must(t)(e.c.kubectl("-n", testNS, "get", "pod", "vl-loop", "-o", "jsonpath={.spec.nodeName}")))
+	for _, args := range [][]string{{"-o", "json"}, {node, "-o", "json"}} {
+		out := must(t)(kubectlMountplan(args...))
+		var listed []struct{ Node, ID string }
+		if err := json.Unmarshal([]byte(out), &listed); err != nil {
+			t.Fatalf("kubectl mountplan volumes %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		nodes := map[string]bool{}
+		found := map[string]string{}
+		for _, v := range listed {
+			nodes[v.Node] = true
+			if _, ok := want[v.ID]; ok {
+				found[v.ID] = v.Node
+			}
+		}
+		for id := range want {
+			if found[id] != node {
+				t.Errorf("kubectl mountplan volumes %s: volume %s listed on node %q, want %q", strings.Join(args, " "), id, found[id], node)
+			}
+		}
+		if args[0] == node && (len(nodes) != 1 || !nodes[node]) {
+			t.Errorf("kubectl mountplan volumes %s lists the nodes %v, want %s alone", strings.Join(args, " "), nodes, node)
+		}
+		t.Logf("kubectl mountplan volumes %s: %d volumes on %d nodes", strings.Join(args, " "), len(listed), len(nodes))
+	}
+	if out, err := kubectlMountplan("no-such-node"); err == nil || !strings.Contains(err.Error()+out, "no-such-node") {
+		t.Errorf("kubectl mountplan volumes no-such-node: %v\n%s, want an error naming the node", err, out)
+	}
 }
