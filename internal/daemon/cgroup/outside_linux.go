@@ -345,6 +345,13 @@ func (m *Manager) removeLeaves(name string) error {
 // left in them (outside managers only; best effort: another volume or
 // mounter may still use them).
 func (m *Manager) RemoveEmptyLevels() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.removeEmptyLevels()
+}
+
+// removeEmptyLevels is RemoveEmptyLevels with m.mu held.
+func (m *Manager) removeEmptyLevels() {
 	if m.base != "" && len(m.outside) > 0 {
 		_ = unix.Rmdir(m.daemons())
 	}
@@ -357,7 +364,8 @@ func (m *Manager) RemoveEmptyLevels() {
 func (m *Manager) Outside() bool { return len(m.outside) > 0 }
 
 // ensureOutside makes an outside manager's v2 levels again after
-// RemoveEmptyLevels removed them (the last volume was torn down).
+// RemoveEmptyLevels removed them (the last volume was torn down); m.mu is
+// held from here to the leaf's mkdir.
 func (m *Manager) ensureOutside() error {
 	if len(m.outside) == 0 || m.base == "" {
 		return nil
