@@ -54,6 +54,9 @@ type Manager struct {
 	reason string // why limits are not enforced (AccountingOnly)
 	// v2Limits: memory and cpu are enabled for base's leaves.
 	v2Limits bool
+	// v2Pids: pids is enabled for base's leaves (pids.max), independent
+	// of memory and cpu.
+	v2Pids bool
 	// v1 are the v1 hierarchies of an outside manager (outside_linux.go).
 	v1 []v1Hier
 	// outside are the directories an outside manager made above its
@@ -153,7 +156,8 @@ func (m *Manager) evacuate() error {
 }
 
 // enable turns memory and cpu on for base's and daemons/'s children when
-// base has them; otherwise the leaves only account (AccountingOnly).
+// base has them; otherwise the leaves only account (AccountingOnly). pids
+// is turned on where available.
 func (m *Manager) enable() error {
 	avail, err := readLines(filepath.Join(m.base, "cgroup.controllers"))
 	if err != nil {
@@ -167,6 +171,16 @@ func (m *Manager) enable() error {
 	}
 	if err := mkdir(m.daemons()); err != nil {
 		return err
+	}
+	// pids bounds a daemon that is outside the pod's pids limit; it is
+	// enabled where it is available whatever memory and cpu are.
+	if slices.Contains(avail, "pids") {
+		m.v2Pids = true
+		for _, dir := range []string{m.base, m.daemons()} {
+			if err := write(dir, "cgroup.subtree_control", "+pids"); err != nil {
+				return err
+			}
+		}
 	}
 	if len(missing) > 0 {
 		m.mode = AccountingOnly
@@ -265,6 +279,11 @@ func (m *Manager) Prepare(name string, l Limits) (Leaf, error) {
 		return leaf, err
 	}
 	leaf.Unified = dir
+	if m.v2Pids {
+		if err := write(dir, "pids.max", l.pidsMax()); err != nil {
+			return leaf, err
+		}
+	}
 	if m.v2Limits {
 		if err := write(dir, "memory.max", l.memoryMax()); err != nil {
 			return leaf, err

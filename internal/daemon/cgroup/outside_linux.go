@@ -8,7 +8,7 @@ package cgroup
 // the mounter's container is killed with it at every restart and rollout.
 // These leaves are below the host's cgroup roots instead:
 //
-//	<hierarchy>/mountplan-daemons/<instance>/          v1: every hierarchy the mounter is in below its root, memory and cpu
+//	<hierarchy>/mountplan-daemons/<instance>/          v1: every hierarchy the mounter is in below its root, memory, cpu and pids
 //	<cgroup2>/mountplan-daemons/<instance>/daemons/    v2 (and a hybrid host's unified hierarchy), as Setup's layout
 //	                                        <volume>/  one volume's daemon
 //
@@ -64,7 +64,7 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 		}
 		// The controllers pass down from the root to the instance's
 		// children; where they cannot, Setup says AccountingOnly.
-		_ = write(filepath.Join(hostFS, OutsideDir), "cgroup.subtree_control", "+memory +cpu")
+		enableOutside(filepath.Join(hostFS, OutsideDir))
 		m, err := Setup(base)
 		if err != nil {
 			return nil, err
@@ -106,7 +106,10 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 			continue
 		}
 		names := strings.Split(ctrls, ",")
-		if path == "/" && !slices.Contains(names, "memory") && !slices.Contains(names, "cpu") {
+		// A hierarchy the process is at the root of holds nothing of its
+		// container's; memory, cpu and pids are still wanted for the
+		// leaves' bounds.
+		if path == "/" && !slices.Contains(names, "memory") && !slices.Contains(names, "cpu") && !slices.Contains(names, "pids") {
 			continue
 		}
 		i := slices.IndexFunc(mounts, func(i *mountinfo.Info) bool {
@@ -222,7 +225,8 @@ func (m *Manager) v1Leaves(name string) []string {
 	return out
 }
 
-// prepareV1 makes name's v1 leaves with the limits l (memory and cpu).
+// prepareV1 makes name's v1 leaves with the limits l (memory, cpu and
+// pids).
 func (m *Manager) prepareV1(name string, l Limits) ([]string, error) {
 	var dirs []string
 	for _, h := range m.v1 {
@@ -260,6 +264,11 @@ func (m *Manager) prepareV1(name string, l Limits) ([]string, error) {
 				if err := write(dir, "memory.memsw.limit_in_bytes", limit); err != nil {
 					return dirs, err
 				}
+			}
+		}
+		if h.has("pids") {
+			if err := write(dir, "pids.max", l.pidsMax()); err != nil {
+				return dirs, err
 			}
 		}
 		if h.has("cpu") {
@@ -383,8 +392,8 @@ func (m *Manager) ensureOutside() error {
 	if err != nil {
 		return err
 	}
-	if m.v2Limits {
-		_ = write(filepath.Join(root, OutsideDir), "cgroup.subtree_control", "+memory +cpu")
+	if m.v2Limits || m.v2Pids {
+		enableOutside(filepath.Join(root, OutsideDir))
 	}
 	mode, reason := m.mode, m.reason
 	err = m.enable()
@@ -392,6 +401,15 @@ func (m *Manager) ensureOutside() error {
 		m.mode, m.reason = mode, reason // a hybrid host: the v1 hierarchies limit
 	}
 	return err
+}
+
+// enableOutside turns the controllers on for the children of the shared
+// mountplan-daemons/ level, best effort: memory and cpu together (Setup
+// then finds whether they reached the instance), pids on its own, so that
+// a hierarchy without pids still gets memory and cpu.
+func enableOutside(dir string) {
+	_ = write(dir, "cgroup.subtree_control", "+memory +cpu")
+	_ = write(dir, "cgroup.subtree_control", "+pids")
 }
 
 // mkdirLeaf makes a v1 leaf and the two levels above it.

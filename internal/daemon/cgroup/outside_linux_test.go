@@ -3,6 +3,10 @@ package cgroup_test
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -61,5 +65,62 @@ func TestOutsideCgroupConcurrentVolumes(t *testing.T) {
 	}
 	if left := cgrouptest.Below(hostFS); len(left) > 0 {
 		t.Errorf("left below the host's cgroups after every volume's Remove: %v", left)
+	}
+}
+
+// TestOutsideCgroupPidsMax: a daemon's leaf outside the mounter's
+// container is bounded in tasks (pids.max), by default and by its
+// profile, since the pod's pids limit no longer holds it. Laid out in the
+// host's own hierarchies (v1 on a hybrid host) under an instance of the
+// test's own, removed at the end.
+func TestOutsideCgroupPidsMax(t *testing.T) {
+	testenv.RequireRoot(t)
+	testutil.NoLeaks(t)
+	instance := fmt.Sprintf("mountplan-test-%d", time.Now().UnixNano())
+	m, err := cgroup.SetupOutside(cgroup.DefaultFS, instance)
+	if err != nil {
+		testenv.Missing(t, "cgroups the test can lay out below %s: %v", cgroup.DefaultFS, err)
+	}
+	t.Cleanup(func() {
+		m.RemoveEmptyLevels()
+		// Every directory of the instance, in every hierarchy.
+		matches, _ := filepath.Glob(filepath.Join(cgroup.DefaultFS, "*", cgroup.OutsideDir, instance))
+		more, _ := filepath.Glob(filepath.Join(cgroup.DefaultFS, cgroup.OutsideDir, instance))
+		for _, d := range append(matches, more...) {
+			t.Errorf("left behind: %s (%v)", d, cgrouptest.Below(d))
+			_ = cgrouptest.RemoveTree(d)
+		}
+	})
+	for name, c := range map[string]struct {
+		l    cgroup.Limits
+		want string
+	}{
+		"vol-default": {cgroup.Limits{}, "512"},
+		"vol-profile": {cgroup.Limits{Pids: 64}, "64"},
+	} {
+		leaf, err := m.Prepare(name, c.l)
+		if err != nil {
+			t.Fatalf("Prepare(%s): %v", name, err)
+		}
+		var found []string
+		for _, dir := range append(slices.Clone(leaf.V1), leaf.Unified) {
+			if dir == "" {
+				continue
+			}
+			b, err := os.ReadFile(filepath.Join(dir, "pids.max"))
+			if err != nil {
+				continue // not the pids hierarchy
+			}
+			found = append(found, dir)
+			if got := strings.TrimSpace(string(b)); got != c.want {
+				t.Errorf("%s: pids.max %q, want %q", dir, got, c.want)
+			}
+		}
+		if len(found) == 0 {
+			t.Errorf("%s: no leaf with pids.max among %q and %q", name, leaf.V1, leaf.Unified)
+		}
+		if err := m.Remove(context.Background(), name, time.Second); err != nil {
+			t.Errorf("Remove(%s): %v", name, err)
+		}
 	}
 }
