@@ -21,6 +21,7 @@ package cgroup
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -57,11 +58,39 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 	if err := checkName(instance); err != nil {
 		return nil, err
 	}
+	// A mount point in the mount table is clean: "/sys/fs/cgroup/" would
+	// match none below it.
+	hostFS = filepath.Clean(hostFS)
+	var made []string
+	m, err := setupOutside(hostFS, instance, &made)
+	if err != nil {
+		// What this call made is removed again, innermost first: a
+		// failure halfway leaves no empty levels in the host's
+		// hierarchies. A directory that existed before (another volume's
+		// or mounter's) is not touched.
+		for i := len(made) - 1; i >= 0; i-- {
+			_ = unix.Rmdir(made[i])
+		}
+		return nil, err
+	}
+	return m, nil
+}
+
+// setupOutside is SetupOutside, adding to made each directory it makes.
+func setupOutside(hostFS, instance string, made *[]string) (*Manager, error) {
+	// The daemons/ and mounter/ levels of an instance this call made
+	// (v2): removed with it on failure.
+	v2Levels := func(base string) {
+		if slices.Contains(*made, base) {
+			*made = append(*made, filepath.Join(base, "mounter"), filepath.Join(base, "daemons"))
+		}
+	}
 	if isCgroup2(hostFS) == nil {
-		base, err := mkdirLevels(hostFS, instance, false)
+		base, err := mkdirLevels(hostFS, instance, false, made)
 		if err != nil {
 			return nil, err
 		}
+		v2Levels(base)
 		// The controllers pass down from the root to the instance's
 		// children; where they cannot, Setup says AccountingOnly.
 		enableOutside(filepath.Join(hostFS, OutsideDir))
@@ -94,10 +123,11 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 			if i < 0 {
 				return nil, fmt.Errorf("the unified cgroup hierarchy is not mounted below %s", hostFS)
 			}
-			base, err := mkdirLevels(mounts[i].Mountpoint, instance, false)
+			base, err := mkdirLevels(mounts[i].Mountpoint, instance, false, made)
 			if err != nil {
 				return nil, err
 			}
+			v2Levels(base)
 			m.base = base
 			if err := m.enable(); err != nil {
 				return nil, err
@@ -127,7 +157,7 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 		if i < 0 {
 			return nil, fmt.Errorf("the cgroup v1 hierarchy %s is not mounted below %s", ctrls, hostFS)
 		}
-		base, err := mkdirLevels(mounts[i].Mountpoint, instance, true)
+		base, err := mkdirLevels(mounts[i].Mountpoint, instance, true, made)
 		if err != nil {
 			return nil, err
 		}
@@ -173,13 +203,22 @@ func readOwn() ([][3]string, error) {
 }
 
 // mkdirLevels makes <root>/mountplan-daemons/<instance> (v1: each with the
-// cpuset of its parent, which a new v1 cpuset lacks) and returns it.
-func mkdirLevels(root, instance string, v1 bool) (string, error) {
+// cpuset of its parent, which a new v1 cpuset lacks) and returns it; made,
+// if not nil, gets each directory that did not exist before.
+func mkdirLevels(root, instance string, v1 bool, made *[]string) (string, error) {
 	dir := root
 	for _, name := range []string{OutsideDir, instance} {
 		dir = filepath.Join(dir, name)
+		_, err := os.Lstat(dir)
+		isNew := errors.Is(err, fs.ErrNotExist)
 		if err := mkdirCgroup(dir, v1); err != nil {
+			if isNew && made != nil {
+				*made = append(*made, dir) // made, and its cpuset failed
+			}
 			return "", err
+		}
+		if isNew && made != nil {
+			*made = append(*made, dir)
 		}
 	}
 	return dir, nil
@@ -385,7 +424,7 @@ func (m *Manager) ensureOutside() error {
 	root := filepath.Dir(filepath.Dir(m.base))
 	var err error
 	for range 3 { // another mounter may remove the shared level meanwhile
-		if _, err = mkdirLevels(root, filepath.Base(m.base), false); !errors.Is(err, unix.ENOENT) {
+		if _, err = mkdirLevels(root, filepath.Base(m.base), false, nil); !errors.Is(err, unix.ENOENT) {
 			break
 		}
 	}

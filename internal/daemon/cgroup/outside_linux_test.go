@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mountplan/mountplan/internal/daemon/cgroup"
 	"github.com/mountplan/mountplan/internal/daemon/cgroup/cgrouptest"
 	"github.com/mountplan/mountplan/internal/testenv"
@@ -122,5 +124,67 @@ func TestOutsideCgroupPidsMax(t *testing.T) {
 		if err := m.Remove(context.Background(), name, time.Second); err != nil {
 			t.Errorf("Remove(%s): %v", name, err)
 		}
+	}
+}
+
+// TestSetupOutsideFailureLeavesNothing: a SetupOutside that fails halfway
+// (the second of the v1 hierarchies it needs is not mounted below hostFS)
+// removes the levels it made in the first. hostFS is given with a
+// trailing slash: cleaned, it still finds the first hierarchy below it,
+// so the failure is the second one's.
+func TestSetupOutsideFailureLeavesNothing(t *testing.T) {
+	testenv.RequireRoot(t)
+	testutil.NoLeaks(t)
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The v1 hierarchies SetupOutside lays out, in its order.
+	var wanted []string
+	for _, l := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.SplitN(l, ":", 3)
+		if len(f) != 3 || f[0] == "0" {
+			continue
+		}
+		names := strings.Split(f[1], ",")
+		if f[2] != "/" || slices.Contains(names, "memory") || slices.Contains(names, "cpu") || slices.Contains(names, "pids") {
+			wanted = append(wanted, f[1])
+		}
+	}
+	if len(wanted) < 2 {
+		testenv.Missing(t, "two cgroup v1 hierarchies for the daemons (a v1 or hybrid host); have %q", wanted)
+	}
+	hostFS := t.TempDir()
+	first := filepath.Join(hostFS, "first")
+	if err := os.Mkdir(first, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("cgroup", first, "cgroup", 0, wanted[0]); err != nil {
+		t.Fatalf("mounting the %s hierarchy: %v", wanted[0], err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(first, 0); err != nil {
+			t.Errorf("unmount %s: %v", first, err)
+		}
+	})
+	shared := filepath.Join(first, cgroup.OutsideDir)
+	_, serr := os.Stat(shared)
+	sharedBefore := serr == nil
+	instance := fmt.Sprintf("mountplan-test-%d", time.Now().UnixNano())
+	m, err := cgroup.SetupOutside(hostFS+"/", instance)
+	if err == nil {
+		m.RemoveEmptyLevels()
+		t.Fatalf("SetupOutside with the %s hierarchy missing succeeded", wanted[1])
+	}
+	if !strings.Contains(err.Error(), wanted[1]) {
+		t.Errorf("SetupOutside failed for another reason than the missing %s hierarchy: %v", wanted[1], err)
+	}
+	if _, err := os.Stat(filepath.Join(shared, instance)); err == nil {
+		t.Errorf("a failed SetupOutside left %s", filepath.Join(shared, instance))
+		_ = unix.Rmdir(filepath.Join(shared, instance))
+	}
+	if _, err := os.Stat(shared); err == nil && !sharedBefore {
+		t.Errorf("a failed SetupOutside left %s, which it made", shared)
+		_ = unix.Rmdir(shared)
 	}
 }
