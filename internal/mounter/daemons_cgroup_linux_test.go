@@ -5,11 +5,15 @@ package mounter_test
 import (
 	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/daemon"
 	"github.com/mountplan/mountplan/internal/daemon/cgroup/cgrouptest"
@@ -179,4 +183,55 @@ func TestDaemonWithoutCgroup(t *testing.T) {
 		f.stop("plain", true)
 		f.gone("vol")
 	}
+}
+
+// TestDaemonCgroupNotAdopted: a restarted mounter that does not adopt a
+// live daemon (its mount is gone) stops it through its cgroup: a process
+// in the volume's leaf that left the daemon's session (started here with
+// a session of its own, moved into the leaf) dies with it; the leaf stays
+// for the volume's next daemon.
+func TestDaemonCgroupNotAdopted(t *testing.T) {
+	f := newDaemonFixture(t)
+	f.cgroup = cgrouptest.Dedicated(t, "mounter", "daemons")
+	f.n = f.node()
+	const id = "vol"
+	leaf := filepath.Join(f.cgroup, "daemons", id)
+	info := f.start(f.request(id, "squashfuse-fd"))
+
+	escapee := exec.Command("sleep", "60")
+	escapee.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := escapee.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- escapee.Wait() }()
+	t.Cleanup(func() {
+		_ = escapee.Process.Kill()
+		<-exited
+	})
+	if err := os.WriteFile(filepath.Join(leaf, "cgroup.procs"), []byte(strconv.Itoa(escapee.Process.Pid)), 0); err != nil {
+		t.Fatal(err)
+	}
+	// Not serving any more: its mount is gone.
+	if err := unix.Unmount(filepath.Join(f.volDir(id), "mnt"), unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+
+	f.n = f.node()
+	if got := f.n.Adopted(); got != 0 {
+		t.Errorf("the restarted mounter adopted %d daemons, want 0", got)
+	}
+	if info.Alive() {
+		t.Errorf("daemon %s not adopted but still running", info.Proc)
+	}
+	select {
+	case <-exited:
+	case <-time.After(5 * time.Second):
+		t.Errorf("a process in the leaf of a daemon not adopted (pid %d) still runs", escapee.Process.Pid)
+	}
+	if _, err := os.Stat(leaf); err != nil {
+		t.Errorf("the leaf of a volume whose daemon was not adopted: %v", err)
+	}
+	f.stop(id, true)
+	f.gone(id)
 }
