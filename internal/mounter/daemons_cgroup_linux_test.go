@@ -235,3 +235,43 @@ func TestDaemonCgroupNotAdopted(t *testing.T) {
 	f.stop(id, true)
 	f.gone(id)
 }
+
+// TestDaemonCgroupRecordsDirMoved: the daemons' cgroups outside the
+// mounter's (a cgroup v2 directory of the test's own stands for the
+// host's), and a records dir whose device and inode changed without a
+// reboot (copied back in place): the restarted mounter keeps the instance
+// recorded in the adopted daemon's cgroup rather than the one it derives,
+// so the adopted daemon's leaf is its volume's, and teardown removes it
+// (Dedicated fails the test for any leaf left).
+func TestDaemonCgroupRecordsDirMoved(t *testing.T) {
+	f := newDaemonFixture(t)
+	f.hostCgroup = cgrouptest.Dedicated(t)
+	f.n = f.node()
+	const id = "vol"
+	info := f.start(f.request(id, "squashfuse-fd"))
+	leaf := info.Command.Cgroup
+	if !strings.HasPrefix(leaf, f.hostCgroup+"/mountplan-daemons/") {
+		t.Fatalf("daemon's cgroup %q, want one below %s/mountplan-daemons", leaf, f.hostCgroup)
+	}
+	old := f.records + ".old"
+	if err := os.Rename(f.records, old); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("cp", "-a", old, f.records).CombinedOutput(); err != nil {
+		t.Fatalf("cp -a: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(old) })
+
+	f.n = f.node()
+	if got := f.n.Adopted(); got != 1 {
+		t.Fatalf("the restarted mounter adopted %d daemons, want 1", got)
+	}
+	if u := f.usage(id); u.Cgroup != leaf {
+		t.Errorf("DaemonUsage's cgroup %q, want the adopted daemon's %q", u.Cgroup, leaf)
+	}
+	f.stop(id, true)
+	f.gone(id)
+	if _, err := os.Stat(leaf); err == nil {
+		t.Errorf("teardown left the adopted daemon's leaf %s", leaf)
+	}
+}
