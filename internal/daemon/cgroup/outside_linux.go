@@ -12,9 +12,11 @@ package cgroup
 //	<cgroup2>/mountplan-daemons/<instance>/daemons/    v2 (and a hybrid host's unified hierarchy), as Setup's layout
 //	                                        <volume>/  one volume's daemon
 //
-// <instance> is a name the mounter keeps in its records directory, so that
-// two mounters sharing a host's cgroup file system (a test cluster's
-// nodes) never touch each other's leaves. Every path is built from the
+// <instance> is the caller's name for its mounter (the mounter derives it
+// from the device and inode of its records directory, which every later
+// mounter of the node finds again), so that two mounters sharing a host's
+// cgroup file system (a test cluster's nodes) never touch each other's
+// leaves. Every path is built from the
 // mount table of the mounter's own namespace and names it chose; nothing
 // of a request is in them.
 
