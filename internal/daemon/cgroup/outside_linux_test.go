@@ -127,12 +127,12 @@ func TestOutsideCgroupPidsMax(t *testing.T) {
 	}
 }
 
-// TestSetupOutsideFailureLeavesNothing: a SetupOutside that fails halfway
+// TestOutsideCgroupSetupFailureLeavesNothing: a SetupOutside that fails halfway
 // (the second of the v1 hierarchies it needs is not mounted below hostFS)
 // removes the levels it made in the first. hostFS is given with a
 // trailing slash: cleaned, it still finds the first hierarchy below it,
 // so the failure is the second one's.
-func TestSetupOutsideFailureLeavesNothing(t *testing.T) {
+func TestOutsideCgroupSetupFailureLeavesNothing(t *testing.T) {
 	testenv.RequireRoot(t)
 	testutil.NoLeaks(t)
 	b, err := os.ReadFile("/proc/self/cgroup")
