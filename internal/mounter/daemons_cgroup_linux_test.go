@@ -4,6 +4,7 @@ package mounter_test
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,8 +13,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/mountplan/mountplan/internal/daemon"
 	"github.com/mountplan/mountplan/internal/daemon/cgroup/cgrouptest"
@@ -186,7 +185,7 @@ func TestDaemonWithoutCgroup(t *testing.T) {
 }
 
 // TestDaemonCgroupNotAdopted: a restarted mounter that does not adopt a
-// live daemon (its mount is gone) stops it through its cgroup: a process
+// live daemon (its record says it never served) stops it through its cgroup: a process
 // in the volume's leaf that left the daemon's session (started here with
 // a session of its own, moved into the leaf) dies with it; the leaf stays
 // for the volume's next daemon.
@@ -212,8 +211,27 @@ func TestDaemonCgroupNotAdopted(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(leaf, "cgroup.procs"), []byte(strconv.Itoa(escapee.Process.Pid)), 0); err != nil {
 		t.Fatal(err)
 	}
-	// Not serving any more: its mount is gone.
-	if err := unix.Unmount(filepath.Join(f.volDir(id), "mnt"), unix.MNT_DETACH); err != nil {
+	// Not to be adopted while it runs on: its record says it never
+	// served (what an earlier mounter that stopped while starting it
+	// leaves). Unmounting would end the daemon too.
+	recPath := filepath.Join(f.records, "daemons", id+".json")
+	b, err := os.ReadFile(recPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec map[string]any
+	if err := json.Unmarshal(b, &rec); err != nil {
+		t.Fatal(err)
+	}
+	ds, _ := rec["daemons"].([]any)
+	if len(ds) != 1 {
+		t.Fatalf("record of %s: %s", id, b)
+	}
+	delete(ds[0].(map[string]any), "conn")
+	if b, err = json.Marshal(rec); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(recPath, b, 0o600); err != nil {
 		t.Fatal(err)
 	}
 
