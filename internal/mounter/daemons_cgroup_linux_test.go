@@ -202,8 +202,11 @@ func TestDaemonCgroupNotAdopted(t *testing.T) {
 	if err := escapee.Start(); err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- escapee.Wait() }()
+	exited := make(chan struct{})
+	go func() {
+		_ = escapee.Wait()
+		close(exited)
+	}()
 	t.Cleanup(func() {
 		_ = escapee.Process.Kill()
 		<-exited
