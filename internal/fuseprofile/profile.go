@@ -113,9 +113,10 @@ type Profile struct {
 	// Resources limit each daemon of the profile (and its children) in
 	// the cgroup of its own the mounter starts it in: memory.max (swap
 	// off) and cpu.max. A daemon killed for exceeding its memory is
-	// restarted like any that dies, with the reason OOMKilled. Enforced
-	// on cgroup v2 hosts only; elsewhere the mounter warns and reports
-	// them as not enforced.
+	// restarted like any that dies, with the reason OOMKilled; and
+	// pids.max. Enforced where the mounter has cgroups for its daemons
+	// (cgroup v2, or v1 with --host-cgroupfs); elsewhere the mounter warns
+	// and reports them as not enforced.
 	Resources Resources `json:"resources,omitzero"`
 }
 
@@ -125,10 +126,15 @@ type Resources struct {
 	Memory string `json:"memory,omitempty"`
 	// CPU in CPUs ("500m", "2"), at least 10m.
 	CPU string `json:"cpu,omitempty"`
+	// Pids bounds the daemon's tasks (pids.max), at least 8; absent:
+	// cgroup.DefaultPids.
+	Pids int64 `json:"pids,omitempty"`
 }
 
 // Limits are r parsed.
-func (r Resources) Limits() (cgroup.Limits, error) { return cgroup.ParseLimits(r.Memory, r.CPU) }
+func (r Resources) Limits() (cgroup.Limits, error) {
+	return cgroup.ParseLimits(r.Memory, r.CPU, r.Pids)
+}
 
 // SourceRule constrains a volume's source: either a pattern (a remote
 // such as user@host:/path) or a host path under one of Roots. Every source

@@ -21,6 +21,7 @@ func TestResources(t *testing.T) {
 		"whole cpus":    {Resources{CPU: "2"}, cgroup.Limits{CPUMilli: 2000}},
 		"both":          {Resources{Memory: "64Mi", CPU: "0.1"}, cgroup.Limits{MemoryBytes: 64 << 20, CPUMilli: 100}},
 		"smallest both": {Resources{Memory: "4Mi", CPU: "10m"}, cgroup.Limits{MemoryBytes: 4 << 20, CPUMilli: 10}},
+		"pids":          {Resources{Pids: 64}, cgroup.Limits{Pids: 64}},
 	}
 	for name, c := range ok {
 		t.Run(name, func(t *testing.T) {
@@ -44,6 +45,9 @@ func TestResources(t *testing.T) {
 		"cpu zero":              {CPU: "0"},
 		"cpu negative":          {CPU: "-1"},
 		"cpu absurd":            {CPU: "1001"},
+		"pids too few":          {Pids: 2},
+		"pids negative":         {Pids: -1},
+		"pids absurd":           {Pids: 1 << 23},
 	}
 	for name, r := range bad {
 		t.Run(name, func(t *testing.T) {

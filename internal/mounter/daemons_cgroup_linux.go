@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -56,7 +57,7 @@ func (n *Local) initCgroups(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	c := &n.cgroups
 	if fsRoot := n.opts.HostCgroupFS; fsRoot != "" {
-		m, err := n.outsideCgroups(fsRoot)
+		m, err := n.outsideCgroups(ctx, fsRoot)
 		if err == nil {
 			c.m, c.notEnforced = m, m.Reason()
 		} else {
@@ -231,10 +232,72 @@ func (n *Local) cgroupInstance() (string, error) {
 }
 
 // outsideCgroups sets the daemons' cgroups up below fsRoot's hierarchies.
-func (n *Local) outsideCgroups(fsRoot string) (*cgroup.Manager, error) {
+// The instance is the one recorded in the cgroup of a live daemon (the
+// earlier mounter's, which this one adopts): were the records dir's
+// identity to change without a reboot (a restored or moved directory), a
+// recomputed name would orphan the adopted daemons' leaves. A live
+// daemon's leaf that is not the manager's path of its volume is warned of.
+func (n *Local) outsideCgroups(ctx context.Context, fsRoot string) (*cgroup.Manager, error) {
+	log := klog.FromContext(ctx)
 	name, err := n.cgroupInstance()
 	if err != nil {
 		return nil, err
 	}
-	return cgroup.SetupOutside(fsRoot, name)
+	fsRoot = filepath.Clean(fsRoot)
+	live := n.liveCgroups()
+	if inst := recordedInstance(fsRoot, live); inst != "" && inst != name {
+		log.Info("WARNING: the daemons' cgroup instance recorded by the earlier mounter is not the one derived from the records dir (its device or inode changed); keeping the recorded one for the daemons it adopts",
+			"recorded", inst, "derived", name)
+		name = inst
+	}
+	m, err := cgroup.SetupOutside(fsRoot, name)
+	if err != nil {
+		return nil, err
+	}
+	for id, p := range live {
+		if p != m.Path(id) {
+			log.Info("WARNING: a live FUSE daemon's recorded cgroup is not under the current base: its leaf is not managed (not limited anew, not removed at teardown)",
+				"volume", id, "cgroup", p, "base", m.Base())
+		}
+	}
+	return m, nil
+}
+
+// liveCgroups are the recorded cgroups of the volumes' newest live
+// daemons (from the mounter's own records: nothing of a request).
+func (n *Local) liveCgroups() map[string]string {
+	d := &n.daemons
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := map[string]string{}
+	for id, v := range d.vols {
+		for i := len(v.Daemons) - 1; i >= 0; i-- {
+			if r := v.Daemons[i]; r.Cgroup != "" && r.Alive() {
+				out[id] = filepath.Clean(r.Cgroup)
+				break
+			}
+		}
+	}
+	return out
+}
+
+// recordedInstance is the instance of the recorded leaves below fsRoot
+// (<hierarchy>/mountplan-daemons/<instance>/[daemons/]<volume>), the
+// first in volume order; "" when none is.
+func recordedInstance(fsRoot string, leaves map[string]string) string {
+	ids := slices.Sorted(maps.Keys(leaves))
+	for _, id := range ids {
+		p := leaves[id]
+		if filepath.Base(p) != id || !strings.HasPrefix(p, fsRoot+"/") {
+			continue
+		}
+		dir := filepath.Dir(p)
+		if filepath.Base(dir) == "daemons" && filepath.Base(filepath.Dir(filepath.Dir(dir))) == cgroup.OutsideDir {
+			dir = filepath.Dir(dir)
+		}
+		if filepath.Base(filepath.Dir(dir)) == cgroup.OutsideDir {
+			return filepath.Base(dir)
+		}
+	}
+	return ""
 }

@@ -4,8 +4,11 @@ package mounter_test
 
 import (
 	"context"
+	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -178,5 +181,118 @@ func TestDaemonWithoutCgroup(t *testing.T) {
 		f.stop("vol", true)
 		f.stop("plain", true)
 		f.gone("vol")
+	}
+}
+
+// TestDaemonCgroupNotAdopted: a restarted mounter that does not adopt a
+// live daemon (its record says it never served) stops it through its cgroup: a process
+// in the volume's leaf that left the daemon's session (started here with
+// a session of its own, moved into the leaf) dies with it; the leaf stays
+// for the volume's next daemon.
+func TestDaemonCgroupNotAdopted(t *testing.T) {
+	f := newDaemonFixture(t)
+	f.cgroup = cgrouptest.Dedicated(t, "mounter", "daemons")
+	f.n = f.node()
+	const id = "vol"
+	leaf := filepath.Join(f.cgroup, "daemons", id)
+	info := f.start(f.request(id, "squashfuse-fd"))
+
+	escapee := exec.Command("sleep", "60")
+	escapee.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := escapee.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		_ = escapee.Wait()
+		close(exited)
+	}()
+	t.Cleanup(func() {
+		_ = escapee.Process.Kill()
+		<-exited
+	})
+	if err := os.WriteFile(filepath.Join(leaf, "cgroup.procs"), []byte(strconv.Itoa(escapee.Process.Pid)), 0); err != nil {
+		t.Fatal(err)
+	}
+	// Not to be adopted while it runs on: its record says it never
+	// served (what an earlier mounter that stopped while starting it
+	// leaves). Unmounting would end the daemon too.
+	recPath := filepath.Join(f.records, "daemons", id+".json")
+	b, err := os.ReadFile(recPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec map[string]any
+	if err := json.Unmarshal(b, &rec); err != nil {
+		t.Fatal(err)
+	}
+	ds, _ := rec["daemons"].([]any)
+	if len(ds) != 1 {
+		t.Fatalf("record of %s: %s", id, b)
+	}
+	delete(ds[0].(map[string]any), "conn")
+	if b, err = json.Marshal(rec); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(recPath, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	f.n = f.node()
+	if got := f.n.Adopted(); got != 0 {
+		t.Errorf("the restarted mounter adopted %d daemons, want 0", got)
+	}
+	if info.Alive() {
+		t.Errorf("daemon %s not adopted but still running", info.Proc)
+	}
+	select {
+	case <-exited:
+	case <-time.After(5 * time.Second):
+		t.Errorf("a process in the leaf of a daemon not adopted (pid %d) still runs", escapee.Process.Pid)
+	}
+	if _, err := os.Stat(leaf); err != nil {
+		t.Errorf("the leaf of a volume whose daemon was not adopted: %v", err)
+	}
+	f.stop(id, true)
+	f.gone(id)
+}
+
+// TestDaemonCgroupRecordsDirMoved: the daemons' cgroups outside the
+// mounter's (a cgroup v2 directory of the test's own stands for the
+// host's), and a records dir whose device and inode changed without a
+// reboot (copied back in place): the restarted mounter keeps the instance
+// recorded in the adopted daemon's cgroup rather than the one it derives,
+// so the adopted daemon's leaf is its volume's, and teardown removes it
+// (Dedicated fails the test for any leaf left).
+func TestDaemonCgroupRecordsDirMoved(t *testing.T) {
+	f := newDaemonFixture(t)
+	f.hostCgroup = cgrouptest.Dedicated(t)
+	f.n = f.node()
+	const id = "vol"
+	info := f.start(f.request(id, "squashfuse-fd"))
+	leaf := info.Command.Cgroup
+	if !strings.HasPrefix(leaf, f.hostCgroup+"/mountplan-daemons/") {
+		t.Fatalf("daemon's cgroup %q, want one below %s/mountplan-daemons", leaf, f.hostCgroup)
+	}
+	old := f.records + ".old"
+	if err := os.Rename(f.records, old); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("cp", "-a", old, f.records).CombinedOutput(); err != nil {
+		t.Fatalf("cp -a: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(old) })
+
+	f.n = f.node()
+	if got := f.n.Adopted(); got != 1 {
+		t.Fatalf("the restarted mounter adopted %d daemons, want 1", got)
+	}
+	if u := f.usage(id); u.Cgroup != leaf {
+		t.Errorf("DaemonUsage's cgroup %q, want the adopted daemon's %q", u.Cgroup, leaf)
+	}
+	f.stop(id, true)
+	f.gone(id)
+	if _, err := os.Stat(leaf); err == nil {
+		t.Errorf("teardown left the adopted daemon's leaf %s", leaf)
 	}
 }

@@ -169,20 +169,95 @@ func (n *Local) initDaemons(ctx context.Context) error {
 			}
 			continue
 		}
-		live := slices.DeleteFunc(slices.Clone(rec.Daemons), func(r daemonRecord) bool { return !r.Alive() })
-		if !n.opts.Observe {
-			live = n.adoptDaemons(ctx, key, rec.Daemons, live)
-		}
-		if len(live) != len(rec.Daemons) && !n.opts.Observe {
-			rec.Daemons = live
-			errs = append(errs, d.db.Put(key, rec))
-		}
 		d.vols[key] = rec
 	}
-	if !n.opts.Observe {
-		n.initCgroups(ctx)
+	if n.opts.Observe {
+		return errors.Join(lerr, errors.Join(errs...))
 	}
+	// The cgroups first: a daemon that is not adopted is stopped through
+	// its leaf too (a process that left its session is still in it). The
+	// leaves of volumes with a live recorded daemon are kept meanwhile.
+	n.initCgroups(ctx)
+	errs = append(errs, n.adoptAll(ctx)...)
 	return errors.Join(lerr, errors.Join(errs...))
+}
+
+// adoptStopBound bounds the stops of every daemon not adopted at a
+// mounter's start together: the mounter's socket (and its liveness
+// probe, ~60s) waits for them, however many stuck daemons a node has.
+const adoptStopBound = 15 * time.Second
+
+// adoptParallel is how many daemons not adopted are stopped at once.
+const adoptParallel = 16
+
+// adoptAll runs adoptDaemons for every recorded volume, stops the daemons
+// not adopted in parallel within adoptStopBound, and records what is
+// kept.
+func (n *Local) adoptAll(ctx context.Context) []error {
+	d := &n.daemons
+	type stop struct {
+		id string
+		r  daemonRecord
+		// leaf: no daemon of the volume is adopted, so every process in
+		// its cgroup is killed too (a leaf is shared by the generations
+		// of a volume: never killed under an adopted one).
+		leaf bool
+	}
+	var stops []stop
+	kept := map[string][]daemonRecord{}
+	for id, rec := range d.vols {
+		live := slices.DeleteFunc(slices.Clone(rec.Daemons), func(r daemonRecord) bool { return !r.Alive() })
+		adopted, rest := n.adoptDaemons(ctx, id, rec.Daemons, live)
+		kept[id] = adopted
+		for _, r := range rest {
+			stops = append(stops, stop{id: id, r: r, leaf: len(adopted) == 0})
+		}
+	}
+	sctx, cancel := context.WithTimeout(ctx, adoptStopBound)
+	defer cancel()
+	failed := make([]bool, len(stops))
+	sem := make(chan struct{}, adoptParallel)
+	var wg sync.WaitGroup
+	for i, s := range stops {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			failed[i] = n.stopNotAdopted(sctx, s.id, s.r, s.leaf) != nil
+		}()
+	}
+	wg.Wait()
+	for i, s := range stops {
+		if failed[i] {
+			kept[s.id] = append(kept[s.id], s.r) // still recorded: a later stop finds it
+		}
+	}
+	var errs []error
+	for id, rec := range d.vols {
+		k := kept[id]
+		slices.SortFunc(k, func(a, b daemonRecord) int { return a.Generation - b.Generation })
+		if len(k) != len(rec.Daemons) {
+			rec.Daemons = k
+			errs = append(errs, d.db.Put(id, rec))
+			d.vols[id] = rec
+		}
+	}
+	return errs
+}
+
+// stopNotAdopted stops r, a live daemon of volume id that is not adopted:
+// its session, and with leaf every process in the volume's cgroup.
+func (n *Local) stopNotAdopted(ctx context.Context, id string, r daemonRecord, leaf bool) error {
+	log := klog.FromContext(ctx)
+	err := daemon.Terminate(ctx, r.Proc, 0)
+	if leaf && r.Cgroup != "" {
+		err = errors.Join(err, n.stopCgroup(ctx, id, false))
+	}
+	if err != nil {
+		log.Error(err, "Cannot stop a daemon that is not adopted", "volume", id, "pid", r.PID)
+	}
+	return err
 }
 
 // adoptDaemons takes over the live daemons of volume id that an earlier
@@ -194,15 +269,15 @@ func (n *Local) initDaemons(ctx context.Context) error {
 // heal replaces it if it dies later. Any other live one (an older
 // generation, or one whose mount is gone or was never made: the earlier
 // mounter stopped while starting it) is stopped now, like a dead one,
-// so that the plugin replaces it. It returns the daemons kept.
-func (n *Local) adoptDaemons(ctx context.Context, id string, recorded, live []daemonRecord) []daemonRecord {
+// so that the plugin replaces it (adoptAll stops them). It returns the
+// daemons adopted and those to stop.
+func (n *Local) adoptDaemons(ctx context.Context, id string, recorded, live []daemonRecord) (kept, stop []daemonRecord) {
 	log := klog.FromContext(ctx)
 	for _, r := range recorded {
 		if !slices.Contains(live, r) {
 			log.Info(fmt.Sprintf("FUSE daemon pid %d of volume %s is gone; the plugin replaces it", r.PID, id), "generation", r.Generation)
 		}
 	}
-	var kept []daemonRecord
 	for i, r := range live {
 		why := n.notServing(id, r)
 		if why == "" && i < len(live)-1 {
@@ -215,12 +290,9 @@ func (n *Local) adoptDaemons(ctx context.Context, id string, recorded, live []da
 			continue
 		}
 		log.Info(fmt.Sprintf("FUSE daemon pid %d of volume %s is alive but not adopted; stopping it so that the plugin replaces it", r.PID, id), "reason", why)
-		if err := daemon.Terminate(ctx, r.Proc, 0); err != nil {
-			log.Error(err, "Cannot stop a daemon that is not adopted", "volume", id, "pid", r.PID)
-			kept = append(kept, r) // still recorded: a later stop finds it
-		}
+		stop = append(stop, r)
 	}
-	return kept
+	return kept, stop
 }
 
 // notServing says why r does not serve volume id's mount ("": it does).

@@ -39,6 +39,7 @@ type daemonFixture struct {
 	images, img string
 	outside     string
 	cgroup      string // the node's DaemonCgroup ("": none)
+	hostCgroup  string // the node's HostCgroupFS ("": none)
 	cfg         *config.Config
 	n           *mounter.Local
 }
@@ -148,7 +149,7 @@ func (f *daemonFixture) sftpData() string {
 // node makes a node over the fixture's state and records dirs (again,
 // after a "restart").
 func (f *daemonFixture) node() *mounter.Local {
-	return node(f.t, mounter.Options{StateDir: f.state, KubeletDir: f.state, RecordsDir: f.records, Config: f.cfg, DaemonCgroup: f.cgroup})
+	return node(f.t, mounter.Options{StateDir: f.state, KubeletDir: f.state, RecordsDir: f.records, Config: f.cfg, DaemonCgroup: f.cgroup, HostCgroupFS: f.hostCgroup})
 }
 
 func (f *daemonFixture) request(id, profile string) mounter.DaemonRequest {

@@ -191,7 +191,7 @@ func Checks(extra []Tool) []Check {
 			Disables: "fuse volumes",
 			Probe:    func(s System) bool { return s.Exists("/dev/fuse") }},
 		{Feature: "cgroup2", Need: "cgroup v2 at /sys/fs/cgroup (a unified host)", Scope: Mounter,
-			Disables: "FUSE profiles' resource limits (daemons then run in the mounter's cgroup, unlimited)",
+			Disables: "FUSE profiles' resource limits without --host-cgroupfs (daemons then run in the mounter's cgroup, unlimited; with it they run in v1 cgroups of their own outside the mounter's, limited)",
 			Probe:    func(s System) bool { return s.Cgroup2() }},
 	}
 	for _, t := range append(Tools(), extra...) {

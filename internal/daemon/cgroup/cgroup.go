@@ -30,7 +30,15 @@ type Limits struct {
 	MemoryBytes int64
 	// CPUMilli (1000 = one CPU) becomes cpu.max: quota per Period.
 	CPUMilli int64
+	// Pids becomes pids.max (0: DefaultPids). A daemon outside the
+	// mounter's container is no longer bounded by the pod's pids limit;
+	// this keeps a runaway daemon from exhausting the host's PIDs.
+	Pids int64
 }
+
+// DefaultPids is each daemon's pids.max when its profile sets none: far
+// above what a FUSE daemon's threads and helpers take.
+const DefaultPids = 512
 
 // Period is the cpu.max period, the kernel's default (100ms).
 const Period = 100000
@@ -45,12 +53,21 @@ const (
 	MinCPUMilli = 10
 	// MaxCPUMilli is a thousand CPUs.
 	MaxCPUMilli = 1000 * 1000
+	// MinPids: a Go daemon's runtime alone starts a few threads.
+	MinPids = 8
+	// MaxPids is the kernel's largest pid_max (PID_MAX_LIMIT).
+	MaxPids = 1 << 22
 )
 
-// ParseLimits reads a profile's `resources: {memory, cpu}`, Kubernetes
-// quantities ("256Mi", "500m" or "1"); "" is no limit.
-func ParseLimits(memory, cpu string) (Limits, error) {
+// ParseLimits reads a profile's `resources: {memory, cpu, pids}`: memory
+// and cpu Kubernetes quantities ("256Mi", "500m" or "1"), "" no limit;
+// pids a number of tasks, 0 DefaultPids.
+func ParseLimits(memory, cpu string, pids int64) (Limits, error) {
 	var l Limits
+	if pids != 0 && (pids < MinPids || pids > MaxPids) {
+		return l, fmt.Errorf("resources.pids %d must be between %d and %d", pids, MinPids, MaxPids)
+	}
+	l.Pids = pids
 	if memory != "" {
 		q, err := resource.ParseQuantity(memory)
 		if err != nil {
@@ -88,6 +105,14 @@ func (l Limits) cpuMax() string {
 		return fmt.Sprintf("max %d", Period)
 	}
 	return fmt.Sprintf("%d %d", l.CPUMilli*Period/1000, Period)
+}
+
+// pidsMax is pids.max's value for l (v1 and v2 alike).
+func (l Limits) pidsMax() string {
+	if l.Pids <= 0 {
+		return fmt.Sprint(DefaultPids)
+	}
+	return fmt.Sprint(l.Pids)
 }
 
 // memoryMax is memory.max's value for l.

@@ -20,4 +20,10 @@ func TestLimitFiles(t *testing.T) {
 			t.Errorf("%+v: cpu.max %q, want %q", tt.l, got, tt.cpuMax)
 		}
 	}
+	if got := (Limits{}).pidsMax(); got != "512" {
+		t.Errorf("default pids.max %q, want 512", got)
+	}
+	if got := (Limits{Pids: 64}).pidsMax(); got != "64" {
+		t.Errorf("pids.max %q, want 64", got)
+	}
 }

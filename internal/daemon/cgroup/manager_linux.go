@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -38,13 +39,24 @@ const (
 // controllers are those the daemons' leaves need.
 var controllers = []string{"memory", "cpu"}
 
-// Manager keeps the daemons' leaves below base.
+// Manager keeps the daemons' leaves below base. Its methods may be called
+// from several goroutines (the mounter locks per volume only).
 type Manager struct {
+	// mu serializes the layout (the levels above the leaves, the leaves'
+	// mkdir and rmdir, and mode, reason, v2Limits that ensureOutside
+	// sets again): volume A's RemoveEmptyLevels would otherwise remove
+	// daemons/ or <instance> between volume B's check in ensureOutside and
+	// its mkdir. It is never held while a daemon starts or while a leaf
+	// is waited for to empty.
+	mu     sync.Mutex
 	base   string // the v2 base ("": none, a v1 host's outside manager)
 	mode   Mode
 	reason string // why limits are not enforced (AccountingOnly)
 	// v2Limits: memory and cpu are enabled for base's leaves.
 	v2Limits bool
+	// v2Pids: pids is enabled for base's leaves (pids.max), independent
+	// of memory and cpu.
+	v2Pids bool
 	// v1 are the v1 hierarchies of an outside manager (outside_linux.go).
 	v1 []v1Hier
 	// outside are the directories an outside manager made above its
@@ -144,7 +156,8 @@ func (m *Manager) evacuate() error {
 }
 
 // enable turns memory and cpu on for base's and daemons/'s children when
-// base has them; otherwise the leaves only account (AccountingOnly).
+// base has them; otherwise the leaves only account (AccountingOnly). pids
+// is turned on where available.
 func (m *Manager) enable() error {
 	avail, err := readLines(filepath.Join(m.base, "cgroup.controllers"))
 	if err != nil {
@@ -158,6 +171,16 @@ func (m *Manager) enable() error {
 	}
 	if err := mkdir(m.daemons()); err != nil {
 		return err
+	}
+	// pids bounds a daemon that is outside the pod's pids limit; it is
+	// enabled where it is available whatever memory and cpu are.
+	if slices.Contains(avail, "pids") {
+		m.v2Pids = true
+		for _, dir := range []string{m.base, m.daemons()} {
+			if err := write(dir, "cgroup.subtree_control", "+pids"); err != nil {
+				return err
+			}
+		}
 	}
 	if len(missing) > 0 {
 		m.mode = AccountingOnly
@@ -176,10 +199,18 @@ func (m *Manager) enable() error {
 }
 
 // Mode is what the manager does for the daemons.
-func (m *Manager) Mode() Mode { return m.mode }
+func (m *Manager) Mode() Mode {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.mode
+}
 
 // Reason says why limits are not enforced ("" when they are).
-func (m *Manager) Reason() string { return m.reason }
+func (m *Manager) Reason() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.reason
+}
 
 // Base is the cgroup laid out for the daemons (a v1 host's outside
 // manager: its directory in the first v1 hierarchy).
@@ -224,6 +255,9 @@ func (m *Manager) Prepare(name string, l Limits) (Leaf, error) {
 	if err := checkName(name); err != nil {
 		return Leaf{}, err
 	}
+	// Only directories and limit files: no daemon starts under the lock.
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	leaf := Leaf{Path: m.Path(name), Enforced: m.mode == Enforced || l.IsZero()}
 	if len(m.v1) > 0 {
 		dirs, err := m.prepareV1(name, l)
@@ -245,6 +279,11 @@ func (m *Manager) Prepare(name string, l Limits) (Leaf, error) {
 		return leaf, err
 	}
 	leaf.Unified = dir
+	if m.v2Pids {
+		if err := write(dir, "pids.max", l.pidsMax()); err != nil {
+			return leaf, err
+		}
+	}
 	if m.v2Limits {
 		if err := write(dir, "memory.max", l.memoryMax()); err != nil {
 			return leaf, err
@@ -414,10 +453,12 @@ func (m *Manager) Remove(ctx context.Context, name string, timeout time.Duration
 	_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
 		return !m.Populated(name), nil
 	})
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	if err := m.removeLeaves(name); err != nil {
 		return err
 	}
-	m.RemoveEmptyLevels()
+	m.removeEmptyLevels()
 	return nil
 }
 

@@ -8,19 +8,22 @@ package cgroup
 // the mounter's container is killed with it at every restart and rollout.
 // These leaves are below the host's cgroup roots instead:
 //
-//	<hierarchy>/mountplan-daemons/<instance>/          v1: every hierarchy the mounter is in below its root, memory and cpu
+//	<hierarchy>/mountplan-daemons/<instance>/          v1: every hierarchy the mounter is in below its root, memory, cpu and pids
 //	<cgroup2>/mountplan-daemons/<instance>/daemons/    v2 (and a hybrid host's unified hierarchy), as Setup's layout
 //	                                        <volume>/  one volume's daemon
 //
-// <instance> is a name the mounter keeps in its records directory, so that
-// two mounters sharing a host's cgroup file system (a test cluster's
-// nodes) never touch each other's leaves. Every path is built from the
+// <instance> is the caller's name for its mounter (the mounter derives it
+// from the device and inode of its records directory, which every later
+// mounter of the node finds again), so that two mounters sharing a host's
+// cgroup file system (a test cluster's nodes) never touch each other's
+// leaves. Every path is built from the
 // mount table of the mounter's own namespace and names it chose; nothing
 // of a request is in them.
 
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -57,14 +60,42 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 	if err := checkName(instance); err != nil {
 		return nil, err
 	}
+	// A mount point in the mount table is clean: "/sys/fs/cgroup/" would
+	// match none below it.
+	hostFS = filepath.Clean(hostFS)
+	var made []string
+	m, err := setupOutside(hostFS, instance, &made)
+	if err != nil {
+		// What this call made is removed again, innermost first: a
+		// failure halfway leaves no empty levels in the host's
+		// hierarchies. A directory that existed before (another volume's
+		// or mounter's) is not touched.
+		for i := len(made) - 1; i >= 0; i-- {
+			_ = unix.Rmdir(made[i])
+		}
+		return nil, err
+	}
+	return m, nil
+}
+
+// setupOutside is SetupOutside, adding to made each directory it makes.
+func setupOutside(hostFS, instance string, made *[]string) (*Manager, error) {
+	// The daemons/ and mounter/ levels of an instance this call made
+	// (v2): removed with it on failure.
+	v2Levels := func(base string) {
+		if slices.Contains(*made, base) {
+			*made = append(*made, filepath.Join(base, "mounter"), filepath.Join(base, "daemons"))
+		}
+	}
 	if isCgroup2(hostFS) == nil {
-		base, err := mkdirLevels(hostFS, instance, false)
+		base, err := mkdirLevels(hostFS, instance, false, made)
 		if err != nil {
 			return nil, err
 		}
+		v2Levels(base)
 		// The controllers pass down from the root to the instance's
 		// children; where they cannot, Setup says AccountingOnly.
-		_ = write(filepath.Join(hostFS, OutsideDir), "cgroup.subtree_control", "+memory +cpu")
+		enableOutside(filepath.Join(hostFS, OutsideDir))
 		m, err := Setup(base)
 		if err != nil {
 			return nil, err
@@ -94,10 +125,11 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 			if i < 0 {
 				return nil, fmt.Errorf("the unified cgroup hierarchy is not mounted below %s", hostFS)
 			}
-			base, err := mkdirLevels(mounts[i].Mountpoint, instance, false)
+			base, err := mkdirLevels(mounts[i].Mountpoint, instance, false, made)
 			if err != nil {
 				return nil, err
 			}
+			v2Levels(base)
 			m.base = base
 			if err := m.enable(); err != nil {
 				return nil, err
@@ -106,7 +138,10 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 			continue
 		}
 		names := strings.Split(ctrls, ",")
-		if path == "/" && !slices.Contains(names, "memory") && !slices.Contains(names, "cpu") {
+		// A hierarchy the process is at the root of holds nothing of its
+		// container's; memory, cpu and pids are still wanted for the
+		// leaves' bounds.
+		if path == "/" && !slices.Contains(names, "memory") && !slices.Contains(names, "cpu") && !slices.Contains(names, "pids") {
 			continue
 		}
 		i := slices.IndexFunc(mounts, func(i *mountinfo.Info) bool {
@@ -124,7 +159,7 @@ func SetupOutside(hostFS, instance string) (*Manager, error) {
 		if i < 0 {
 			return nil, fmt.Errorf("the cgroup v1 hierarchy %s is not mounted below %s", ctrls, hostFS)
 		}
-		base, err := mkdirLevels(mounts[i].Mountpoint, instance, true)
+		base, err := mkdirLevels(mounts[i].Mountpoint, instance, true, made)
 		if err != nil {
 			return nil, err
 		}
@@ -170,13 +205,22 @@ func readOwn() ([][3]string, error) {
 }
 
 // mkdirLevels makes <root>/mountplan-daemons/<instance> (v1: each with the
-// cpuset of its parent, which a new v1 cpuset lacks) and returns it.
-func mkdirLevels(root, instance string, v1 bool) (string, error) {
+// cpuset of its parent, which a new v1 cpuset lacks) and returns it; made,
+// if not nil, gets each directory that did not exist before.
+func mkdirLevels(root, instance string, v1 bool, made *[]string) (string, error) {
 	dir := root
 	for _, name := range []string{OutsideDir, instance} {
 		dir = filepath.Join(dir, name)
+		_, err := os.Lstat(dir)
+		isNew := errors.Is(err, fs.ErrNotExist)
 		if err := mkdirCgroup(dir, v1); err != nil {
+			if isNew && made != nil {
+				*made = append(*made, dir) // made, and its cpuset failed
+			}
 			return "", err
+		}
+		if isNew && made != nil {
+			*made = append(*made, dir)
 		}
 	}
 	return dir, nil
@@ -222,7 +266,8 @@ func (m *Manager) v1Leaves(name string) []string {
 	return out
 }
 
-// prepareV1 makes name's v1 leaves with the limits l (memory and cpu).
+// prepareV1 makes name's v1 leaves with the limits l (memory, cpu and
+// pids).
 func (m *Manager) prepareV1(name string, l Limits) ([]string, error) {
 	var dirs []string
 	for _, h := range m.v1 {
@@ -260,6 +305,11 @@ func (m *Manager) prepareV1(name string, l Limits) ([]string, error) {
 				if err := write(dir, "memory.memsw.limit_in_bytes", limit); err != nil {
 					return dirs, err
 				}
+			}
+		}
+		if h.has("pids") {
+			if err := write(dir, "pids.max", l.pidsMax()); err != nil {
+				return dirs, err
 			}
 		}
 		if h.has("cpu") {
@@ -345,6 +395,13 @@ func (m *Manager) removeLeaves(name string) error {
 // left in them (outside managers only; best effort: another volume or
 // mounter may still use them).
 func (m *Manager) RemoveEmptyLevels() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.removeEmptyLevels()
+}
+
+// removeEmptyLevels is RemoveEmptyLevels with m.mu held.
+func (m *Manager) removeEmptyLevels() {
 	if m.base != "" && len(m.outside) > 0 {
 		_ = unix.Rmdir(m.daemons())
 	}
@@ -357,7 +414,8 @@ func (m *Manager) RemoveEmptyLevels() {
 func (m *Manager) Outside() bool { return len(m.outside) > 0 }
 
 // ensureOutside makes an outside manager's v2 levels again after
-// RemoveEmptyLevels removed them (the last volume was torn down).
+// RemoveEmptyLevels removed them (the last volume was torn down); m.mu is
+// held from here to the leaf's mkdir.
 func (m *Manager) ensureOutside() error {
 	if len(m.outside) == 0 || m.base == "" {
 		return nil
@@ -368,15 +426,15 @@ func (m *Manager) ensureOutside() error {
 	root := filepath.Dir(filepath.Dir(m.base))
 	var err error
 	for range 3 { // another mounter may remove the shared level meanwhile
-		if _, err = mkdirLevels(root, filepath.Base(m.base), false); !errors.Is(err, unix.ENOENT) {
+		if _, err = mkdirLevels(root, filepath.Base(m.base), false, nil); !errors.Is(err, unix.ENOENT) {
 			break
 		}
 	}
 	if err != nil {
 		return err
 	}
-	if m.v2Limits {
-		_ = write(filepath.Join(root, OutsideDir), "cgroup.subtree_control", "+memory +cpu")
+	if m.v2Limits || m.v2Pids {
+		enableOutside(filepath.Join(root, OutsideDir))
 	}
 	mode, reason := m.mode, m.reason
 	err = m.enable()
@@ -384,6 +442,15 @@ func (m *Manager) ensureOutside() error {
 		m.mode, m.reason = mode, reason // a hybrid host: the v1 hierarchies limit
 	}
 	return err
+}
+
+// enableOutside turns the controllers on for the children of the shared
+// mountplan-daemons/ level, best effort: memory and cpu together (Setup
+// then finds whether they reached the instance), pids on its own, so that
+// a hierarchy without pids still gets memory and cpu.
+func enableOutside(dir string) {
+	_ = write(dir, "cgroup.subtree_control", "+memory +cpu")
+	_ = write(dir, "cgroup.subtree_control", "+pids")
 }
 
 // mkdirLeaf makes a v1 leaf and the two levels above it.
