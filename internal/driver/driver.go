@@ -5,17 +5,24 @@
 // to gRPC codes in one place: the unary interceptor (see server.go).
 //
 // A file per service, each RPC an orchestrator read top to bottom:
-// identity.go, controller.go (snapshots.go: its snapshot RPCs), node.go,
-// prepare.go (NodePrepare) and nri.go (what NRI mode adds to publish and
-// prepare). Background work: reconcile.go, reattach.go. The steps they
-// share lie below them, and call nothing above: copy.go (images copied for
-// snapshots and clones), provision.go (sizes and images of the volumes the
-// plugin makes), plan.go (a volume's plan: built, checked, performed),
-// kubelet.go (the paths kubelet sends), stats.go, sources.go (what the
-// driver asks of a volume source, and what it offers one), records.go
-// (every record and lock, and the lookups in a record), validate.go
-// (request fields), listing.go (page tokens), volumes.go (the operator's
-// listing of volumes and their consumers, internal/volview).
+// identity.go, controller.go (capacity.go: GetCapacity; health.go: the
+// controller's volume health; snapshots.go and snapshotref.go: its
+// snapshot RPCs and the node a snapshot ID names), node.go, prepare.go
+// (NodePrepare) and nri.go (what NRI mode adds to publish and prepare).
+// Background work: reconcile.go, reattach.go, reboot.go (what a new boot
+// keeps of the last one's records; node.go's stage, unstage and unpublish
+// hand it what an ended boot left, and it drops a volume through node.go's
+// saveOrForget and destroyEphemeral: the two files call each other). The
+// steps they share lie below them: copy.go (images copied for snapshots
+// and clones), provision.go (sizes and images of the volumes the plugin
+// makes), plan.go (a volume's plan: built, checked, performed), kubelet.go
+// (the paths kubelet sends), pod.go (the pod kubelet names in
+// volume_context), stats.go, sources.go (what the driver asks of a volume
+// source, and what it offers one), records.go (every record and lock, and
+// the lookups in a record), validate.go (request fields), listing.go (page
+// tokens), volumes.go (the operator's listing of volumes and their
+// consumers, internal/volview), server.go (the gRPC server and its
+// interceptor).
 package driver
 
 import (

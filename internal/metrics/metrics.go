@@ -1,6 +1,7 @@
 // Package metrics exposes mountplan's Prometheus metrics. Metrics are off
-// unless --metrics-address is given: a nil *Metrics accepts every call and
-// records nothing, so callers need no checks.
+// unless --metrics-address is given: a nil *Metrics accepts every
+// recording call and records nothing, so the code that records needs no
+// checks; Serve needs a real one (only a process with an address serves).
 package metrics
 
 import (

@@ -1,10 +1,13 @@
-// Package periodic is how mountplan waits: every loop that polls, retries
-// or backs off is a loop of k8s.io/apimachinery/pkg/util/wait, which ends
-// when its context does. Every and Retry are the two shapes the background
-// work uses (the reconciler, the FUSE orphan sweep); Backoff is the one
-// backoff of loops that retry until they succeed or their context ends
-// (Backoff(first, limit).DelayFunc().Until(ctx, ...)); a poll at a fixed
-// interval is wait.PollUntilContextCancel or wait.PollUntilContextTimeout.
+// Package periodic holds the shapes of mountplan's background waits, on
+// k8s.io/apimachinery/pkg/util/wait, each ending when its context does:
+// Every and Retry for the background work (the reconciler, the FUSE orphan
+// sweep), and Backoff for loops that retry until they succeed or their
+// context ends (Backoff(first, limit).DelayFunc().Until(ctx, ...)); a poll
+// at a fixed interval is wait.PollUntilContextCancel or
+// wait.PollUntilContextTimeout. Not every loop goes through it: the FUSE
+// supervisor's probe, health events and the registration check keep a
+// ticker of their own, and a few one-step waits (iSCSI's device, the
+// plan's retry, a cgroup's emptying) a timer.
 package periodic
 
 import (
